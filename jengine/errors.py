@@ -1,0 +1,47 @@
+"""The exception hierarchy of jengine. Servers map these to HTTP/gRPC statuses in one table (server/errors.py)."""
+
+from __future__ import annotations
+
+
+class JengineError(Exception):
+    """Base of every error jengine raises on purpose."""
+
+
+class InvalidRequestError(JengineError, ValueError):
+    """The request is malformed or asks for something impossible (HTTP 400, gRPC INVALID_ARGUMENT)."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class ContextLengthExceededError(InvalidRequestError):
+    """Prompt plus requested tokens do not fit the model's context."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message, param=param, code="context_length_exceeded")
+
+
+class NotFoundError(JengineError, LookupError):
+    """An unknown model, adapter or request id (HTTP 404, gRPC NOT_FOUND)."""
+
+
+class CapacityError(JengineError):
+    """The engine is full and refuses more work now (HTTP 429, gRPC RESOURCE_EXHAUSTED)."""
+
+
+class EngineDeadError(JengineError, RuntimeError):
+    """The engine loop has stopped; nothing more can be served (HTTP 503, gRPC UNAVAILABLE)."""
+
+
+class ConfigError(JengineError, ValueError):
+    """An engine or model configuration that cannot work, found at start-up."""
+
+
+class UnsupportedModelError(ConfigError):
+    """A checkpoint whose architecture or settings jengine does not implement."""
+
+
+class CheckpointError(JengineError, OSError):
+    """A model directory or weight file that is missing, unreadable or inconsistent."""

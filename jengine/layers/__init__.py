@@ -1,0 +1,1 @@
+"""Model building blocks: pure functions of (weights, activations)."""

@@ -1,0 +1,53 @@
+"""The model-facing attention call: projections, q/k norms, rotary, then the chosen paged backend."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from jengine.attention.backend import AttentionBackend
+from jengine.attention.metadata import AttentionMetadata
+from jengine.attention.reference import KVCache
+from jengine.layers.linear import Precision, linear
+from jengine.layers.norm import rms_norm
+from jengine.layers.rotary import apply_rotary
+from jengine.models.spec import ModelSpec
+
+
+def self_attention(
+    spec: ModelSpec,
+    w: dict[str, Array],
+    x: Float[Array, "tokens d"],
+    kv_cache: KVCache,
+    layer: Int[Array, ""],
+    window: Int[Array, ""],
+    md: AttentionMetadata,
+    rope: tuple[Float[Array, " half_rot"], float],
+    backend: AttentionBackend,
+    precision: Precision = None,
+) -> tuple[Float[Array, "tokens d"], KVCache]:
+    tokens, hd = x.shape[0], spec.head_dim
+    q = linear(x, w["wq"], w.get("bq"), precision).reshape(tokens, spec.num_heads, hd)
+    k = linear(x, w["wk"], w.get("bk"), precision).reshape(tokens, spec.num_kv_heads, hd)
+    v = linear(x, w["wv"], w.get("bv"), precision).reshape(tokens, spec.num_kv_heads, hd)
+    if spec.qk_norm:  # Qwen3: RMSNorm over each head before the rotation
+        q = rms_norm(q, w["q_norm"], spec.rms_norm_eps)
+        k = rms_norm(k, w["k_norm"], spec.rms_norm_eps)
+    inv_freq, scaling = rope
+    q = apply_rotary(q, md.positions, inv_freq, scaling)
+    k = apply_rotary(k, md.positions, inv_freq, scaling)
+    out, kv_cache = backend(
+        q, k, v, kv_cache, layer, md,
+        scale=hd**-0.5, sliding_window=window, soft_cap=spec.attn_logit_softcap,
+    )
+    out = linear(out.reshape(tokens, spec.num_heads * hd), w["wo"], w.get("bo"), precision)
+    return out, kv_cache
+
+
+def kv_cache_shape(spec: ModelSpec, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """The paged layout of docs/ARCHITECTURE.md: [layers, blocks, block_size, 2 (K, V), kv_heads, head_dim]."""
+    return (spec.num_layers, num_blocks, block_size, 2, spec.num_kv_heads, spec.head_dim)
+
+
+def allocate_kv_cache(spec: ModelSpec, num_blocks: int, block_size: int, dtype) -> KVCache:
+    return jnp.zeros(kv_cache_shape(spec, num_blocks, block_size), dtype=dtype)

@@ -1,0 +1,54 @@
+"""Gated MLPs: the dense one, and the mixture of experts with grouped (ragged) matmuls."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from jengine.layers.linear import ACTIVATIONS, Precision, linear
+from jengine.models.spec import MoeSpec
+
+
+def gated_mlp(
+    x: Float[Array, "tokens d"], w: dict[str, Array], act: str, precision: Precision = None
+) -> Float[Array, "tokens d"]:
+    """down(act(gate(x)) * up(x)), with the optional biases some Llama configs ask for."""
+    gate = linear(x, w["w_gate"], w.get("b_gate"), precision)
+    up = linear(x, w["w_up"], w.get("b_up"), precision)
+    return linear(ACTIVATIONS[act](gate) * up, w["w_down"], w.get("b_down"), precision)
+
+
+def route(
+    x: Float[Array, "tokens d"], router: Float[Array, "d experts"], moe: MoeSpec, precision: Precision = None
+) -> tuple[Float[Array, "tokens k"], jax.Array]:
+    """Top-k experts per token: softmax in float32 over all experts, then (optionally) renormalised over the k."""
+    logits = jnp.dot(x, router, precision=precision).astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, experts = jax.lax.top_k(probs, moe.num_experts_per_tok)
+    if moe.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights.astype(x.dtype), experts
+
+
+def moe_mlp(
+    x: Float[Array, "tokens d"], w: dict[str, Array], moe: MoeSpec, act: str, precision: Precision = None
+) -> Float[Array, "tokens d"]:
+    """Each token's k (token, expert) pairs are sorted by expert and multiplied group by group (`ragged_dot`).
+
+    Work is tokens × k expert MLPs, not tokens × all experts; the weighted sum over the k outputs recombines them.
+    """
+    tokens, k = x.shape[0], moe.num_experts_per_tok
+    weights, experts = route(x, w["router"], moe, precision)
+    flat_experts = experts.reshape(-1)
+    order = jnp.argsort(flat_experts, stable=True)
+    x_sorted = x[order // k]
+    group_sizes = jnp.bincount(flat_experts, length=moe.num_experts).astype(jnp.int32)
+
+    def grouped(lhs: Array, rhs: Array) -> Array:
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision)
+
+    hidden = ACTIVATIONS[act](grouped(x_sorted, w["we_gate"])) * grouped(x_sorted, w["we_up"])
+    out_sorted = grouped(hidden, w["we_down"])
+    out = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(tokens, k, -1)
+    return jnp.einsum("tkd,tk->td", out, weights, precision=precision)

@@ -1,0 +1,77 @@
+"""The decoder every supported family shares: `forward(params, kv, tokens, metadata) -> (hidden, kv)`.
+
+Families differ only in the spec (biases, q/k norms, sliding windows, dense or MoE MLPs). Layers with the same
+parameter structure are stacked and run with one `lax.scan` per run of such layers, so a 32-layer model traces one
+layer, while per-layer differences that are only numbers (sliding windows) ride along as scanned scalars.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from jengine.attention.backend import AttentionBackend
+from jengine.attention.metadata import AttentionMetadata
+from jengine.attention.reference import KVCache
+from jengine.layers.attention import self_attention
+from jengine.layers.linear import Precision
+from jengine.layers.mlp import gated_mlp, moe_mlp
+from jengine.layers.norm import rms_norm
+from jengine.layers.rotary import inverse_frequencies
+from jengine.models.spec import MlpKind, ModelSpec
+
+Params = dict
+
+
+def matmul_precision(dtype) -> Precision:
+    """float32 models get true float32 matmuls (GPUs default to TF32); lower precisions keep the fast path."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def _decoder_layer(
+    spec: ModelSpec, mlp_kind: MlpKind, backend: AttentionBackend, rope, precision: Precision,
+    md: AttentionMetadata, carry, layer_inputs,
+):
+    x, kv_cache = carry
+    w, layer, window = layer_inputs
+    h = rms_norm(x, w["attn_norm"], spec.rms_norm_eps)
+    attn, kv_cache = self_attention(spec, w, h, kv_cache, layer, window, md, rope, backend, precision)
+    x = x + attn
+    h = rms_norm(x, w["mlp_norm"], spec.rms_norm_eps)
+    if mlp_kind == "moe":
+        x = x + moe_mlp(h, w, spec.moe, spec.hidden_act, precision)
+    else:
+        x = x + gated_mlp(h, w, spec.hidden_act, precision)
+    return (x, kv_cache), None
+
+
+def forward(
+    spec: ModelSpec,
+    backend: AttentionBackend,
+    params: Params,
+    kv_cache: KVCache,
+    token_ids: Int[Array, " tokens"],
+    md: AttentionMetadata,
+) -> tuple[Float[Array, "tokens d"], KVCache]:
+    """Runs every layer over a flattened ragged batch; returns the final-normed hidden states and the cache."""
+    precision = matmul_precision(params["embed"].dtype)
+    inv_freq, scaling = inverse_frequencies(spec.rope, spec.head_dim)
+    rope = (jnp.asarray(inv_freq), scaling)
+    x = params["embed"][token_ids]
+    windows = spec.layer_windows
+    for seg_params, (start, count, kind) in zip(params["segments"], spec.layer_segments(), strict=True):
+        body = functools.partial(_decoder_layer, spec, kind, backend, rope, precision, md)
+        layers = jnp.arange(start, start + count, dtype=jnp.int32)
+        seg_windows = jnp.asarray(windows[start : start + count], dtype=jnp.int32)
+        (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (seg_params, layers, seg_windows))
+    return rms_norm(x, params["final_norm"], spec.rms_norm_eps), kv_cache
+
+
+def compute_logits(spec: ModelSpec, params: Params, hidden: Float[Array, "n d"]) -> Float[Array, "n vocab"]:
+    """Logits in float32 at the given rows only (the positions that sample); tied models reuse the embedding."""
+    head = params["embed"] if spec.tie_word_embeddings else params["lm_head"]
+    precision = matmul_precision(head.dtype)
+    return jnp.einsum("nd,vd->nv", hidden, head, precision=precision, preferred_element_type=jnp.float32)

@@ -1,0 +1,131 @@
+"""HF checkpoint directory → (ModelSpec, parameter pytree on devices).
+
+Each parameter is built with `jax.make_array_from_callback`: every device shard reads only its slice of the
+memory-mapped safetensors files, casts it and goes straight to its device, so the host never holds the model twice
+(at most one stacked parameter kind at a time, for an unsharded array).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from jengine.errors import CheckpointError, ConfigError
+from jengine.models.checkpoint import CheckpointReader, checkpoint_dtype
+from jengine.models.registry import spec_from_hf_config
+from jengine.models.spec import ModelSpec
+from jengine.models.weights import LeafSource, parameter_sources
+
+logger = logging.getLogger(__name__)
+
+DTYPE_NAMES = {
+    "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
+    "float16": jnp.float16, "fp16": jnp.float16, "half": jnp.float16,
+    "float32": jnp.float32, "fp32": jnp.float32, "float": jnp.float32,
+}
+_FLOAT_KINDS = (np.float16, np.float32, np.float64, jnp.bfloat16)
+
+ShardingFor = Callable[[str, tuple[int, ...]], jax.sharding.Sharding]
+
+
+def resolve_dtype(requested: str, checkpoint: str | np.dtype | None, platform: str) -> jnp.dtype:
+    """`auto` is the checkpoint's dtype, except that float32 checkpoints run in bfloat16 on GPUs."""
+    if requested != "auto":
+        if requested not in DTYPE_NAMES:
+            raise ConfigError(f"unsupported dtype {requested!r}; choose auto, bfloat16, float16 or float32")
+        return jnp.dtype(DTYPE_NAMES[requested])
+    dtype = jnp.dtype(DTYPE_NAMES.get(str(checkpoint), checkpoint or jnp.float32))
+    if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+        dtype = jnp.dtype(jnp.float32)
+    if dtype == jnp.float32 and platform == "gpu":
+        return jnp.dtype(jnp.bfloat16)
+    return dtype
+
+
+def load_spec(model_dir: str | Path) -> ModelSpec:
+    """Only the config: the architecture is checked before any weight is touched."""
+    with CheckpointReader(model_dir) as reader:
+        return spec_from_hf_config(reader.config())
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: str = "auto",
+    sharding: jax.sharding.Sharding | ShardingFor | None = None,
+    progress: bool = True,
+) -> tuple[ModelSpec, dict, jnp.dtype]:
+    """Reads, checks, casts and places every parameter; returns (spec, params, dtype)."""
+    with CheckpointReader(model_dir) as reader:
+        spec = spec_from_hf_config(reader.config())
+        platform = jax.devices()[0].platform
+        resolved = resolve_dtype(dtype, spec.checkpoint_dtype or checkpoint_dtype(reader), platform)
+        sharding_for = _sharding_function(sharding)
+        sources = parameter_sources(spec)
+        _check_sources(reader, sources)
+        params = _place_all(reader, sources, resolved, sharding_for, progress)
+    logger.info("loaded %s (%s) from %s in %s", spec.architecture, spec.family, model_dir, resolved.name)
+    return spec, params, resolved
+
+
+def _sharding_function(sharding: jax.sharding.Sharding | ShardingFor | None) -> ShardingFor:
+    if sharding is None:
+        device = jax.devices()[0]
+        return lambda path, shape: jax.sharding.SingleDeviceSharding(device)
+    if isinstance(sharding, jax.sharding.Sharding):
+        return lambda path, shape: sharding
+    return sharding
+
+
+def _check_sources(reader: CheckpointReader, sources: dict) -> None:
+    """Every tensor present, with the shape the config implies and a floating dtype, before any is read."""
+    for leaf in jax.tree.leaves(sources, is_leaf=lambda x: isinstance(x, LeafSource)):
+        expected = leaf.tensor_shape[::-1] if leaf.transpose else leaf.tensor_shape
+        for name in leaf.names.flat:
+            reader.info(name)  # raises CheckpointError naming the missing tensor
+            if tuple(reader.shape(name)) != expected:
+                raise CheckpointError(
+                    f"tensor {name} has shape {tuple(reader.shape(name))}, but config.json implies {expected}"
+                )
+            if reader.dtype(name).type not in _FLOAT_KINDS:
+                raise CheckpointError(
+                    f"tensor {name} has dtype {reader.dtype(name)}; only float16/bfloat16/float32 weights are "
+                    "supported (quantized checkpoints are not)"
+                )
+
+
+def _place_all(reader: CheckpointReader, sources: dict, dtype: jnp.dtype, sharding_for: ShardingFor, progress: bool):
+    paths_and_leaves = jax.tree_util.tree_flatten_with_path(sources, is_leaf=lambda x: isinstance(x, LeafSource))
+    flat, treedef = paths_and_leaves
+    total = sum(int(np.prod(leaf.shape)) * dtype.itemsize for _, leaf in flat)
+    placed = []
+    with tqdm(total=total, unit="B", unit_scale=True, desc="Loading weights", disable=not progress) as bar:
+        for path, leaf in flat:
+            name = jax.tree_util.keystr(path)
+            placed.append(_place_leaf(reader, leaf, dtype, sharding_for(name, leaf.shape)))
+            bar.update(int(np.prod(leaf.shape)) * dtype.itemsize)
+    return jax.tree.unflatten(treedef, placed)
+
+
+def _place_leaf(reader: CheckpointReader, leaf: LeafSource, dtype: jnp.dtype, sharding) -> jax.Array:
+    stack_rank = leaf.names.ndim
+
+    def read_shard(index: tuple[slice, ...]) -> np.ndarray:
+        stack_index, tensor_index = index[:stack_rank], index[stack_rank:]
+        names = leaf.names[stack_index] if stack_rank else leaf.names
+        pieces = [_read_tensor(reader, name, leaf.transpose, tensor_index, dtype) for name in names.flat]
+        return np.stack(pieces).reshape(names.shape + pieces[0].shape)
+
+    return jax.make_array_from_callback(leaf.shape, sharding, read_shard)
+
+
+def _read_tensor(reader: CheckpointReader, name: str, transpose: bool, index: tuple[slice, ...], dtype) -> np.ndarray:
+    tensor = reader.read(name)
+    if transpose:
+        tensor = tensor.T
+    return np.asarray(tensor[index], dtype=dtype)

@@ -1,0 +1,1 @@
+"""Device-side execution: the only package that holds device arrays."""
