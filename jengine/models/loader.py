@@ -7,6 +7,8 @@ memory-mapped safetensors files, casts it and goes straight to its device, so th
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +20,7 @@ from tqdm.auto import tqdm
 
 from jengine.errors import CheckpointError, ConfigError
 from jengine.models.checkpoint import CheckpointReader, checkpoint_dtype
+from jengine.models.converted import converted_metadata, restore_converted, save_converted
 from jengine.models.registry import spec_from_hf_config
 from jengine.models.spec import ModelSpec
 from jengine.models.weights import LeafSource, parameter_sources
@@ -59,18 +62,45 @@ def load_model(
     dtype: str = "auto",
     sharding: jax.sharding.Sharding | ShardingFor | None = None,
     progress: bool = True,
+    converted_dir: str | Path | None = None,
 ) -> tuple[ModelSpec, dict, jnp.dtype]:
-    """Reads, checks, casts and places every parameter; returns (spec, params, dtype)."""
+    """Reads, checks, casts and places every parameter; returns (spec, params, dtype).
+
+    With `converted_dir`, a conversion saved there for the same checkpoint, dtype and layout is restored instead (fast
+    start-up), and a fresh conversion is saved there otherwise.
+    """
     with CheckpointReader(model_dir) as reader:
         spec = spec_from_hf_config(reader.config())
         platform = jax.devices()[0].platform
         resolved = resolve_dtype(dtype, spec.checkpoint_dtype or checkpoint_dtype(reader), platform)
         sharding_for = _sharding_function(sharding)
         sources = parameter_sources(spec)
+        fingerprint = _fingerprint(reader, resolved) if converted_dir else None
+        if converted_dir and (converted_metadata(converted_dir) or {}).get("fingerprint") == fingerprint:
+            logger.info("restoring converted weights from %s", converted_dir)
+            params = restore_converted(converted_dir, _abstract_params(sources, resolved, sharding_for))
+            return spec, params, resolved
         _check_sources(reader, sources)
         params = _place_all(reader, sources, resolved, sharding_for, progress)
+    if converted_dir:
+        save_converted(converted_dir, params, {"fingerprint": fingerprint, "source": str(model_dir)})
     logger.info("loaded %s (%s) from %s in %s", spec.architecture, spec.family, model_dir, resolved.name)
     return spec, params, resolved
+
+
+def _fingerprint(reader: CheckpointReader, dtype: jnp.dtype) -> str:
+    """Identifies a conversion: the config, every tensor's name/shape/dtype/file size, and the target dtype."""
+    tensors = [(n, reader.shape(n), str(reader.dtype(n)), reader.info(n).file.stat().st_size) for n in reader.names()]
+    payload = json.dumps([reader.config(), tensors, dtype.name], sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def _abstract_params(sources: dict, dtype: jnp.dtype, sharding_for: ShardingFor) -> dict:
+    flat, treedef = jax.tree_util.tree_flatten_with_path(sources, is_leaf=lambda x: isinstance(x, LeafSource))
+    return jax.tree.unflatten(treedef, [
+        jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=sharding_for(jax.tree_util.keystr(path), leaf.shape))
+        for path, leaf in flat
+    ])
 
 
 def _sharding_function(sharding: jax.sharding.Sharding | ShardingFor | None) -> ShardingFor:

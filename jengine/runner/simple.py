@@ -47,13 +47,17 @@ class SimpleGenerator:
 
     def generate(
         self, prompts: list[list[int]], max_new_tokens: int, *, stop_token_ids: tuple[int, ...] = (),
-        return_prompt_logits: bool = False,
+        return_prompt_logits: bool = False, shuffle_blocks_seed: int | None = None,
     ) -> GenerationResult:
+        """`shuffle_blocks_seed` scatters each request's pages over the pool in a seeded random order."""
         self._validate(prompts, max_new_tokens)
         bs = self.block_size
         blocks_per_seq = -(-max(len(p) + max_new_tokens for p in prompts) // bs)
-        tables = [list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq)) for b in range(len(prompts))]
         num_blocks = len(prompts) * blocks_per_seq
+        order = np.arange(num_blocks)
+        if shuffle_blocks_seed is not None:
+            order = np.random.default_rng(shuffle_blocks_seed).permutation(num_blocks)
+        tables = [order[b * blocks_per_seq : (b + 1) * blocks_per_seq].tolist() for b in range(len(prompts))]
         kv_cache = allocate_kv_cache(self.spec, num_blocks, bs, self.dtype)
         num_slots = num_blocks * bs
 
