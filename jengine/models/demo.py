@@ -1,0 +1,75 @@
+"""A tiny Llama-format checkpoint with random weights, built offline without torch.
+
+It gives a fresh machine something real to run (`jengine generate` with no `--model`): the same HF directory layout,
+safetensors loading, tokenizer and chat template as a downloaded checkpoint. Its text is noise: the weights are random.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from jengine.tokenizer.tiny import CHATML_TEMPLATE, train_tiny_tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DEMO_DIR = Path.home() / ".cache" / "jengine" / "demo-model"
+_SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+
+
+def ensure_demo_model(out_dir: str | Path = DEFAULT_DEMO_DIR) -> Path:
+    """Builds the demo model once; later calls reuse the directory."""
+    out = Path(out_dir)
+    if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
+        return out
+    logger.info("building the demo model (random weights) in %s", out)
+    train_tiny_tokenizer(out, vocab_size=512, chat_template=CHATML_TEMPLATE)
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+    config = _config(vocab)
+    _write_weights(out, config)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    return out
+
+
+def _config(vocab_size: int) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab_size,
+        **_SHAPE, "head_dim": _SHAPE["hidden_size"] // _SHAPE["num_attention_heads"], "hidden_act": "silu",
+        "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
+    }
+
+
+def _write_weights(out: Path, config: dict) -> None:
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    d, inter, hd = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    q_out, kv_out = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+
+    def normal(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.05).astype(np.float32)
+
+    vocab = config["vocab_size"]
+    tensors = {"model.embed_tokens.weight": normal(vocab, d), "lm_head.weight": normal(vocab, d),
+               "model.norm.weight": np.ones(d, np.float32)}
+    for i in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{i}."
+        tensors |= {
+            prefix + "input_layernorm.weight": np.ones(d, np.float32),
+            prefix + "post_attention_layernorm.weight": np.ones(d, np.float32),
+            prefix + "self_attn.q_proj.weight": normal(q_out, d),
+            prefix + "self_attn.k_proj.weight": normal(kv_out, d),
+            prefix + "self_attn.v_proj.weight": normal(kv_out, d),
+            prefix + "self_attn.o_proj.weight": normal(d, q_out),
+            prefix + "mlp.gate_proj.weight": normal(inter, d),
+            prefix + "mlp.up_proj.weight": normal(inter, d),
+            prefix + "mlp.down_proj.weight": normal(d, inter),
+        }
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
