@@ -1,0 +1,379 @@
+"""The engine's tokenizer: a HF tokenizer loaded from a local model directory, plus sandboxed chat templates.
+
+Text enters and leaves the engine here only. The HF tokenizer does the encoding; chat templates are rendered by our own
+Jinja sandbox rather than by `transformers`, so what a template may touch is decided in this file, a template that
+fails becomes a clean 400, and a model without a template fails loudly instead of getting an invented format.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any, NoReturn
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.sandbox
+
+from jengine.errors import CheckpointError, ConfigError, InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tekken.json")
+"""A directory holding none of these has no tokenizer (tokenizer_config.json alone names a class, not a vocabulary)."""
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+MAX_ERROR_CHARS = 300
+
+Message = Mapping[str, Any]
+
+
+class NoChatTemplateError(InvalidRequestError):
+    """A chat request for a model that ships no chat template; the server must be given one, never a guessed format."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "this model has no chat template, so chat requests cannot be formatted; "
+            "start the server with --chat-template (a Jinja file or the template text)",
+            param="messages",
+            code="no_chat_template",
+        )
+
+
+class Tokenizer:
+    """Encode, decode and chat-format text for one model; wraps a loaded HF tokenizer."""
+
+    def __init__(
+        self,
+        hf_tokenizer: Any,
+        *,
+        chat_template: str | None = None,
+        extra_eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        """Wrap an already-loaded tokenizer; `extra_eos_token_ids` come from generation_config.json."""
+        self._hf = hf_tokenizer
+        self._chat_template = chat_template
+        self._extra_eos = frozenset(int(i) for i in extra_eos_token_ids)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, chat_template: str | None = None) -> Tokenizer:
+        """Load the tokenizer of a local model directory; `chat_template` (a file path or template text) overrides."""
+        path = Path(model_dir)
+        hf = _load_hf_tokenizer(path)
+        template = _resolve_chat_template(path, chat_template)
+        tokenizer = cls(hf, chat_template=template, extra_eos_token_ids=_generation_eos_ids(path))
+        tokenizer._check_template(explicit=chat_template is not None)
+        return tokenizer
+
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The wrapped HF tokenizer, for the rare caller that needs more than this class offers."""
+        return self._hf
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `add_special_tokens` adds what the post-processor adds (BOS for Llama-style models)."""
+        return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(
+        self,
+        ids: Sequence[int],
+        skip_special_tokens: bool = True,
+        *,
+        spaces_between_special_tokens: bool = True,
+    ) -> str:
+        """Text of `ids`, never with HF's clean-up of spaces, so whole and streamed decodes agree byte for byte.
+
+        `spaces_between_special_tokens` is honoured by the Python tokenizers that implement it; the Rust-backed ones
+        ignore it, as in HF.
+        """
+        return self._hf.decode(
+            list(ids),
+            skip_special_tokens=skip_special_tokens,
+            clean_up_tokenization_spaces=False,
+            spaces_between_special_tokens=spaces_between_special_tokens,
+        )
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        """Vocabulary strings of `ids` (byte-level or "▁" forms, not text); for logprobs output."""
+        return list(self._hf.convert_ids_to_tokens(list(ids)))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The tokenizer's own end-of-sequence id."""
+        return self._hf.eos_token_id
+
+    @property
+    def bos_token_id(self) -> int | None:
+        """The beginning-of-sequence id, or None where the model has none."""
+        return self._hf.bos_token_id
+
+    @property
+    def pad_token_id(self) -> int | None:
+        """The padding id, or None (many causal models have none)."""
+        return self._hf.pad_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce, added tokens included (`len` of the HF tokenizer)."""
+        return len(self._hf)
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        """Ids of the named and extra special tokens."""
+        return list(self._hf.all_special_ids)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every id that ends a generation: the tokenizer's EOS plus generation_config.json's (e.g. Llama-3's eot)."""
+        own = {self.eos_token_id} if self.eos_token_id is not None else set()
+        return frozenset(own | self._extra_eos)
+
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template source in use, or None."""
+        return self._chat_template
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether chat requests can be formatted for this model."""
+        return self._chat_template is not None
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Message],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """Render the chat template to a prompt string, in the sandbox; errors become InvalidRequestError."""
+        context = {
+            **self._special_token_strings(),
+            **template_kwargs,
+            "messages": messages,
+            "tools": tools,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        return _render(self._template, context)
+
+    def encode_chat(
+        self,
+        messages: Sequence[Message],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """Token ids of the rendered chat; no special tokens are added because the template already holds BOS."""
+        prompt = self.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs
+        )
+        return self.encode(prompt, add_special_tokens=False)
+
+    @cached_property
+    def _template(self) -> jinja2.Template:
+        """The compiled template, built once per tokenizer on first use."""
+        if self._chat_template is None:
+            raise NoChatTemplateError()
+        try:
+            return _compile(self._chat_template)
+        except jinja2.TemplateSyntaxError as exc:
+            raise InvalidRequestError(f"the chat template is not valid Jinja: {_short(exc)}", param="messages") from exc
+
+    def _check_template(self, *, explicit: bool) -> None:
+        """Compile at load: a broken --chat-template stops start-up; a broken model template is logged and refused."""
+        if self._chat_template is None:
+            return
+        try:
+            _compile(self._chat_template)
+        except jinja2.TemplateSyntaxError as exc:
+            if explicit:
+                raise ConfigError(f"--chat-template is not valid Jinja (line {exc.lineno}): {exc.message}") from exc
+            logger.warning("the model's chat template is not valid Jinja; chat requests will fail: %s", exc.message)
+
+    def _special_token_strings(self) -> dict[str, str]:
+        """Special tokens as template variables; absent ones stay undefined (render as ""), never the text "None"."""
+        names = ("bos_token", "eos_token", "unk_token", "pad_token")
+        values = {name: getattr(self._hf, name, None) for name in names}
+        return {name: str(value) for name, value in values.items() if value is not None}
+
+
+# --- loading -----------------------------------------------------------------------------------------------------
+
+
+def _load_hf_tokenizer(model_dir: Path) -> Any:
+    """Load with transformers (imported here: importing jengine must stay light), local files only, no remote code."""
+    _check_tokenizer_files(model_dir)
+    import transformers
+
+    try:
+        return transformers.AutoTokenizer.from_pretrained(
+            str(model_dir), local_files_only=True, trust_remote_code=False
+        )
+    except Exception as exc:  # transformers raises many types here; all mean "this checkpoint is unusable"
+        raise CheckpointError(f"cannot load the tokenizer in {model_dir}: {_short(exc)}") from exc
+
+
+def _check_tokenizer_files(model_dir: Path) -> None:
+    """Fail with a message that names what is missing, before transformers tries the hub or guesses."""
+    if not model_dir.is_dir():
+        raise CheckpointError(f"model directory {model_dir} does not exist or is not a directory")
+    if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
+        expected = ", ".join(TOKENIZER_FILES)
+        raise CheckpointError(f"no tokenizer in {model_dir}: expected one of {expected}")
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON object from a checkpoint file, None if the file is absent."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot read {path}: {_short(exc)}") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} does not hold a JSON object")
+    return data
+
+
+def _generation_eos_ids(model_dir: Path) -> list[int]:
+    """generation_config.json's eos_token_id (an int or a list), which may name ids the tokenizer does not."""
+    config = _read_json(model_dir / "generation_config.json") or {}
+    eos = config.get("eos_token_id")
+    if eos is None:
+        return []
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise CheckpointError(f"generation_config.json in {model_dir} has a non-integer eos_token_id: {eos!r}")
+    return ids
+
+
+# --- chat templates ------------------------------------------------------------------------------------------------
+
+
+def _resolve_chat_template(model_dir: Path, override: str | None) -> str | None:
+    """The --chat-template argument, else tokenizer_config.json's template, else chat_template.jinja (HF 5)."""
+    if override is not None:
+        logger.info("using the chat template given by --chat-template")
+        return _read_template_argument(override)
+    template = _template_from_config(model_dir) or _template_from_file(model_dir)
+    if template is None:
+        logger.info("model in %s has no chat template; chat requests will be refused", model_dir)
+    return template
+
+
+def _read_template_argument(value: str) -> str:
+    """A path to a template file, or the template text itself (text holds braces or newlines; paths do not)."""
+    try:
+        path = Path(value).expanduser()
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    except (OSError, ValueError):  # a long template is "too long" as a file name, one with NUL is invalid: text
+        pass
+    if any(c in value for c in "{}\n"):
+        return value
+    raise ConfigError(f"--chat-template {value!r} is neither an existing file nor Jinja template text")
+
+
+def _template_from_config(model_dir: Path) -> str | None:
+    """tokenizer_config.json's chat_template: a string, or a list of {name, template} of which "default" is used."""
+    config = _read_json(model_dir / "tokenizer_config.json") or {}
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _template_from_file(model_dir: Path) -> str | None:
+    """chat_template.jinja, where transformers 5 saves the template."""
+    path = model_dir / CHAT_TEMPLATE_FILE
+    return path.read_text(encoding="utf-8") if path.is_file() else None
+
+
+class _GenerationTagExtension(jinja2.ext.Extension):
+    """Accept HF's `{% generation %}...{% endgeneration %}` (marks assistant tokens for training); render the body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> list[jinja2.nodes.Node]:
+        """Drop the tag, keep what it encloses."""
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+class _StrictSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """HF's sandbox, except that touching an unsafe attribute fails at once.
+
+    Jinja's sandbox returns an undefined value that only fails when used, so `{{ f.__globals__ }}` renders as "";
+    a template that probes internals is refused instead.
+    """
+
+    def unsafe_undefined(self, obj: Any, attribute: str) -> NoReturn:
+        """Raise the SecurityError the sandbox would raise later."""
+        kind = type(obj).__name__
+        raise jinja2.exceptions.SecurityError(f"access to attribute {attribute!r} of {kind!r} object is unsafe.")
+
+
+def _make_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    """The sandbox HF renders templates in (same options, filters and globals), so templates behave the same."""
+    env = _StrictSandbox(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols, _GenerationTagExtension],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _compile(source: str) -> jinja2.Template:
+    """Compile in a fresh sandbox (raises jinja2.TemplateSyntaxError; callers decide whose fault that is)."""
+    return _make_environment().from_string(source)
+
+
+def _render(template: jinja2.Template, context: dict[str, Any]) -> str:
+    """Render; anything the template raises becomes a short InvalidRequestError (no stack, no paths)."""
+    try:
+        return template.render(**context)
+    except InvalidRequestError:
+        raise
+    except jinja2.exceptions.SecurityError as exc:
+        raise InvalidRequestError(f"the chat template did something unsafe: {_short(exc)}", param="messages") from exc
+    except Exception as exc:  # a template is a program: it can raise anything Python can
+        message = f"the chat template failed to render: {type(exc).__name__}: {_short(exc)}"
+        raise InvalidRequestError(message, param="messages") from exc
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """HF's `tojson`: plain json.dumps (Jinja's own escapes HTML and ignores indent-style arguments templates pass)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> NoReturn:
+    """Templates call this to refuse a conversation (e.g. roles out of order); the message goes back to the client."""
+    raise InvalidRequestError(str(message), param="messages")
+
+
+def _strftime_now(format: str) -> str:
+    """Templates that print today's date (Llama-3.1) call this."""
+    return datetime.now().strftime(format)
+
+
+def _short(exc: BaseException) -> str:
+    """One line of an exception for a client or a log: type name for bare errors, clipped to a few hundred chars."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
+
