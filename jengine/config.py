@@ -1,0 +1,128 @@
+"""Engine configuration: frozen dataclasses, composed, validated once; vLLM's flag names.
+
+`EngineConfig.from_kwargs(**kwargs)` is what `LLM(...)` and the CLI both use: every engine flag is a keyword of the
+same name with underscores. Unknown keywords and features not available yet are refused, never ignored. This is the
+only module that reads environment variables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from jengine.errors import ConfigError
+
+# Flags users know from vLLM whose features are not built yet: refused with a clear message instead of ignored.
+_NOT_YET_AVAILABLE = {
+    "quantization": None, "enable_lora": False, "lora_modules": None, "speculative_config": None,
+    "reasoning_parser": None, "enable_auto_tool_choice": False, "tool_call_parser": None,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    model: str  # HF model directory (config.json, safetensors, tokenizer)
+    tokenizer: str | None = None  # tokenizer directory, default: the model's
+    dtype: str = "auto"  # auto | bfloat16 | float16 | float32 (auto: the checkpoint's; float32 → bfloat16 on GPUs)
+    seed: int = 0  # engine-level randomness for requests without their own seed
+    max_model_len: int | None = None  # context limit (prompt + output); default: the model's max positions
+    served_model_name: str | None = None  # name clients use; default: the model path
+    chat_template: str | None = None  # file or text overriding the tokenizer's chat template
+    max_logprobs: int = 20  # cap on logprobs / prompt_logprobs per request
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16  # tokens per KV page
+    gpu_memory_utilization: float = 0.92  # fraction of device memory for weights + activations + KV cache
+    num_gpu_blocks_override: int | None = None  # exact number of KV blocks (any platform)
+    enable_prefix_caching: bool = True  # share full blocks between requests by a hash of their tokens
+    kv_cache_dtype: str = "auto"  # auto = the model dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256  # requests running at once
+    max_num_batched_tokens: int = 2048  # token budget of one step (decodes first, then prefill chunks)
+    max_num_queued_reqs: int = 1024  # waiting requests a server admits beyond max_num_seqs; one more is refused
+    max_model_len: int = 2048  # resolved context limit (filled from ModelConfig and the model)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerConfig:
+    compile_buckets: Literal["all", "lazy"] = "lazy"  # all: compile every shape bucket at start-up
+    attention_backend: str = "auto"  # auto | reference | pallas_gpu
+    compilation_cache_dir: str | None = None  # JAX persistent compilation cache (env JENGINE_COMPILATION_CACHE_DIR)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    runner: RunnerConfig
+
+    @classmethod
+    def from_kwargs(cls, model: str | Path, **kwargs: Any) -> EngineConfig:
+        """Builds and validates the config from flat keyword arguments (vLLM names)."""
+        _refuse_unavailable(kwargs)
+        parts = {}
+        for name, part in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
+                           ("parallel", ParallelConfig), ("runner", RunnerConfig)):
+            fields = {f.name for f in dataclasses.fields(part)} - {"model"}
+            parts[name] = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
+        if kwargs:
+            raise ConfigError(f"unknown engine argument(s): {', '.join(sorted(kwargs))}")
+        parts["runner"].setdefault("compilation_cache_dir", os.environ.get("JENGINE_COMPILATION_CACHE_DIR"))
+        model_part = ModelConfig(model=str(model), **parts["model"])
+        sched = dict(parts["scheduler"], max_model_len=model_part.max_model_len or 0)
+        config = cls(model_part, CacheConfig(**parts["cache"]), SchedulerConfig(**sched),
+                     ParallelConfig(**parts["parallel"]), RunnerConfig(**parts["runner"]))
+        config.validate()
+        return config
+
+    def with_max_model_len(self, max_model_len: int) -> EngineConfig:
+        """The resolved context limit (known once the model config is read)."""
+        return dataclasses.replace(
+            self, model=dataclasses.replace(self.model, max_model_len=max_model_len),
+            scheduler=dataclasses.replace(self.scheduler, max_model_len=max_model_len),
+        )
+
+    def validate(self) -> None:
+        checks = [
+            (self.cache.block_size in (8, 16, 32, 64, 128, 256), "block_size must be one of 8, 16, 32, 64, 128, 256"),
+            (0 < self.cache.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]"),
+            (self.cache.num_gpu_blocks_override is None or self.cache.num_gpu_blocks_override > 0,
+             "num_gpu_blocks_override must be positive"),
+            (self.cache.kv_cache_dtype == "auto", "kv_cache_dtype other than auto (fp8) is not available yet"),
+            (self.scheduler.max_num_seqs > 0, "max_num_seqs must be positive"),
+            (self.scheduler.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive"),
+            (self.scheduler.max_num_queued_reqs >= 0, "max_num_queued_reqs must be >= 0"),
+            (self.model.max_model_len is None or self.model.max_model_len > 0, "max_model_len must be positive"),
+            (self.model.max_logprobs >= 0, "max_logprobs must be >= 0"),
+            (self.parallel.tensor_parallel_size == 1 and self.parallel.data_parallel_size == 1
+             and not self.parallel.enable_expert_parallel,
+             "tensor, data and expert parallelism are not available yet (use 1 device)"),
+            (self.runner.compile_buckets in ("all", "lazy"), "compile_buckets must be 'all' or 'lazy'"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+
+
+def _refuse_unavailable(kwargs: dict[str, Any]) -> None:
+    for name, inactive in _NOT_YET_AVAILABLE.items():
+        if name in kwargs:
+            if kwargs[name] not in (inactive, None, False):
+                raise ConfigError(f"{name} is not available in this version of jengine yet")
+            kwargs.pop(name)

@@ -1,0 +1,1 @@
+"""Host-side scheduling: pure Python over request records; never imports jax."""

@@ -1,0 +1,63 @@
+"""The step contract between the scheduler and the runner: plain data, a diff against the previous step.
+
+New (and resumed) requests travel in full once; running ones send only their new block ids. The runner keeps a
+persistent batch and applies these deltas. This is the only part of `jengine.scheduler` the runner imports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jengine.sampling.params import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class NewRequestData:
+    request_id: str
+    token_ids: list[int]  # every known token: the prompt, plus generated tokens when resumed after preemption
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int  # tokens already in the cache (prefix-cache hit) before this step
+    sampling_params: SamplingParams
+    choice_index: int  # which of the n choices of its parent request (seeds differ per choice)
+    num_output_tokens: int  # generated tokens among token_ids (resumed requests keep theirs)
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedRequestData:
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int  # before this step
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerOutput:
+    new_requests: list[NewRequestData]
+    cached_requests: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # request id → new tokens this step, in row order (new requests last)
+    total_num_scheduled_tokens: int
+    finished_request_ids: set[str]  # finished or aborted since the last step: the runner drops their rows
+    preempted_request_ids: set[str]  # preempted this step: the runner drops their rows; they come back as new
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """Raw log-probabilities at one position: the chosen token first, then the top-k (vLLM's shape is built later)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    chosen_rank: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerOutput:
+    request_ids: list[str]  # rows in the order of `SchedulerOutput.num_scheduled_tokens`
+    sampled_token_ids: list[list[int]]  # empty for a request whose prefill chunk did not reach its last token
+    logprobs: list[TokenLogprobs | None]  # per row, when the request asked for logprobs and sampled
+    prompt_logprobs: dict[str, list[TokenLogprobs | None]]  # per request asking for them: positions of this chunk

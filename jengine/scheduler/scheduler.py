@@ -1,0 +1,212 @@
+"""The continuous-batching scheduler: one rule, no prefill/decode phases.
+
+Every step each request's computed tokens catch up with its known tokens under one token budget
+(`max_num_batched_tokens`): running requests first (a decode needs one token, an unfinished prefill gets the next
+chunk), then waiting ones in priority/FCFS order while slots and budget last. When the KV pool cannot hold a running
+request's next tokens, the lowest-priority, latest request is preempted: its blocks are freed and it is recomputed
+later with its generated tokens kept. Pure host Python; never imports jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from jengine.cache.hashing import update_block_hashes
+from jengine.cache.kv_cache_manager import KVCacheManager
+from jengine.config import SchedulerConfig
+from jengine.errors import CapacityError
+from jengine.request import Request, RequestStatus
+from jengine.scheduler.output import (
+    CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput, TokenLogprobs,
+)
+from jengine.scheduler.policy import WaitingQueue
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class RequestUpdate:
+    """What one step did to one request: the core turns these into engine outputs."""
+
+    request: Request
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+    prompt_logprobs: list[TokenLogprobs | None] | None
+    finished: bool
+
+
+@dataclasses.dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions_total: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, block_size: int) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.block_size = block_size
+        self.requests: dict[str, Request] = {}
+        self.waiting = WaitingQueue()
+        self.running: list[Request] = []
+        self._finished_ids: set[str] = set()
+        self._choice_index: dict[str, int] = {}
+        self.num_preemptions_total = 0
+
+    # ---------------------------------------------------------------- requests in and out
+    def add_request(self, request: Request, choice_index: int = 0, *, enforce_queue_bound: bool = True) -> None:
+        """Queues a request; refuses it at once (CapacityError) when the engine already holds its bound."""
+        bound = self.config.max_num_seqs + self.config.max_num_queued_reqs
+        if enforce_queue_bound and len(self.requests) >= bound:
+            raise CapacityError(f"the engine is full ({bound} requests running or queued); retry later")
+        update_block_hashes(request, self.block_size)
+        self.requests[request.request_id] = request
+        self._choice_index[request.request_id] = choice_index
+        self.waiting.push(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """Aborts (or stops) requests wherever they are; their blocks are freed at once."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+            finished.append(request)
+        return finished
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.num_preemptions_total)
+
+    # ---------------------------------------------------------------- one step
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, int] = {}
+        cached: list[CachedRequestData] = []
+        new: list[NewRequestData] = []
+        preempted: set[str] = set()
+
+        budget = self._schedule_running(budget, scheduled, cached, preempted)
+        if not preempted:
+            self._schedule_waiting(budget, scheduled, new)
+        for request_id, count in scheduled.items():
+            self.requests[request_id].num_computed_tokens += count
+        finished, self._finished_ids = self._finished_ids, set()
+        return SchedulerOutput(new, cached, scheduled, sum(scheduled.values()), finished, preempted - finished)
+
+    def _schedule_running(self, budget: int, scheduled: dict[str, int], cached: list[CachedRequestData],
+                          preempted: set[str]) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:  # nothing known to compute (cannot happen after a sampled step); skip
+                index += 1
+                continue
+            new_blocks = self._allocate_or_preempt(request, num_new, index, preempted)
+            if new_blocks is None:  # the request itself was preempted
+                continue
+            scheduled[request.request_id] = num_new
+            cached.append(CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens))
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, index: int, preempted: set[str]) -> list[int] | None:
+        """Blocks for `num_new` more tokens, preempting the latest lower-priority requests until they fit.
+
+        Victims come from the requests not yet scheduled this step (`running[index:]`, which holds `request`).
+        """
+        while True:
+            new_blocks = self.kv.allocate_slots(request, num_new)
+            if new_blocks is not None:
+                return new_blocks
+            victim = max(self.running[index:], key=self.waiting.sort_key)
+            self._preempt(victim)
+            preempted.add(victim.request_id)
+            if victim is request:
+                return None
+
+    def _schedule_waiting(self, budget: int, scheduled: dict[str, int], new: list[NewRequestData]) -> None:
+        while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_cached, budget)
+            new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks)
+            if new_blocks is None:
+                break
+            self.waiting.pop()
+            if request.status == RequestStatus.WAITING:
+                request.num_cached_prompt_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            self.running.append(request)
+            scheduled[request.request_id] = num_new
+            new.append(NewRequestData(
+                request.request_id, list(request.all_token_ids), request.num_prompt_tokens,
+                self.kv.block_ids(request.request_id), num_cached, request.sampling_params,
+                self._choice_index[request.request_id], request.num_output_tokens,
+            ))
+            budget -= num_new
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.push(request)
+        logger.debug("preempted %s (%d tokens)", request.request_id, request.num_tokens)
+
+    # ---------------------------------------------------------------- after the step
+    def update_from_output(self, sched: SchedulerOutput, out: RunnerOutput) -> list[RequestUpdate]:
+        """Appends sampled tokens, applies stop rules, frees finished requests' blocks."""
+        updates = []
+        for row, request_id in enumerate(out.request_ids):
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            tokens = out.sampled_token_ids[row]
+            prompt_logprobs = out.prompt_logprobs.get(request_id)
+            if tokens:
+                request.append_output(tokens)
+                update_block_hashes(request, self.block_size)
+                status = self._stop_status(request)
+                if status is not None:
+                    self.running.remove(request)
+                    self._finish(request, status)
+            if tokens or prompt_logprobs:
+                logprobs = [out.logprobs[row]] if tokens else []
+                updates.append(RequestUpdate(request, tokens, logprobs, prompt_logprobs, request.is_finished))
+        return updates
+
+    def _stop_status(self, request: Request) -> RequestStatus | None:
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= (params.min_tokens or 0):
+            if (not params.ignore_eos and last in request.eos_token_ids) or last in (params.stop_token_ids or ()):
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+        self._choice_index.pop(request.request_id, None)
+        self.waiting.forget(request.request_id)
+        self._finished_ids.add(request.request_id)
