@@ -89,10 +89,16 @@ def load_model(
 
 
 def _fingerprint(reader: CheckpointReader, dtype: jnp.dtype) -> str:
-    """Identifies a conversion: the config, every tensor's name/shape/dtype/file size, and the target dtype."""
-    tensors = [(n, reader.shape(n), str(reader.dtype(n)), reader.info(n).file.stat().st_size) for n in reader.names()]
+    """Identifies a conversion: the config, every tensor's name/shape/dtype/file size and modification time (so a
+    checkpoint re-saved with new weights of the same shapes is converted again), and the target dtype."""
+    tensors = [(n, reader.shape(n), str(reader.dtype(n)), _file_stamp(reader.info(n).file)) for n in reader.names()]
     payload = json.dumps([reader.config(), tensors, dtype.name], sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def _file_stamp(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_size, stat.st_mtime_ns
 
 
 def _abstract_params(sources: dict, dtype: jnp.dtype, sharding_for: ShardingFor) -> dict:
