@@ -23,6 +23,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     choice_index: int  # which of the n choices of its parent request (seeds differ per choice)
     num_output_tokens: int  # generated tokens among token_ids (resumed requests keep theirs)
+    eos_token_ids: frozenset[int]  # banned while min_tokens is not reached
+    request_counter: int  # engine-unique number: seeds the randomness of requests without their own seed
 
 
 @dataclasses.dataclass(frozen=True)

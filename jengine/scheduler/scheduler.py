@@ -54,6 +54,8 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()
         self._choice_index: dict[str, int] = {}
+        self._counter: dict[str, int] = {}
+        self._next_counter = 0
         self.num_preemptions_total = 0
 
     # ---------------------------------------------------------------- requests in and out
@@ -65,6 +67,8 @@ class Scheduler:
         update_block_hashes(request, self.block_size)
         self.requests[request.request_id] = request
         self._choice_index[request.request_id] = choice_index
+        self._counter[request.request_id] = self._next_counter
+        self._next_counter += 1
         self.waiting.push(request)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
@@ -140,7 +144,9 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, scheduled: dict[str, int], new: list[NewRequestData]) -> None:
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+            computed_blocks, num_cached = [], 0
+            if request.sampling_params.prompt_logprobs is None:  # cached positions would have no prompt logprobs
+                computed_blocks, num_cached = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_cached, budget)
             new_blocks = self.kv.allocate_slots(request, num_new, computed_blocks)
             if new_blocks is None:
@@ -155,7 +161,8 @@ class Scheduler:
             new.append(NewRequestData(
                 request.request_id, list(request.all_token_ids), request.num_prompt_tokens,
                 self.kv.block_ids(request.request_id), num_cached, request.sampling_params,
-                self._choice_index[request.request_id], request.num_output_tokens,
+                self._choice_index[request.request_id], request.num_output_tokens, request.eos_token_ids,
+                self._counter[request.request_id],
             ))
             budget -= num_new
 
@@ -208,5 +215,6 @@ class Scheduler:
         self.kv.free(request)
         self.requests.pop(request.request_id, None)
         self._choice_index.pop(request.request_id, None)
+        self._counter.pop(request.request_id, None)
         self.waiting.forget(request.request_id)
         self._finished_ids.add(request.request_id)

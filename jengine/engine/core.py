@@ -1,0 +1,78 @@
+"""`EngineCore`: owns the scheduler, the KV-cache manager and the runner, and joins them in `step()`.
+
+The scheduler and the runner never call each other; one step is three calls: schedule → execute → update.
+Token ids in, token ids out: text never enters the core.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from jengine.cache.kv_cache_manager import KVCacheManager
+from jengine.config import EngineConfig
+from jengine.request import Request, RequestStatus
+from jengine.scheduler.output import TokenLogprobs
+from jengine.scheduler.scheduler import Scheduler, SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineCoreOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # one per new token when the request asked for logprobs
+    prompt_logprobs: list[TokenLogprobs | None] | None  # positions of this prefill chunk (first prompt token: none)
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" once finished
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    timestamp: float
+
+
+class EngineCore:
+    """Single-threaded: callers (the core loop thread, or `LLM`) own it exclusively."""
+
+    def __init__(self, config: EngineConfig, runner, num_blocks: int) -> None:
+        self.config = config
+        self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.cache.block_size)
+        self.runner = runner
+        self.num_steps = 0
+
+    def add_request(self, request: Request, choice_index: int = 0, *, enforce_queue_bound: bool = True) -> None:
+        self.scheduler.add_request(request, choice_index, enforce_queue_bound=enforce_queue_bound)
+
+    def abort(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
+              ) -> list[EngineCoreOutput]:
+        now = time.monotonic()
+        return [EngineCoreOutput(r.request_id, [], [], None, status.finish_reason, r.num_cached_prompt_tokens, now)
+                for r in self.scheduler.finish_requests(request_ids, status)]
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def num_requests(self) -> int:
+        return len(self.scheduler.requests)
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def step(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler.schedule()
+        runner_out = self.runner.execute(sched)
+        if sched.is_empty:
+            return []
+        updates = self.scheduler.update_from_output(sched, runner_out)
+        self.num_steps += 1
+        now = time.monotonic()
+        return [
+            EngineCoreOutput(u.request.request_id, u.new_token_ids, u.logprobs, u.prompt_logprobs,
+                             u.request.status.finish_reason, u.request.num_cached_prompt_tokens, now)
+            for u in updates
+        ]
+
+    def shutdown(self) -> None:
+        self.runner = None

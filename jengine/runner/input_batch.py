@@ -1,0 +1,120 @@
+"""The runner's persistent batch: per-request rows of token ids and block tables, updated by the step diffs.
+
+Input preparation is vectorised numpy over the scheduled tokens; the only Python loops run over requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jengine.attention.metadata import AttentionMetadata
+from jengine.runner.buckets import StepBuckets, pick
+from jengine.scheduler.output import NewRequestData, SchedulerOutput
+
+
+@dataclasses.dataclass
+class RowInfo:
+    """Host-side facts about one request the sampler needs."""
+
+    request: NewRequestData
+    row: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    request_ids: list[str]  # scheduled requests, one row each, in step order
+    rows: np.ndarray  # persistent-batch row of each scheduled request [seqs]
+    token_ids: np.ndarray  # [tokens_padded]
+    metadata: AttentionMetadata
+    logits_rows: np.ndarray  # last new token of each request [seqs_padded]
+    samples: np.ndarray  # bool [seqs]: the step reaches the request's last known token, so its sample counts
+    positions_start: np.ndarray  # computed tokens before this step [seqs]
+    num_scheduled: np.ndarray  # new tokens this step [seqs]
+
+
+class InputBatch:
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, num_slots: int,
+                 buckets: StepBuckets) -> None:
+        self.block_size, self.num_slots, self.buckets = block_size, num_slots, buckets
+        max_blocks = -(-max_model_len // block_size)
+        self.token_ids = np.zeros((max_num_seqs, max_model_len), np.int32)
+        self.num_tokens = np.zeros(max_num_seqs, np.int32)
+        self.block_table = np.zeros((max_num_seqs, buckets.blocks[-1] if buckets.blocks[-1] >= max_blocks
+                                     else max_blocks), np.int32)
+        self.num_blocks = np.zeros(max_num_seqs, np.int32)
+        self.rows: dict[str, RowInfo] = {}
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+
+    # ------------------------------------------------------------------ diffs
+    def apply(self, sched: SchedulerOutput) -> None:
+        for request_id in sched.finished_request_ids | sched.preempted_request_ids:
+            self.remove(request_id)
+        for cached in sched.cached_requests:
+            self._append_blocks(self.rows[cached.request_id].row, cached.new_block_ids)
+        for new in sched.new_requests:
+            self._add(new)
+
+    def _add(self, new: NewRequestData) -> None:
+        row = self._free_rows.pop()
+        self.rows[new.request_id] = RowInfo(new, row)
+        n = len(new.token_ids)
+        self.token_ids[row, :n] = new.token_ids
+        self.num_tokens[row] = n
+        self.num_blocks[row] = 0
+        self._append_blocks(row, new.block_ids)
+
+    def remove(self, request_id: str) -> None:
+        info = self.rows.pop(request_id, None)
+        if info is not None:
+            self._free_rows.append(info.row)
+
+    def _append_blocks(self, row: int, block_ids: list[int]) -> None:
+        start = self.num_blocks[row]
+        self.block_table[row, start : start + len(block_ids)] = block_ids
+        self.num_blocks[row] = start + len(block_ids)
+
+    def append_tokens(self, request_id: str, token_ids: list[int]) -> None:
+        row = self.rows[request_id].row
+        n = self.num_tokens[row]
+        self.token_ids[row, n : n + len(token_ids)] = token_ids
+        self.num_tokens[row] = n + len(token_ids)
+
+    # ------------------------------------------------------------------ one step's inputs
+    def prepare(self, sched: SchedulerOutput) -> StepInputs:
+        request_ids = list(sched.num_scheduled_tokens)
+        rows = np.array([self.rows[r].row for r in request_ids], np.int32)
+        count = np.fromiter(sched.num_scheduled_tokens.values(), np.int32, len(request_ids))
+        start = self._computed_before(sched, request_ids)
+        total = int(count.sum())
+        ends = np.cumsum(count)
+        row_of_token = np.repeat(rows, count)
+        positions = np.arange(total, dtype=np.int32) - np.repeat(ends - count - start, count)
+        blocks = self.block_table[row_of_token, positions // self.block_size]
+        seq_lens = start + count
+
+        b = self.buckets
+        tokens_padded, seqs_padded = pick(total, b.tokens), pick(len(rows), b.seqs)
+        width = pick(int(self.num_blocks[rows].max()), b.blocks)
+        pad_tokens, pad_seqs = tokens_padded - total, seqs_padded - len(rows)
+        tables = np.zeros((seqs_padded, width), np.int32)
+        tables[: len(rows)] = self.block_table[rows, :width]
+        md = AttentionMetadata(
+            positions=np.concatenate([positions, np.zeros(pad_tokens, np.int32)]),
+            slot_mapping=np.concatenate([blocks * self.block_size + positions % self.block_size,
+                                         np.full(pad_tokens, self.num_slots, np.int32)]).astype(np.int32),
+            query_start_loc=np.concatenate([[0], ends, np.full(pad_seqs, total)]).astype(np.int32),
+            seq_lens=np.concatenate([seq_lens, np.zeros(pad_seqs, np.int32)]).astype(np.int32),
+            block_tables=tables,
+            max_query_len=pick(int(count.max()), b.query_len),
+        )
+        token_ids = np.concatenate([self.token_ids[row_of_token, positions], np.zeros(pad_tokens, np.int32)])
+        logits_rows = np.concatenate([ends - 1, np.zeros(pad_seqs, np.int64)]).astype(np.int32)
+        samples = seq_lens >= self.num_tokens[rows]
+        return StepInputs(request_ids, rows, token_ids, md, logits_rows, samples, start, count)
+
+    def _computed_before(self, sched: SchedulerOutput, request_ids: list[str]) -> np.ndarray:
+        computed = {c.request_id: c.num_computed_tokens for c in sched.cached_requests}
+        computed.update({n.request_id: n.num_computed_tokens for n in sched.new_requests})
+        return np.array([computed[r] for r in request_ids], np.int32)

@@ -1,0 +1,80 @@
+"""How many KV blocks fit, and the device array that holds them.
+
+The pool size follows vLLM's rule on devices that report memory: `gpu_memory_utilization` × device memory, minus
+what the weights already use and an activation reserve for the largest step. Where the device reports no memory (the
+CPU) the pool holds `max_num_seqs × max_model_len` tokens, capped at 2 GiB. `num_gpu_blocks_override` is exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from jengine.config import CacheConfig, SchedulerConfig
+from jengine.errors import ConfigError
+from jengine.layers.attention import kv_cache_shape
+from jengine.models.spec import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+CPU_POOL_CAP_BYTES = 2 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class KVPlan:
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    source: str  # how the size was chosen, for the start-up line
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def bytes_per_block(spec: ModelSpec, block_size: int, dtype) -> int:
+    return spec.num_layers * block_size * 2 * spec.num_kv_heads * spec.head_dim * jnp.dtype(dtype).itemsize
+
+
+def activation_reserve(spec: ModelSpec, sched: SchedulerConfig) -> int:
+    """A generous bound on the step's temporaries: float32 hidden/MLP activations and the logits rows."""
+    per_token = 4 * (4 * spec.hidden_size + 3 * spec.intermediate_size + spec.num_heads * spec.head_dim)
+    logits = 4 * 3 * sched.max_num_seqs * spec.vocab_size
+    return sched.max_num_batched_tokens * per_token + logits + (256 << 20)
+
+
+def plan_kv_cache(spec: ModelSpec, cache: CacheConfig, sched: SchedulerConfig, dtype, device: jax.Device) -> KVPlan:
+    per_block = bytes_per_block(spec, cache.block_size, dtype)
+    if cache.num_gpu_blocks_override:
+        return KVPlan(cache.num_gpu_blocks_override, cache.block_size, per_block, "num_gpu_blocks_override")
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if not stats or "bytes_limit" not in stats:
+        wanted = -(-sched.max_num_seqs * sched.max_model_len // cache.block_size)
+        blocks = min(wanted, CPU_POOL_CAP_BYTES // per_block)
+        return KVPlan(max(blocks, 1), cache.block_size, per_block, "max_num_seqs × max_model_len (capped at 2 GiB)")
+    budget = int(stats["bytes_limit"] * cache.gpu_memory_utilization) - stats.get("bytes_in_use", 0)
+    budget -= activation_reserve(spec, sched)
+    blocks = budget // per_block
+    if blocks < -(-sched.max_model_len // cache.block_size):
+        raise ConfigError(
+            f"not enough device memory for one request of max_model_len={sched.max_model_len}: {max(blocks, 0)} KV "
+            f"blocks fit; raise gpu_memory_utilization or lower max_model_len"
+        )
+    return KVPlan(int(blocks), cache.block_size, per_block, f"gpu_memory_utilization={cache.gpu_memory_utilization}")
+
+
+def log_plan(plan: KVPlan, max_model_len: int) -> None:
+    gib = plan.num_blocks * plan.bytes_per_block / (1 << 30)
+    logger.info(
+        "KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB (%s); %.1f requests of max_model_len=%d fit at once",
+        plan.num_blocks, plan.block_size, plan.num_tokens, gib, plan.source, plan.num_tokens / max_model_len,
+        max_model_len,
+    )
+
+
+def allocate(spec: ModelSpec, plan: KVPlan, dtype, sharding: jax.sharding.Sharding | None = None) -> jax.Array:
+    shape = kv_cache_shape(spec, plan.num_blocks, plan.block_size)
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
