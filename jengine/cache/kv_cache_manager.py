@@ -105,7 +105,12 @@ class KVCacheManager:
         num_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         held = len(blocks) if blocks is not None else len(computed_blocks)
         num_new_blocks = max(0, _cdiv(num_tokens, self.block_size) - held)
-        if num_new_blocks > self._num_allocatable(computed_blocks):
+        if blocks is not None and num_new_blocks == 0 and (
+            not self.enable_prefix_caching
+            or num_tokens // self.block_size <= self._num_cached_blocks[request.request_id]
+        ):
+            return []  # the common decode step: room in the last block, no block newly full
+        if num_new_blocks and num_new_blocks > self._num_allocatable(computed_blocks):
             return None
         if blocks is None:
             blocks = self._start(request, computed_blocks)

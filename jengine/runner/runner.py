@@ -19,7 +19,7 @@ from jengine.runner.buckets import StepBuckets, pick, powers_of_two
 from jengine.runner.input_batch import InputBatch, StepInputs
 from jengine.runner.kv_storage import KVPlan, allocate
 from jengine.runner.step import build_step
-from jengine.sampling.metadata import RowInputs, build_sampling_metadata
+from jengine.sampling.metadata import SamplingRowTable
 from jengine.scheduler.output import RunnerOutput, SchedulerOutput, TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -48,10 +48,14 @@ class ModelRunner:
         self.batch = InputBatch(sched.max_num_seqs, sched.max_model_len, plan.block_size,
                                 plan.num_blocks * plan.block_size, self.buckets)
         self.backend = backend
+        self.sampling_rows = SamplingRowTable(sched.max_num_seqs, engine_seed=config.model.seed)
         self._step = build_step(spec, backend)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         self.batch.apply(sched)
+        for new in sched.new_requests:
+            self.sampling_rows.set_row(self.batch.rows[new.request_id].row, new.sampling_params, new.choice_index,
+                                       new.request_counter, tuple(new.eos_token_ids))
         if sched.is_empty:
             return RunnerOutput([], [], [], {})
         inputs = self.batch.prepare(sched)
@@ -66,20 +70,16 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ sampling inputs
     def _sampling_metadata(self, inputs: StepInputs):
-        rows = []
-        for request_id, row in zip(inputs.request_ids, inputs.rows, strict=True):
-            new = self.batch.rows[request_id].request
-            num_tokens = int(self.batch.num_tokens[row])
-            rows.append(RowInputs(
-                params=new.sampling_params,
-                prompt_token_ids=self.batch.token_ids[row, : new.num_prompt_tokens],
-                output_token_ids=self.batch.token_ids[row, new.num_prompt_tokens : num_tokens],
-                generation_step=num_tokens - new.num_prompt_tokens,
-                choice_index=new.choice_index,
-                request_counter=new.request_counter,
-                eos_token_ids=tuple(new.eos_token_ids),
-            ))
-        return build_sampling_metadata(rows, len(inputs.logits_rows), engine_seed=self.engine_seed)
+        rows = inputs.rows
+        num_prompt = np.array([self.batch.rows[r].request.num_prompt_tokens for r in inputs.request_ids], np.int64)
+        steps = self.batch.num_tokens[rows] - num_prompt
+
+        def histories(i: int):
+            row = rows[i]
+            return self.batch.token_ids[row, : num_prompt[i]], self.batch.token_ids[row, num_prompt[i] : num_prompt[i]
+                                                                                     + steps[i]]
+
+        return self.sampling_rows.build(rows, steps, histories, len(inputs.logits_rows))
 
     def _prompt_logprob_rows(self, inputs: StepInputs):
         """Flattened rows whose logits give the next prompt token's logprob, for requests that asked."""

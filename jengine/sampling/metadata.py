@@ -77,57 +77,118 @@ def build_sampling_metadata(
     """Host-side builder (numpy): the metadata of `rows`, padded to `num_rows_padded` greedy rows."""
     if num_rows_padded < len(rows):
         raise ValueError("num_rows_padded must cover the batch")
-    params = [r.params for r in rows]
-    greedy = [p.is_greedy for p in params]
+    table = SamplingRowTable(max(len(rows), 1), engine_seed=engine_seed)
+    for index, row in enumerate(rows):
+        table.set_row(index, row.params, row.choice_index, row.request_counter, row.eos_token_ids)
+    histories = {i: (r.prompt_token_ids, r.output_token_ids) for i, r in enumerate(rows)}
+    steps = np.array([r.generation_step for r in rows], dtype=np.int64)
+    return table.build(np.arange(len(rows)), steps, histories.__getitem__, num_rows_padded)
 
-    def column(values: list, dtype: type, fill: float) -> np.ndarray:
-        out = np.full(num_rows_padded, fill, dtype=dtype)
-        out[: len(values)] = values
-        return out
 
-    def sampling_column(name: str, off: float, dtype: type = np.float32) -> np.ndarray:  # greedy rows: filters off
-        return column([off if g else getattr(p, name) for p, g in zip(params, greedy)], dtype, off)
+class SamplingRowTable:
+    """Per-row sampling settings kept between steps, so a step's metadata is a vectorised gather.
 
-    temperature = sampling_column("temperature", 0.0)  # exactly 0 marks a greedy row for the sampler
-    top_k = np.minimum(sampling_column("top_k", 0, np.int64), np.iinfo(np.int32).max).astype(np.int32)
-    top_p = sampling_column("top_p", 1.0)
-    min_p = sampling_column("min_p", 0.0)
-    presence = column([p.presence_penalty for p in params], np.float32, 0.0)
-    frequency = column([p.frequency_penalty for p in params], np.float32, 0.0)
-    repetition = column([p.repetition_penalty for p in params], np.float32, 1.0)
-    penalised = (presence != 0) | (frequency != 0) | (repetition != 1)
-    use_penalties = bool(penalised.any())
+    The runner sets a row when a request enters its persistent batch; per step, only rows with a logit bias, an
+    active `min_tokens` ban or a penalty cost any Python work.
+    """
 
-    return SamplingMetadata(
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        presence_penalty=presence,
-        frequency_penalty=frequency,
-        repetition_penalty=repetition,
-        rng_key=_key_data(rows, num_rows_padded, engine_seed),
-        rng_choice=column([r.choice_index for r in rows], np.uint32, 0),
-        rng_step=column([r.generation_step for r in rows], np.uint32, 0),
-        prompt_token_ids=_pad_rows(
-            [r.prompt_token_ids if rep != 1 else () for r, rep in zip(rows, repetition)], num_rows_padded
-        ),
-        output_token_ids=_pad_rows(
-            [r.output_token_ids if pen else () for r, pen in zip(rows, penalised)], num_rows_padded
-        ),
-        logit_bias_ids=_pad_rows([list((r.params.logit_bias or {}).keys()) for r in rows], num_rows_padded),
-        logit_bias_values=_pad_rows(
-            [list((r.params.logit_bias or {}).values()) for r in rows], num_rows_padded, fill=0, dtype=np.float32
-        ),
-        banned_token_ids=_pad_rows([_banned_ids(r) for r in rows], num_rows_padded),
-        all_greedy=all(greedy),
-        use_penalties=use_penalties,
-        use_top_k=bool(np.any(top_k > 0)),
-        use_top_p=bool(np.any(top_p < 1)),
-        use_min_p=bool(np.any(min_p > 0)),
-        max_top_k=_max_top_k(top_k, top_p),
-        max_num_logprobs=_logprobs_bucket(params),
-    )
+    def __init__(self, max_rows: int, *, engine_seed: int = 0) -> None:
+        self.engine_seed = engine_seed
+        self.params: list[SamplingParams | None] = [None] * max_rows
+        self.eos: list[tuple[int, ...]] = [()] * max_rows
+        self.temperature = np.zeros(max_rows, np.float32)  # 0 for greedy rows
+        self.top_k = np.zeros(max_rows, np.int32)
+        self.top_p = np.ones(max_rows, np.float32)
+        self.min_p = np.zeros(max_rows, np.float32)
+        self.presence = np.zeros(max_rows, np.float32)
+        self.frequency = np.zeros(max_rows, np.float32)
+        self.repetition = np.ones(max_rows, np.float32)
+        self.key = np.zeros((max_rows, 2), np.uint32)
+        self.choice = np.zeros(max_rows, np.uint32)
+        self.min_tokens = np.zeros(max_rows, np.int64)
+        self.logprobs = np.full(max_rows, -1, np.int64)
+        self.has_bias = np.zeros(max_rows, bool)
+
+    def set_row(self, row: int, params: SamplingParams, choice_index: int, request_counter: int,
+                eos_token_ids: Sequence[int]) -> None:
+        greedy = params.is_greedy
+        self.params[row], self.eos[row] = params, tuple(eos_token_ids)
+        self.temperature[row] = 0.0 if greedy else params.temperature
+        self.top_k[row] = 0 if greedy else min(params.top_k, np.iinfo(np.int32).max)
+        self.top_p[row] = 1.0 if greedy else params.top_p
+        self.min_p[row] = 0.0 if greedy else params.min_p
+        self.presence[row], self.frequency[row] = params.presence_penalty, params.frequency_penalty
+        self.repetition[row] = params.repetition_penalty
+        seed = row_seed(params.seed, request_counter, self.engine_seed)
+        self.key[row] = (seed >> 32, seed & 0xFFFFFFFF)
+        self.choice[row] = choice_index
+        self.min_tokens[row] = params.min_tokens
+        self.logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        self.has_bias[row] = bool(params.logit_bias)
+
+    def build(self, rows: np.ndarray, generation_steps: np.ndarray, histories, num_rows_padded: int
+              ) -> SamplingMetadata:
+        """Metadata for `rows` (table indices) sampling their `generation_steps`-th token; `histories(i)` gives
+        (prompt ids, output ids) of the i-th row, asked only for penalised rows."""
+        n = len(rows)
+
+        def column(values: np.ndarray, fill) -> np.ndarray:
+            out = np.full(num_rows_padded, fill, dtype=values.dtype)
+            out[:n] = values[rows]
+            return out
+
+        temperature, top_k = column(self.temperature, 0), column(self.top_k, 0)
+        top_p, min_p = column(self.top_p, 1), column(self.min_p, 0)
+        presence, frequency = column(self.presence, 0), column(self.frequency, 0)
+        repetition = column(self.repetition, 1)
+        penalised = (presence != 0) | (frequency != 0) | (repetition != 1)
+        steps = np.zeros(num_rows_padded, np.uint32)
+        steps[:n] = generation_steps
+        key = np.zeros((num_rows_padded, 2), np.uint32)
+        key[:n] = self.key[rows]
+        return SamplingMetadata(
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
+            rng_key=key, rng_choice=column(self.choice, 0), rng_step=steps,
+            **self._histories(penalised, repetition, histories, num_rows_padded),
+            **self._bias(rows, num_rows_padded),
+            banned_token_ids=self._banned(rows, generation_steps, num_rows_padded),
+            all_greedy=not bool(np.any(temperature > 0)),
+            use_penalties=bool(penalised.any()),
+            use_top_k=bool(np.any(top_k > 0)),
+            use_top_p=bool(np.any(top_p < 1)),
+            use_min_p=bool(np.any(min_p > 0)),
+            max_top_k=_max_top_k(top_k, top_p),
+            max_num_logprobs=_logprobs_width(self.logprobs[rows]),
+        )
+
+    def _histories(self, penalised, repetition, histories, num_rows_padded: int) -> dict:
+        prompts: list[Sequence[int]] = [()] * num_rows_padded
+        outputs: list[Sequence[int]] = [()] * num_rows_padded
+        for i in np.flatnonzero(penalised):
+            prompt, output = histories(int(i))
+            prompts[i] = prompt if repetition[i] != 1 else ()
+            outputs[i] = output
+        return dict(prompt_token_ids=_pad_rows(prompts, num_rows_padded),
+                    output_token_ids=_pad_rows(outputs, num_rows_padded))
+
+    def _bias(self, rows: np.ndarray, num_rows_padded: int) -> dict:
+        ids: list[Sequence[int]] = [()] * num_rows_padded
+        values: list[Sequence[float]] = [()] * num_rows_padded
+        for i in np.flatnonzero(self.has_bias[rows]):
+            bias = self.params[rows[i]].logit_bias
+            ids[i], values[i] = list(bias.keys()), list(bias.values())
+        return dict(logit_bias_ids=_pad_rows(ids, num_rows_padded),
+                    logit_bias_values=_pad_rows(values, num_rows_padded, fill=0, dtype=np.float32))
+
+    def _banned(self, rows: np.ndarray, generation_steps: np.ndarray, num_rows_padded: int) -> np.ndarray:
+        """Stop ids (and EOS unless ignore_eos) are banned while fewer than min_tokens tokens exist, as in vLLM."""
+        banned: list[Sequence[int]] = [()] * num_rows_padded
+        for i in np.flatnonzero(generation_steps < self.min_tokens[rows]):
+            params = self.params[rows[i]]
+            eos = () if params.ignore_eos else self.eos[rows[i]]
+            banned[i] = sorted(set(params.stop_token_ids) | set(eos))
+        return _pad_rows(banned, num_rows_padded)
 
 
 def bucket_width(width: int) -> int:
@@ -148,15 +209,6 @@ def _pad_rows(
     return out
 
 
-def _banned_ids(row: RowInputs) -> list[int]:
-    """Stop ids (and EOS unless ignore_eos) are banned while fewer than min_tokens tokens exist, as in vLLM."""
-    p = row.params
-    if row.generation_step >= p.min_tokens:
-        return []
-    eos = () if p.ignore_eos else row.eos_token_ids
-    return sorted(set(p.stop_token_ids) | set(eos))
-
-
 def _max_top_k(top_k: np.ndarray, top_p: np.ndarray) -> int:
     """Candidate width for the filters: a small lax.top_k when every top-p row also has a top-k, else 0 (sort all)."""
     needs_all = np.any((top_p < 1) & (top_k == 0))
@@ -166,26 +218,20 @@ def _max_top_k(top_k: np.ndarray, top_p: np.ndarray) -> int:
     return next((b for b in TOP_K_CANDIDATE_BUCKETS if largest <= b), 0)
 
 
-def _logprobs_bucket(params: Sequence[SamplingParams]) -> int:
+def _logprobs_width(asked: np.ndarray) -> int:
     """K for the top-K raw logprobs; at least 1 when any row asks (logprobs=0 still wants the chosen token's)."""
-    asked = [p.logprobs for p in params if p.logprobs is not None]
-    return bucket_width(max(1, *asked)) if asked else 0
+    asked = asked[asked >= 0]
+    return bucket_width(max(1, int(asked.max()))) if asked.size else 0
 
 
-def _key_data(rows: Sequence[RowInputs], num_rows: int, engine_seed: int) -> np.ndarray:
-    """Threefry key data [seed >> 32, seed & 0xffffffff] of each row's 64-bit seed.
+def row_seed(seed: int | None, request_counter: int, engine_seed: int) -> int:
+    """A row's 64-bit seed: its own (modulo 2⁶⁴), else one mixed from the engine seed and the request counter.
 
-    That is PRNGKey(seed)'s key data for 0 ≤ seed < 2³²; negative seeds are taken modulo 2⁶⁴.
+    Its threefry key data `[seed >> 32, seed & 0xffffffff]` is PRNGKey(seed)'s for 0 ≤ seed < 2³².
     """
-    seeds = np.zeros(num_rows, dtype=np.uint64)
-    seeds[: len(rows)] = [_row_seed(r, engine_seed) for r in rows]
-    return np.stack([seeds >> np.uint64(32), seeds & np.uint64(0xFFFFFFFF)], axis=1).astype(np.uint32)
-
-
-def _row_seed(row: RowInputs, engine_seed: int) -> int:
-    if row.params.seed is not None:
-        return row.params.seed & _MASK64
-    return _splitmix64(_splitmix64(engine_seed & _MASK64) ^ (row.request_counter & _MASK64))
+    if seed is not None:
+        return seed & _MASK64
+    return _splitmix64(_splitmix64(engine_seed & _MASK64) ^ (request_counter & _MASK64))
 
 
 def _splitmix64(x: int) -> int:

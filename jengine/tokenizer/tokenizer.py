@@ -57,6 +57,10 @@ class Tokenizer:
     ) -> None:
         """Wrap an already-loaded tokenizer; `extra_eos_token_ids` come from generation_config.json."""
         self._hf = hf_tokenizer
+        # The Rust tokenizer behind a fast HF tokenizer decodes the same text without the Python wrapper's cost
+        # (it matters: the detokenizer decodes every request's window every step).
+        self._backend = getattr(hf_tokenizer, "backend_tokenizer", None) if getattr(hf_tokenizer, "is_fast", False) \
+            else None
         self._chat_template = chat_template
         self._extra_eos = frozenset(int(i) for i in extra_eos_token_ids)
 
@@ -91,6 +95,8 @@ class Tokenizer:
         `spaces_between_special_tokens` is honoured by the Python tokenizers that implement it; the Rust-backed ones
         ignore it, as in HF.
         """
+        if self._backend is not None:
+            return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self._hf.decode(
             list(ids),
             skip_special_tokens=skip_special_tokens,

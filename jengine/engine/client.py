@@ -1,0 +1,62 @@
+"""`EngineClient`: the only face of the engine that servers see.
+
+The in-process `AsyncEngine` satisfies it, and so can a gRPC-backed client (`jengine openai --engine HOST:PORT`),
+so the OpenAI shim runs unchanged over either. Errors cross it as the `jengine.errors` hierarchy only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Protocol, runtime_checkable
+
+from jengine.engine.input_processor import PromptInput
+from jengine.outputs import RequestOutput
+from jengine.sampling.params import SamplingParams
+from jengine.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """What a server reports about the model it serves (/v1/models, limits in error messages)."""
+
+    name: str  # served model name (what clients put in "model")
+    path: str  # the model directory
+    max_model_len: int
+    vocab_size: int  # the ids a request may use: the smaller of the tokenizer's and the model's
+    max_logprobs: int
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """Submit, stream, abort; plus what servers need to describe the model and report health."""
+
+    def generate(
+        self,
+        prompt: PromptInput,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream delta outputs of one request; the last has finished=True. Raises InvalidRequestError,
+        CapacityError (full: retry later) or EngineDeadError; stopping the iteration aborts the request."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """End a request early (its stream ends with finish_reason "abort"); unknown ids are ignored."""
+        ...
+
+    def get_tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (chat templates, /tokenize)."""
+        ...
+
+    def get_model_info(self) -> ModelInfo:
+        ...
+
+    def is_healthy(self) -> bool:
+        """False once the engine is dead (servers answer /health with 503 then)."""
+        ...
+
+    def shutdown(self) -> None:
+        ...

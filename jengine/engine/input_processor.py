@@ -1,0 +1,215 @@
+"""Prompt + SamplingParams → core `Request`s: every check a request must pass, done before any engine work.
+
+Bad input becomes an `InvalidRequestError` (a 400) that names the field; a prompt that does not fit is a
+`ContextLengthExceededError` that states both numbers. Nothing is ever truncated: a silently shortened prompt gives
+an answer to a question nobody asked. Token ids are checked against the tokenizer *and* the model, because JAX clamps
+out-of-range gathers instead of failing, so a missing check gives wrong output rather than a crash.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from jengine.errors import ContextLengthExceededError, InvalidRequestError
+from jengine.request import Request
+from jengine.sampling.params import SamplingParams
+from jengine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from jengine.engine.factory import EngineParts
+
+logger = logging.getLogger(__name__)
+
+PromptInput = str | Sequence[int] | Mapping[str, Any]
+"""A text, a list of token ids, `{"prompt": text}` or `{"prompt_token_ids": ids}` (optionally with its "prompt")."""
+
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessedRequest:
+    """One validated user request: what the output processor needs, plus one core `Request` per choice."""
+
+    request_id: str
+    prompt: str | None  # the text (rendered chat template for chats); None when only token ids were given
+    prompt_token_ids: list[int]
+    params: SamplingParams  # max_tokens resolved
+    children: list[tuple[Request, int]]  # (core request, choice index); one per n
+
+    @property
+    def child_ids(self) -> list[str]:
+        """Core request ids in choice order."""
+        return [request.request_id for request, _ in self.children]
+
+
+def child_request_ids(request_id: str, n: int) -> list[str]:
+    """Core ids of a request's choices: the request id itself for n == 1, else `<id>-<i>` (mapped back by callers)."""
+    return [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+
+
+class InputProcessor:
+    """Validates and tokenizes requests for one model; stateless after construction, so any thread may use it."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        max_model_len: int,
+        max_logprobs: int,
+        max_n: int = 16,
+        *,
+        model_eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        """`vocab_size` is the model's (its embedding may be padded past the tokenizer; the smaller bound wins)."""
+        self.tokenizer = tokenizer
+        self.vocab_size = min(tokenizer.vocab_size, vocab_size)
+        self.max_model_len = max_model_len
+        self.max_logprobs = max_logprobs
+        self.max_n = max_n
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model_eos_token_ids)
+
+    @classmethod
+    def from_parts(cls, parts: EngineParts, max_n: int = 16) -> InputProcessor:
+        """The processor for a built engine: its tokenizer, the model's vocabulary and EOS ids, the resolved limits."""
+        return cls(
+            parts.tokenizer, parts.spec.vocab_size, parts.config.scheduler.max_model_len,
+            parts.config.model.max_logprobs, max_n, model_eos_token_ids=parts.spec.eos_token_ids,
+        )
+
+    def process(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        arrival_time: float,
+    ) -> ProcessedRequest:
+        """Validate everything, tokenize, resolve max_tokens and fan out into `params.n` core requests."""
+        self._check_params(params)
+        _check_int_field("priority", priority)
+        text, ids = self._tokenize(prompt)
+        self._check_token_ids(ids)
+        resolved = self._resolve_lengths(len(ids), params)
+        children = [
+            (Request(child_id, list(ids), resolved, self.eos_token_ids, arrival_time, priority), index)
+            for index, child_id in enumerate(child_request_ids(request_id, params.n))
+        ]
+        return ProcessedRequest(request_id, text, ids, resolved, children)
+
+    def process_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        priority: int = 0,
+        arrival_time: float,
+    ) -> ProcessedRequest:
+        """Render the chat template (sandboxed), then process the result as token ids with the rendered text."""
+        self._check_params(params)  # before rendering: a bad request costs no template work
+        if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+            raise InvalidRequestError("messages must be a non-empty list of messages", param="messages")
+        tokenizer = self.tokenizer
+        if chat_template is not None:
+            tokenizer = Tokenizer(tokenizer.hf_tokenizer, chat_template=chat_template)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        ids = tokenizer.encode(text, add_special_tokens=False)  # the template already holds BOS
+        prompt = {"prompt": text, "prompt_token_ids": ids}
+        return self.process(prompt, params, request_id, priority=priority, arrival_time=arrival_time)
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """Field ranges (SamplingParams.validate), plus combinations this engine refuses rather than ignores."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        params.validate(self.vocab_size, self.max_logprobs, self.max_n)
+        if params.stop and not params.detokenize:
+            raise InvalidRequestError("stop strings need detokenize=True (they match text)", param="stop")
+
+    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of any accepted prompt form; an empty prompt is refused before encoding."""
+        if isinstance(prompt, str):
+            return prompt, self._encode(prompt)
+        if isinstance(prompt, Mapping):
+            return self._from_mapping(prompt)
+        if isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
+            return None, _as_token_list(prompt)
+        raise InvalidRequestError(
+            f"a prompt is a string, a list of token ids or a dict, got {type(prompt).__name__}", param="prompt"
+        )
+
+    def _from_mapping(self, prompt: Mapping[str, Any]) -> tuple[str | None, list[int]]:
+        """`{"prompt_token_ids": ids}` (with an optional "prompt" text kept for the output) or `{"prompt": text}`."""
+        unknown = sorted(str(k) for k in prompt if k not in _PROMPT_KEYS)
+        if unknown:
+            raise InvalidRequestError(f"unsupported prompt field(s): {', '.join(unknown)[:200]}", param="prompt")
+        text = prompt.get("prompt")
+        if text is not None and not isinstance(text, str):
+            raise InvalidRequestError("prompt must be a string", param="prompt")
+        if "prompt_token_ids" in prompt:
+            return text, _as_token_list(prompt["prompt_token_ids"])
+        if text is None:
+            raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", param="prompt")
+        return text, self._encode(text)
+
+    def _encode(self, text: str) -> list[int]:
+        if not text:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        return self.tokenizer.encode(text)
+
+    def _check_token_ids(self, ids: list[int]) -> None:
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        for position, token in enumerate(ids):
+            if not 0 <= token < self.vocab_size:
+                raise InvalidRequestError(
+                    f"prompt token id {token} at position {position} is not in [0, {self.vocab_size})",
+                    param="prompt_token_ids",
+                )
+
+    def _resolve_lengths(self, prompt_len: int, params: SamplingParams) -> SamplingParams:
+        """Check the prompt fits with room to generate; max_tokens=None becomes what is left of the context."""
+        limit = self.max_model_len
+        if prompt_len >= limit:
+            raise ContextLengthExceededError(
+                f"the prompt has {prompt_len} tokens but max_model_len is {limit}; "
+                f"it must be shorter to leave room for at least one generated token", param="prompt",
+            )
+        if params.max_tokens is None:
+            room = limit - prompt_len
+            if params.min_tokens > room:
+                raise ContextLengthExceededError(
+                    f"min_tokens is {params.min_tokens} but the prompt of {prompt_len} tokens leaves {room} "
+                    f"of max_model_len {limit}", param="min_tokens",
+                )
+            return dataclasses.replace(params, max_tokens=room)
+        if prompt_len + params.max_tokens > limit:
+            raise ContextLengthExceededError(
+                f"the prompt has {prompt_len} tokens and max_tokens is {params.max_tokens}: "
+                f"{prompt_len + params.max_tokens} is over max_model_len {limit}", param="max_tokens",
+            )
+        return params
+
+
+def _check_int_field(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidRequestError(f"{name} must be an integer, got {type(value).__name__}", param=name)
+
+
+def _as_token_list(ids: Any) -> list[int]:
+    """A list of ints (bools and strings refused: JSON `true` or "12" are not token ids)."""
+    if isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, Sequence):
+        raise InvalidRequestError("prompt_token_ids must be a list of integers", param="prompt_token_ids")
+    for position, token in enumerate(ids):
+        if not isinstance(token, numbers.Integral) or isinstance(token, bool):
+            raise InvalidRequestError(
+                f"prompt token at position {position} is {type(token).__name__}, not an integer id",
+                param="prompt_token_ids",
+            )
+    return [int(t) for t in ids]

@@ -1,0 +1,236 @@
+"""`LLM`: the notebook API in vLLM's shape: `LLM(model, **engine_args).generate(prompts, SamplingParams(...))`.
+
+Synchronous and single-threaded: it owns the core and steps it itself, no loop thread. Every prompt is validated and
+tokenized before the first step, so a bad prompt in a batch raises and leaves nothing in the engine. Prompts then go
+into the core as slots free up (at most `max_num_seqs + max_num_queued_reqs` core requests at a time), so any number
+of prompts can be given in one call.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import numbers
+import time
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from tqdm.auto import tqdm
+
+from jengine.config import EngineConfig
+from jengine.engine.core import EngineCoreOutput
+from jengine.engine.input_processor import InputProcessor, ProcessedRequest, PromptInput
+from jengine.engine.output_processor import OutputProcessor
+from jengine.errors import EngineDeadError, InvalidRequestError
+from jengine.outputs import RequestOutput, RequestOutputKind
+from jengine.request import RequestStatus
+from jengine.sampling.params import SamplingParams
+from jengine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from jengine.engine.factory import EngineParts
+
+logger = logging.getLogger(__name__)
+
+Conversation = Sequence[Mapping[str, Any]]
+ParamsArg = SamplingParams | Sequence[SamplingParams] | None
+
+
+class LLM:
+    """An engine for offline batches; `shutdown()` (or `with LLM(...) as llm:`) frees it for the next one."""
+
+    def __init__(self, model: str, **engine_args: Any) -> None:
+        """Every engine flag is a keyword of the same name (`max_model_len=`, `max_num_seqs=`, `dtype=`, ...)."""
+        from jengine.engine.factory import build_engine  # imports jax: only when an engine is really built
+
+        self._setup(build_engine(EngineConfig.from_kwargs(model, **engine_args)))
+
+    @classmethod
+    def from_parts(cls, parts: EngineParts) -> LLM:
+        """An LLM over an already built engine (or a fake core in tests)."""
+        llm = cls.__new__(cls)
+        llm._setup(parts)
+        return llm
+
+    def _setup(self, parts: EngineParts) -> None:
+        self._parts = parts
+        self._core = parts.core
+        self._input = InputProcessor.from_parts(parts)
+        self._output = OutputProcessor(parts.tokenizer)
+        sched = parts.config.scheduler
+        self._bound = sched.max_num_seqs + sched.max_num_queued_reqs
+        self._ids = itertools.count()
+        self._dead: EngineDeadError | None = None
+
+    # ------------------------------------------------------------------ public API
+    def generate(self, prompts: PromptInput | Sequence[PromptInput], sampling_params: ParamsArg = None, *,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete every prompt; results in input order. A prompt: str, token ids, {"prompt" or "prompt_token_ids"}."""
+        self._raise_if_dead()
+        batch = _as_prompt_list(prompts)
+        params = _params_per_prompt(sampling_params, len(batch))
+        now = time.monotonic()
+        requests = [self._input.process(p, sp, self._next_id(), arrival_time=now) for p, sp in zip(batch, params)]
+        return self._run(requests, use_tqdm)
+
+    def chat(self, messages: Conversation | Sequence[Conversation], sampling_params: ParamsArg = None, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or a list of them, through the chat template."""
+        self._raise_if_dead()
+        conversations = _as_conversation_list(messages)
+        params = _params_per_prompt(sampling_params, len(conversations))
+        now = time.monotonic()
+        requests = [
+            self._input.process_chat(c, sp, self._next_id(), chat_template=chat_template,
+                                     add_generation_prompt=add_generation_prompt, arrival_time=now)
+            for c, sp in zip(conversations, params)
+        ]
+        return self._run(requests, use_tqdm)
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self._parts.tokenizer
+
+    def shutdown(self) -> None:
+        """Free the engine (device memory with it); further calls raise EngineDeadError."""
+        if self._dead is None:
+            self._dead = EngineDeadError("this LLM was shut down")
+            self._core.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ the batch loop
+    def _run(self, requests: list[ProcessedRequest], use_tqdm: bool) -> list[RequestOutput]:
+        """Feed, step, collect until every request has finished; on any interruption abort what is left."""
+        pending = collections.deque(requests)
+        results: dict[str, RequestOutput] = {}
+        added: list[ProcessedRequest] = []
+        progress = _Progress(len(requests), use_tqdm)
+        try:
+            while len(results) < len(requests):
+                self._feed(pending, added)
+                self._collect(self._step(), results, progress)
+                self._check_progress(pending, results, len(requests))
+        except BaseException:
+            self._abandon([r for r in added if r.request_id not in results])
+            raise
+        finally:
+            progress.close()
+        return [results[r.request_id] for r in requests]
+
+    def _feed(self, pending: collections.deque[ProcessedRequest], added: list[ProcessedRequest]) -> None:
+        """Move prompts into the core while it holds fewer than the bound (one always fits an empty core)."""
+        while pending:
+            held = self._core.num_requests()
+            if held and held + len(pending[0].children) > self._bound:
+                return
+            request = pending.popleft()
+            self._output.add(request.request_id, request.prompt, request.prompt_token_ids, request.params,
+                             request.child_ids, request.children[0][0].arrival_time,
+                             output_kind=RequestOutputKind.FINAL_ONLY)
+            for child, index in request.children:
+                self._core.add_request(child, index, enforce_queue_bound=False)
+            added.append(request)
+
+    def _step(self) -> list[EngineCoreOutput]:
+        """One core step; a failing core leaves the engine in an unknown state, so the LLM is dead afterwards."""
+        try:
+            return self._core.step()
+        except Exception as exc:
+            self._dead = EngineDeadError(f"the engine step failed ({type(exc).__name__})")
+            raise self._dead from exc
+
+    def _collect(self, core_outputs: list[EngineCoreOutput], results: dict[str, RequestOutput],
+                 progress: _Progress) -> None:
+        """Outputs → finished results; stop-string hits are stopped in the core (their outputs are then ignored)."""
+        processed = self._output.process(core_outputs)
+        if processed.requests_to_abort:
+            self._output.process(self._core.abort(processed.requests_to_abort, RequestStatus.FINISHED_STOPPED))
+        for output in processed.request_outputs:
+            results[output.request_id] = output
+            progress.finished(output)
+
+    def _check_progress(self, pending: collections.deque[ProcessedRequest], results: dict[str, RequestOutput],
+                        total: int) -> None:
+        """A core with no work while results are missing would loop forever: fail loudly instead."""
+        if not pending and len(results) < total and not self._core.has_unfinished():
+            raise RuntimeError("the engine finished all its requests but some results never arrived")
+
+    def _abandon(self, requests: list[ProcessedRequest]) -> None:
+        """Abort this call's unfinished requests so the engine is clean for the next call (e.g. after Ctrl-C)."""
+        if self._dead is not None:
+            return
+        child_ids = [cid for r in requests for cid in self._output.remove(r.request_id)]
+        self._core.abort(child_ids, RequestStatus.FINISHED_ABORTED)
+
+    def _next_id(self) -> str:
+        return str(next(self._ids))
+
+    def _raise_if_dead(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(str(self._dead))
+
+
+class _Progress:
+    """A tqdm bar over prompts with input/output token throughput in the postfix."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self._bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True, disable=not enabled)
+        self._start = time.perf_counter()
+        self._in_tokens = self._out_tokens = 0
+
+    def finished(self, output: RequestOutput) -> None:
+        self._in_tokens += len(output.prompt_token_ids)
+        self._out_tokens += sum(len(c.token_ids) for c in output.outputs)
+        elapsed = max(time.perf_counter() - self._start, 1e-9)
+        speeds = f"input: {self._in_tokens / elapsed:.2f} toks/s, output: {self._out_tokens / elapsed:.2f} toks/s"
+        self._bar.set_postfix_str(f"est. speed {speeds}", refresh=False)
+        self._bar.update(1)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def _is_token_list(value: Any) -> bool:
+    """A non-empty sequence of integers: one prompt of token ids (a list of prompts never holds bare ints)."""
+    return isinstance(value, Sequence) and not isinstance(value, str) and bool(value) and all(
+        isinstance(t, numbers.Integral) for t in value
+    )
+
+
+def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    """One prompt (a str, a dict, or a list of token ids) or a list of prompts → a list of prompts."""
+    if isinstance(prompts, (str, Mapping)) or _is_token_list(prompts):
+        return [prompts]
+    if isinstance(prompts, Sequence):
+        return list(prompts)
+    raise InvalidRequestError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}",
+                              param="prompt")
+
+
+def _as_conversation_list(messages: Conversation | Sequence[Conversation]) -> list[Conversation]:
+    """One conversation (a list of message dicts) or a list of conversations → a list of conversations."""
+    if isinstance(messages, Sequence) and not isinstance(messages, str):
+        if messages and all(isinstance(m, Mapping) for m in messages):
+            return [messages]  # type: ignore[list-item]
+        return list(messages)  # type: ignore[arg-type]
+    raise InvalidRequestError("messages must be a list of messages or a list of conversations", param="messages")
+
+
+def _params_per_prompt(params: ParamsArg, count: int) -> list[SamplingParams]:
+    """One SamplingParams for all prompts, or one per prompt (the lengths must match)."""
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise InvalidRequestError(f"got {len(params)} sampling_params for {count} prompts", param="sampling_params")
+    return params
