@@ -1,7 +1,8 @@
 """The jitted step: model forward over the ragged batch, logits at the sampling rows, the sampler, prompt logprobs.
 
-Built once per runner (spec and backend are bound as static arguments); the KV cache is donated so XLA updates it
-in place. One call per engine step, few arguments: the parameters and the cache are two pytrees.
+The spec and the backend are static (hashable) arguments, so engines built one after another in one process share
+compiled steps; the KV cache is donated so XLA updates it in place. One call per engine step, few arguments: the
+parameters and the cache are two pytrees.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from jengine.sampling.metadata import SamplingMetadata
 from jengine.sampling.sampler import SamplerOutput, raw_logprobs, sample
 
 
+@functools.partial(jax.jit, static_argnames=("spec", "backend", "num_prompt_logprobs"), donate_argnames=("kv_cache",))
 def model_step(
     spec: ModelSpec,
     backend: AttentionBackend,
@@ -41,9 +43,5 @@ def model_step(
 
 
 def build_step(spec: ModelSpec, backend: AttentionBackend):
-    """The step as one jitted callable with everything static bound."""
-    return jax.jit(
-        functools.partial(model_step, spec, backend),
-        donate_argnames=("kv_cache",),
-        static_argnames=("num_prompt_logprobs",),
-    )
+    """The step for one model: positional arguments from `params` on."""
+    return functools.partial(model_step, spec, backend)

@@ -30,7 +30,7 @@ from jengine.models import loader
 from jengine.models.loader import load_model, resolve_dtype
 from jengine.models.registry import SUPPORTED_ARCHITECTURES
 from jengine.runner.simple import SimpleGenerator
-from tests.models.conftest import COMMON
+from tests.conftest import COMMON
 
 # hidden 64, 4 query heads over 2 KV heads of width 16, 2 layers, vocabulary 128.
 TINY = {**COMMON, "vocab_size": 128, "num_hidden_layers": 2}

@@ -19,7 +19,7 @@ from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config,
 
 from jengine.models.loader import load_model
 from jengine.runner.simple import SimpleGenerator
-from tests.models.conftest import COMMON
+from tests.conftest import COMMON
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog, again and again.",
