@@ -1,7 +1,8 @@
-"""The `jengine` command: `generate` runs one prompt to a completion on stdout.
+"""The `jengine` command. `generate` completes prompts on stdout through the full engine.
 
-`serve`, `openai` and `bench` are named here so that users meet a clear message instead of an unknown command until
-they exist.
+Engine flags carry vLLM's names (`--max-model-len`, `--max-num-seqs`, `--block-size`, ...) and map one to one onto
+`EngineConfig.from_kwargs`. `serve`, `openai` and `bench` are named so that users meet a clear message until they
+exist, and flags for features not built yet are refused, never ignored.
 """
 
 from __future__ import annotations
@@ -18,23 +19,66 @@ _NOT_BUILT = {
     "openai": "the stand-alone OpenAI front",
     "bench": "the benchmark driver",
 }
+DEFAULT_COMPILATION_CACHE = Path.home() / ".cache" / "jengine" / "jax-cache"
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine flags shared by every command that builds an engine (vLLM's names and defaults)."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", type=Path, default=None,
+                       help="HF model directory (safetensors); default: a tiny random-weight demo model built offline")
+    group.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    group.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--max-num-seqs", type=int, default=256)
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    group.add_argument("--max-num-queued-reqs", type=int, default=1024)
+    group.add_argument("--block-size", type=int, default=16)
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.92)
+    group.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    group.add_argument("--kv-cache-dtype", default="auto")
+    group.add_argument("--tensor-parallel-size", type=int, default=1)
+    group.add_argument("--data-parallel-size", type=int, default=1)
+    group.add_argument("--enable-expert-parallel", action="store_true")
+    group.add_argument("--chat-template", default=None, help="chat template file or text, overriding the model's")
+    group.add_argument("--max-logprobs", type=int, default=20)
+    group.add_argument("--compile-buckets", default="lazy", choices=["all", "lazy"])
+    group.add_argument("--compilation-cache-dir", type=Path, default=DEFAULT_COMPILATION_CACHE,
+                       help="JAX persistent compilation cache")
+    for flag in ("--quantization", "--lora-modules", "--speculative-config", "--reasoning-parser",
+                 "--tool-call-parser"):
+        group.add_argument(flag, default=None, help=argparse.SUPPRESS)
+    for flag in ("--enable-lora", "--enable-auto-tool-choice"):
+        group.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """Flags → `EngineConfig.from_kwargs` keywords (the config refuses features that are not built yet)."""
+    names = ("tokenizer", "dtype", "seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+             "max_num_queued_reqs", "block_size", "gpu_memory_utilization", "num_gpu_blocks_override",
+             "enable_prefix_caching", "kv_cache_dtype", "tensor_parallel_size", "data_parallel_size",
+             "enable_expert_parallel", "chat_template", "max_logprobs", "compile_buckets", "quantization",
+             "lora_modules", "speculative_config", "reasoning_parser", "tool_call_parser", "enable_lora",
+             "enable_auto_tool_choice")
+    kwargs = {name: getattr(args, name) for name in names}
+    kwargs["compilation_cache_dir"] = str(args.compilation_cache_dir) if args.compilation_cache_dir else None
+    return kwargs
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jengine", description="LLM inference and serving in JAX.")
     commands = parser.add_subparsers(dest="command", required=True)
-    gen = commands.add_parser("generate", help="complete one prompt and print the text")
-    gen.add_argument("--model", type=Path, default=None,
-                     help="HF model directory (safetensors); default: a tiny random-weight demo model built offline")
-    gen.add_argument("--prompt", default="Hello, world!", help="the prompt text")
-    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
-    gen.add_argument("--chat-template", default=None, help="chat template file or text, overriding the model's")
-    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (greedy)")
+    gen = commands.add_parser("generate", help="complete prompts and print the text")
+    gen.add_argument("--prompt", action="append", default=None, help="a prompt (repeat for a batch)")
+    gen.add_argument("--chat", action="store_true", help="send each prompt as a user message via the chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
-    gen.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    gen.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache page")
-    gen.add_argument("--compilation-cache-dir", type=Path, default=Path.home() / ".cache" / "jengine" / "jax-cache",
-                     help="JAX persistent compilation cache")
+    add_engine_args(gen)
     for name, what in _NOT_BUILT.items():
         commands.add_parser(name, help=f"{what} (not available in this version)", add_help=False)
     return parser
@@ -58,28 +102,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import jax
-
-    jax.config.update("jax_compilation_cache_dir", str(args.compilation_cache_dir))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-
+    from jengine import LLM, SamplingParams
     from jengine.models.demo import ensure_demo_model
-    from jengine.models.loader import load_model
-    from jengine.runner.simple import SimpleGenerator
-    from jengine.tokenizer import IncrementalDetokenizer, Tokenizer
 
-    model_dir = args.model or ensure_demo_model()
-    tokenizer = Tokenizer.from_pretrained(model_dir, chat_template=args.chat_template)
-    if args.chat:
-        prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
-    else:
-        prompt_ids = tokenizer.encode(args.prompt)
-    spec, params, dtype = load_model(model_dir, dtype=args.dtype)
-    stop_ids = () if args.ignore_eos else tuple(tokenizer.eos_token_ids | set(spec.eos_token_ids))
-    generator = SimpleGenerator(spec, params, dtype, block_size=args.block_size)
-    result = generator.generate([prompt_ids], args.max_tokens, stop_token_ids=stop_ids)
-    tokens = [t for t in result.token_ids[0] if t not in stop_ids]
-    detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids=prompt_ids)
-    sys.stdout.write(detokenizer.push(tokens) + detokenizer.finish() + "\n")
-    logger.info("prompt %d tokens, generated %d tokens", len(prompt_ids), len(result.token_ids[0]))
+    model = args.model or ensure_demo_model()
+    prompts = args.prompt or ["Hello, world!"]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, ignore_eos=args.ignore_eos, seed=args.seed)
+    with LLM(str(model), **engine_kwargs(args)) as llm:
+        if args.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+        else:
+            outputs = llm.generate(prompts, params)
+    for output in outputs:
+        choice = output.outputs[0]
+        print(choice.text)
+        logger.info("prompt %d tokens, generated %d tokens (%s)", len(output.prompt_token_ids),
+                    len(choice.token_ids), choice.finish_reason)
     return 0

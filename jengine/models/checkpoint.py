@@ -185,6 +185,14 @@ def _discover_files(model_dir: Path) -> tuple[list[Path], dict[str, Path]]:
     raise CheckpointError(f"no weight files (*.safetensors or {INDEX_FILE}) found in {model_dir}")
 
 
+def read_config(model_dir: str | Path) -> dict[str, Any]:
+    """config.json of a model directory, read before any weight file is looked at (the architecture comes first)."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"model directory not found: {model_dir}")
+    return _load_config(model_dir)
+
+
 def _load_config(model_dir: Path) -> dict[str, Any]:
     """Reads config.json, which every HF model directory has and without which the architecture is unknown."""
     path = model_dir / CONFIG_FILE

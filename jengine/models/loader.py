@@ -19,7 +19,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jengine.errors import CheckpointError, ConfigError
-from jengine.models.checkpoint import CheckpointReader, checkpoint_dtype
+from jengine.models.checkpoint import CheckpointReader, checkpoint_dtype, read_config
 from jengine.models.converted import converted_metadata, restore_converted, save_converted
 from jengine.models.registry import spec_from_hf_config
 from jengine.models.spec import ModelSpec
@@ -53,8 +53,7 @@ def resolve_dtype(requested: str, checkpoint: str | np.dtype | None, platform: s
 
 def load_spec(model_dir: str | Path) -> ModelSpec:
     """Only the config: the architecture is checked before any weight is touched."""
-    with CheckpointReader(model_dir) as reader:
-        return spec_from_hf_config(reader.config())
+    return spec_from_hf_config(read_config(model_dir))
 
 
 def load_model(
@@ -69,8 +68,8 @@ def load_model(
     With `converted_dir`, a conversion saved there for the same checkpoint, dtype and layout is restored instead (fast
     start-up), and a fresh conversion is saved there otherwise.
     """
+    spec = load_spec(model_dir)
     with CheckpointReader(model_dir) as reader:
-        spec = spec_from_hf_config(reader.config())
         platform = jax.devices()[0].platform
         resolved = resolve_dtype(dtype, spec.checkpoint_dtype or checkpoint_dtype(reader), platform)
         sharding_for = _sharding_function(sharding)

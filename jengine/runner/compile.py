@@ -1,0 +1,85 @@
+"""Start-up compilation of the step's shape buckets, with a progress bar, and a guard against later compiles.
+
+`compile_buckets="all"` runs the step once on padding-only inputs for every bucket the runner can produce (the
+runner then pins the block-table width and ties a prefill step's query bound to its token bucket, so the set is
+small); JAX's persistent compilation cache makes restarts cheap. `"lazy"` compiles a bucket on first use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from jengine.attention.metadata import AttentionMetadata
+from jengine.runner.buckets import StepBuckets
+from jengine.runner.step import num_compiled_shapes
+from jengine.sampling.metadata import SamplingRowTable
+from jengine.sampling.params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    tokens: int
+    seqs: int
+    blocks: int
+    query_len: int
+
+
+def pinned_shapes(buckets: StepBuckets) -> list[StepShape]:
+    """Every shape a pinned runner produces: decode-only steps (query length 1) and mixed steps."""
+    width = buckets.blocks[-1]
+    decode = [StepShape(min(t for t in buckets.tokens if t >= s), s, width, 1) for s in buckets.seqs]
+    mixed = [StepShape(t, s, width, t) for t in buckets.tokens for s in buckets.seqs if s <= t]
+    return decode + mixed
+
+
+def padding_inputs(shape: StepShape, num_slots: int) -> tuple[np.ndarray, AttentionMetadata, np.ndarray]:
+    """A step that computes nothing: every token writes to the dropped slot, every request has length 0."""
+    md = AttentionMetadata(
+        positions=np.zeros(shape.tokens, np.int32),
+        slot_mapping=np.full(shape.tokens, num_slots, np.int32),
+        query_start_loc=np.zeros(shape.seqs + 1, np.int32),
+        seq_lens=np.zeros(shape.seqs, np.int32),
+        block_tables=np.zeros((shape.seqs, shape.blocks), np.int32),
+        max_query_len=shape.query_len,
+    )
+    return np.zeros(shape.tokens, np.int32), md, np.zeros(shape.seqs, np.int32)
+
+
+def warm_up(runner, shapes: list[StepShape], progress: bool = True) -> int:
+    """Compiles the step for `shapes` (greedy and sampling variants of the sampler); returns the compile count."""
+    table = SamplingRowTable(1)
+    table.set_row(0, SamplingParams(temperature=1.0), 0, 0, ())
+    before = num_compiled_shapes()
+    for shape in tqdm(shapes, desc="Compiling step buckets", disable=not progress):
+        token_ids, md, rows = padding_inputs(shape, runner.batch.num_slots)
+        for sampled_rows in (np.zeros(0, np.int64), np.zeros(1, np.int64)):
+            sampling = table.build(sampled_rows, np.zeros(len(sampled_rows), np.int64), None, shape.seqs)
+            _, _, runner.kv_cache = runner._step(runner.params, runner.kv_cache, token_ids, md, rows, sampling,
+                                                 None, None, num_prompt_logprobs=0)
+    compiled = num_compiled_shapes() - before
+    logger.info("compiled %d step variants for %d shape buckets", compiled, len(shapes))
+    return compiled
+
+
+class RecompileGuard:
+    """Warns, with the shape, whenever a step compiles after warm-up: steady state must not compile."""
+
+    def __init__(self) -> None:
+        self._count: int | None = None
+
+    def arm(self) -> None:
+        self._count = num_compiled_shapes()
+
+    def check(self, describe) -> None:
+        if self._count is None:
+            return
+        count = num_compiled_shapes()
+        if count > self._count:
+            logger.warning("the step compiled after warm-up (%s); this bucket was not precompiled", describe())
+            self._count = count
