@@ -1,8 +1,9 @@
-"""The `jengine` command. `generate` completes prompts on stdout through the full engine.
+"""The `jengine` command: `generate` (prompts → completions on stdout), `serve` (the OpenAI HTTP API and the gRPC
+service over one in-process engine), `openai` (the HTTP API alone, over a running engine's gRPC service).
 
 Engine flags carry vLLM's names (`--max-model-len`, `--max-num-seqs`, `--block-size`, ...) and map one to one onto
-`EngineConfig.from_kwargs`. `serve`, `openai` and `bench` are named so that users meet a clear message until they
-exist, and flags for features not built yet are refused, never ignored.
+`EngineConfig.from_kwargs`. `bench` is named so that users meet a clear message until it exists, and flags for
+features not built yet are refused, never ignored.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _NOT_BUILT = {
-    "serve": "the gRPC + OpenAI server",
-    "openai": "the stand-alone OpenAI front",
     "bench": "the benchmark driver",
 }
 DEFAULT_COMPILATION_CACHE = Path.home() / ".cache" / "jengine" / "jax-cache"
@@ -79,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     add_engine_args(gen)
+    _add_serve_parser(commands)
+    _add_openai_parser(commands)
     for name, what in _NOT_BUILT.items():
         commands.add_parser(name, help=f"{what} (not available in this version)", add_help=False)
     return parser
@@ -94,9 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("jax").setLevel(logging.WARNING)  # platform probing notes are not for users
     from jengine.errors import JengineError
 
+    command = {"generate": _generate, "serve": _serve, "openai": _openai}[args.command]
     try:
-        return _generate(args)
+        return command(args)
     except JengineError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except OSError as error:  # e.g. the port is taken
         print(f"error: {error}", file=sys.stderr)
         return 1
 
@@ -120,3 +125,86 @@ def _generate(args: argparse.Namespace) -> int:
         logger.info("prompt %d tokens, generated %d tokens (%s)", len(output.prompt_token_ids),
                     len(choice.token_ids), choice.finish_reason)
     return 0
+
+
+def _add_server_args(parser: argparse.ArgumentParser, *, grpc: bool) -> None:
+    """Front-end flags (vLLM's names); the API key may also come from $JENGINE_API_KEY (read in jengine.config)."""
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="0.0.0.0", help="interface to bind (default: all)")
+    group.add_argument("--port", type=int, default=8000, help="OpenAI HTTP port")
+    if grpc:
+        group.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0: no gRPC service)")
+    group.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every route but /health, /metrics, /version "
+                            "(default: $JENGINE_API_KEY)")
+    group.add_argument("--drain-timeout", type=float, default=30.0,
+                       help="seconds SIGTERM waits for in-flight requests before closing connections")
+
+
+def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
+    serve = commands.add_parser("serve", help="serve the OpenAI HTTP API and the gRPC service over one engine")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="HF model directory (default: a tiny random-weight demo model built offline)")
+    add_engine_args(serve)
+    serve.add_argument("--served-model-name", default=None, help="the name clients send as 'model'")
+    _add_server_args(serve, grpc=True)
+    serve.set_defaults(compile_buckets="all")  # a server compiles every shape before it takes traffic
+
+
+def _add_openai_parser(commands: argparse._SubParsersAction) -> None:
+    openai = commands.add_parser("openai", help="serve the OpenAI HTTP API over a running engine's gRPC service")
+    openai.add_argument("--engine", required=True, metavar="HOST:PORT", help="the gRPC address of `jengine serve`")
+    openai.add_argument("--engine-api-key", default=None, help="the API key of that gRPC service, if it has one")
+    _add_server_args(openai, grpc=False)
+
+
+def _server_config(args: argparse.Namespace, grpc_port: int = 0):  # -> ServerConfig (imported lazily)
+    from jengine.config import ServerConfig
+
+    return ServerConfig.from_kwargs(host=args.host, port=args.port, grpc_port=grpc_port, api_key=args.api_key,
+                                    drain_timeout=args.drain_timeout)
+
+
+def _serve_model(args: argparse.Namespace) -> tuple[str, str | None]:
+    """(model directory, served name): MODEL or --model, else the demo model under a name that says what it is."""
+    from jengine.errors import ConfigError
+    from jengine.models.demo import DEMO_SERVED_NAME, ensure_demo_model
+
+    if args.model_tag is not None and args.model is not None and Path(args.model_tag) != args.model:
+        raise ConfigError("give the model once: either as MODEL or as --model")
+    model = args.model_tag or args.model
+    if model is None:
+        return str(ensure_demo_model()), args.served_model_name or DEMO_SERVED_NAME
+    return str(model), args.served_model_name
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """`jengine serve`: build the engine (minutes for a large model), then serve HTTP + gRPC until SIGTERM."""
+    from jengine.config import EngineConfig
+    from jengine.engine.async_engine import AsyncEngine
+    from server.app import run_server
+
+    server_config = _server_config(args, args.grpc_port)
+    model, served_name = _serve_model(args)
+    engine_config = EngineConfig.from_kwargs(model, served_model_name=served_name, **engine_kwargs(args))
+    engine = AsyncEngine.from_config(engine_config)
+    return run_server(lambda: engine, server_config, with_grpc=True)
+
+
+def _openai(args: argparse.Namespace) -> int:
+    """`jengine openai --engine HOST:PORT`: the HTTP shim alone, over a gRPC-backed EngineClient."""
+    from jengine.errors import ConfigError
+    from server.app import run_server
+
+    host, _, port = args.engine.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"--engine must be HOST:PORT, got {args.engine!r}")
+
+    def make_client():  # -> GrpcEngineClient; inside the event loop (its channel binds to it)
+        try:
+            from server.grpc_client import GrpcEngineClient
+        except ImportError as exc:
+            raise ConfigError(f"the gRPC engine client is not available in this build ({exc})") from None
+        return GrpcEngineClient(args.engine, api_key=args.engine_api_key)
+
+    return run_server(make_client, _server_config(args), with_grpc=False)

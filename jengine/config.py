@@ -120,6 +120,43 @@ class EngineConfig:
                 raise ConfigError(message)
 
 
+API_KEY_ENV = "JENGINE_API_KEY"
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP/gRPC front ends of `jengine serve` / `jengine openai` (the engine's own limits live in EngineConfig)."""
+
+    host: str = "0.0.0.0"  # vLLM's default: every interface
+    port: int = 8000  # OpenAI HTTP port
+    grpc_port: int = 50051  # gRPC port; 0 = no gRPC service
+    api_key: str | None = None  # Bearer key for every route but /health, /metrics, /version (env JENGINE_API_KEY)
+    max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413
+    drain_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests before closing connections
+    max_n: int = 16  # cap on `n` per request (vLLM's unbounded fan-out was CVE-2026-34756)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> ServerConfig:
+        """Validated config; an api_key left unset comes from $JENGINE_API_KEY (an empty value means none)."""
+        if kwargs.get("api_key") is None:
+            kwargs["api_key"] = os.environ.get(API_KEY_ENV) or None
+        config = cls(**kwargs)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        checks = [
+            (0 <= self.port < 65536 and 0 <= self.grpc_port < 65536, "ports must be in [0, 65535]"),
+            (self.api_key is None or len(self.api_key) > 0, "api_key must not be empty"),
+            (self.max_body_bytes > 0, "max_body_bytes must be positive"),
+            (self.drain_timeout >= 0, "drain_timeout must be >= 0"),
+            (1 <= self.max_n <= 1024, "max_n must be in [1, 1024]"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+
+
 def _refuse_unavailable(kwargs: dict[str, Any]) -> None:
     for name, inactive in _NOT_YET_AVAILABLE.items():
         if name in kwargs:

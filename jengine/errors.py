@@ -23,16 +23,39 @@ class ContextLengthExceededError(InvalidRequestError):
         super().__init__(message, param=param, code="context_length_exceeded")
 
 
+class RequestTooLargeError(InvalidRequestError):
+    """A body or header block over the server's limit (HTTP 413/431, gRPC RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message, param=param, code="request_too_large")
+
+
+class AuthenticationError(JengineError):
+    """A missing or wrong API key (HTTP 401, gRPC UNAUTHENTICATED)."""
+
+
 class NotFoundError(JengineError, LookupError):
-    """An unknown model, adapter or request id (HTTP 404, gRPC NOT_FOUND)."""
+    """An unknown model, adapter, route or request id (HTTP 404, gRPC NOT_FOUND)."""
+
+    def __init__(self, message: str, *, code: str = "model_not_found") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class CapacityError(JengineError):
     """The engine is full and refuses more work now (HTTP 429, gRPC RESOURCE_EXHAUSTED)."""
 
 
-class EngineDeadError(JengineError, RuntimeError):
+class ServiceUnavailableError(JengineError):
+    """Not serving now: draining for shutdown, not ready, or dead (HTTP 503, gRPC UNAVAILABLE)."""
+
+
+class EngineDeadError(ServiceUnavailableError, RuntimeError):
     """The engine loop has stopped; nothing more can be served (HTTP 503, gRPC UNAVAILABLE)."""
+
+
+class DeadlineExceededError(JengineError, TimeoutError):
+    """The request's deadline passed before it finished (HTTP 504, gRPC DEADLINE_EXCEEDED)."""
 
 
 class ConfigError(JengineError, ValueError):

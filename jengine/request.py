@@ -21,12 +21,14 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
+        return self._value_ in _FINISHED_VALUES  # a set of strings: checked per request per step
 
     @property
     def finish_reason(self) -> str | None:
         return self.value if self.is_finished else None
+
+
+_FINISHED_VALUES = frozenset(status.value for status in RequestStatus if status.name.startswith("FINISHED_"))
 
 
 @dataclasses.dataclass(eq=False)

@@ -52,15 +52,31 @@ class ReferenceBackend:
         return out, kv_cache
 
 
-BACKENDS = {"reference": ReferenceBackend}
+def _pallas_gpu() -> AttentionBackend:
+    from jengine.attention.pallas import PallasGpuBackend  # imports Pallas only where it is used
+
+    return PallasGpuBackend()
 
 
-def select_backend(platform: str, requested: str = "auto") -> AttentionBackend:
-    """`auto` picks the fastest backend the platform has; a named backend is taken as asked."""
+BACKENDS = {"reference": ReferenceBackend, "pallas_gpu": _pallas_gpu}
+
+
+def select_backend(platform: str, requested: str = "auto", head_dim: int | None = None) -> AttentionBackend:
+    """`auto` picks the fastest backend the platform has; a named backend is taken as asked. On the GPU the Pallas
+    kernels serve head_dim 64/128 (unknown head_dim: the backend itself falls back at trace time); others get the
+    reference, with a log line saying why."""
     if requested != "auto":
         if requested not in BACKENDS:
             raise ValueError(f"unknown attention backend {requested!r}; available: {sorted(BACKENDS)}")
         return BACKENDS[requested]()
     backend = ReferenceBackend()
+    if platform == "gpu":
+        from pallas_kernels.ragged_paged_attention import SUPPORTED_HEAD_DIMS
+
+        if head_dim is None or head_dim in SUPPORTED_HEAD_DIMS:
+            backend = _pallas_gpu()
+        else:
+            logger.warning("pallas_gpu attention supports head_dim %s, not %d: using reference", SUPPORTED_HEAD_DIMS,
+                           head_dim)
     logger.info("attention backend on %s: %s", platform, backend.name)
     return backend

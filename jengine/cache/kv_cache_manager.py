@@ -49,6 +49,8 @@ class KVCacheManager:
         self._blocks: dict[str, list[int]] = {}
         # Leading blocks of each request already offered to the hash map: caching work is O(new full blocks).
         self._num_cached_blocks: dict[str, int] = {}
+        # Tokens each request can hold with nothing to allocate and no block newly full (see `has_room`).
+        self._room: dict[str, int] = {}
         self._stats = PrefixCacheStats()
 
     @property
@@ -92,6 +94,11 @@ class KVCacheManager:
             blocks.append(block)
         return blocks, len(blocks) * self.block_size
 
+    def has_room(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether `num_new_tokens` more fit the request's blocks with nothing to allocate and no block newly full:
+        then `allocate_slots` would return [] and change nothing, so the scheduler skips it (the common decode)."""
+        return request.num_computed_tokens + num_new_tokens <= self._room.get(request.request_id, -1)
+
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: Sequence[int] = ()) -> list[int] | None:
         """Grow the request's blocks to cover its computed tokens, the prefix hit and `num_new_tokens` more.
@@ -104,19 +111,17 @@ class KVCacheManager:
         assert not computed_blocks or blocks is None, "computed blocks are only taken on a request's first allocation"
         num_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         held = len(blocks) if blocks is not None else len(computed_blocks)
-        num_new_blocks = max(0, _cdiv(num_tokens, self.block_size) - held)
-        if blocks is not None and num_new_blocks == 0 and (
-            not self.enable_prefix_caching
-            or num_tokens // self.block_size <= self._num_cached_blocks[request.request_id]
-        ):
+        if blocks is not None and self.has_room(request, num_new_tokens):
             return []  # the common decode step: room in the last block, no block newly full
+        num_new_blocks = max(0, _cdiv(num_tokens, self.block_size) - held)
         if num_new_blocks and num_new_blocks > self._num_allocatable(computed_blocks):
             return None
         if blocks is None:
             blocks = self._start(request, computed_blocks)
-        new_blocks = self.block_pool.allocate(num_new_blocks)
+        new_blocks = self.block_pool.allocate(num_new_blocks) if num_new_blocks else []  # [] when only caching
         blocks.extend(new_blocks)
         self._cache_full_blocks(request, blocks, num_tokens)
+        self._room[request.request_id] = self._tokens_in_place(request.request_id)
         return new_blocks
 
     def free(self, request: Request) -> None:
@@ -124,6 +129,7 @@ class KVCacheManager:
         until evicted. A request holding no blocks is fine (an abort before scheduling)."""
         blocks = self._blocks.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
+        self._room.pop(request.request_id, None)
         if blocks:
             self.block_pool.free(blocks)
 
@@ -154,9 +160,19 @@ class KVCacheManager:
         for block, count in enumerate(holders):
             assert self.block_pool.ref_count(block) == count, f"block {block}: ref count vs {count} holders"
 
+    def _tokens_in_place(self, request_id: str) -> int:
+        """How many tokens fit the request's blocks before one more must be allocated or a block becomes full
+        (and must be offered to the hash map): the bound of allocate_slots' no-op case."""
+        limit = len(self._blocks[request_id]) * self.block_size
+        if self.enable_prefix_caching:
+            limit = min(limit, (self._num_cached_blocks[request_id] + 1) * self.block_size - 1)
+        return limit
+
     def _num_allocatable(self, computed_blocks: Sequence[int]) -> int:
         """Free blocks left once the prefix hit is taken: a hit on an evictable block removes it from the free
         queue, so it cannot also be handed out as a new block."""
+        if not computed_blocks:  # a running request growing: no hit to take
+            return self.block_pool.num_free_blocks
         evictable_hits = sum(self.block_pool.ref_count(block) == 0 for block in computed_blocks)
         return self.block_pool.num_free_blocks - evictable_hits
 

@@ -19,9 +19,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from jengine.config import EngineConfig
-from jengine.engine.client import ModelInfo
-from jengine.engine.core import EngineCoreOutput
-from jengine.engine.core_loop import CoreLoop
+from jengine.engine.client import EngineStats, ModelInfo
+from jengine.engine.core import EngineCore, EngineCoreOutput
+from jengine.engine.core_loop import CoreLoop, StatsReader
 from jengine.engine.input_processor import InputProcessor, ProcessedRequest, PromptInput
 from jengine.engine.output_processor import OutputProcessor
 from jengine.errors import CapacityError, EngineDeadError, InvalidRequestError
@@ -68,7 +68,8 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: EngineDeadError | None = None
         self._shut_down = False
-        self._core_loop = CoreLoop(parts.core, self._outputs_from_core, self._death_from_core)
+        self._core_loop = CoreLoop(parts.core, self._outputs_from_core, self._death_from_core,
+                                   read_stats=_stats_reader(parts.core))
         self._core_loop.start()
 
     @classmethod
@@ -117,6 +118,10 @@ class AsyncEngine:
 
     def is_healthy(self) -> bool:
         return self._dead is None
+
+    def stats(self) -> EngineStats:
+        """The snapshot the core thread published after its latest step (never touches the core itself)."""
+        return self._core_loop.stats
 
     def shutdown(self) -> None:
         """Stop the core loop, free the core, and fail whatever is still waiting with EngineDeadError."""
@@ -278,6 +283,20 @@ class AsyncEngine:
             loop.call_soon_threadsafe(fn)
         except RuntimeError:  # closed between the check and the call
             fn()
+
+
+def _stats_reader(core: object) -> StatsReader | None:
+    """Reads an `EngineCore`'s scheduler and KV-cache counters (on the core thread); None for other cores (fakes)."""
+    if not isinstance(core, EngineCore):
+        return None
+
+    def read() -> EngineStats:
+        sched, kv = core.stats(), core.kv_manager
+        prefix = kv.prefix_cache_stats
+        return EngineStats(sched.num_running, sched.num_waiting, sched.kv_cache_usage, sched.num_preemptions_total,
+                           prefix.queries, prefix.hits, kv.num_blocks, kv.block_size)
+
+    return read
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -27,6 +27,23 @@ class ModelInfo:
     max_logprobs: int
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's state, published by the core thread after each step (safe to read anywhere).
+
+    Gauges and cumulative counters with vLLM's meanings; servers turn them into Prometheus metrics at scrape time.
+    """
+
+    num_running: int = 0  # requests (choices) in the running batch
+    num_waiting: int = 0  # admitted, waiting for their first (or a resumed) scheduling
+    kv_cache_usage: float = 0.0  # fraction of KV blocks held by requests, 0..1 (cached free blocks are free)
+    num_preemptions: int = 0  # cumulative
+    prefix_cache_queries: int = 0  # cumulative prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # cumulative of those served from it
+    num_gpu_blocks: int = 0  # size of the KV pool in blocks (0 where unknown)
+    block_size: int = 0  # tokens per KV block (0 where unknown)
+
+
 @runtime_checkable
 class EngineClient(Protocol):
     """Submit, stream, abort; plus what servers need to describe the model and report health."""
@@ -40,7 +57,11 @@ class EngineClient(Protocol):
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream delta outputs of one request; the last has finished=True. Raises InvalidRequestError,
-        CapacityError (full: retry later) or EngineDeadError; stopping the iteration aborts the request."""
+        CapacityError (full: retry later) or EngineDeadError; stopping the iteration aborts the request.
+
+        Admission (the slot reservation) happens synchronously in the first `__anext__`, before any tokenising, so
+        a caller can start that step eagerly to learn at once whether the request was taken. A chat is passed as
+        `{"messages": [...], "add_generation_prompt": bool}` and rendered after admission too."""
         ...
 
     async def abort(self, request_id: str) -> None:
@@ -56,6 +77,10 @@ class EngineClient(Protocol):
 
     def is_healthy(self) -> bool:
         """False once the engine is dead (servers answer /health with 503 then)."""
+        ...
+
+    def stats(self) -> EngineStats:
+        """The latest published snapshot (read-only, cheap, callable from any thread)."""
         ...
 
     def shutdown(self) -> None:

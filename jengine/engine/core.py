@@ -19,9 +19,10 @@ from jengine.scheduler.scheduler import Scheduler, SchedulerStats
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class EngineCoreOutput:
-    """What one step produced for one request."""
+    """What one step produced for one request. A plain message, not frozen: one is built per request per step, and a
+    frozen dataclass's __init__ (object.__setattr__ per field) costs several times more."""
 
     request_id: str
     new_token_ids: list[int]
@@ -70,7 +71,8 @@ class EngineCore:
         now = time.monotonic()
         return [
             EngineCoreOutput(u.request.request_id, u.new_token_ids, u.logprobs, u.prompt_logprobs,
-                             u.request.status.finish_reason, u.request.num_cached_prompt_tokens, now)
+                             u.request.status.finish_reason if u.finished else None,
+                             u.request.num_cached_prompt_tokens, now)
             for u in updates
         ]
 

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
+from jengine.engine.client import EngineStats
 from jengine.engine.core import EngineCoreOutput
 from jengine.request import Request, RequestStatus
 
@@ -23,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 OutputsCallback = Callable[[list[EngineCoreOutput]], None]
 DeadCallback = Callable[[BaseException], None]
+StatsReader = Callable[[], EngineStats]
 
 
 class CoreLike(Protocol):
@@ -58,10 +60,13 @@ class CoreLoop:
     """Drives one core on a daemon thread; `on_outputs` and `on_dead` are called on that thread."""
 
     def __init__(self, core: CoreLike, on_outputs: OutputsCallback, on_dead: DeadCallback,
-                 name: str = "jengine-core") -> None:
+                 name: str = "jengine-core", read_stats: StatsReader | None = None) -> None:
+        """`read_stats` runs on the core thread after every iteration; its result is published as `stats`."""
         self._core = core
         self._on_outputs = on_outputs
         self._on_dead = on_dead
+        self._read_stats = read_stats
+        self.stats = read_stats() if read_stats is not None else EngineStats()  # replaced whole: atomic to read
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._stopped = False
@@ -108,6 +113,8 @@ class CoreLoop:
         outputs, keep_going = self._apply(self._next_commands())
         if keep_going and self._core.has_unfinished():
             outputs.extend(self._core.step())
+        if self._read_stats is not None:  # before the outputs: a caller who saw its request end sees it gone here
+            self.stats = self._read_stats()
         if outputs:
             self._on_outputs(outputs)
         return keep_going

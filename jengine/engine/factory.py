@@ -60,7 +60,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
             f"{config.scheduler.max_model_len}; raise num_gpu_blocks_override or lower max_model_len"
         )
     log_plan(plan, config.scheduler.max_model_len)
-    backend = select_backend(device.platform, config.runner.attention_backend)
+    backend = select_backend(device.platform, config.runner.attention_backend, head_dim=spec.head_dim)
     runner = ModelRunner(spec, params, dtype, config, plan, backend)
     core = EngineCore(config, runner, plan.num_blocks)
     return EngineParts(core, tokenizer, spec, config)

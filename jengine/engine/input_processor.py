@@ -25,9 +25,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PromptInput = str | Sequence[int] | Mapping[str, Any]
-"""A text, a list of token ids, `{"prompt": text}` or `{"prompt_token_ids": ids}` (optionally with its "prompt")."""
+"""A text, a list of token ids, `{"prompt": text}` or `{"prompt_token_ids": ids}` (optionally with its "prompt"), or a
+chat `{"messages": [...], "add_generation_prompt": bool}` rendered with the model's chat template. Servers pass chats
+in this form so that the template is rendered only after the request has been admitted."""
 
 _PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
+_CHAT_KEYS = frozenset({"messages", "add_generation_prompt"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,14 +117,10 @@ class InputProcessor:
     ) -> ProcessedRequest:
         """Render the chat template (sandboxed), then process the result as token ids with the rendered text."""
         self._check_params(params)  # before rendering: a bad request costs no template work
-        if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
-            raise InvalidRequestError("messages must be a non-empty list of messages", param="messages")
         tokenizer = self.tokenizer
         if chat_template is not None:
             tokenizer = Tokenizer(tokenizer.hf_tokenizer, chat_template=chat_template)
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-        ids = tokenizer.encode(text, add_special_tokens=False)  # the template already holds BOS
-        prompt = {"prompt": text, "prompt_token_ids": ids}
+        prompt = render_chat(tokenizer, messages, add_generation_prompt)
         return self.process(prompt, params, request_id, priority=priority, arrival_time=arrival_time)
 
     def _check_params(self, params: SamplingParams) -> None:
@@ -145,7 +144,10 @@ class InputProcessor:
         )
 
     def _from_mapping(self, prompt: Mapping[str, Any]) -> tuple[str | None, list[int]]:
-        """`{"prompt_token_ids": ids}` (with an optional "prompt" text kept for the output) or `{"prompt": text}`."""
+        """`{"prompt_token_ids": ids}` (with an optional "prompt" text kept for the output), `{"prompt": text}`, or a
+        chat `{"messages": [...]}`."""
+        if "messages" in prompt:
+            return self._from_chat(prompt)
         unknown = sorted(str(k) for k in prompt if k not in _PROMPT_KEYS)
         if unknown:
             raise InvalidRequestError(f"unsupported prompt field(s): {', '.join(unknown)[:200]}", param="prompt")
@@ -157,6 +159,16 @@ class InputProcessor:
         if text is None:
             raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", param="prompt")
         return text, self._encode(text)
+
+    def _from_chat(self, prompt: Mapping[str, Any]) -> tuple[str | None, list[int]]:
+        unknown = sorted(str(k) for k in prompt if k not in _CHAT_KEYS)
+        if unknown:
+            raise InvalidRequestError(f"unsupported chat prompt field(s): {', '.join(unknown)[:200]}", param="prompt")
+        add_generation_prompt = prompt.get("add_generation_prompt", True)
+        if not isinstance(add_generation_prompt, bool):
+            raise InvalidRequestError("add_generation_prompt must be a boolean", param="add_generation_prompt")
+        rendered = render_chat(self.tokenizer, prompt["messages"], add_generation_prompt)
+        return rendered["prompt"], rendered["prompt_token_ids"]
 
     def _encode(self, text: str) -> list[int]:
         if not text:
@@ -195,6 +207,15 @@ class InputProcessor:
                 f"{prompt_len + params.max_tokens} is over max_model_len {limit}", param="max_tokens",
             )
         return params
+
+
+def render_chat(tokenizer: Tokenizer, messages: Any, add_generation_prompt: bool = True) -> dict[str, Any]:
+    """`{"prompt": text, "prompt_token_ids": ids}` of a chat: the template rendered in the sandbox, encoded without
+    added special tokens (the template already holds BOS). Raises NoChatTemplateError for a model without one."""
+    if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list of messages", param="messages")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
 
 def _check_int_field(name: str, value: Any) -> None:

@@ -17,13 +17,15 @@ from jengine.tokenizer.tiny import CHATML_TEMPLATE, train_tiny_tokenizer
 logger = logging.getLogger(__name__)
 
 DEFAULT_DEMO_DIR = Path.home() / ".cache" / "jengine" / "demo-model"
+DEMO_SERVED_NAME = "jengine-demo-tiny-random"  # what `jengine serve` with no MODEL calls it: clearly not a real model
+DEMO_MAX_POSITIONS = 2048  # so a served demo has max_model_len 2048, like the small real models users try first
 _SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
 
 
 def ensure_demo_model(out_dir: str | Path = DEFAULT_DEMO_DIR) -> Path:
     """Builds the demo model once; later calls reuse the directory."""
     out = Path(out_dir)
-    if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
+    if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists() and _is_current(out):
         return out
     logger.info("building the demo model (random weights) in %s", out)
     train_tiny_tokenizer(out, vocab_size=512, chat_template=CHATML_TEMPLATE)
@@ -37,11 +39,22 @@ def ensure_demo_model(out_dir: str | Path = DEFAULT_DEMO_DIR) -> Path:
     return out
 
 
+def _is_current(out: Path) -> bool:
+    """A demo directory left by an older version (fewer positions, no chat template) is rebuilt."""
+    try:
+        config = json.loads((out / "config.json").read_text())
+        tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return config.get("max_position_embeddings", 0) >= DEMO_MAX_POSITIONS and "chat_template" in tokenizer_config
+
+
 def _config(vocab_size: int) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab_size,
         **_SHAPE, "head_dim": _SHAPE["hidden_size"] // _SHAPE["num_attention_heads"], "hidden_act": "silu",
-        "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "max_position_embeddings": DEMO_MAX_POSITIONS, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
         "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
     }
 

@@ -1,6 +1,7 @@
 """The runner's persistent batch: per-request rows of token ids and block tables, updated by the step diffs.
 
-Input preparation is vectorised numpy over the scheduled tokens; the only Python loops run over requests.
+Input preparation is vectorised numpy over the scheduled tokens; per-request facts the step needs (prompt length,
+computed tokens, prompt logprobs asked) live in per-row arrays, so a decode step runs no Python loop over requests.
 """
 
 from __future__ import annotations
@@ -41,27 +42,39 @@ class InputBatch:
         max_blocks = -(-max_model_len // block_size)
         self.token_ids = np.zeros((max_num_seqs, max_model_len), np.int32)
         self.num_tokens = np.zeros(max_num_seqs, np.int32)
+        self.num_computed = np.zeros(max_num_seqs, np.int32)  # tokens whose K/V the steps so far have written
+        self.num_prompt = np.zeros(max_num_seqs, np.int32)
+        self.num_prompt_logprobs = np.full(max_num_seqs, -1, np.int32)  # -1: prompt logprobs not asked
         self.block_table = np.zeros((max_num_seqs, buckets.blocks[-1] if buckets.blocks[-1] >= max_blocks
                                      else max_blocks), np.int32)
         self.num_blocks = np.zeros(max_num_seqs, np.int32)
         self.rows: dict[str, RowInfo] = {}
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self._last_ids: list[str] | None = None  # the scheduled requests of the last `rows_of` call ...
+        self._last_rows = np.zeros(0, np.int32)  # ... and their rows, valid until a request joins or leaves
 
     # ------------------------------------------------------------------ diffs
     def apply(self, sched: SchedulerOutput) -> None:
         for request_id in sched.finished_request_ids | sched.preempted_request_ids:
             self.remove(request_id)
         for cached in sched.cached_requests:
-            self._append_blocks(self.rows[cached.request_id].row, cached.new_block_ids)
+            row = self.rows[cached.request_id].row
+            self.num_computed[row] = cached.num_computed_tokens
+            self._append_blocks(row, cached.new_block_ids)
         for new in sched.new_requests:
             self._add(new)
 
     def _add(self, new: NewRequestData) -> None:
         row = self._free_rows.pop()
         self.rows[new.request_id] = RowInfo(new, row)
+        self._last_ids = None
         n = len(new.token_ids)
         self.token_ids[row, :n] = new.token_ids
         self.num_tokens[row] = n
+        self.num_computed[row] = new.num_computed_tokens
+        self.num_prompt[row] = new.num_prompt_tokens
+        wanted = new.sampling_params.prompt_logprobs
+        self.num_prompt_logprobs[row] = -1 if wanted is None else wanted
         self.num_blocks[row] = 0
         self._append_blocks(row, new.block_ids)
 
@@ -69,30 +82,40 @@ class InputBatch:
         info = self.rows.pop(request_id, None)
         if info is not None:
             self._free_rows.append(info.row)
+            self._last_ids = None
 
     def _append_blocks(self, row: int, block_ids: list[int]) -> None:
         start = self.num_blocks[row]
         self.block_table[row, start : start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
 
-    def append_tokens(self, request_id: str, token_ids: list[int]) -> None:
-        row = self.rows[request_id].row
-        n = self.num_tokens[row]
-        self.token_ids[row, n : n + len(token_ids)] = token_ids
-        self.num_tokens[row] = n + len(token_ids)
+    def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """Append one sampled token to each of `rows` (distinct rows), all at once."""
+        self.token_ids[rows, self.num_tokens[rows]] = token_ids
+        self.num_tokens[rows] += 1
+
+    def rows_of(self, request_ids: list[str]) -> np.ndarray:
+        """The rows of these requests. Steady decoding schedules the same requests in the same order step after
+        step, so the last answer is reused then (one list comparison instead of a dict lookup per request)."""
+        if request_ids != self._last_ids:
+            self._last_ids = request_ids
+            self._last_rows = np.array([self.rows[r].row for r in request_ids], np.int32)
+        return self._last_rows
 
     # ------------------------------------------------------------------ one step's inputs
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
+        """This step's padded inputs; advances the rows' computed counts past the scheduled tokens."""
         request_ids = list(sched.num_scheduled_tokens)
-        rows = np.array([self.rows[r].row for r in request_ids], np.int32)
+        rows = self.rows_of(request_ids)
         count = np.fromiter(sched.num_scheduled_tokens.values(), np.int32, len(request_ids))
-        start = self._computed_before(sched, request_ids)
+        start = self.num_computed[rows]
+        seq_lens = start + count
+        self.num_computed[rows] = seq_lens
         total = int(count.sum())
         ends = np.cumsum(count)
         row_of_token = np.repeat(rows, count)
         positions = np.arange(total, dtype=np.int32) - np.repeat(ends - count - start, count)
         blocks = self.block_table[row_of_token, positions // self.block_size]
-        seq_lens = start + count
 
         b = self.buckets
         tokens_padded, seqs_padded = pick(total, b.tokens), pick(len(rows), b.seqs)
@@ -113,8 +136,3 @@ class InputBatch:
         logits_rows = np.concatenate([ends - 1, np.zeros(pad_seqs, np.int64)]).astype(np.int32)
         samples = seq_lens >= self.num_tokens[rows]
         return StepInputs(request_ids, rows, token_ids, md, logits_rows, samples, start, count)
-
-    def _computed_before(self, sched: SchedulerOutput, request_ids: list[str]) -> np.ndarray:
-        computed = {c.request_id: c.num_computed_tokens for c in sched.cached_requests}
-        computed.update({n.request_id: n.num_computed_tokens for n in sched.new_requests})
-        return np.array([computed[r] for r in request_ids], np.int32)

@@ -71,35 +71,31 @@ class ModelRunner:
     # ------------------------------------------------------------------ sampling inputs
     def _sampling_metadata(self, inputs: StepInputs):
         rows = inputs.rows
-        num_prompt = np.array([self.batch.rows[r].request.num_prompt_tokens for r in inputs.request_ids], np.int64)
+        num_prompt = self.batch.num_prompt[rows]
         steps = self.batch.num_tokens[rows] - num_prompt
 
         def histories(i: int):
-            row = rows[i]
-            return self.batch.token_ids[row, : num_prompt[i]], self.batch.token_ids[row, num_prompt[i] : num_prompt[i]
-                                                                                     + steps[i]]
+            row, prompt = rows[i], num_prompt[i]
+            return self.batch.token_ids[row, :prompt], self.batch.token_ids[row, prompt : prompt + steps[i]]
 
         return self.sampling_rows.build(rows, steps, histories, len(inputs.logits_rows))
 
     def _prompt_logprob_rows(self, inputs: StepInputs):
         """Flattened rows whose logits give the next prompt token's logprob, for requests that asked."""
-        plan, rows, targets, k = [], [], [], 0
-        token_offset = 0
-        for i, request_id in enumerate(inputs.request_ids):
-            new = self.batch.rows[request_id].request
-            start, count = int(inputs.positions_start[i]), int(inputs.num_scheduled[i])
-            wanted = new.sampling_params.prompt_logprobs
-            last_target = min(start + count, new.num_prompt_tokens - 1)  # targets are positions start+1 ..
-            if wanted is not None and start < new.num_prompt_tokens:
-                n = max(last_target - start, 0)
-                plan.append(PromptLogprobRequest(request_id, start + 1, n, start == 0))
-                rows.extend(range(token_offset, token_offset + n))
-                row = inputs.rows[i]
-                targets.extend(self.batch.token_ids[row, start + 1 : start + 1 + n].tolist())
-                k = max(k, wanted)
-            token_offset += count
-        if not plan:
+        wanted = self.batch.num_prompt_logprobs[inputs.rows]
+        num_prompt = self.batch.num_prompt[inputs.rows]
+        asking = np.flatnonzero((wanted >= 0) & (inputs.positions_start < num_prompt))
+        if not asking.size:  # the common step: nobody asked, no Python loop over requests
             return [], None, None, 0
+        offsets = np.cumsum(inputs.num_scheduled) - inputs.num_scheduled
+        plan, rows, targets = [], [], []
+        for i in asking.tolist():
+            start, count = int(inputs.positions_start[i]), int(inputs.num_scheduled[i])
+            n = max(min(start + count, int(num_prompt[i]) - 1) - start, 0)  # targets are positions start+1 ..
+            plan.append(PromptLogprobRequest(inputs.request_ids[i], start + 1, n, start == 0))
+            rows.extend(range(int(offsets[i]), int(offsets[i]) + n))
+            targets.extend(self.batch.token_ids[inputs.rows[i], start + 1 : start + 1 + n].tolist())
+        k = int(wanted[asking].max())
         padded = pick(max(len(rows), 1), powers_of_two(16, max(16, self.buckets.tokens[-1])))
         pad = padded - len(rows)
         return (plan, np.array(rows + [0] * pad, np.int32), np.array(targets + [0] * pad, np.int32),
@@ -107,26 +103,31 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ outputs
     def _runner_output(self, inputs: StepInputs, sampled, prompt_plan, prompt_out) -> RunnerOutput:
-        token_ids = np.asarray(sampled.token_ids)
-        sampled_lists, logprobs = [], []
-        for i, request_id in enumerate(inputs.request_ids):
-            if not inputs.samples[i]:
-                sampled_lists.append([])
-                logprobs.append(None)
-                continue
-            token = int(token_ids[i])
-            self.batch.append_tokens(request_id, [token])
-            sampled_lists.append([token])
-            logprobs.append(self._token_logprobs(sampled, i, request_id))
-        return RunnerOutput(inputs.request_ids, sampled_lists, logprobs,
+        """Appends the sampled tokens to the batch in one scatter; per request, only the output lists."""
+        n = len(inputs.request_ids)
+        token_ids = np.asarray(sampled.token_ids)[:n]
+        samples = inputs.samples
+        all_sample = bool(samples.all())
+        self.batch.append_sampled(inputs.rows if all_sample else inputs.rows[samples],
+                                  token_ids if all_sample else token_ids[samples])
+        sampled_lists = [[token] for token in token_ids.tolist()]
+        if not all_sample:  # prefill chunks that stop short of their last token sample nothing
+            for i in np.flatnonzero(~samples).tolist():
+                sampled_lists[i] = []
+        return RunnerOutput(inputs.request_ids, sampled_lists, self._token_logprobs(inputs, sampled),
                             self._prompt_output(prompt_plan, prompt_out))
 
-    def _token_logprobs(self, sampled, i: int, request_id: str) -> TokenLogprobs | None:
-        wanted = self.batch.rows[request_id].request.sampling_params.logprobs
-        if wanted is None or sampled.logprobs is None:
-            return None
-        return TokenLogprobs(sampled.logprob_token_ids[i, : wanted + 1].tolist(),
-                             sampled.logprobs[i, : wanted + 1].tolist(), int(sampled.sampled_rank[i]))
+    def _token_logprobs(self, inputs: StepInputs, sampled) -> list[TokenLogprobs | None]:
+        """Per row: the sampled token's raw logprobs and the top ones, for the requests that asked and sampled."""
+        logprobs: list[TokenLogprobs | None] = [None] * len(inputs.request_ids)
+        if sampled.logprobs is None:
+            return logprobs
+        wanted = self.sampling_rows.logprobs[inputs.rows]
+        for i in np.flatnonzero((wanted >= 0) & inputs.samples).tolist():
+            width = int(wanted[i]) + 1
+            logprobs[i] = TokenLogprobs(sampled.logprob_token_ids[i, :width].tolist(),
+                                        sampled.logprobs[i, :width].tolist(), int(sampled.sampled_rank[i]))
+        return logprobs
 
     def _prompt_output(self, plan: list[PromptLogprobRequest], out) -> dict[str, list[TokenLogprobs | None]]:
         result, offset = {}, 0

@@ -108,10 +108,13 @@ class SamplingRowTable:
         self.min_tokens = np.zeros(max_rows, np.int64)
         self.logprobs = np.full(max_rows, -1, np.int64)
         self.has_bias = np.zeros(max_rows, bool)
+        self._version = 0  # counts set_row calls: a cached gather is stale once it moves
+        self._fixed: tuple | None = None  # (rows, (version, padding), the gather) of the last build
 
     def set_row(self, row: int, params: SamplingParams, choice_index: int, request_counter: int,
                 eos_token_ids: Sequence[int]) -> None:
         greedy = params.is_greedy
+        self._version += 1
         self.params[row], self.eos[row] = params, tuple(eos_token_ids)
         self.temperature[row] = 0.0 if greedy else params.temperature
         self.top_k[row] = 0 if greedy else min(params.top_k, np.iinfo(np.int32).max)
@@ -129,7 +132,27 @@ class SamplingRowTable:
     def build(self, rows: np.ndarray, generation_steps: np.ndarray, histories, num_rows_padded: int
               ) -> SamplingMetadata:
         """Metadata for `rows` (table indices) sampling their `generation_steps`-th token; `histories(i)` gives
-        (prompt ids, output ids) of the i-th row, asked only for penalised rows."""
+        (prompt ids, output ids) of the i-th row, asked only for penalised rows. `rows` must not be changed later
+        (the fields that depend only on it are kept for the next call with the same array)."""
+        fixed, penalised = self._fixed_fields(rows, num_rows_padded)
+        steps = np.zeros(num_rows_padded, np.uint32)
+        steps[: len(rows)] = generation_steps
+        return SamplingMetadata(
+            **fixed, rng_step=steps,
+            **self._histories(penalised, fixed["repetition_penalty"], histories, num_rows_padded),
+            banned_token_ids=self._banned(rows, generation_steps, num_rows_padded),
+        )
+
+    def _fixed_fields(self, rows: np.ndarray, num_rows_padded: int) -> tuple[dict, np.ndarray]:
+        """The fields that depend only on the rows and their settings, and which rows are penalised. Steady decoding
+        asks again for the same rows (the same array) step after step, so the last answer is reused until the
+        array or a row's settings change: the gathers below are most of the metadata's cost otherwise."""
+        key = (self._version, num_rows_padded)
+        if self._fixed is None or rows is not self._fixed[0] or key != self._fixed[1]:
+            self._fixed = (rows, key, self._gather_fixed(rows, num_rows_padded))
+        return self._fixed[2]
+
+    def _gather_fixed(self, rows: np.ndarray, num_rows_padded: int) -> tuple[dict, np.ndarray]:
         n = len(rows)
 
         def column(values: np.ndarray, fill) -> np.ndarray:
@@ -142,17 +165,13 @@ class SamplingRowTable:
         presence, frequency = column(self.presence, 0), column(self.frequency, 0)
         repetition = column(self.repetition, 1)
         penalised = (presence != 0) | (frequency != 0) | (repetition != 1)
-        steps = np.zeros(num_rows_padded, np.uint32)
-        steps[:n] = generation_steps
         key = np.zeros((num_rows_padded, 2), np.uint32)
         key[:n] = self.key[rows]
-        return SamplingMetadata(
+        fields = dict(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
-            rng_key=key, rng_choice=column(self.choice, 0), rng_step=steps,
-            **self._histories(penalised, repetition, histories, num_rows_padded),
+            rng_key=key, rng_choice=column(self.choice, 0),
             **self._bias(rows, num_rows_padded),
-            banned_token_ids=self._banned(rows, generation_steps, num_rows_padded),
             all_greedy=not bool(np.any(temperature > 0)),
             use_penalties=bool(penalised.any()),
             use_top_k=bool(np.any(top_k > 0)),
@@ -161,21 +180,23 @@ class SamplingRowTable:
             max_top_k=_max_top_k(top_k, top_p),
             max_num_logprobs=_logprobs_width(self.logprobs[rows]),
         )
+        return fields, penalised
 
     def _histories(self, penalised, repetition, histories, num_rows_padded: int) -> dict:
-        prompts: list[Sequence[int]] = [()] * num_rows_padded
-        outputs: list[Sequence[int]] = [()] * num_rows_padded
-        for i in np.flatnonzero(penalised):
-            prompt, output = histories(int(i))
-            prompts[i] = prompt if repetition[i] != 1 else ()
+        prompts: dict[int, Sequence[int]] = {}
+        outputs: dict[int, Sequence[int]] = {}
+        for i in np.flatnonzero(penalised).tolist():
+            prompt, output = histories(i)
+            if repetition[i] != 1:
+                prompts[i] = prompt
             outputs[i] = output
         return dict(prompt_token_ids=_pad_rows(prompts, num_rows_padded),
                     output_token_ids=_pad_rows(outputs, num_rows_padded))
 
     def _bias(self, rows: np.ndarray, num_rows_padded: int) -> dict:
-        ids: list[Sequence[int]] = [()] * num_rows_padded
-        values: list[Sequence[float]] = [()] * num_rows_padded
-        for i in np.flatnonzero(self.has_bias[rows]):
+        ids: dict[int, Sequence[int]] = {}
+        values: dict[int, Sequence[float]] = {}
+        for i in np.flatnonzero(self.has_bias[rows]).tolist():
             bias = self.params[rows[i]].logit_bias
             ids[i], values[i] = list(bias.keys()), list(bias.values())
         return dict(logit_bias_ids=_pad_rows(ids, num_rows_padded),
@@ -183,8 +204,8 @@ class SamplingRowTable:
 
     def _banned(self, rows: np.ndarray, generation_steps: np.ndarray, num_rows_padded: int) -> np.ndarray:
         """Stop ids (and EOS unless ignore_eos) are banned while fewer than min_tokens tokens exist, as in vLLM."""
-        banned: list[Sequence[int]] = [()] * num_rows_padded
-        for i in np.flatnonzero(generation_steps < self.min_tokens[rows]):
+        banned: dict[int, Sequence[int]] = {}
+        for i in np.flatnonzero(generation_steps < self.min_tokens[rows]).tolist():
             params = self.params[rows[i]]
             eos = () if params.ignore_eos else self.eos[rows[i]]
             banned[i] = sorted(set(params.stop_token_ids) | set(eos))
@@ -197,14 +218,17 @@ def bucket_width(width: int) -> int:
 
 
 def _pad_rows(
-    seqs: Sequence[Sequence[float]], num_rows: int, *, fill: float = -1, dtype: type = np.int32
+    seqs: dict[int, Sequence[float]], num_rows: int, *, fill: float = -1, dtype: type = np.int32
 ) -> np.ndarray:
-    """Stack ragged rows into [num_rows, bucketed width] in one vectorised scatter (no per-row Python copy)."""
+    """Stack ragged rows (row index → values, in increasing row order; rows not given are empty) into
+    [num_rows, bucketed width] in one vectorised scatter (no per-row Python copy). Sparse, because most rows of
+    most steps have nothing here: then no per-row work at all."""
     lengths = np.zeros(num_rows, dtype=np.int64)
-    lengths[: len(seqs)] = [len(s) for s in seqs]
+    if seqs:
+        lengths[list(seqs)] = [len(s) for s in seqs.values()]
     out = np.full((num_rows, bucket_width(int(lengths.max(initial=0)))), fill, dtype=dtype)
     if out.shape[1]:
-        flat = np.concatenate([np.asarray(s, dtype=dtype).reshape(-1) for s in seqs])
+        flat = np.concatenate([np.asarray(s, dtype=dtype).reshape(-1) for s in seqs.values()])
         out[np.arange(out.shape[1]) < lengths[:, None]] = flat
     return out
 

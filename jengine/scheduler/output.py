@@ -1,7 +1,9 @@
 """The step contract between the scheduler and the runner: plain data, a diff against the previous step.
 
-New (and resumed) requests travel in full once; running ones send only their new block ids. The runner keeps a
-persistent batch and applies these deltas. This is the only part of `jengine.scheduler` the runner imports.
+New (and resumed) requests travel in full once; running ones send only their new block ids, and only when they got
+some (a decode with room in its last block sends nothing but its count). The runner keeps a persistent batch, its
+rows' computed counts included, and applies these deltas. This is the only part of `jengine.scheduler` the runner
+imports.
 """
 
 from __future__ import annotations
@@ -27,8 +29,11 @@ class NewRequestData:
     request_counter: int  # engine-unique number: seeds the randomness of requests without their own seed
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class CachedRequestData:
+    """A running request that got new blocks this step. Not frozen: several are built per step, and a frozen
+    dataclass's __init__ (object.__setattr__ per field) costs several times more."""
+
     request_id: str
     new_block_ids: list[int]
     num_computed_tokens: int  # before this step
@@ -37,7 +42,7 @@ class CachedRequestData:
 @dataclasses.dataclass(frozen=True)
 class SchedulerOutput:
     new_requests: list[NewRequestData]
-    cached_requests: list[CachedRequestData]
+    cached_requests: list[CachedRequestData]  # running requests with new blocks; a scheduled one absent has none
     num_scheduled_tokens: dict[str, int]  # request id → new tokens this step, in row order (new requests last)
     total_num_scheduled_tokens: int
     finished_request_ids: set[str]  # finished or aborted since the last step: the runner drops their rows

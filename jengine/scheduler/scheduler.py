@@ -25,7 +25,7 @@ from jengine.scheduler.policy import WaitingQueue
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class RequestUpdate:
     """What one step did to one request: the core turns these into engine outputs."""
 
@@ -34,6 +34,27 @@ class RequestUpdate:
     logprobs: list[TokenLogprobs | None]
     prompt_logprobs: list[TokenLogprobs | None] | None
     finished: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StopRule:
+    """A request's stop conditions folded into a per-step check that is cheap when nothing stops (the common
+    case); `Scheduler._stop_status` decides exactly once it may."""
+
+    token_ids: frozenset[int]  # EOS (unless ignore_eos) and stop_token_ids: may stop, depending on min_tokens
+    max_num_tokens: int  # prompt + output tokens at which it stops for length (max_tokens or max_model_len)
+
+    @classmethod
+    def of(cls, request: Request, max_model_len: int) -> StopRule:
+        params = request.sampling_params
+        eos = frozenset() if params.ignore_eos else frozenset(request.eos_token_ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len
+        return cls(eos | frozenset(params.stop_token_ids or ()),
+                   min(request.num_prompt_tokens + max_tokens, max_model_len))
+
+    def may_stop(self, request: Request) -> bool:
+        tokens = request.all_token_ids
+        return len(tokens) >= self.max_num_tokens or tokens[-1] in self.token_ids
 
 
 @dataclasses.dataclass
@@ -55,6 +76,7 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         self._choice_index: dict[str, int] = {}
         self._counter: dict[str, int] = {}
+        self._stop_rules: dict[str, StopRule] = {}
         self._next_counter = 0
         self.num_preemptions_total = 0
 
@@ -68,6 +90,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         self._choice_index[request.request_id] = choice_index
         self._counter[request.request_id] = self._next_counter
+        self._stop_rules[request.request_id] = StopRule.of(request, self.config.max_model_len)
         self._next_counter += 1
         self.waiting.push(request)
 
@@ -103,25 +126,34 @@ class Scheduler:
         budget = self._schedule_running(budget, scheduled, cached, preempted)
         if not preempted:
             self._schedule_waiting(budget, scheduled, new)
-        for request_id, count in scheduled.items():
-            self.requests[request_id].num_computed_tokens += count
         finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(new, cached, scheduled, sum(scheduled.values()), finished, preempted - finished)
 
     def _schedule_running(self, budget: int, scheduled: dict[str, int], cached: list[CachedRequestData],
                           preempted: set[str]) -> int:
+        """Running requests in order; only those that got new blocks join `cached` (the diff lists changes only).
+
+        Runs once per running request per step, so the common decode (room in its last block) costs one check.
+        """
+        running, has_room = self.running, self.kv.has_room  # locals: this loop runs per request per step
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        while index < len(running) and budget > 0:
+            request = running[index]
+            computed = request.num_computed_tokens
+            num_new = len(request.all_token_ids) - computed
+            if num_new > budget:
+                num_new = budget
             if num_new <= 0:  # nothing known to compute (cannot happen after a sampled step); skip
                 index += 1
                 continue
-            new_blocks = self._allocate_or_preempt(request, num_new, index, preempted)
-            if new_blocks is None:  # the request itself was preempted
-                continue
+            if not has_room(request, num_new):
+                new_blocks = self._allocate_or_preempt(request, num_new, index, preempted)
+                if new_blocks is None:  # the request itself was preempted
+                    continue
+                if new_blocks:
+                    cached.append(CachedRequestData(request.request_id, new_blocks, computed))
             scheduled[request.request_id] = num_new
-            cached.append(CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens))
+            request.num_computed_tokens = computed + num_new
             budget -= num_new
             index += 1
         return budget
@@ -155,7 +187,7 @@ class Scheduler:
             if request.status == RequestStatus.WAITING:
                 request.num_cached_prompt_tokens = num_cached
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_cached
+            request.num_computed_tokens = num_cached + num_new  # NewRequestData below says where this step starts
             self.running.append(request)
             scheduled[request.request_id] = num_new
             new.append(NewRequestData(
@@ -180,23 +212,32 @@ class Scheduler:
     def update_from_output(self, sched: SchedulerOutput, out: RunnerOutput) -> list[RequestUpdate]:
         """Appends sampled tokens, applies stop rules, frees finished requests' blocks."""
         updates = []
-        for row, request_id in enumerate(out.request_ids):
+        prompt_logprobs = out.prompt_logprobs
+        for request_id, tokens, logprobs in zip(out.request_ids, out.sampled_token_ids, out.logprobs, strict=True):
             request = self.requests.get(request_id)
-            if request is None or request.is_finished:
+            if request is None:  # finished or aborted since it was scheduled (`_finish` removes it)
                 continue
-            tokens = out.sampled_token_ids[row]
-            prompt_logprobs = out.prompt_logprobs.get(request_id)
+            prompt = prompt_logprobs.get(request_id) if prompt_logprobs else None
             if tokens:
-                request.append_output(tokens)
-                update_block_hashes(request, self.block_size)
-                status = self._stop_status(request)
-                if status is not None:
-                    self.running.remove(request)
-                    self._finish(request, status)
-            if tokens or prompt_logprobs:
-                logprobs = [out.logprobs[row]] if tokens else []
-                updates.append(RequestUpdate(request, tokens, logprobs, prompt_logprobs, request.is_finished))
+                finished = self._append_output(request, tokens)
+                updates.append(RequestUpdate(request, tokens, [logprobs], prompt, finished))
+            elif prompt:
+                updates.append(RequestUpdate(request, tokens, [], prompt, False))
         return updates
+
+    def _append_output(self, request: Request, tokens: list[int]) -> bool:
+        """Appends sampled tokens and applies the stop rules; returns whether the request finished."""
+        request.append_output(tokens)
+        if len(request.all_token_ids) >= (len(request.block_hashes) + 1) * self.block_size:  # a block became full
+            update_block_hashes(request, self.block_size)
+        if not self._stop_rules[request.request_id].may_stop(request):
+            return False
+        status = self._stop_status(request)
+        if status is None:
+            return False
+        self.running.remove(request)
+        self._finish(request, status)
+        return True
 
     def _stop_status(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params
@@ -216,5 +257,6 @@ class Scheduler:
         self.requests.pop(request.request_id, None)
         self._choice_index.pop(request.request_id, None)
         self._counter.pop(request.request_id, None)
+        self._stop_rules.pop(request.request_id, None)
         self.waiting.forget(request.request_id)
         self._finished_ids.add(request.request_id)

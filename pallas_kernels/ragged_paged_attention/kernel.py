@@ -1,0 +1,471 @@
+"""Ragged paged attention for NVIDIA GPUs (Pallas, Triton backend), reading K/V pages straight from the cache.
+
+Semantics are those of `reference.ragged_paged_attention` (and of jengine's pure-jnp oracle): the batch is flattened,
+request `b` owns tokens `query_start_loc[b]:query_start_loc[b + 1]`, which are the *last* `q_len` of its `seq_lens[b]`
+cached positions; each new token attends causally over its own request's positions (optionally only the last
+`sliding_window` of them, optionally with a logit soft cap). The KV cache is one array
+`[layers, blocks, block_size, 2, kv_heads, head_dim]` (K at 0 / V at 1 of axis 3) and `layer` is a traced scalar, so
+the kernel takes the whole cache and computes page addresses itself (64-bit offsets past 4 GiB, done by the lowering).
+
+Why two launches. A decode has one query row per query head; a prefill chunk has thousands. One program shape cannot
+serve both: a 128-row query tile wastes 97 % of its tensor-core work on a decode, and a decode program that walks a
+32k context alone leaves the GPU idle when the batch is small. So one step runs
+  * the *decode* kernel, grid `(seqs, kv_heads, max_splits)`, for requests with at most `block_m // group_pad` new
+    tokens: all query heads of one KV head in one 16-row tile, the context split into chunks whose count depends only
+    on the request's own length (flash decoding); a small merge kernel combines the splits in a fixed order (the same
+    numbers alone or in any batch) and writes the rows into the output in place;
+  * the *prefill* kernel, grid `(query_tiles, kv_heads)`, for the other requests: a tile of `block_m` rows = tokens ×
+    query heads of one KV head, the loop over its visible KV split into masked edges and an unmasked middle.
+The prefill launch is skipped when `max_query_len` (static) shows that every request fits the decode kernel.
+
+Backend: `pl.pallas_call` lowers through Triton on GPU, which jax 0.11.2 marks deprecated (a warning at lowering)
+but runs correctly on the H200; a Mosaic GPU (`plgpu.kernel`) port is the way to more prefill throughput.
+Triton rules obeyed here (JAX-PALLAS.md §1.2): every loaded or computed block has a power-of-two element count
+(ragged edges are masked), no scalar prefetch (block-table entries and lengths are loaded inside the kernel), no
+scratch. Rows of padding tokens come back as zeros.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels.ragged_paged_attention.tuning import KernelConfig, SplitConfig, Tuning, default_tuning
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
+_LOG2E = math.log2(math.e)
+# Finite start for the running max: exp2(m_old - m_new) stays finite while a row has seen no visible key yet, and
+# masked scores are -inf, so they contribute exp2(-inf) = 0 without an extra select.
+_M_INIT = -1e30
+
+KVCache = Float[Array, "layers blocks block_size 2 kv_heads head_dim"]
+
+
+class UnsupportedShapeError(ValueError):
+    """The kernel does not handle this shape; callers fall back to the reference path."""
+
+
+def check_supported(*, head_dim: int, block_size: int, num_q_heads: int, num_kv_heads: int) -> None:
+    """Raises `UnsupportedShapeError` naming the first unsupported dimension (backends use it to fall back)."""
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise UnsupportedShapeError(f"head_dim={head_dim} is not supported (supported: {SUPPORTED_HEAD_DIMS})")
+    if block_size not in SUPPORTED_BLOCK_SIZES:
+        raise UnsupportedShapeError(f"block_size={block_size} is not supported (supported: {SUPPORTED_BLOCK_SIZES})")
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        raise UnsupportedShapeError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    if num_q_heads // num_kv_heads > 64:
+        raise UnsupportedShapeError(f"{num_q_heads // num_kv_heads} query heads per KV head (at most 64)")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geometry:
+    """Static shapes of one call, derived once from the operands."""
+
+    num_tokens: int
+    num_seqs: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+
+    @property
+    def group(self) -> int:
+        return self.q_heads // self.kv_heads
+
+    @property
+    def group_pad(self) -> int:
+        return 1 << max(self.group - 1, 0).bit_length()
+
+
+def _tokens_per_tile(geo: _Geometry, cfg: KernelConfig) -> int:
+    return cfg.block_m // geo.group_pad
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shared device code: visible range, split rule, the online-softmax loop.
+
+
+def _visible_range(first_pos, last_pos, window, block_n: int):
+    """KV positions `[lo, hi)` some row of a query tile can see (`lo` aligned down to `block_n`); `first_pos` and
+    `last_pos` are the positions of the tile's first and last query token. Works on scalars and arrays alike."""
+    lo = jnp.where(window > 0, jnp.maximum(first_pos - window + 1, 0), 0)
+    return (lo // block_n) * block_n, last_pos + 1
+
+
+def _num_splits(lo, hi, split: SplitConfig):
+    """How many chunks a decode request's context is cut into: a function of its own visible length only."""
+    return jnp.clip(_cdiv(hi - lo, split.split_tokens), 1, split.max_splits)
+
+
+def _split_range(lo, hi, s, split: SplitConfig, block_n: int):
+    """Chunk `s` of `[lo, hi)`: chunks are multiples of `block_n`, so no KV tile straddles two of them."""
+    nsplit = _num_splits(lo, hi, split)
+    chunk = _cdiv(_cdiv(hi - lo, nsplit), block_n) * block_n
+    my_lo = lo + s * chunk
+    return my_lo, jnp.minimum(hi, my_lo + chunk)
+
+
+@dataclasses.dataclass(frozen=True)
+class _KVSource:
+    """Where one program's K/V come from: its request's block-table row in one layer, one KV head."""
+
+    kv_ref: object
+    bt_ref: object
+    seq: jax.Array
+    layer: jax.Array
+    head: jax.Array
+    kv_hi: jax.Array  # positions >= kv_hi are never loaded (the block table may end there)
+    block_size: int
+
+    def load(self, start, block_n: int, masked: bool, dtype):
+        """K and V `[block_n, head_dim]` for positions `start + arange(block_n)`: each row is found through the
+        block table (page = position // block_size) and read at `[layer, page, offset, 0|1, head, :]`."""
+        pos = start + jnp.arange(block_n, dtype=jnp.int32)
+        shift = self.block_size.bit_length() - 1
+        page_idx, offset = pos >> shift, (pos & (self.block_size - 1))[:, None]
+        cols = _cols(self.kv_ref.shape[-1])
+        if masked:
+            ok = pos < self.kv_hi
+            page = pltr.load(self.bt_ref.at[self.seq, page_idx], mask=ok, other=0)[:, None]
+            ok2 = jnp.broadcast_to(ok[:, None], (block_n, cols.shape[1]))
+            k = pltr.load(self.kv_ref.at[self.layer, page, offset, 0, self.head, cols], mask=ok2, other=0)
+            v = pltr.load(self.kv_ref.at[self.layer, page, offset, 1, self.head, cols], mask=ok2, other=0)
+        else:
+            page = self.bt_ref[self.seq, page_idx][:, None]
+            k = self.kv_ref[self.layer, page, offset, 0, self.head, cols]
+            v = self.kv_ref[self.layer, page, offset, 1, self.head, cols]
+        return pos, k.astype(dtype), v.astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scores:
+    """Static score transform: scale, optional soft cap, conversion to base 2 (the loop uses exp2)."""
+
+    scale: float
+    soft_cap: float | None
+    precision: lax.Precision | None
+
+    def __call__(self, q, k):
+        s = pltr.dot(q, k, trans_b=True, precision=self.precision)
+        if self.soft_cap:
+            return jnp.tanh(s * (self.scale / self.soft_cap)) * (self.soft_cap * _LOG2E)
+        return s * (self.scale * _LOG2E)
+
+
+def _attend(q, q_pos, src: _KVSource, lo, hi, first_pos, last_pos, window, *, block_n: int, scores: _Scores):
+    """Online softmax of the query tile `q [block_m, d]` (rows at positions `q_pos`) over KV positions `[lo, hi)`.
+
+    Returns (acc, m, l): unnormalised output, running max and sum, base 2. The tiles every row sees in full (between
+    the window edge and the first row's position) skip the mask; the edge tiles on either side apply it.
+    """
+    t0, t1 = lo // block_n, _cdiv(hi, block_n)
+    full_lo = jnp.where(window > 0, last_pos - window + 1, 0)
+    u0 = jnp.clip(_cdiv(full_lo, block_n), t0, t1)
+    u1 = jnp.clip((first_pos + 1) // block_n, u0, t1)
+
+    def step(masked: bool):
+        def body(j, carry):
+            acc, m, l = carry
+            pos, k, v = src.load(j * block_n, block_n, masked, q.dtype)
+            s = scores(q, k)
+            if masked:
+                visible = pos[None, :] <= q_pos[:, None]
+                visible &= (window <= 0) | (pos[None, :] > q_pos[:, None] - window)
+                s = jnp.where(visible, s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - m_new[:, None])
+            l = l * alpha + jnp.sum(p, axis=1)
+            pv = pltr.dot(p.astype(v.dtype), v, precision=scores.precision)
+            return acc * alpha[:, None] + pv, m_new, l
+
+        return body
+
+    block_m, head_dim = q.shape
+    carry = (
+        jnp.zeros((block_m, head_dim), jnp.float32),
+        jnp.full((block_m,), _M_INIT, jnp.float32),
+        jnp.zeros((block_m,), jnp.float32),
+    )
+    carry = lax.fori_loop(t0, u0, step(True), carry)
+    carry = lax.fori_loop(u0, u1, step(False), carry)
+    return lax.fori_loop(u1, t1, step(True), carry)
+
+
+def _finish(acc, m, l):
+    """Normalised output and base-2 log-sum-exp; rows that saw nothing give 0 and -inf."""
+    seen = l > 0
+    out = acc / jnp.where(seen, l, 1.0)[:, None]
+    return out, jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), -jnp.inf)
+
+
+def _query_rows(block_m: int, group: int, group_pad: int):
+    """Row r of a query tile is token r // group_pad, query head r % group_pad of the KV head (padded heads masked)."""
+    rows = jnp.arange(block_m, dtype=jnp.int32)
+    shift = group_pad.bit_length() - 1
+    return rows >> shift, rows & (group_pad - 1)
+
+
+def _cols(head_dim: int):
+    """Column index `[1, head_dim]`. Every ref access indexes all axes with arrays or scalars (no slices): the one
+    form that both the Triton lowering and interpret mode accept for gathers."""
+    return jnp.arange(head_dim, dtype=jnp.int32)[None, :]
+
+
+def _load_q(q_ref, tok, head, valid):
+    cols = _cols(q_ref.shape[-1])
+    mask = jnp.broadcast_to(valid[:, None], (tok.shape[0], cols.shape[1]))
+    return pltr.load(q_ref.at[tok[:, None], head[:, None], cols], mask=mask, other=0)
+
+
+def _store_rows(o_ref, tok, head, valid, value):
+    """Masked row store; masked rows point past the end (interpret mode writes them as no-ops only there)."""
+    tok = jnp.where(valid, tok, o_ref.shape[0])
+    mask = jnp.broadcast_to(valid[:, None], value.shape)
+    pltr.store(o_ref.at[tok[:, None], head[:, None], _cols(value.shape[1])], value, mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The two kernels.
+
+
+def _decode_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, *,
+                   geo: _Geometry, cfg: KernelConfig, split: SplitConfig, scores: _Scores):
+    """Program (request b, KV head h, split s): chunk s of b's visible context for all of b's query rows. Only the
+    rows of real (token, head) pairs are stored, so the partial buffers cost traffic for real rows alone."""
+    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    q_start = qsl_ref[b]
+    q_len = qsl_ref[b + 1] - q_start
+    seq_len = lens_ref[b]
+    window = window_ref[0]
+    first_pos, last_pos = seq_len - q_len, seq_len - 1
+    lo, hi = _visible_range(first_pos, last_pos, window, cfg.block_n)
+    my_lo, my_hi = _split_range(lo, hi, s, split, cfg.block_n)
+    active = (q_len >= 1) & (q_len <= _tokens_per_tile(geo, cfg)) & (s < _num_splits(lo, hi, split))
+
+    @pl.when(active)
+    def _():
+        t, g = _query_rows(cfg.block_m, geo.group, geo.group_pad)
+        valid = (t < q_len) & (g < geo.group)
+        tok = jnp.where(valid, q_start + t, 0)
+        head = jnp.where(valid, h * geo.group + g, 0)
+        q = _load_q(q_ref, tok, head, valid)
+        src = _KVSource(kv_ref, bt_ref, b, layer_ref[0], h, hi, geo.block_size)
+        acc, m, l = _attend(q, first_pos + t, src, my_lo, my_hi, first_pos, last_pos, window,
+                            block_n=cfg.block_n, scores=scores)
+        out, lse = _finish(acc, m, l)
+        rows = jnp.where(valid, jnp.arange(cfg.block_m, dtype=jnp.int32), cfg.block_m)[:, None]
+        cols = _cols(geo.head_dim)
+        pltr.store(o_ref.at[b, h, s, rows, cols], out, mask=jnp.broadcast_to(valid[:, None], out.shape))
+        pltr.store(lse_ref.at[b, h, s, rows[:, 0]], lse, mask=valid)
+
+
+def _merge_kernel(window_ref, qsl_ref, lens_ref, o_part_ref, lse_part_ref, out_in_ref, out_ref, *,
+                  geo: _Geometry, cfg: KernelConfig, split: SplitConfig):
+    """Program (request b, KV head h): combines b's used splits by their base-2 LSE, in split order (fixed, so the
+    numbers do not depend on the batch), and writes the rows into the output in place."""
+    del out_in_ref  # aliased with out_ref
+    b, h = pl.program_id(0), pl.program_id(1)
+    q_start = qsl_ref[b]
+    q_len = qsl_ref[b + 1] - q_start
+    seq_len = lens_ref[b]
+    lo, hi = _visible_range(seq_len - q_len, seq_len - 1, window_ref[0], cfg.block_n)
+
+    @pl.when((q_len >= 1) & (q_len <= _tokens_per_tile(geo, cfg)))
+    def _():
+        t, g = _query_rows(cfg.block_m, geo.group, geo.group_pad)
+        valid = (t < q_len) & (g < geo.group)
+        rows = jnp.where(valid, jnp.arange(cfg.block_m, dtype=jnp.int32), 0)
+        cols = _cols(geo.head_dim)
+        mask2 = jnp.broadcast_to(valid[:, None], (cfg.block_m, geo.head_dim))
+
+        def body(s, carry):
+            acc, m, den = carry
+            lse = pltr.load(lse_part_ref.at[b, h, s, rows], mask=valid, other=-jnp.inf)
+            o = pltr.load(o_part_ref.at[b, h, s, rows[:, None], cols], mask=mask2, other=0.0)
+            m_new = jnp.maximum(m, lse)
+            alpha, w = jnp.exp2(m - m_new), jnp.exp2(lse - m_new)
+            return acc * alpha[:, None] + o * w[:, None], m_new, den * alpha + w
+
+        init = (jnp.zeros((cfg.block_m, geo.head_dim), jnp.float32), jnp.full((cfg.block_m,), _M_INIT, jnp.float32),
+                jnp.zeros((cfg.block_m,), jnp.float32))
+        acc, _, den = lax.fori_loop(0, _num_splits(lo, hi, split), body, init)
+        out = acc / jnp.where(den > 0, den, 1.0)[:, None]
+        tok = q_start + t
+        head = jnp.where(valid, h * geo.group + g, 0)
+        _store_rows(out_ref, tok, head, valid, out.astype(out_ref.dtype))
+
+
+def _prefill_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, tile_seq_ref, tile_q0_ref, q_ref, kv_ref,
+                    o_ref, *, geo: _Geometry, cfg: KernelConfig, scores: _Scores):
+    """Program (query tile i, KV head h). Real tiles attend; spare tiles (tile_seq == num_seqs) zero the rows of
+    padding tokens, so the output holds no uninitialised memory."""
+    i, h = pl.program_id(0), pl.program_id(1)
+    b, q0 = tile_seq_ref[i], tile_q0_ref[i]
+    t, g = _query_rows(cfg.block_m, geo.group, geo.group_pad)
+    head = jnp.where(g < geo.group, h * geo.group + g, 0)
+
+    @pl.when(b < geo.num_seqs)
+    def _():
+        q_start = qsl_ref[b]
+        q_len = qsl_ref[b + 1] - q_start
+        seq_len = lens_ref[b]
+        window = window_ref[0]
+        n_tok = jnp.minimum(_tokens_per_tile(geo, cfg), q_len - q0)
+        first_pos = seq_len - q_len + q0
+        last_pos = first_pos + n_tok - 1
+        valid = (t < n_tok) & (g < geo.group)
+        tok = jnp.where(valid, q_start + q0 + t, 0)
+        q = _load_q(q_ref, tok, head, valid)
+        lo, hi = _visible_range(first_pos, last_pos, window, cfg.block_n)
+        src = _KVSource(kv_ref, bt_ref, b, layer_ref[0], h, hi, geo.block_size)
+        acc, m, l = _attend(q, first_pos + t, src, lo, hi, first_pos, last_pos, window,
+                            block_n=cfg.block_n, scores=scores)
+        out, _ = _finish(acc, m, l)
+        _store_rows(o_ref, tok, head, valid, out.astype(o_ref.dtype))
+
+    @pl.when(b >= geo.num_seqs)
+    def _():
+        tok = q0 + t
+        valid = (tok < geo.num_tokens) & (g < geo.group)
+        _store_rows(o_ref, tok, head, valid, jnp.zeros((cfg.block_m, geo.head_dim), o_ref.dtype))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Host-side (XLA) glue: tile tables, launches, split merge.
+
+
+def _scalars(layer, sliding_window):
+    return jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(sliding_window, jnp.int32).reshape(1)
+
+
+def _decode_call(q, kv_cache, layer_window, qsl, lens, bt, geo, tuning, scores, interpret):
+    """Launches the split-K decode kernel: normalised partial outputs and their base-2 LSE per split."""
+    cfg, split = tuning.decode, tuning.split
+    part_shape = (geo.num_seqs, geo.kv_heads, split.max_splits, cfg.block_m)
+    kernel = functools.partial(_decode_kernel, geo=geo, cfg=cfg, split=split, scores=scores)
+    return pl.pallas_call(
+        kernel,
+        grid=(geo.num_seqs, geo.kv_heads, split.max_splits),
+        in_specs=[pl.no_block_spec] * 7,
+        out_specs=[pl.no_block_spec] * 2,
+        out_shape=[
+            jax.ShapeDtypeStruct((*part_shape, geo.head_dim), jnp.float32),
+            jax.ShapeDtypeStruct(part_shape, jnp.float32),
+        ],
+        compiler_params=pltr.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention_decode",
+    )(*layer_window, qsl, lens, bt, q, kv_cache)
+
+
+def _merge_call(out, partials, layer_window, qsl, lens, geo, tuning, interpret):
+    """Merges the decode splits into `out` in place (rows of other requests untouched)."""
+    kernel = functools.partial(_merge_kernel, geo=geo, cfg=tuning.decode, split=tuning.split)
+    return pl.pallas_call(
+        kernel,
+        grid=(geo.num_seqs, geo.kv_heads),
+        in_specs=[pl.no_block_spec] * 6,
+        out_specs=pl.no_block_spec,
+        out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
+        input_output_aliases={5: 0},
+        compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="ragged_paged_attention_merge",
+    )(layer_window[1], qsl, lens, *partials, out)
+
+
+def _prefill_tiles(qsl, geo: _Geometry, tuning: Tuning):
+    """Static-length table of query tiles: (request, first new-token index) per tile, heaviest (latest) tile of a
+    request first; the spare tiles at the end get (num_seqs, first padding token to zero)."""
+    tpt_dec, tpt = _tokens_per_tile(geo, tuning.decode), _tokens_per_tile(geo, tuning.prefill)
+    num_tiles = _cdiv(geo.num_tokens, tpt) + min(geo.num_seqs, geo.num_tokens // (tpt_dec + 1))
+    q_len = qsl[1:] - qsl[:-1]
+    tiles = jnp.where(q_len > tpt_dec, _cdiv(q_len, tpt), 0)
+    cum = jnp.cumsum(tiles)
+    i = jnp.arange(num_tiles, dtype=jnp.int32)
+    seq = jnp.searchsorted(cum, i, side="right").astype(jnp.int32)
+    real = seq < geo.num_seqs
+    sc = jnp.minimum(seq, geo.num_seqs - 1)
+    k = i - (cum[sc] - tiles[sc])
+    q0 = jnp.where(real, (tiles[sc] - 1 - k) * tpt, qsl[-1] + (i - cum[-1]) * tpt)
+    return num_tiles, seq, q0.astype(jnp.int32)
+
+
+def _prefill_call(q, kv_cache, layer_window, qsl, lens, bt, geo, tuning, scores, interpret):
+    cfg = tuning.prefill
+    num_tiles, tile_seq, tile_q0 = _prefill_tiles(qsl, geo, tuning)
+    kernel = functools.partial(_prefill_kernel, geo=geo, cfg=cfg, scores=scores)
+    return pl.pallas_call(
+        kernel,
+        grid=(num_tiles, geo.kv_heads),
+        in_specs=[pl.no_block_spec] * 9,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=pltr.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention_prefill",
+    )(*layer_window, qsl, lens, bt, tile_seq, tile_q0, q, kv_cache)
+
+
+def ragged_paged_attention_impl(
+    q, kv_cache, layer, query_start_loc, seq_lens, block_tables, *, scale, sliding_window, soft_cap, max_query_len,
+    interpret, tuning: Tuning | None = None,
+):
+    """The body of `ragged_paged_attention` with the block sizes as an argument (benchmarks sweep them)."""
+    num_tokens, q_heads, head_dim = q.shape
+    _, _, block_size, _, kv_heads, _ = kv_cache.shape
+    check_supported(head_dim=head_dim, block_size=block_size, num_q_heads=q_heads, num_kv_heads=kv_heads)
+    geo = _Geometry(num_tokens, seq_lens.shape[0], q_heads, kv_heads, head_dim, block_size)
+    tuning = tuning or default_tuning(head_dim, geo.group)
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    scores = _Scores(float(scale), float(soft_cap) if soft_cap else None, precision)
+    qsl, lens, bt = (jnp.asarray(a, jnp.int32) for a in (query_start_loc, seq_lens, block_tables))
+    layer_window = _scalars(layer, sliding_window)
+    args = (q, kv_cache, layer_window, qsl, lens, bt, geo, tuning, scores, interpret)
+    partials = _decode_call(*args)
+    if max_query_len <= _tokens_per_tile(geo, tuning.decode):
+        out = jnp.zeros_like(q)  # every request is a decode: no prefill launch
+    else:
+        out = _prefill_call(*args)
+    return _merge_call(out, partials, layer_window, qsl, lens, geo, tuning, interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "max_query_len", "interpret"))
+def ragged_paged_attention(
+    q: Float[Array, "tokens q_heads head_dim"],
+    kv_cache: KVCache,
+    layer: Int[Array, ""] | int,
+    query_start_loc: Int[Array, " seqs_plus_1"],
+    seq_lens: Int[Array, " seqs"],
+    block_tables: Int[Array, "seqs blocks_per_seq"],
+    *,
+    scale: float,
+    sliding_window: Int[Array, ""] | int = 0,
+    soft_cap: float | None = None,
+    max_query_len: int,
+    interpret: bool = False,
+) -> Float[Array, "tokens q_heads head_dim"]:
+    """Attention of every new token over its own request's cached positions (this step's K/V already written).
+
+    `sliding_window` > 0 keeps the last `sliding_window` positions (traced: it may differ per scanned layer);
+    `soft_cap` applies `cap * tanh(s / cap)` to the scaled logits; `max_query_len` is the static bound on new tokens
+    per request (a bucket). Rows of padding tokens (after `query_start_loc[-1]`) are zeros. Raises
+    `UnsupportedShapeError` for head dims or block sizes the kernel does not handle.
+    """
+    return ragged_paged_attention_impl(
+        q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale=scale, sliding_window=sliding_window,
+        soft_cap=soft_cap, max_query_len=max_query_len, interpret=interpret,
+    )

@@ -1,0 +1,603 @@
+"""Checks the Pallas kernels against their references at real shapes on the GPU, then times them side by side with
+JAX's bundled paged-attention op and with a device-to-device copy. Writes one results JSON and prints a table.
+
+Shapes: Llama-3-8B attention (32 query / 8 KV heads, d=128, bf16, pages of 16) — decode batch 64 × context 4096,
+batch 8 × context 32k, a 4096-token causal prefill, and a mixed step of 60 decodes + one 2048-token chunk.
+
+Ratios (names from the issue):
+  decode_b64_ctx4k_bw_fraction   K+V bytes read / decode time, over the copy rate (read+write bytes / copy time);
+                                 higher is better, target >= 0.90
+  decode_b8_ctx32k_bw_fraction   the same at batch 8 × 32k
+  decode_b64_ctx4k_vs_bundled    our decode time / the bundled Pallas paged_attention time; lower is better
+  mixed_step_vs_sum              mixed-step time / (60 decodes alone + the chunk alone); lower is better, target <= 1.15
+Metric prefill_4k_causal_tflops: 2·S²·d·q_heads (causal half of 4·S²·d per head) / time; target >= 400.
+
+Timing: every function is compiled first and the GPU warmed (compile gaps inside timing once made decode read 1.6×
+slow), then two interleaved passes, each `--runs` runs of n back-to-back calls (n sized to ~50 ms) with one
+block_until_ready per run; the median. The cache (4.4 GB, pages shuffled) is far larger than L2, so decode reads come
+from HBM. The decode and prefill block sizes are picked among a few candidates (each checked against the reference in
+the same run) and the ratios are those of the pick, which `tuning.py` ships.
+Run on the H200: `PYTHONPATH=. python scripts/bench_kernels.py --out $OUT/kernels.json --git-sha <sha>`
+(`--sweep`: the wide block-size sweep and extra anchors; `--variants`: window/soft-cap/ragged/f32 checks;
+`--smoke`: tiny shapes in interpret mode, to check the script on a CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import platform
+import statistics
+import sys
+import time
+import traceback
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.kv_write import kernel as kv_write_kernel
+from pallas_kernels.kv_write import reference as kv_write_reference
+from pallas_kernels.ragged_paged_attention import kernel as rpa
+from pallas_kernels.ragged_paged_attention import reference as rpa_reference
+from pallas_kernels.ragged_paged_attention.tuning import KernelConfig, SplitConfig, Tuning, default_tuning
+
+Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+LAYERS, LAYER = 4, 3  # > 4 GiB of cache: the kernels take their 64-bit-offset path, as in serving
+NUM_PAGES = 16640
+SCALE = HEAD_DIM ** -0.5
+DTYPE = jnp.bfloat16
+# Batch shapes (names from the issue); `--smoke` shrinks them to run the whole script on a CPU in interpret mode.
+B_BIG, CTX, B_SMALL, CTX_LONG, PREFILL, MIX_DECODES, CHUNK = 64, 4096, 8, 32768, 4096, 60, 2048
+COPY_ELEMENTS = 1 << 30
+INTERPRET = False
+MIN_CALLS = 5
+
+
+def apply_smoke() -> None:
+    """Tiny shapes + interpret mode: checks the script itself (every section, the JSON) without a GPU."""
+    global B_BIG, CTX, B_SMALL, CTX_LONG, PREFILL, MIX_DECODES, CHUNK, NUM_PAGES, COPY_ELEMENTS, INTERPRET, LAYERS
+    global DECODE_SWEEP, PREFILL_SWEEP, MIN_CALLS
+    B_BIG, CTX, B_SMALL, CTX_LONG, PREFILL, MIX_DECODES, CHUNK = 4, 256, 2, 512, 128, 3, 64
+    NUM_PAGES, COPY_ELEMENTS, INTERPRET, LAYERS = 96, 1 << 20, True, LAYER + 1
+    DECODE_SWEEP, PREFILL_SWEEP, MIN_CALLS = DECODE_SWEEP[:1], PREFILL_SWEEP[:1], 1
+    global DECODE_CANDIDATES, PREFILL_CANDIDATES
+    DECODE_CANDIDATES, PREFILL_CANDIDATES = [(16, 2, 4, 64, 4), (32, 2, 3, 128, 4)], [(64, 32, 4, 2)]
+
+
+def log(*args) -> None:
+    print(*args, flush=True)
+
+
+def timeit(fn, *args, runs: int = 5, target_s: float = 0.05) -> float:
+    """Median seconds per call over `runs` runs of back-to-back calls (one sync per run)."""
+    jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    n = int(min(max(target_s / max(time.perf_counter() - t0, 1e-6), MIN_CALLS), 400))
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / n)
+    return statistics.median(times)
+
+
+class Batch:
+    """One ragged batch over the shared cache: queries, start offsets, lengths, shuffled block tables."""
+
+    def __init__(self, rng: np.random.Generator, q_lens: list[int], seq_lens: list[int], width: int,
+                 q: np.ndarray | None = None, tables: np.ndarray | None = None):
+        self.q_lens, self.seq_lens = q_lens, seq_lens
+        if tables is None:
+            tables = np.zeros((len(q_lens), width), np.int32)
+            pool = rng.permutation(NUM_PAGES)
+            used = 0
+            for i, s in enumerate(seq_lens):
+                n = -(-s // BLOCK)
+                tables[i, :n] = pool[used:used + n]
+                used += n
+            assert used <= NUM_PAGES
+        self.tables_np = tables
+        if q is None:
+            q = rng.standard_normal((sum(q_lens), Q_HEADS, HEAD_DIM)).astype(np.float32)
+        self.q_np = q
+        self.q = jnp.asarray(q, DTYPE)
+        self.qsl = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+        self.lens = jnp.asarray(seq_lens, jnp.int32)
+        self.tables = jnp.asarray(tables)
+        self.max_query_len = max(q_lens)
+
+    @staticmethod
+    def concat(a: "Batch", b: "Batch") -> "Batch":
+        width = max(a.tables_np.shape[1], b.tables_np.shape[1])
+        pad = lambda t: np.pad(t, ((0, 0), (0, width - t.shape[1])))  # noqa: E731
+        return Batch(None, a.q_lens + b.q_lens, a.seq_lens + b.seq_lens, width,
+                     q=np.concatenate([a.q_np, b.q_np]), tables=np.concatenate([pad(a.tables_np), pad(b.tables_np)]))
+
+    def kv_bytes(self) -> int:
+        return sum(self.seq_lens) * KV_HEADS * HEAD_DIM * 2 * jnp.dtype(DTYPE).itemsize
+
+    def args(self, kv):
+        return (self.q, kv, jnp.int32(LAYER), self.qsl, self.lens, self.tables)
+
+
+_OURS: dict = {}
+
+
+def ours(batch: Batch, tuning: Tuning | None = None, window: int = 0, soft_cap: float | None = None):
+    """A jitted call of our kernel for this batch (default tuning unless given); one per (batch, settings), so
+    sections that time the same thing share one compile."""
+    key = (id(batch), tuning, window, soft_cap)
+    if key not in _OURS:
+        _OURS[key] = _build_ours(batch, tuning, window, soft_cap)
+    return _OURS[key]
+
+
+def _build_ours(batch: Batch, tuning: Tuning | None, window: int, soft_cap: float | None):
+    fn = functools.partial(rpa.ragged_paged_attention_impl, scale=SCALE, soft_cap=soft_cap,
+                           max_query_len=batch.max_query_len, interpret=INTERPRET, tuning=tuning)
+    jitted = jax.jit(lambda q, kv, layer, qsl, lens, bt, w: fn(q, kv, layer, qsl, lens, bt, sliding_window=w))
+    w = jnp.int32(window)
+    return lambda *a: jitted(*a, w)
+
+
+def reference(batch: Batch, window: int = 0, soft_cap: float | None = None):
+    return functools.partial(rpa_reference.ragged_paged_attention, scale=SCALE, sliding_window=window,
+                             soft_cap=soft_cap, max_query_len=batch.max_query_len)
+
+
+def prefill_flops() -> float:
+    """Causal: half of 4·S²·d per query head (QKᵀ and PV, 2 flops per multiply-add)."""
+    return 2 * PREFILL ** 2 * HEAD_DIM * Q_HEADS
+
+
+def compare(out, ref) -> dict:
+    """Max error relative to the output scale (DESIGN.md's parity rule: bf16 within 2e-2 of max|ref|)."""
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    err = float(np.max(np.abs(out - ref)))
+    scale = float(np.max(np.abs(ref)))
+    return {"max_abs_err": err, "max_abs_ref": scale, "rel_err": err / max(scale, 1e-30),
+            "finite": bool(np.isfinite(out).all())}
+
+
+class Bench:
+    """Holds the results while the sections run; a failing section is logged and the others still run."""
+
+    def __init__(self, args):
+        self.args = args
+        self.metrics: dict[str, float] = {}
+        self.ratios: dict[str, float] = {}
+        self.checks: dict[str, dict] = {}
+        self.sweep: list[dict] = []
+        self.errors: list[str] = []
+
+    def section(self, name: str, fn) -> None:
+        log(f"\n=== {name}")
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - one broken section must not cost the whole GPU call
+            msg = traceback.format_exc()
+            log(msg)
+            self.errors.append(f"{name}: {msg.strip().splitlines()[-1]}")
+        log(f"--- {name} took {time.perf_counter() - t0:.1f} s")
+
+    def metric(self, key: str, value: float) -> None:
+        self.metrics[key] = value
+        log(f"  {key:48s} {value:12.4f}")
+
+    def check(self, key: str, out, ref, tol: float) -> None:
+        c = compare(out, ref)
+        c["ok"] = c["finite"] and c["rel_err"] <= tol
+        self.checks[key] = c
+        log(f"  check {key:42s} rel_err={c['rel_err']:.2e} max|ref|={c['max_abs_ref']:.3f} ok={c['ok']}")
+
+
+def make_cache(key) -> jax.Array:
+    shape = (LAYERS, NUM_PAGES, BLOCK, 2, KV_HEADS, HEAD_DIM)
+    return jax.jit(lambda k: jax.random.normal(k, shape, DTYPE))(key)
+
+
+def copy_bandwidth(bench: Bench) -> None:
+    x = jax.random.normal(jax.random.key(1), (COPY_ELEMENTS,), DTYPE)  # 2 GiB
+    t = timeit(jax.jit(lambda a: a.copy()), x)
+    bench.metric("copy_us", t * 1e6)
+    bench.metric("copy_tb_per_s", 2 * x.nbytes / t / 1e12)  # bytes read + written
+
+
+def batches(rng) -> dict[str, Batch]:
+    width = CTX // BLOCK
+    decodes = Batch(rng, [1] * MIX_DECODES, [CTX] * MIX_DECODES, width)
+    chunk = Batch(rng, [CHUNK], [2 * CHUNK], width)  # the second chunk of a prompt: over a cached prefix
+    return {
+        "decode_b64_ctx4k": Batch(rng, [1] * B_BIG, [CTX] * B_BIG, width),
+        "decode_b8_ctx32k": Batch(rng, [1] * B_SMALL, [CTX_LONG] * B_SMALL, CTX_LONG // BLOCK),
+        "prefill_4k": Batch(rng, [PREFILL], [PREFILL], PREFILL // BLOCK),
+        "mixed_decodes": decodes,
+        "mixed_chunk": chunk,
+        "mixed": Batch.concat(decodes, chunk),
+    }
+
+
+def correctness_variants(bench: Bench, kv) -> None:
+    """Windows, soft cap, ragged lengths, f32: smaller batches the dense reference can hold."""
+    rng = np.random.default_rng(7)
+    q_lens = [1, 1, 3, 17, 300, 1, 64, 1, 129, 2] if not INTERPRET else [1, 1, 3, 17, 30]
+    seq_lens = [int(q + rng.integers(0, CTX - 1000 if not INTERPRET else 200)) for q in q_lens]
+    b = Batch(rng, q_lens, seq_lens, CTX // BLOCK)
+    for window, cap in ((0, None), (700, None), (0, 30.0), (128, 50.0)):
+        bench.check(f"ragged_w{window}_cap{cap}", ours(b, window=window, soft_cap=cap)(*b.args(kv)),
+                    reference(b, window=window, soft_cap=cap)(*b.args(kv)), 2e-2)
+    small = SPLIT_SWEEP_SMALL
+    bench.check("ragged_small_tiles", ours(b, tuning=small)(*b.args(kv)), reference(b)(*b.args(kv)), 2e-2)
+    kv32 = kv[LAYER - 1:LAYER + 1].astype(jnp.float32)  # layer 1 of this copy is LAYER of the cache
+    args32 = (b.q.astype(jnp.float32), kv32, jnp.int32(1), b.qsl, b.lens, b.tables)
+    with jax.default_matmul_precision("highest"):
+        bench.check("ragged_f32", ours(b, window=300)(*args32), reference(b, window=300)(*args32), 1e-4)
+
+
+SPLIT_SWEEP_SMALL = Tuning(KernelConfig(16, 16, 4, 2), KernelConfig(64, 32, 4, 2), SplitConfig(64, 4))
+
+
+def bundled_paged_attention(kv, b: Batch, ppcb: int = 4, k_splits: int = 32, num_warps: int = 4):
+    """JAX's bundled Triton paged_attention (JAX-PALLAS.md §2.1) on our cache's pages in its layout."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
+    k_pages = jnp.transpose(kv[LAYER, :, :, 0], (2, 0, 1, 3))  # [kv_heads, pages, page, d]
+    v_pages = jnp.transpose(kv[LAYER, :, :, 1], (2, 0, 1, 3))
+    if INTERPRET:
+        ppcb, k_splits = 2, 4
+    fn = jax.jit(lambda q, kp, vp, bt, lens: jax_pa.paged_attention(
+        q * SCALE, kp, vp, bt, lens, pages_per_compute_block=ppcb, k_splits=k_splits, num_warps=num_warps,
+        interpret=INTERPRET))
+    return fn, (b.q, k_pages, v_pages, b.tables, b.lens)
+
+
+def bundled(bench: Bench, kv, bs: dict[str, Batch]) -> None:
+    """Bundled op vs ours, timed in interleaved passes (ours with the chosen tuning)."""
+    jobs = {}
+    for name in ("decode_b64_ctx4k", "decode_b8_ctx32k"):
+        fn, args = bundled_paged_attention(kv, bs[name])
+        jobs[f"bundled_{name}"] = (fn, args)
+        if hasattr(bench, "chosen"):
+            jobs[f"ours_{name}"] = (ours(bs[name], tuning=decode_tuning(bench.chosen["decode"])), bs[name].args(kv))
+    t = time_jobs(jobs, runs=bench.args.runs)
+    for name in ("decode_b64_ctx4k", "decode_b8_ctx32k"):
+        bench.metric(f"bundled_{name}_us", t[f"bundled_{name}"] * 1e6)
+        if f"ours_{name}" in t:
+            bench.metric(f"ours_{name}_beside_bundled_us", t[f"ours_{name}"] * 1e6)
+    if "ours_decode_b64_ctx4k" in t:
+        bench.ratios["decode_b64_ctx4k_vs_bundled"] = t["ours_decode_b64_ctx4k"] / t["bundled_decode_b64_ctx4k"]
+
+
+def xla_reference_decode(bench: Bench, kv, bs: dict[str, Batch]) -> None:
+    b = bs["decode_b64_ctx4k"]
+    bench.metric("xla_reference_decode_b64_ctx4k_us", timeit(reference(b), *b.args(kv), runs=bench.args.runs) * 1e6)
+
+
+def mgpu_prefill_anchor(bench: Bench) -> None:
+    """The bundled FA3-style Mosaic GPU attention (contiguous K/V, f16 only): what a Mosaic kernel reaches here."""
+    from jax.experimental.pallas.ops.gpu import attention_mgpu as mgpu
+
+    key = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(key[0], (1, 4096, Q_HEADS, HEAD_DIM), jnp.float16)
+    k = jax.random.normal(key[1], (1, 4096, KV_HEADS, HEAD_DIM), jnp.float16)
+    v = jax.random.normal(key[2], (1, 4096, KV_HEADS, HEAD_DIM), jnp.float16)
+    cfg = mgpu.TuningConfig(block_q=128, block_kv=128, max_concurrent_steps=2, causal=True)
+    t = timeit(jax.jit(functools.partial(mgpu.attention, config=cfg)), q, k, v, runs=bench.args.runs)
+    bench.metric("bundled_mgpu_prefill_4k_causal_f16_tflops", 2 * 4096 ** 2 * HEAD_DIM * Q_HEADS / t / 1e12)
+
+
+DECODE_SWEEP = [  # (block_n, num_warps, num_stages, split_tokens, max_splits)
+    (64, 4, 3, 512, 16), (64, 4, 2, 512, 16), (64, 4, 4, 512, 16), (128, 4, 2, 512, 16), (128, 4, 3, 1024, 16),
+    (32, 4, 4, 512, 16), (64, 2, 3, 512, 16), (128, 8, 3, 1024, 16), (64, 4, 3, 256, 32), (64, 4, 3, 1024, 8),
+    (128, 4, 3, 2048, 16), (32, 2, 4, 256, 32),
+]
+PREFILL_SWEEP = [  # (block_m, block_n, num_warps, num_stages)
+    (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (128, 32, 4, 4), (64, 64, 4, 3), (64, 128, 4, 2),
+    (128, 64, 8, 2), (256, 64, 8, 2), (128, 128, 8, 3), (64, 32, 4, 4),
+]
+
+
+# The final run picks the shipped defaults among these (each checked against the reference in the same run):
+# decode (block_n, num_warps, num_stages, split_tokens, max_splits), prefill (block_m, block_n, num_warps, num_stages).
+DECODE_CANDIDATES = [(32, 2, 4, 256, 32), (64, 2, 3, 256, 32), (16, 2, 4, 256, 32)]
+PREFILL_CANDIDATES = [(128, 128, 8, 2), (128, 128, 8, 3)]
+
+
+def decode_tuning(c) -> Tuning:
+    base = default_tuning(HEAD_DIM, Q_HEADS // KV_HEADS)
+    return Tuning(KernelConfig(base.decode.block_m, c[0], c[1], c[2]), base.prefill, SplitConfig(c[3], c[4]))
+
+
+def with_prefill(tuning: Tuning, c) -> Tuning:
+    return Tuning(tuning.decode, KernelConfig(*c), tuning.split)
+
+
+def time_jobs(jobs: dict, passes: int = 2, runs: int = 5) -> dict[str, float]:
+    """Every job compiled first, the GPU warmed, then `passes` interleaved passes: no compile gaps inside timing."""
+    for fn, args in jobs.values():
+        jax.block_until_ready(fn(*args))
+    warm = jax.jit(lambda a: a * 2)
+    x = jnp.ones((1 << 28,), DTYPE)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < (0.5 if not INTERPRET else 0.0):
+        x = warm(x)
+    jax.block_until_ready(x)
+    samples: dict[str, list[float]] = {k: [] for k in jobs}
+    for _ in range(passes):
+        for name, (fn, args) in jobs.items():
+            samples[name].append(timeit(fn, *args, runs=runs))
+    for name, ts in samples.items():
+        log(f"  {name:60s} " + " ".join(f"{t * 1e6:9.1f}" for t in ts) + " us")
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def choose(bench: Bench, kv, bs: dict[str, Batch], refs: dict) -> Tuning:
+    """Checks and times the decode and prefill candidates; returns the fastest correct pair (by summed time over
+    the two decode shapes, resp. the prefill and the chunk)."""
+    jobs, configs = {}, {}
+    for c in DECODE_CANDIDATES:
+        for name in ("decode_b64_ctx4k", "decode_b8_ctx32k"):
+            key = f"decode{c}/{name}"
+            jobs[key], configs[key] = (ours(bs[name], tuning=decode_tuning(c)), bs[name].args(kv)), ("d", c, name)
+    for c in PREFILL_CANDIDATES:
+        for name in ("prefill_4k", "mixed_chunk"):
+            key = f"prefill{c}/{name}"
+            tuning = with_prefill(decode_tuning(DECODE_CANDIDATES[0]), c)
+            jobs[key], configs[key] = (ours(bs[name], tuning=tuning), bs[name].args(kv)), ("p", c, name)
+    ok = {}
+    for key, (fn, args) in jobs.items():
+        kind, c, name = configs[key]
+        c_ok = compare(fn(*args), refs[name])
+        ok[(kind, c)] = ok.get((kind, c), True) and c_ok["finite"] and c_ok["rel_err"] <= 2e-2
+        bench.checks[key] = {**c_ok, "ok": ok[(kind, c)]}
+    times = time_jobs(jobs, runs=bench.args.runs)
+    totals: dict = {}
+    for key, t in times.items():
+        kind, c, name = configs[key]
+        totals[(kind, c)] = totals.get((kind, c), 0.0) + t
+        bench.sweep.append({"candidate": key, "us": t * 1e6, "ok": ok[(kind, c)]})
+    best = {kind: min((k for k in totals if k[0] == kind and ok[k]), key=totals.get) for kind in ("d", "p")}
+    log(f"  chosen decode {best['d'][1]}, prefill {best['p'][1]}")
+    bench.chosen = {"decode": best["d"][1], "prefill": best["p"][1]}
+    bench.candidate_times = {configs[k][1:]: t for k, t in times.items()}
+    return with_prefill(decode_tuning(best["d"][1]), best["p"][1])
+
+
+def final_timings(bench: Bench, kv, bs: dict[str, Batch], tuning: Tuning, copy_rate: float | None) -> None:
+    """The issue's numbers for the chosen tuning: decode and prefill from the candidate runs, the mixed step and its
+    parts timed here (and checked: the mixed rows equal the parts' rows bit for bit)."""
+    ct = bench.candidate_times
+    t = {
+        "decode_b64_ctx4k": ct[(bench.chosen["decode"], "decode_b64_ctx4k")],
+        "decode_b8_ctx32k": ct[(bench.chosen["decode"], "decode_b8_ctx32k")],
+        "prefill_4k": ct[(bench.chosen["prefill"], "prefill_4k")],
+    }
+    m, d, c = bs["mixed"], bs["mixed_decodes"], bs["mixed_chunk"]
+    jobs = {n: (ours(bs[n], tuning=tuning), bs[n].args(kv)) for n in ("mixed_decodes", "mixed_chunk", "mixed")}
+    parts = jnp.concatenate([jobs["mixed_decodes"][0](*d.args(kv)), jobs["mixed_chunk"][0](*c.args(kv))])
+    diff = float(jnp.max(jnp.abs(jobs["mixed"][0](*m.args(kv)).astype(jnp.float32) - parts.astype(jnp.float32))))
+    bench.checks["mixed_equals_parts"] = {"max_abs_diff": diff, "ok": diff == 0.0}
+    log(f"  check mixed_equals_parts max_abs_diff={diff} ok={diff == 0.0}")
+    t.update(time_jobs(jobs, runs=bench.args.runs))
+    for name, value in t.items():
+        bench.metric(f"{name}_us", value * 1e6)
+    for name in ("decode_b64_ctx4k", "decode_b8_ctx32k"):
+        rate = bs[name].kv_bytes() / t[name]
+        bench.metric(f"{name}_tb_per_s", rate / 1e12)
+        if copy_rate:
+            bench.ratios[f"{name}_bw_fraction"] = rate / copy_rate
+    bench.metric("prefill_4k_causal_tflops", prefill_flops() / t["prefill_4k"] / 1e12)
+    bench.ratios["mixed_step_vs_sum"] = t["mixed"] / (t["mixed_decodes"] + t["mixed_chunk"])
+    bench.t_ours = t
+
+
+def references(bs: dict[str, Batch], kv) -> dict:
+    out = {}
+    for name in ("decode_b64_ctx4k", "decode_b8_ctx32k", "prefill_4k", "mixed_chunk"):
+        b = bs[name]
+        out[name] = jax.block_until_ready(reference(b)(*b.args(kv)))
+    return out
+
+
+def backend_check(bench: Bench, kv) -> None:
+    """jengine's pallas_gpu backend (write + attention) against its reference backend on one mixed step."""
+    from jengine.attention.backend import ReferenceBackend, select_backend
+    from jengine.attention.metadata import AttentionMetadata
+
+    backend = select_backend(jax.devices()[0].platform, head_dim=HEAD_DIM)
+    if INTERPRET:
+        from jengine.attention.pallas import PallasGpuBackend
+
+        backend = PallasGpuBackend(interpret=True)
+    rng = np.random.default_rng(11)
+    n, ctx, chunk, chunk_len = (20, 1500, 600, 1000) if not INTERPRET else (3, 100, 40, 60)
+    q_lens, seq_lens = [1] * n + [chunk], [int(x) for x in rng.integers(1, ctx, n)] + [chunk_len]
+    b = Batch(rng, q_lens, seq_lens, -(-ctx // BLOCK))
+    tables, slots, t = b.tables_np, np.zeros(sum(q_lens), np.int32), 0
+    for i, (q, s) in enumerate(zip(q_lens, seq_lens)):
+        for p in range(s - q, s):
+            slots[t] = tables[i, p // BLOCK] * BLOCK + p % BLOCK
+            t += 1
+    md = AttentionMetadata(jnp.zeros(len(slots), jnp.int32), jnp.asarray(slots), b.qsl, b.lens, b.tables, chunk)
+    k = jax.random.normal(jax.random.key(5), (len(slots), KV_HEADS, HEAD_DIM), DTYPE)
+    kw = dict(scale=SCALE, sliding_window=jnp.int32(0), soft_cap=None)
+    run = lambda be: jax.jit(lambda q, k, v, c, l, md: be(q, k, v, c, l, md, **kw))  # noqa: E731
+    small = kv[:1]  # one layer: the two backends each get their own copy
+    out, cache = run(backend)(b.q, k, k * 0.5, jnp.copy(small), jnp.int32(0), md)
+    ref_out, ref_cache = run(ReferenceBackend())(b.q, k, k * 0.5, jnp.copy(small), jnp.int32(0), md)
+    bench.check(f"backend_{backend.name}_vs_reference", out, ref_out, 2e-2)
+    same = bool(jnp.array_equal(cache, ref_cache))
+    bench.checks["backend_cache_equal"] = {"ok": same}
+    log(f"  check backend_cache_equal {same}")
+
+
+def sweep(bench: Bench, kv, bs: dict[str, Batch]) -> None:
+    """Block-size sweep: each decode variant on both decode shapes, each prefill variant on the 4k prefill."""
+    base = default_tuning(HEAD_DIM, Q_HEADS // KV_HEADS)
+    for bn, warps, stages, split_tokens, max_splits in DECODE_SWEEP:
+        tuning = Tuning(KernelConfig(base.decode.block_m, bn, warps, stages), base.prefill,
+                        SplitConfig(split_tokens, max_splits))
+        row = {"kernel": "decode", "block_n": bn, "num_warps": warps, "num_stages": stages,
+               "split_tokens": split_tokens, "max_splits": max_splits}
+        for name in ("decode_b64_ctx4k", "decode_b8_ctx32k"):
+            try:
+                b = bs[name]
+                t = timeit(ours(b, tuning=tuning), *b.args(kv), runs=3)
+                row[f"{name}_us"] = t * 1e6
+                row[f"{name}_tb_per_s"] = b.kv_bytes() / t / 1e12
+            except Exception as e:  # noqa: BLE001
+                row[f"{name}_error"] = str(e).splitlines()[0][:300]
+        bench.sweep.append(row)
+        log("  ", row)
+    for bm, bn, warps, stages in PREFILL_SWEEP:
+        tuning = Tuning(base.decode, KernelConfig(bm, bn, warps, stages), base.split)
+        row = {"kernel": "prefill", "block_m": bm, "block_n": bn, "num_warps": warps, "num_stages": stages}
+        try:
+            b = bs["prefill_4k"]
+            t = timeit(ours(b, tuning=tuning), *b.args(kv), runs=3)
+            row["prefill_4k_us"] = t * 1e6
+            row["prefill_4k_tflops"] = prefill_flops() / t / 1e12
+            c = bs["mixed_chunk"]
+            row["mixed_chunk_us"] = timeit(ours(c, tuning=tuning), *c.args(kv), runs=3) * 1e6
+        except Exception as e:  # noqa: BLE001
+            row["error"] = str(e).splitlines()[0][:300]
+        bench.sweep.append(row)
+        log("  ", row)
+
+
+def kv_write(bench: Bench, kv) -> None:
+    """XLA scatter vs the Pallas write, each inside one jit writing 32 layers' worth (the cache carried and donated,
+    as in the step), for a decode-sized and a prefill-sized batch."""
+    rng = np.random.default_rng(5)
+    for tokens in (64, 2048) if not INTERPRET else (16,):
+        slots = rng.choice(NUM_PAGES * BLOCK, tokens, replace=False).astype(np.int32)
+        slots[-3:] = NUM_PAGES * BLOCK  # padding
+        k = jax.random.normal(jax.random.key(tokens), (tokens, KV_HEADS, HEAD_DIM), DTYPE)
+        v = k * 2
+        outs = {}
+        variants = [("scatter", kv_write_reference.write_kv), ("pallas", kv_write_kernel.write_kv)]
+        if tokens <= 64:
+            variants.append(("pallas_tpp1", functools.partial(kv_write_kernel.write_kv, tokens_per_program=1)))
+        for name, write in variants:
+            def layers32(cache, k, v, slots, write=write):
+                return jax.lax.fori_loop(0, 32, lambda i, c: write(c, i % LAYERS, slots, k, v), cache)
+
+            if INTERPRET:
+                write = functools.partial(write, interpret=True)
+                layers32 = functools.partial(layers32, write=write)
+            fn = jax.jit(layers32, donate_argnums=(0,))
+            state = {"cache": jnp.copy(kv)}
+
+            def call(fn=fn, state=state):
+                state["cache"] = fn(state["cache"], k, v, slots)
+                return state["cache"]
+
+            bench.metric(f"kv_write_{name}_t{tokens}_x32_us", timeit(call, runs=bench.args.runs) * 1e6)
+            outs[name] = state["cache"]
+        same = all(bool(jnp.array_equal(outs["scatter"], o)) for o in outs.values())
+        bench.checks[f"kv_write_t{tokens}"] = {"ok": same}
+        log(f"  check kv_write_t{tokens} equal={same}")
+        del outs
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version(), "jax": jax.__version__}
+    try:
+        import jaxlib
+
+        out["jaxlib"] = jaxlib.__version__
+    except ImportError:
+        pass
+    from importlib import metadata
+
+    for dist in ("jax-cuda13-plugin", "jax-cuda12-plugin", "triton"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def write_results(bench: Bench) -> None:
+    device = jax.devices()[0]
+    result = {
+        "benchmark": "kernels",
+        "git_sha": bench.args.git_sha,
+        "date": datetime.date.today().isoformat(),
+        "device": f"{device.device_kind} ({device.platform})",
+        "versions": versions(),
+        "command": " ".join(["python"] + sys.argv),
+        "metrics": bench.metrics,
+        "ratios": bench.ratios,
+    }
+    with open(bench.args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    details = {"chosen": getattr(bench, "chosen", None), "checks": bench.checks, "sweep": bench.sweep,
+               "errors": bench.errors}
+    with open(bench.args.details, "w") as f:
+        json.dump(details, f, indent=2)
+    log("\n| ratio | value |\n| --- | --- |")
+    for k, v in bench.ratios.items():
+        log(f"| {k} | {v:.3f} |")
+    log("\n| metric | value |\n| --- | --- |")
+    for k, v in bench.metrics.items():
+        log(f"| {k} | {v:.2f} |")
+    bad = [k for k, c in bench.checks.items() if not c.get("ok")]
+    log(f"\nchecks failed: {bad or 'none'}; section errors: {len(bench.errors)}")
+    for e in bench.errors:
+        log("  ", e)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--details", default=None, help="checks and sweep JSON (default: beside --out)")
+    parser.add_argument("--git-sha", default="unknown")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--sweep", action="store_true", help="also the wide block-size sweep and extra anchors")
+    parser.add_argument("--variants", action="store_true", help="also windows, soft cap, ragged and f32 checks")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU check of the script)")
+    args = parser.parse_args()
+    if args.smoke:
+        apply_smoke()
+    if args.details is None:
+        args.details = args.out.rsplit("/", 1)[0] + "/attention_checks_and_sweep.json" if "/" in args.out \
+            else "attention_checks_and_sweep.json"
+    log("devices:", jax.devices(), "versions:", versions())
+    bench = Bench(args)
+    kv = make_cache(jax.random.key(0))
+    bs = batches(np.random.default_rng(0))
+    refs: dict = {}
+    tuning: list[Tuning] = []
+    bench.section("copy bandwidth", lambda: copy_bandwidth(bench))
+    bench.section("references", lambda: refs.update(references(bs, kv)))
+    bench.section("candidates: check and time", lambda: tuning.append(choose(bench, kv, bs, refs)))
+    copy_rate = bench.metrics.get("copy_tb_per_s", 0) * 1e12 or None
+    if tuning:
+        bench.section("final timings (chosen tuning)", lambda: final_timings(bench, kv, bs, tuning[0], copy_rate))
+        write_results(bench)
+    bench.section("bundled paged_attention", lambda: bundled(bench, kv, bs))
+    write_results(bench)
+    bench.section("kv write: scatter vs pallas", lambda: kv_write(bench, kv))
+    bench.section("jengine pallas_gpu backend", lambda: backend_check(bench, kv))
+    write_results(bench)
+    if args.variants:
+        bench.section("correctness: window, soft cap, ragged, f32", lambda: correctness_variants(bench, kv))
+    if args.sweep:
+        bench.section("XLA reference decode", lambda: xla_reference_decode(bench, kv, bs))
+        if not INTERPRET:
+            bench.section("bundled Mosaic GPU prefill anchor", lambda: mgpu_prefill_anchor(bench))
+        bench.section("block-size sweep", lambda: sweep(bench, kv, bs))
+    write_results(bench)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,396 @@
+"""OpenAI request bodies → prompts + `SamplingParams`, with every check done before the request touches the engine.
+
+Strict on purpose: a JSON type that is not the documented one is a 400 naming the field (no "5" for 5), an unknown
+field is a 400 (never accepted and ignored), and a known field whose feature this server lacks and that would change
+the output (`tools`, a non-text `response_format`, `suffix`, ...) is a 400 that says so. Fields that change nothing
+about the output (`user`, `metadata`, `store`, ...) are accepted. Caps (n, logprobs, stop, nesting) are enforced here
+or in `SamplingParams.validate`, which this module calls with the model's limits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from jengine.engine.client import ModelInfo
+from jengine.errors import InvalidRequestError
+from jengine.sampling.params import SamplingParams
+
+MAX_JSON_DEPTH = 32
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs cap; the engine's --max-logprobs may lower it
+MAX_PROMPTS = 1024  # prompts in one /v1/completions batch (each also needs its own engine slots)
+_ROLES = frozenset({"system", "developer", "user", "assistant"})
+_MESSAGE_KEYS = frozenset({"role", "content", "name"})
+
+# Accepted and without effect on the output.
+_HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+                       "safety_identifier"})
+# Typed fields passed straight into SamplingParams (OpenAI's, then vLLM's extras).
+_NUMBERS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p", "repetition_penalty")
+_INTS = ("n", "seed", "top_k", "min_tokens", "prompt_logprobs")
+_BOOLS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+          "detokenize")
+_SAMPLING = frozenset(_NUMBERS + _INTS + _BOOLS + ("stop", "stop_token_ids", "logit_bias", "max_tokens"))
+_COMMON = _SAMPLING | _HARMLESS | {"model", "stream", "stream_options", "priority"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo"}
+
+
+def _off(value: Any) -> bool:
+    return value is None
+
+
+# Known fields whose feature is missing: refused unless the value asks for nothing (predicate true).
+_REFUSED: dict[str, Callable[[Any], bool]] = {
+    "tools": lambda v: v is None or v == [],
+    "tool_choice": lambda v: v is None or v == "none",
+    "functions": lambda v: v is None or v == [],
+    "function_call": lambda v: v is None or v == "none",
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "modalities": lambda v: v is None or v == ["text"],
+    "audio": _off, "prediction": _off, "reasoning_effort": _off, "web_search_options": _off, "suffix": _off,
+    "guided_json": _off, "guided_regex": _off, "guided_choice": _off, "guided_grammar": _off,
+    "structured_outputs": _off, "logits_processors": _off, "verbosity": _off,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamOptions:
+    include_usage: bool = False  # a final chunk with the usage of the whole request
+    continuous_usage_stats: bool = False  # vLLM's extra: usage so far in every chunk
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionRequest:
+    model: str | None
+    prompts: list[Any]  # one PromptInput per prompt of the batch (text, or {"prompt_token_ids": [...]})
+    params: SamplingParams
+    stream: bool
+    stream_options: StreamOptions
+    echo: bool
+    logprobs: int | None  # completions-format logprobs (top-k beside the chosen token), None = none
+    priority: int
+    want_prompt_logprobs: bool  # vLLM's prompt_logprobs asked for (echo's own use of them does not show them)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatRequest:
+    model: str | None
+    prompt: dict[str, Any]  # {"messages": [...], "add_generation_prompt": bool}: rendered after admission
+    params: SamplingParams
+    stream: bool
+    stream_options: StreamOptions
+    top_logprobs: int | None  # None: no logprobs; k: chosen token plus the k most likely
+    priority: int
+    want_prompt_logprobs: bool
+
+
+# ---------------------------------------------------------------------------------------------------------- JSON
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """A JSON object from a request body; anything else (bad UTF-8 or JSON, NaN, too deep, not an object) is a 400."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidRequestError("the request body is not valid UTF-8", param=None) from None
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except InvalidRequestError:
+        raise
+    except RecursionError:
+        raise InvalidRequestError(f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError(f"the request body is not valid JSON ({exc.msg} at line {exc.lineno} "
+                                  f"column {exc.colno})") from None
+    if not isinstance(body, dict):
+        raise InvalidRequestError(f"the request body must be a JSON object, got {json_type(body)}")
+    check_depth(body)
+    return body
+
+
+def _reject_constant(name: str) -> Any:
+    raise InvalidRequestError(f"{name} is not a JSON number")
+
+
+def check_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> None:
+    """Iterative (no recursion to exhaust): the deepest container must sit at most `limit` levels down."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            raise InvalidRequestError(f"the JSON body is nested deeper than {limit} levels")
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+
+
+def json_type(value: Any) -> str:
+    """JSON's name for a value's type, for messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)
+
+
+# ---------------------------------------------------------------------------------------------------------- fields
+_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "number": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    "bool": (lambda v: isinstance(v, bool), "a boolean"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "list": (lambda v: isinstance(v, list), "an array"),
+    "object": (lambda v: isinstance(v, dict), "an object"),
+}
+
+
+def get_field(body: Mapping[str, Any], name: str, kind: str, default: Any = None) -> Any:
+    """`body[name]` if it has JSON type `kind`; absent or null gives `default`; another type is a 400."""
+    value = body.get(name)
+    if value is None:
+        return default
+    check, what = _KINDS[kind]
+    if not check(value):
+        raise InvalidRequestError(f"{name} must be {what}, got {json_type(value)}", param=name)
+    return value
+
+
+def check_fields(body: Mapping[str, Any], allowed: frozenset[str]) -> None:
+    """Refuse features this server lacks, then fields nobody knows: neither is ever silently ignored."""
+    for name, harmless in _REFUSED.items():
+        if name in body and not harmless(body[name]):
+            raise InvalidRequestError(f"{name} is not supported by this server", param=name,
+                                      code="unsupported_parameter")
+    unknown = sorted(k for k in body if k not in allowed and k not in _REFUSED)
+    if unknown:
+        raise InvalidRequestError(f"unrecognized request argument(s): {', '.join(unknown)}"[:300], param=unknown[0],
+                                  code="unknown_parameter")
+
+
+def _stream(body: Mapping[str, Any]) -> tuple[bool, StreamOptions]:
+    stream = get_field(body, "stream", "bool", False)
+    if stream and body.get("prompt_logprobs") is not None:
+        raise InvalidRequestError("prompt_logprobs is not available when stream is true", param="prompt_logprobs")
+    options = get_field(body, "stream_options", "object")
+    if options is None:
+        return stream, StreamOptions()
+    if not stream:
+        raise InvalidRequestError("stream_options can only be set when stream is true", param="stream_options")
+    unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats", "include_obfuscation"})
+    if unknown:
+        raise InvalidRequestError(f"unrecognized stream_options field(s): {', '.join(unknown)}"[:300],
+                                  param="stream_options")
+    for name in ("include_usage", "continuous_usage_stats", "include_obfuscation"):
+        get_field(options, name, "bool")
+    return stream, StreamOptions(bool(options.get("include_usage")), bool(options.get("continuous_usage_stats")))
+
+
+def _max_tokens(body: Mapping[str, Any], names: tuple[str, ...]) -> int | None:
+    """The first of `names` present (max_completion_tokens wins over the older max_tokens); None = rest of context."""
+    for name in names:
+        value = get_field(body, name, "int")
+        if value is not None:
+            if value < 1:
+                raise InvalidRequestError(f"{name} must be >= 1, got {value}", param=name)
+            return value
+    return None
+
+
+def _sampling_kwargs(body: Mapping[str, Any], max_tokens_names: tuple[str, ...]) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {}
+    for names, kind in ((_NUMBERS, "number"), (_INTS, "int"), (_BOOLS, "bool")):
+        for name in names:
+            value = get_field(body, name, kind)
+            if value is not None:
+                kwargs[name] = value
+    kwargs["stop"] = _stop(body)
+    kwargs["stop_token_ids"] = _int_list(body, "stop_token_ids")
+    bias = get_field(body, "logit_bias", "object")
+    kwargs["logit_bias"] = bias or None
+    kwargs["max_tokens"] = _max_tokens(body, max_tokens_names)
+    return kwargs
+
+
+def _stop(body: Mapping[str, Any]) -> str | list[str] | None:
+    stop = body.get("stop")
+    if stop is None or isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        return stop
+    raise InvalidRequestError(f"stop must be a string or an array of strings, got {json_type(stop)}", param="stop")
+
+
+def _int_list(body: Mapping[str, Any], name: str) -> list[int] | None:
+    values = get_field(body, name, "list")
+    if values is not None and not all(_KINDS["int"][0](v) for v in values):
+        raise InvalidRequestError(f"{name} must be an array of integers", param=name)
+    return values
+
+
+def _build_params(kwargs: dict[str, Any], info: ModelInfo, max_n: int) -> SamplingParams:
+    """SamplingParams checked against the model's vocabulary and the caps (one 400 naming the first bad field)."""
+    params = SamplingParams(**kwargs)
+    params.validate(info.vocab_size, min(MAX_LOGPROBS, info.max_logprobs), max_n)
+    return params
+
+
+def _priority(body: Mapping[str, Any]) -> int:
+    return get_field(body, "priority", "int", 0)
+
+
+# ---------------------------------------------------------------------------------------------------------- chat
+def parse_chat(body: Mapping[str, Any], info: ModelInfo, max_n: int = 16) -> ChatRequest:
+    """A /v1/chat/completions body → ChatRequest (every check here; the template is rendered after admission)."""
+    check_fields(body, CHAT_FIELDS)
+    model = get_field(body, "model", "str")
+    stream, options = _stream(body)
+    messages = normalize_messages(body.get("messages"))
+    add_generation_prompt = get_field(body, "add_generation_prompt", "bool", True)
+    kwargs = _sampling_kwargs(body, ("max_completion_tokens", "max_tokens"))
+    top_logprobs = _chat_logprobs(body)
+    if top_logprobs is not None:
+        kwargs["logprobs"] = top_logprobs
+    params = _build_params(kwargs, info, max_n)
+    prompt = {"messages": messages, "add_generation_prompt": add_generation_prompt}
+    return ChatRequest(model, prompt, params, stream, options, top_logprobs, _priority(body),
+                       params.prompt_logprobs is not None)
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    """Chat asks with `logprobs: true` and `top_logprobs: k` (0..20); k without logprobs is a 400, as OpenAI's."""
+    wanted = get_field(body, "logprobs", "bool", False)
+    top = get_field(body, "top_logprobs", "int")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", param="top_logprobs")
+    if top is not None and not wanted:
+        raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def normalize_messages(messages: Any) -> list[dict[str, str]]:
+    """OpenAI messages → [{"role", "content"[, "name"]}] with text parts joined; other content is a 400."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages must be a non-empty array of messages", param="messages")
+    return [_message(message, i) for i, message in enumerate(messages)]
+
+
+def _message(message: Any, i: int) -> dict[str, str]:
+    where = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise InvalidRequestError(f"{where} must be an object, got {json_type(message)}", param=where)
+    for key in message:
+        if key not in _MESSAGE_KEYS:
+            raise InvalidRequestError(f"{where}.{str(key)[:40]} is not supported by this server (no tool use)",
+                                      param=f"{where}.{str(key)[:40]}")
+    role = message.get("role")
+    if role not in _ROLES:
+        raise InvalidRequestError(f"{where}.role must be one of {', '.join(sorted(_ROLES))}", param=f"{where}.role")
+    out = {"role": role, "content": _content(message.get("content"), where)}
+    name = get_field(message, "name", "str")
+    if name is not None:
+        out["name"] = name
+    return out
+
+
+def _content(content: Any, where: str) -> str:
+    """A string, or an array of {"type": "text", "text": ...} parts joined by newlines (this model reads text only)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequestError(f"{where}.content must be a string or an array of text parts, got "
+                                  f"{json_type(content)}", param=f"{where}.content")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+            shown = kind if isinstance(kind, str) else json_type(part)
+            raise InvalidRequestError(f"{where}.content part of type {shown[:40]!r} is not supported "
+                                      f"(text parts only)", param=f"{where}.content")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+# ---------------------------------------------------------------------------------------------------------- completions
+def parse_completion(body: Mapping[str, Any], info: ModelInfo, max_n: int = 16) -> CompletionRequest:
+    """A /v1/completions body → CompletionRequest (a batch of prompts shares one SamplingParams)."""
+    check_fields(body, COMPLETION_FIELDS)
+    model = get_field(body, "model", "str")
+    stream, options = _stream(body)
+    prompts = completion_prompts(body.get("prompt"))
+    echo = get_field(body, "echo", "bool", False)
+    kwargs = _sampling_kwargs(body, ("max_tokens",))
+    logprobs = get_field(body, "logprobs", "int")
+    if logprobs is not None:
+        if not 0 <= logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", param="logprobs")
+        kwargs["logprobs"] = logprobs
+        if echo:  # echoed prompt tokens carry their logprobs too
+            kwargs["prompt_logprobs"] = max(kwargs.get("prompt_logprobs") or 0, logprobs)
+    params = _build_params(kwargs, info, max_n)
+    return CompletionRequest(model, prompts, params, stream, options, echo, logprobs, _priority(body),
+                             body.get("prompt_logprobs") is not None)
+
+
+def completion_prompts(prompt: Any) -> list[Any]:
+    """A string, an array of strings, an array of token ids, or an array of such arrays → a list of prompts."""
+    if isinstance(prompt, str):
+        return [_text_prompt(prompt)]
+    if not isinstance(prompt, list) or not prompt:
+        raise InvalidRequestError("prompt must be a non-empty string, array of strings or array of token ids, got "
+                                  f"{json_type(prompt) if prompt != [] else 'an empty array'}", param="prompt")
+    if len(prompt) > MAX_PROMPTS:
+        raise InvalidRequestError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", param="prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return [_text_prompt(p) for p in prompt]
+    if all(_KINDS["int"][0](t) for t in prompt):
+        return [{"prompt_token_ids": prompt}]
+    if all(isinstance(p, list) for p in prompt):
+        return [{"prompt_token_ids": _token_prompt(p)} for p in prompt]
+    raise InvalidRequestError("prompt mixes strings, token ids and arrays", param="prompt")
+
+
+def _text_prompt(text: str) -> str:
+    if not text:
+        raise InvalidRequestError("the prompt is empty", param="prompt")
+    return text
+
+
+def _token_prompt(ids: list[Any]) -> list[int]:
+    if not ids or not all(_KINDS["int"][0](t) for t in ids):
+        raise InvalidRequestError("each token-id prompt must be a non-empty array of integers", param="prompt")
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------------------- tokenize
+def parse_tokenize(body: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's /tokenize: {"prompt"} or {"messages"}; → the checked fields (text or messages, options)."""
+    chat = "messages" in body
+    allowed = {"model", "add_special_tokens", "return_token_strs"} | (
+        {"messages", "add_generation_prompt"} if chat else {"prompt"})
+    check_fields(body, frozenset(allowed))
+    out: dict[str, Any] = {
+        "model": get_field(body, "model", "str"),
+        "add_special_tokens": get_field(body, "add_special_tokens", "bool", not chat),
+        "return_token_strs": get_field(body, "return_token_strs", "bool", False),
+    }
+    if chat:
+        out["messages"] = normalize_messages(body["messages"])
+        out["add_generation_prompt"] = get_field(body, "add_generation_prompt", "bool", True)
+    else:
+        prompt = get_field(body, "prompt", "str")
+        if prompt is None:
+            raise InvalidRequestError("prompt (a string) or messages is required", param="prompt")
+        out["prompt"] = prompt
+    return out
+
+
+def parse_detokenize(body: Mapping[str, Any], vocab_size: int) -> tuple[str | None, list[int]]:
+    """vLLM's /detokenize: {"tokens": [ids]} with every id in [0, vocab)."""
+    check_fields(body, frozenset({"model", "tokens"}))
+    tokens = _int_list(body, "tokens")
+    if tokens is None:
+        raise InvalidRequestError("tokens (an array of token ids) is required", param="tokens")
+    for token in tokens:
+        if not 0 <= token < vocab_size:
+            raise InvalidRequestError(f"token id {token} is not in [0, {vocab_size})", param="tokens")
+    return get_field(body, "model", "str"), tokens

@@ -1,0 +1,170 @@
+"""The OpenAI-compatible routes over one `EngineClient`: parse → admit → stream or collect → JSON / SSE.
+
+Errors are raised as the `jengine.errors` hierarchy and rendered once, by the app's error middleware, through
+`server/errors.py`; only an error after a stream has started is written here (as a final chunk, then `[DONE]`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+
+from jengine.engine.client import EngineClient
+from jengine.errors import JengineError, NotFoundError, RequestTooLargeError
+from jengine.tokenizer import NoChatTemplateError
+from server.openai.chunks import ChatStreamFormatter, CompletionStreamFormatter, StreamFormatter
+from server.openai.protocol import (
+    ChatRequest, CompletionRequest, parse_chat, parse_completion, parse_detokenize, parse_json_body, parse_tokenize,
+)
+from server.openai.streams import RequestStreams
+from server.openai.translate import DONE, Accumulator, Decoders, ResponseMeta, chat_response, completion_response, \
+    dumps, sse
+
+logger = logging.getLogger(__name__)
+
+SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
+               "X-Accel-Buffering": "no"}
+
+
+def json_response(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=dumps(payload), status=status, headers=headers, content_type="application/json")
+
+
+async def read_json(request: web.Request, max_bytes: int) -> dict[str, Any]:
+    """The body as a JSON object; a declared or actual size over `max_bytes` is a 413 before parsing."""
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise RequestTooLargeError(f"the request body is {request.content_length} bytes; the limit is {max_bytes}")
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise RequestTooLargeError(f"the request body is over the limit of {max_bytes} bytes") from None
+    return parse_json_body(raw)
+
+
+class OpenAIRoutes:
+    """Handlers bound to one client; the model's limits are read once (they do not change while serving)."""
+
+    def __init__(self, client: EngineClient, *, fingerprint: str, max_n: int, max_body_bytes: int) -> None:
+        self.client = client
+        self.info = client.get_model_info()
+        self.tokenizer = client.get_tokenizer()
+        self.fingerprint = fingerprint
+        self.max_n = max_n
+        self.max_body_bytes = max_body_bytes
+        self.created = int(time.time())
+        tokenizer = self.tokenizer
+        self.decoders = Decoders(lambda t: tokenizer.decode([t], skip_special_tokens=False), tokenizer.decode)
+
+    def register(self, app: web.Application) -> None:
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/v1/models/{model:.+}", self.get_model)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+
+    # ------------------------------------------------------------------ generation
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        parsed = parse_completion(await read_json(request, self.max_body_bytes), self.info, self.max_n)
+        self._check_model(parsed.model)
+        meta = ResponseMeta.new("completion", self.info.name, self.fingerprint)
+        acc = Accumulator(len(parsed.prompts), parsed.params.n)
+        formatter = CompletionStreamFormatter(meta, acc, parsed, self.decoders) if parsed.stream else None
+        streamed = await self._generate(request, parsed.prompts, parsed, meta, acc, formatter)
+        return streamed or json_response(completion_response(
+            meta, acc, parsed.echo, parsed.logprobs, parsed.want_prompt_logprobs, self.decoders))
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        parsed = parse_chat(await read_json(request, self.max_body_bytes), self.info, self.max_n)
+        self._check_model(parsed.model)
+        if not self.tokenizer.has_chat_template:
+            raise NoChatTemplateError()  # before admission: the engine would only refuse it after tokenising
+        meta = ResponseMeta.new("chat", self.info.name, self.fingerprint)
+        acc = Accumulator(1, parsed.params.n)
+        formatter = ChatStreamFormatter(meta, acc, parsed, self.decoders) if parsed.stream else None
+        streamed = await self._generate(request, [parsed.prompt], parsed, meta, acc, formatter)
+        return streamed or json_response(chat_response(
+            meta, acc, parsed.top_logprobs, parsed.want_prompt_logprobs, self.decoders))
+
+    async def _generate(self, request: web.Request, prompts: list[Any], parsed: ChatRequest | CompletionRequest,
+                        meta: ResponseMeta, acc: Accumulator, formatter: StreamFormatter | None
+                        ) -> web.StreamResponse | None:
+        """Admit, then stream SSE (returns the response) or gather every output into `acc` (returns None)."""
+        streams = await RequestStreams.open(self.client, prompts, parsed.params, meta.id, parsed.priority)
+        async with streams:
+            if formatter is not None:
+                return await _stream(request, streams, formatter)
+            async for index, output in streams:
+                acc.add(index, output)
+        return None
+
+    # ------------------------------------------------------------------ models and tokens
+    async def list_models(self, request: web.Request) -> web.Response:
+        return json_response({"object": "list", "data": [self._model_card()]})
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        self._check_model(request.match_info["model"])
+        return json_response(self._model_card())
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        fields = parse_tokenize(await read_json(request, self.max_body_bytes))
+        self._check_model(fields["model"])
+        if "messages" in fields:
+            if not self.tokenizer.has_chat_template:
+                raise NoChatTemplateError()
+            text = self.tokenizer.apply_chat_template(fields["messages"],
+                                                      add_generation_prompt=fields["add_generation_prompt"])
+        else:
+            text = fields["prompt"]
+        ids = self.tokenizer.encode(text, add_special_tokens=fields["add_special_tokens"])
+        payload: dict[str, Any] = {"count": len(ids), "max_model_len": self.info.max_model_len, "tokens": ids}
+        if fields["return_token_strs"]:
+            payload["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
+        return json_response(payload)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        model, tokens = parse_detokenize(await read_json(request, self.max_body_bytes), self.info.vocab_size)
+        self._check_model(model)
+        return json_response({"prompt": self.tokenizer.decode(tokens)})
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.info.name, "object": "model", "created": self.created, "owned_by": "jengine",
+                "root": self.info.name, "parent": None, "max_model_len": self.info.max_model_len}
+
+    def _check_model(self, model: str | None) -> None:
+        """An absent model means the served one (vLLM's habit); any other name is a 404."""
+        if model is not None and model != self.info.name:
+            raise NotFoundError(f"the model {model[:100]!r} does not exist; this server serves {self.info.name!r}")
+
+
+async def _stream(request: web.Request, streams: RequestStreams, formatter: StreamFormatter) -> web.StreamResponse:
+    """Write SSE chunks as outputs arrive, then `[DONE]`; a client that goes away ends it (the streams are aborted
+    by the caller's `async with`). An engine error after the status went out travels as a last chunk."""
+    response = web.StreamResponse(headers=SSE_HEADERS)
+    await response.prepare(request)
+    tail = DONE
+    try:
+        for payload in formatter.start():
+            await response.write(sse(payload))
+        async for index, output in streams:
+            for payload in formatter.on_output(index, output):
+                await response.write(sse(payload))
+        usage = formatter.usage_chunk()
+        if usage is not None:
+            await response.write(sse(usage))
+    except ConnectionError:
+        logger.debug("client went away mid-stream")
+        return response
+    except Exception as exc:
+        logger.warning("stream %s failed after it started: %s", formatter.meta.id, type(exc).__name__,
+                       exc_info=not isinstance(exc, JengineError))
+        tail = sse(formatter.error_chunk(exc)) + DONE
+    try:
+        await response.write(tail)
+        await response.write_eof()
+    except ConnectionError:
+        pass
+    return response

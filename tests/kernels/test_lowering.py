@@ -1,0 +1,55 @@
+"""Lowers each kernel for an abstract H200 on the CPU: the Triton backend's own checks (power-of-two blocks, no
+scalar prefetch, supported primitives) run here, which interpret mode would let pass (JAX-PALLAS.md §1.5)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh
+
+from pallas_kernels.kv_write import kernel as kv_write
+from pallas_kernels.ragged_paged_attention import kernel as attention
+
+H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+S = jax.ShapeDtypeStruct
+i32 = jnp.int32
+
+
+def lower_for_h200(fn, *specs) -> str:
+    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=H200)):
+        return jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize(
+    "tokens,seqs,q_heads,kv_heads,head_dim,block_size,dtype,max_query_len,soft_cap,launches",
+    [
+        (64, 64, 32, 8, 128, 16, jnp.bfloat16, 1, None, 2),  # Llama-3-8B decode bucket: split-K + merge only
+        (4096, 8, 32, 8, 128, 16, jnp.bfloat16, 4096, 30.0, 3),  # prefill, decode, merge; soft cap
+        (256, 16, 8, 8, 64, 128, jnp.float32, 64, None, 3),  # MHA, d=64, big pages, f32
+        (128, 4, 40, 8, 128, 32, jnp.bfloat16, 128, None, 3),  # group 5 (padded to 8)
+    ],
+)
+def test_attention_lowers_for_h200(tokens, seqs, q_heads, kv_heads, head_dim, block_size, dtype, max_query_len,
+                                   soft_cap, launches):
+    fn = functools.partial(attention.ragged_paged_attention, scale=head_dim ** -0.5, soft_cap=soft_cap,
+                           max_query_len=max_query_len)
+    text = lower_for_h200(
+        lambda q, kv, layer, qsl, lens, bt, window: fn(q, kv, layer, qsl, lens, bt, sliding_window=window),
+        S((tokens, q_heads, head_dim), dtype),
+        S((32, 20000, block_size, 2, kv_heads, head_dim), dtype),  # > 4 GiB: 64-bit page offsets
+        S((), i32), S((seqs + 1,), i32), S((seqs,), i32), S((seqs, 2048), i32), S((), i32),
+    )
+    assert text.count("__gpu$xla.gpu.triton") == launches
+
+
+def test_kv_write_lowers_for_h200_in_place():
+    text = lower_for_h200(
+        kv_write.write_kv,
+        S((32, 20000, 16, 2, 8, 128), jnp.bfloat16), S((), i32), S((64,), i32),
+        S((64, 8, 128), jnp.bfloat16), S((64, 8, 128), jnp.bfloat16),
+    )
+    assert "__gpu$xla.gpu.triton" in text
+    assert "tf.aliasing_output" in text or "output_operand_alias" in text

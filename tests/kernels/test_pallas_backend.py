@@ -1,0 +1,67 @@
+"""The `pallas_gpu` attention backend (kernels in interpret mode) against the reference backend, and its selection."""
+
+from __future__ import annotations
+
+import logging
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jengine.attention import pallas
+from jengine.attention.backend import ReferenceBackend, select_backend
+from jengine.attention.metadata import AttentionMetadata
+from tests.kernels.batches import Bucket, build
+
+BUCKET = Bucket(q_heads=8, kv_heads=2)  # the shapes test_ragged_paged_attention compiles too
+
+
+def step_inputs(bucket: Bucket, q_lens, seq_lens, seed=0):
+    batch = build(bucket, q_lens, seq_lens, seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    num_slots = bucket.num_blocks * bucket.block_size
+    slots = np.full(bucket.num_tokens, num_slots, np.int32)
+    positions = np.zeros(bucket.num_tokens, np.int32)
+    tables, t = np.asarray(batch.block_tables), 0
+    for b, (q, s) in enumerate(zip(q_lens, seq_lens)):
+        for p in range(s - q, s):
+            slots[t], positions[t] = tables[b, p // bucket.block_size] * bucket.block_size + p % bucket.block_size, p
+            t += 1
+    md = AttentionMetadata(jnp.asarray(positions), jnp.asarray(slots), batch.query_start_loc, batch.seq_lens,
+                           batch.block_tables, bucket.num_tokens)
+    new = rng.standard_normal((2, bucket.num_tokens, bucket.kv_heads, bucket.head_dim)).astype(np.float32)
+    q = jnp.nan_to_num(batch.q)
+    return q, jnp.asarray(new[0]), jnp.asarray(new[1]), batch.kv_reference, md, batch.num_real_tokens
+
+
+@pytest.mark.parametrize("kernel_write", [False, True])
+def test_backend_matches_reference_backend(monkeypatch, kernel_write):
+    if kernel_write:
+        monkeypatch.setattr(pallas, "KV_WRITE_KERNEL_MIN_TOKENS", 1)
+    q, k, v, kv, md, n = step_inputs(BUCKET, [1, 20, 1, 9], [40, 20, 160, 70])
+    kw = dict(scale=BUCKET.head_dim ** -0.5, sliding_window=jnp.int32(0), soft_cap=None)
+    out, cache = pallas.PallasGpuBackend(interpret=True)(q, k, v, jnp.array(kv), 1, md, **kw)
+    ref_out, ref_cache = ReferenceBackend()(q, k, v, jnp.array(kv), 1, md, **kw)
+    np.testing.assert_array_equal(np.asarray(cache), np.asarray(ref_cache))
+    np.testing.assert_allclose(np.asarray(out[:n]), np.asarray(ref_out[:n]), atol=2e-5, rtol=2e-5)
+
+
+def test_unsupported_head_dim_falls_back_to_reference(caplog):
+    bucket = Bucket(q_heads=4, kv_heads=2, head_dim=48, num_tokens=8, num_seqs=2, width=2)
+    q, k, v, kv, md, n = step_inputs(bucket, [1, 3], [5, 3])
+    kw = dict(scale=0.1, sliding_window=0, soft_cap=None)
+    with caplog.at_level(logging.WARNING, logger="jengine.attention.pallas"):
+        out, _ = pallas.PallasGpuBackend(interpret=True)(q, k, v, kv, 0, md, **kw)
+    ref_out, _ = ReferenceBackend()(q, k, v, kv, 0, md, **kw)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref_out))
+    assert "head_dim=48" in caplog.text
+
+
+def test_selection_by_platform_and_head_dim(caplog):
+    assert select_backend("cpu").name == "reference"
+    assert select_backend("gpu").name == "pallas_gpu"
+    assert select_backend("gpu", head_dim=128).name == "pallas_gpu"
+    assert select_backend("cpu", "pallas_gpu").name == "pallas_gpu"  # asked by name: taken as asked
+    with caplog.at_level(logging.WARNING, logger="jengine.attention.backend"):
+        assert select_backend("gpu", head_dim=96).name == "reference"
+    assert "96" in caplog.text

@@ -1,0 +1,192 @@
+"""The ragged paged attention kernel (interpret mode) against its pure-jnp reference on ragged random batches.
+
+Shapes are fixed buckets per configuration so hypothesis examples reuse one compile; sliding windows are traced, so
+they vary freely. Poisoning: interpret mode starts every kernel output as NaN (checked below), the cache holds NaN in
+every slot no request owns, and padding tokens' queries are NaN — an unwritten row or a stray read shows up as NaN.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax.experimental import pallas as pl
+
+from pallas_kernels.ragged_paged_attention import UnsupportedShapeError, kernel, reference
+from pallas_kernels.ragged_paged_attention.tuning import KernelConfig, SplitConfig, Tuning
+from tests.kernels.batches import Batch, Bucket, build
+
+LAYER = 1
+
+# Tiles of 16 positions, splits of one tile (at most 4): with the tiny test contexts, the default 128-wide tiles
+# would rarely cross a tile or split edge.
+SMALL_SPLITS = Tuning(
+    decode=KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=2),
+    prefill=KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=2),
+    split=SplitConfig(split_tokens=16, max_splits=4),
+)
+
+# The bucket the fixed-shape tests share (one compile): GQA 4, float32, d=64, pages of 16.
+FIXED = Bucket(q_heads=8, kv_heads=2)
+
+# (bucket, soft_cap, tuning): GQA ratios 1, 4, 8 and a non-power-of-two 3; f32 and bf16; pages of 16..64; d 64 and
+# 128; default tiles (None) and small tiles.
+CONFIGS = {
+    "g4-f32-bs16": (FIXED, None, None),
+    "g1-bf16-bs32-d128": (Bucket(q_heads=2, kv_heads=2, head_dim=128, block_size=32, width=5, dtype=jnp.bfloat16),
+                          None, None),
+    "g8-f32-bs16-cap-small-tiles": (Bucket(q_heads=8, kv_heads=1), 5.0, SMALL_SPLITS),
+    "g3-bf16-bs64": (Bucket(q_heads=6, kv_heads=2, block_size=64, width=3, dtype=jnp.bfloat16), None, None),
+}
+
+
+def run_both(bucket: Bucket, batch: Batch, *, window: int, soft_cap: float | None, max_query_len: int,
+             tuning: Tuning | None = None):
+    scale = bucket.head_dim ** -0.5
+    args = (batch.query_start_loc, batch.seq_lens, batch.block_tables)
+    window = jnp.int32(window)  # traced, typed as the engine passes it: every test of a bucket shares one compile
+    if tuning is None:
+        out = kernel.ragged_paged_attention(
+            batch.q, batch.kv_kernel, LAYER, *args, scale=scale, sliding_window=window, soft_cap=soft_cap,
+            max_query_len=max_query_len, interpret=True)
+    else:
+        out = _with_tuning(batch.q, batch.kv_kernel, LAYER, *args, window, scale=scale, soft_cap=soft_cap,
+                           max_query_len=max_query_len, tuning=tuning)
+    ref = reference.ragged_paged_attention(
+        batch.q, batch.kv_reference, LAYER, *args, scale=scale, sliding_window=window, soft_cap=soft_cap,
+        max_query_len=max_query_len)
+    return np.asarray(out, np.float32), np.asarray(ref, np.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "max_query_len", "tuning"))
+def _with_tuning(q, kv, layer, qsl, lens, bt, window, *, scale, soft_cap, max_query_len, tuning):
+    return kernel.ragged_paged_attention_impl(
+        q, kv, layer, qsl, lens, bt, scale=scale, sliding_window=window, soft_cap=soft_cap,
+        max_query_len=max_query_len, interpret=True, tuning=tuning)
+
+
+def assert_close(out: np.ndarray, ref: np.ndarray, batch: Batch, dtype) -> None:
+    tol = 2e-2 if dtype == jnp.bfloat16 else 2e-5
+    n = batch.num_real_tokens
+    assert np.isfinite(out).all(), "NaN/inf in the kernel output (unwritten row or poisoned read)"
+    np.testing.assert_allclose(out[:n], ref[:n], atol=tol, rtol=tol)
+    assert (out[n:] == 0).all(), "padding tokens must come back as zeros"
+
+
+@st.composite
+def ragged_requests(draw, bucket: Bucket):
+    """(q_lens, seq_lens): lengths 1, block-size edges and random ones; contexts from none to the table width."""
+    bs = bucket.block_size
+    n = draw(st.integers(1, bucket.num_seqs))
+    budget = bucket.num_tokens
+    q_lens, seq_lens = [], []
+    for _ in range(n):
+        if budget == 0:
+            break
+        q = draw(st.sampled_from([1, 1, 2, bs - 1, bs, bs + 1, 33]) | st.integers(1, budget))
+        q = min(q, budget)
+        budget -= q
+        extra = draw(st.sampled_from([0, bs - q % bs, bucket.max_context - q]) | st.integers(0, bucket.max_context - q))
+        q_lens.append(q)
+        seq_lens.append(q + max(0, min(extra, bucket.max_context - q)))
+    return q_lens, seq_lens
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_random_ragged_batches_match_reference(name):
+    bucket, soft_cap, tuning = CONFIGS[name]
+
+    @settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(ragged_requests(bucket), st.sampled_from([0, 0, 1, 5, bucket.block_size, 40]), st.integers(0, 2**16))
+    def check(requests, window, seed):
+        q_lens, seq_lens = requests
+        batch = build(bucket, q_lens, seq_lens, seed=seed, layer=LAYER)
+        out, ref = run_both(bucket, batch, window=window, soft_cap=soft_cap, max_query_len=bucket.num_tokens,
+                            tuning=tuning)
+        assert_close(out, ref, batch, bucket.dtype)
+
+    check()
+
+
+@pytest.mark.parametrize(
+    "q_lens,seq_lens,window",
+    [
+        ([1] * 6, [1, 16, 17, 100, 160, 33], 0),  # decodes only, page edges
+        ([1, 1, 1], [160, 2, 64], 7),  # decodes with a window, padding requests
+        ([64], [160], 0),  # one chunk filling the token bucket, over a cached prefix
+        ([60, 1, 1, 1, 1], [60, 90, 5, 31, 32], 20),  # mixed step, window
+        ([4, 4, 16, 17], [4, 40, 16, 160], 0),  # speculative-sized queries at the decode/prefill boundary
+    ],
+)
+def test_fixed_padded_shapes(q_lens, seq_lens, window):
+    batch = build(FIXED, q_lens, seq_lens, seed=len(q_lens))
+    out, ref = run_both(FIXED, batch, window=window, soft_cap=None, max_query_len=FIXED.num_tokens)
+    assert_close(out, ref, batch, FIXED.dtype)
+
+
+def test_decode_only_bucket_skips_prefill_launch():
+    """max_query_len=1 (a decode bucket): only the split-K kernel runs; padding rows still come back as zeros."""
+    batch = build(FIXED, [1] * 5, [3, 17, 160, 48, 1], seed=3)
+    out, ref = run_both(FIXED, batch, window=0, soft_cap=None, max_query_len=1)
+    assert_close(out, ref, batch, FIXED.dtype)
+
+
+SMALL_BUCKET, SMALL_CAP, _ = CONFIGS["g8-f32-bs16-cap-small-tiles"]
+
+
+def test_many_splits_and_small_tiles_match_reference():
+    """Splits of one 16-token tile each (and clamped at 4), prefill tiles of 2 tokens: merge and tile edges."""
+    batch = build(SMALL_BUCKET, [1, 1, 3, 9, 30, 1], [160, 40, 20, 100, 30, 17], seed=5)
+    for window in (0, 23):
+        out, ref = run_both(SMALL_BUCKET, batch, window=window, soft_cap=SMALL_CAP, max_query_len=64,
+                            tuning=SMALL_SPLITS)
+        assert_close(out, ref, batch, SMALL_BUCKET.dtype)
+
+
+@pytest.mark.parametrize("bucket,soft_cap,tuning", [(FIXED, None, None), (SMALL_BUCKET, SMALL_CAP, SMALL_SPLITS)])
+def test_a_requests_output_does_not_depend_on_the_batch(bucket, soft_cap, tuning):
+    """The engine's invariance promise: split counts and tile order depend on the request alone, so its rows are
+    bitwise identical alone and beside others (same seed: same pages, cache values and queries for the first two)."""
+    alone = build(bucket, [1, 20], [150, 70], seed=9)
+    crowd = build(bucket, [1, 20, 1, 30], [150, 70, 160, 31], seed=9)
+    np.testing.assert_array_equal(alone.block_tables[:2], crowd.block_tables[:2])
+    out_alone, _ = run_both(bucket, alone, window=0, soft_cap=soft_cap, max_query_len=64, tuning=tuning)
+    out_crowd, _ = run_both(bucket, crowd, window=0, soft_cap=soft_cap, max_query_len=64, tuning=tuning)
+    np.testing.assert_array_equal(out_alone[:21], out_crowd[:21])
+
+
+def test_reference_agrees_with_the_engine_oracle():
+    """This package's reference (which may not import jengine) against jengine's own oracle."""
+    from jengine.attention import reference as engine_reference
+    from jengine.attention.metadata import AttentionMetadata
+
+    batch = build(FIXED, [1, 17, 5], [40, 17, 100], seed=11)
+    zeros = jnp.zeros(FIXED.num_tokens, jnp.int32)
+    md = AttentionMetadata(zeros, zeros, batch.query_start_loc, batch.seq_lens, batch.block_tables, 64)
+    kw = dict(scale=FIXED.head_dim ** -0.5, sliding_window=9, soft_cap=None)  # the static args other tests compile
+    ours = reference.ragged_paged_attention(batch.q, batch.kv_reference, LAYER, batch.query_start_loc, batch.seq_lens,
+                                            batch.block_tables, max_query_len=FIXED.num_tokens, **kw)
+    theirs = engine_reference.paged_attention(jnp.nan_to_num(batch.q), batch.kv_reference, LAYER, md, **kw)
+    n = batch.num_real_tokens
+    np.testing.assert_allclose(np.asarray(ours[:n]), np.asarray(theirs[:n]), atol=1e-6)
+
+
+def test_interpret_mode_starts_outputs_as_nan():
+    """The poisoning the tests above rely on: an output the kernel never writes stays NaN."""
+    out = pl.pallas_call(lambda o_ref: None, out_shape=jax.ShapeDtypeStruct((8, 8), jnp.float32), interpret=True)()
+    assert np.isnan(np.asarray(out)).all()
+
+
+@pytest.mark.parametrize("head_dim,block_size", [(96, 16), (256, 16), (64, 8), (128, 24)])
+def test_unsupported_shapes_raise_a_clear_error(head_dim, block_size):
+    q = jnp.zeros((4, 4, head_dim))
+    kv = jnp.zeros((1, 4, block_size, 2, 2, head_dim))
+    i = jnp.zeros(2, jnp.int32)
+    with pytest.raises(UnsupportedShapeError, match="head_dim|block_size"):
+        kernel.ragged_paged_attention(q, kv, 0, jnp.zeros(2, jnp.int32), i[:1], jnp.zeros((1, 2), jnp.int32),
+                                      scale=1.0, max_query_len=1, interpret=True)
