@@ -28,11 +28,22 @@ def ensure_demo_model(out_dir: str | Path = DEFAULT_DEMO_DIR) -> Path:
     if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists() and _is_current(out):
         return out
     logger.info("building the demo model (random weights) in %s", out)
+    return build_random_llama(out, **_SHAPE)
+
+
+def build_random_llama(out_dir: str | Path, *, hidden_size: int, intermediate_size: int, num_hidden_layers: int,
+                       num_attention_heads: int, num_key_value_heads: int, head_dim: int | None = None,
+                       max_position_embeddings: int = DEMO_MAX_POSITIONS) -> Path:
+    """A Llama-format checkpoint of any shape with random weights and the tiny tokenizer (GPU checks use it too)."""
+    out = Path(out_dir)
     train_tiny_tokenizer(out, vocab_size=512, chat_template=CHATML_TEMPLATE)
     from tokenizers import Tokenizer
 
     vocab = Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
-    config = _config(vocab)
+    shape = dict(hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_hidden_layers,
+                 num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+                 head_dim=head_dim or hidden_size // num_attention_heads)
+    config = _config(vocab, shape, max_position_embeddings)
     _write_weights(out, config)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
@@ -49,11 +60,11 @@ def _is_current(out: Path) -> bool:
     return config.get("max_position_embeddings", 0) >= DEMO_MAX_POSITIONS and "chat_template" in tokenizer_config
 
 
-def _config(vocab_size: int) -> dict:
+def _config(vocab_size: int, shape: dict, max_position_embeddings: int) -> dict:
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab_size,
-        **_SHAPE, "head_dim": _SHAPE["hidden_size"] // _SHAPE["num_attention_heads"], "hidden_act": "silu",
-        "max_position_embeddings": DEMO_MAX_POSITIONS, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab_size, **shape,
+        "hidden_act": "silu", "max_position_embeddings": max_position_embeddings, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
         "tie_word_embeddings": False,
         "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
     }
@@ -67,7 +78,7 @@ def _write_weights(out: Path, config: dict) -> None:
     q_out, kv_out = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
 
     def normal(*shape: int) -> np.ndarray:
-        return (rng.standard_normal(shape) * 0.05).astype(np.float32)
+        return (rng.standard_normal(shape) * min(0.05, shape[-1] ** -0.5)).astype(np.float32)
 
     vocab = config["vocab_size"]
     tensors = {"model.embed_tokens.weight": normal(vocab, d), "lm_head.weight": normal(vocab, d),
