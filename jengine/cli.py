@@ -12,6 +12,11 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jengine.config import ServerConfig
+    from jengine.engine.client import EngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +163,7 @@ def _add_openai_parser(commands: argparse._SubParsersAction) -> None:
     _add_server_args(openai, grpc=False)
 
 
-def _server_config(args: argparse.Namespace, grpc_port: int = 0):  # -> ServerConfig (imported lazily)
+def _server_config(args: argparse.Namespace, grpc_port: int = 0) -> ServerConfig:
     from jengine.config import ServerConfig
 
     return ServerConfig.from_kwargs(host=args.host, port=args.port, grpc_port=grpc_port, api_key=args.api_key,
@@ -200,7 +205,7 @@ def _openai(args: argparse.Namespace) -> int:
     if not host or not port.isdigit():
         raise ConfigError(f"--engine must be HOST:PORT, got {args.engine!r}")
 
-    def make_client():  # -> GrpcEngineClient; inside the event loop (its channel binds to it)
+    def make_client() -> EngineClient:  # called inside the event loop: the gRPC channel binds to it
         try:
             from server.grpc_client import GrpcEngineClient
         except ImportError as exc:

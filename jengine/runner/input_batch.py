@@ -37,8 +37,11 @@ class StepInputs:
 
 class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, num_slots: int,
-                 buckets: StepBuckets) -> None:
+                 buckets: StepBuckets, pin_shapes: bool = False) -> None:
+        """`pin_shapes` (compile_buckets="all"): the block-table width is always the largest bucket and a prefill
+        step's query bound is its token bucket, so every step shape is one `compile.pinned_shapes` lists."""
         self.block_size, self.num_slots, self.buckets = block_size, num_slots, buckets
+        self.pin_shapes = pin_shapes
         max_blocks = -(-max_model_len // block_size)
         self.token_ids = np.zeros((max_num_seqs, max_model_len), np.int32)
         self.num_tokens = np.zeros(max_num_seqs, np.int32)
@@ -103,6 +106,11 @@ class InputBatch:
         return self._last_rows
 
     # ------------------------------------------------------------------ one step's inputs
+    def _query_bound(self, longest: int, tokens_padded: int) -> int:
+        if self.pin_shapes:
+            return 1 if longest == 1 else tokens_padded
+        return pick(longest, self.buckets.query_len)
+
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         """This step's padded inputs; advances the rows' computed counts past the scheduled tokens."""
         request_ids = list(sched.num_scheduled_tokens)
@@ -119,7 +127,7 @@ class InputBatch:
 
         b = self.buckets
         tokens_padded, seqs_padded = pick(total, b.tokens), pick(len(rows), b.seqs)
-        width = pick(int(self.num_blocks[rows].max()), b.blocks)
+        width = b.blocks[-1] if self.pin_shapes else pick(int(self.num_blocks[rows].max()), b.blocks)
         pad_tokens, pad_seqs = tokens_padded - total, seqs_padded - len(rows)
         tables = np.zeros((seqs_padded, width), np.int32)
         tables[: len(rows)] = self.block_table[rows, :width]
@@ -130,7 +138,7 @@ class InputBatch:
             query_start_loc=np.concatenate([[0], ends, np.full(pad_seqs, total)]).astype(np.int32),
             seq_lens=np.concatenate([seq_lens, np.zeros(pad_seqs, np.int32)]).astype(np.int32),
             block_tables=tables,
-            max_query_len=pick(int(count.max()), b.query_len),
+            max_query_len=self._query_bound(int(count.max()), tokens_padded),
         )
         token_ids = np.concatenate([self.token_ids[row_of_token, positions], np.zeros(pad_tokens, np.int32)])
         logits_rows = np.concatenate([ends - 1, np.zeros(pad_seqs, np.int64)]).astype(np.int32)

@@ -18,6 +18,7 @@ from jengine.models.spec import ModelSpec
 from jengine.runner.buckets import StepBuckets, pick, powers_of_two
 from jengine.runner.input_batch import InputBatch, StepInputs
 from jengine.runner.kv_storage import KVPlan, allocate
+from jengine.runner.compile import RecompileGuard, pinned_shapes, warm_up
 from jengine.runner.step import build_step
 from jengine.sampling.metadata import SamplingRowTable
 from jengine.scheduler.output import RunnerOutput, SchedulerOutput, TokenLogprobs
@@ -45,11 +46,16 @@ class ModelRunner:
         max_blocks = -(-sched.max_model_len // plan.block_size)
         self.buckets = StepBuckets.build(sched.max_num_batched_tokens, sched.max_num_seqs, max_blocks)
         self.kv_cache = allocate(spec, plan, dtype)
+        pin = config.runner.compile_buckets == "all"
         self.batch = InputBatch(sched.max_num_seqs, sched.max_model_len, plan.block_size,
-                                plan.num_blocks * plan.block_size, self.buckets)
+                                plan.num_blocks * plan.block_size, self.buckets, pin_shapes=pin)
         self.backend = backend
         self.sampling_rows = SamplingRowTable(sched.max_num_seqs, engine_seed=config.model.seed)
         self._step = build_step(spec, backend)
+        self.recompile_guard = RecompileGuard()
+        if pin:
+            warm_up(self, pinned_shapes(self.buckets))
+            self.recompile_guard.arm()
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         self.batch.apply(sched)
@@ -66,6 +72,9 @@ class ModelRunner:
             prompt_rows, prompt_targets, num_prompt_logprobs=prompt_k,
         )
         sampled, prompt_out = jax.device_get((sampled, prompt_out))
+        self.recompile_guard.check(lambda: f"tokens={len(inputs.token_ids)} seqs={len(inputs.logits_rows)} "
+                                           f"blocks={inputs.metadata.block_tables.shape[1]} "
+                                           f"query_len={inputs.metadata.max_query_len}")
         return self._runner_output(inputs, sampled, prompt_plan, prompt_out)
 
     # ------------------------------------------------------------------ sampling inputs

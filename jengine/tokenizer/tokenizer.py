@@ -21,6 +21,7 @@ import jinja2.nodes
 import jinja2.sandbox
 
 from jengine.errors import CheckpointError, ConfigError, InvalidRequestError
+from jengine.tokenizer.byte_level import FastDecoding
 
 logger = logging.getLogger(__name__)
 
@@ -106,15 +107,12 @@ class Tokenizer:
 
     def decoder(self, skip_special_tokens: bool = True, *, spaces_between_special_tokens: bool = True
                 ) -> Callable[[list[int]], str]:
-        """`decode` of a list with these options bound: the Rust decode itself where there is one, for the callers
-        that decode every step (the detokenizer), where `decode`'s Python layers are a measurable part of the cost."""
-        if self._backend is not None:
-            rust_decode = self._backend.decode
-            if skip_special_tokens:  # its default: the bound method itself, no Python frame in between
-                return rust_decode
-            return lambda ids: rust_decode(ids, False)
-        return partial(self.decode, skip_special_tokens=skip_special_tokens,
-                       spaces_between_special_tokens=spaces_between_special_tokens)
+        """`decode` of a list with these options bound, for callers decoding every step (the detokenizer): a byte
+        table for byte-level BPE, else the Rust decode itself, without `decode`'s Python layers."""
+        if self._backend is None:
+            return partial(self.decode, skip_special_tokens=skip_special_tokens,
+                           spaces_between_special_tokens=spaces_between_special_tokens)
+        return self._fast_decoding.decoder(skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         """Vocabulary strings of `ids` (byte-level or "▁" forms, not text); for logprobs output."""
@@ -192,6 +190,11 @@ class Tokenizer:
             messages, add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs
         )
         return self.encode(prompt, add_special_tokens=False)
+
+    @cached_property
+    def _fast_decoding(self) -> FastDecoding:
+        """Built on first use: a byte-level table takes a pass over the vocabulary."""
+        return FastDecoding(self._backend)
 
     @cached_property
     def _template(self) -> jinja2.Template:

@@ -31,7 +31,10 @@ def prompts() -> list[list[int]]:
     system = rng.integers(3, COMMON["vocab_size"], size=24).tolist()  # a shared prefix: prefix-cache hits
     lengths = rng.integers(1, 40, size=6)
     own = [rng.integers(3, COMMON["vocab_size"], size=int(n)).tolist() for n in lengths]
-    return [system + p for p in own[:3]] + own[3:] + [system[:16]]  # includes a block-aligned full-prefix prompt
+    # Four 30-token prompts first: with an 8-block pool they take every block, and each needs a third block at its
+    # 33rd token, so the small-pool run must preempt.
+    fill_pool = [rng.integers(3, COMMON["vocab_size"], size=30).tolist() for _ in range(4)]
+    return fill_pool + [system + p for p in own[:3]] + own[3:] + [system[:16]]  # last: a block-aligned full prefix
 
 
 def run(model_dir, prompts, **engine_args) -> tuple[list[list[int]], LLM]:
@@ -60,7 +63,7 @@ def test_greedy_output_is_invariant(tiny_model, prompts):
         "full batch": dict(max_num_seqs=8),
         "tiny token budget (chunked prefill)": dict(max_num_seqs=8, max_num_batched_tokens=5),
         "prefix caching off": dict(max_num_seqs=8, enable_prefix_caching=False),
-        "small KV pool (preemption)": dict(max_num_seqs=8, num_gpu_blocks_override=9, block_size=16),
+        "small KV pool (preemption)": dict(max_num_seqs=8, num_gpu_blocks_override=8, block_size=16),
     }
     for name, engine_args in variants.items():
         tokens, llm = run(model_dir, prompts, **engine_args)

@@ -8,6 +8,7 @@ import json
 import socket
 
 import httpx
+
 from tests.server.conftest import MODEL_NAME, ServerHandle, metric, paused_core, scrape, wait_for
 
 NUM_STREAMS = 32
@@ -29,12 +30,18 @@ def test_concurrent_greedy_streams_equal_one_by_one(server: ServerHandle) -> Non
                     text += json.loads(line[6:])["choices"][0]["text"]
         return text
 
-    async def run() -> list[str]:
+    async def run() -> tuple[list[str], int]:
         limits = httpx.Limits(max_connections=NUM_STREAMS)
         async with httpx.AsyncClient(base_url=server.base_url, timeout=60, limits=limits) as client:
-            return await asyncio.gather(*(stream(client, p) for p in prompts))
+            texts = asyncio.gather(*(stream(client, p) for p in prompts))
+            batch = 0
+            while not texts.done():  # how full the running batch got: the streams really shared steps
+                batch = max(batch, server.engine.stats().num_running)
+                await asyncio.sleep(0.002)
+            return await texts, batch
 
-    assert asyncio.run(run()) == alone
+    texts, batch = asyncio.run(run())
+    assert texts == alone and batch >= 4
     server.wait_idle()
 
 
