@@ -11,7 +11,7 @@ import httpx
 
 from tests.server.conftest import MODEL_NAME, ServerHandle, metric, paused_core, scrape, wait_for
 
-NUM_STREAMS = 32
+NUM_STREAMS = 64  # the server fixture admits 8 running + 56 queued: exactly 64 at once
 
 
 def test_concurrent_greedy_streams_equal_one_by_one(server: ServerHandle) -> None:
