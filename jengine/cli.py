@@ -48,7 +48,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-expert-parallel", action="store_true")
     group.add_argument("--chat-template", default=None, help="chat template file or text, overriding the model's")
     group.add_argument("--max-logprobs", type=int, default=20)
-    group.add_argument("--compile-buckets", default="lazy", choices=["all", "lazy"])
+    group.add_argument("--compile-buckets", default="lazy", choices=["all", "lazy", "auto"])
     group.add_argument("--compilation-cache-dir", type=Path, default=DEFAULT_COMPILATION_CACHE,
                        help="JAX persistent compilation cache")
     for flag in ("--quantization", "--lora-modules", "--speculative-config", "--reasoning-parser",
@@ -153,7 +153,7 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     add_engine_args(serve)
     serve.add_argument("--served-model-name", default=None, help="the name clients send as 'model'")
     _add_server_args(serve, grpc=True)
-    serve.set_defaults(compile_buckets="all")  # a server compiles every shape before it takes traffic
+    serve.set_defaults(compile_buckets="auto")  # a server on a GPU compiles every shape before it takes traffic
 
 
 def _add_openai_parser(commands: argparse._SubParsersAction) -> None:

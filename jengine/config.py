@@ -59,7 +59,9 @@ class ParallelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RunnerConfig:
-    compile_buckets: Literal["all", "lazy"] = "lazy"  # all: compile every shape bucket at start-up
+    # all: compile every shape bucket at start-up; lazy: on first use; auto (the server default): all when a kernel
+    # backend runs attention, lazy with the jnp reference (its pinned prefill shapes are too costly on a CPU)
+    compile_buckets: Literal["all", "lazy", "auto"] = "lazy"
     attention_backend: str = "auto"  # auto | reference | pallas_gpu
     compilation_cache_dir: str | None = None  # JAX persistent compilation cache (env JENGINE_COMPILATION_CACHE_DIR)
 
@@ -113,7 +115,7 @@ class EngineConfig:
             (self.parallel.tensor_parallel_size == 1 and self.parallel.data_parallel_size == 1
              and not self.parallel.enable_expert_parallel,
              "tensor, data and expert parallelism are not available yet (use 1 device)"),
-            (self.runner.compile_buckets in ("all", "lazy"), "compile_buckets must be 'all' or 'lazy'"),
+            (self.runner.compile_buckets in ("all", "lazy", "auto"), "compile_buckets must be 'all', 'lazy' or 'auto'"),
         ]
         for ok, message in checks:
             if not ok:

@@ -29,3 +29,14 @@ def test_all_buckets_compile_at_start_and_steady_state_compiles_nothing(model_di
         assert all(len(o.outputs[0].token_ids) == 6 for o in outputs)
         assert num_compiled_shapes() == after_start, "a step compiled after warm-up"
         assert "compiled after warm-up" not in caplog.text
+
+
+def test_auto_compiles_up_front_only_with_a_kernel_backend(model_dir):
+    """`auto` (the server default) pins and precompiles with a kernel backend; with the jnp reference (the CPU) it
+    compiles lazily, so a CPU server starts in seconds."""
+    before = num_compiled_shapes()
+    with LLM(str(model_dir), dtype="float32", max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32,
+             compile_buckets="auto") as llm:
+        assert llm._core.runner.backend.name == "reference"
+        assert not llm._core.runner.batch.pin_shapes
+        assert num_compiled_shapes() == before

@@ -46,7 +46,8 @@ class ModelRunner:
         max_blocks = -(-sched.max_model_len // plan.block_size)
         self.buckets = StepBuckets.build(sched.max_num_batched_tokens, sched.max_num_seqs, max_blocks)
         self.kv_cache = allocate(spec, plan, dtype)
-        pin = config.runner.compile_buckets == "all"
+        mode = config.runner.compile_buckets
+        pin = mode == "all" or (mode == "auto" and backend.name != "reference")
         self.batch = InputBatch(sched.max_num_seqs, sched.max_model_len, plan.block_size,
                                 plan.num_blocks * plan.block_size, self.buckets, pin_shapes=pin)
         self.backend = backend

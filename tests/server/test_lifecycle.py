@@ -124,7 +124,7 @@ def _admitted(url: str) -> float:
 
 def test_serve_defaults_and_the_demo_model() -> None:
     args = build_parser().parse_args(["serve"])
-    assert (args.port, args.grpc_port, args.host, args.compile_buckets) == (8000, 50051, "0.0.0.0", "all")
+    assert (args.port, args.grpc_port, args.host, args.compile_buckets) == (8000, 50051, "0.0.0.0", "auto")
     model, served_name = _serve_model(args)
     assert served_name == DEMO_SERVED_NAME
     config = json.loads((Path(model) / "config.json").read_text())
