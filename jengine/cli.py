@@ -2,8 +2,8 @@
 service over one in-process engine), `openai` (the HTTP API alone, over a running engine's gRPC service).
 
 Engine flags carry vLLM's names (`--max-model-len`, `--max-num-seqs`, `--block-size`, ...) and map one to one onto
-`EngineConfig.from_kwargs`. `bench` is named so that users meet a clear message until it exists, and flags for
-features not built yet are refused, never ignored.
+`EngineConfig.from_kwargs`. Commands in `_NOT_BUILT` (none now) meet a clear message until they exist, and flags for
+features not built yet are refused, never ignored. `bench {throughput,latency,serve}` lives in `jengine.bench`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_NOT_BUILT = {
-    "bench": "the benchmark driver",
-}
+_NOT_BUILT: dict[str, str] = {}
 DEFAULT_COMPILATION_CACHE = Path.home() / ".cache" / "jengine" / "jax-cache"
 
 
@@ -85,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     _add_serve_parser(commands)
     _add_openai_parser(commands)
+    from jengine.bench.commands import add_bench_parser
+
+    add_bench_parser(commands)
     for name, what in _NOT_BUILT.items():
         commands.add_parser(name, help=f"{what} (not available in this version)", add_help=False)
     return parser
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("jax").setLevel(logging.WARNING)  # platform probing notes are not for users
     from jengine.errors import JengineError
 
-    command = {"generate": _generate, "serve": _serve, "openai": _openai}[args.command]
+    command = {"generate": _generate, "serve": _serve, "openai": _openai, "bench": _bench}[args.command]
     try:
         return command(args)
     except JengineError as error:
@@ -130,6 +131,12 @@ def _generate(args: argparse.Namespace) -> int:
         logger.info("prompt %d tokens, generated %d tokens (%s)", len(output.prompt_token_ids),
                     len(choice.token_ids), choice.finish_reason)
     return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from jengine.bench.commands import run_bench
+
+    return run_bench(args)
 
 
 def _add_server_args(parser: argparse.ArgumentParser, *, grpc: bool) -> None:
