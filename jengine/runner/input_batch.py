@@ -48,8 +48,7 @@ class InputBatch:
         self.num_computed = np.zeros(max_num_seqs, np.int32)  # tokens whose K/V the steps so far have written
         self.num_prompt = np.zeros(max_num_seqs, np.int32)
         self.num_prompt_logprobs = np.full(max_num_seqs, -1, np.int32)  # -1: prompt logprobs not asked
-        self.block_table = np.zeros((max_num_seqs, buckets.blocks[-1] if buckets.blocks[-1] >= max_blocks
-                                     else max_blocks), np.int32)
+        self.block_table = np.zeros((max_num_seqs, max(buckets.blocks[-1], max_blocks)), np.int32)
         self.num_blocks = np.zeros(max_num_seqs, np.int32)
         self.rows: dict[str, RowInfo] = {}
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))

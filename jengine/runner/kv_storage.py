@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +37,8 @@ class KVPlan:
 
 
 def bytes_per_block(spec: ModelSpec, block_size: int, dtype) -> int:
-    return spec.num_layers * block_size * 2 * spec.num_kv_heads * spec.head_dim * jnp.dtype(dtype).itemsize
+    """One block across all layers, from the layout's single definition (`kv_cache_shape`)."""
+    return math.prod(kv_cache_shape(spec, 1, block_size)) * jnp.dtype(dtype).itemsize
 
 
 def activation_reserve(spec: ModelSpec, sched: SchedulerConfig) -> int:

@@ -8,24 +8,22 @@ continuous-batching engine replaces it for serving.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jengine.attention.backend import AttentionBackend, ReferenceBackend
 from jengine.attention.metadata import AttentionMetadata, build_metadata
 from jengine.errors import InvalidRequestError
 from jengine.layers.attention import allocate_kv_cache
-from jengine.models.decoder import compute_logits, forward
 from jengine.models.spec import ModelSpec
+from jengine.runner.step import forward_step
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "backend"), donate_argnames=("kv_cache",))
 def _step(spec: ModelSpec, backend: AttentionBackend, params, kv_cache, token_ids, md: AttentionMetadata, rows):
-    hidden, kv_cache = forward(spec, backend, params, kv_cache, token_ids, md)
-    return compute_logits(spec, params, hidden[rows]), kv_cache
+    """The engine's own jitted forward: float32 logits at `rows`, the cache donated."""
+    logits, _, kv_cache = forward_step(spec, backend, params, kv_cache, token_ids, md, rows, None, None,
+                                       num_prompt_logprobs=0)
+    return logits, kv_cache
 
 
 @dataclasses.dataclass
