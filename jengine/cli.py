@@ -1,5 +1,6 @@
 """The `jengine` command: `generate` (prompts → completions on stdout), `serve` (the OpenAI HTTP API and the gRPC
-service over one in-process engine), `openai` (the HTTP API alone, over a running engine's gRPC service).
+service over one in-process engine, or `--data-parallel-size` of them behind the router), `openai` (the HTTP API
+alone, over one running engine's gRPC service or several behind the router).
 
 Engine flags carry vLLM's names (`--max-model-len`, `--max-num-seqs`, `--block-size`, ...) and map one to one onto
 `EngineConfig.from_kwargs`. Commands in `_NOT_BUILT` (none now) meet a clear message until they exist, and flags for
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from jengine.config import ServerConfig
+    from jengine.config import EngineConfig, ServerConfig
     from jengine.engine.client import EngineClient
 
 logger = logging.getLogger(__name__)
@@ -42,8 +43,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     group.add_argument("--kv-cache-dtype", default="auto")
     group.add_argument("--tensor-parallel-size", type=int, default=1)
-    group.add_argument("--data-parallel-size", type=int, default=1)
+    group.add_argument("--data-parallel-size", type=int, default=1,
+                       help="engine replicas on disjoint device groups behind one prefix-aware router (serve)")
     group.add_argument("--enable-expert-parallel", action="store_true")
+    group.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                       help="several hosts, one engine: process 0's jax.distributed coordinator")
+    group.add_argument("--num-processes", type=int, default=None, help="processes (hosts) of one engine")
+    group.add_argument("--process-id", type=int, default=None, help="this process's rank; 0 schedules and serves")
     group.add_argument("--chat-template", default=None, help="chat template file or text, overriding the model's")
     group.add_argument("--max-logprobs", type=int, default=20)
     group.add_argument("--compile-buckets", default="lazy", choices=["all", "lazy", "auto"])
@@ -61,7 +67,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     names = ("tokenizer", "dtype", "seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
              "max_num_queued_reqs", "block_size", "gpu_memory_utilization", "num_gpu_blocks_override",
              "enable_prefix_caching", "kv_cache_dtype", "tensor_parallel_size", "data_parallel_size",
-             "enable_expert_parallel", "chat_template", "max_logprobs", "compile_buckets", "quantization",
+             "enable_expert_parallel", "coordinator_address", "num_processes", "process_id", "chat_template", "max_logprobs", "compile_buckets", "quantization",
              "lora_modules", "speculative_config", "reasoning_parser", "tool_call_parser", "enable_lora",
              "enable_auto_tool_choice")
     kwargs = {name: getattr(args, name) for name in names}
@@ -165,7 +171,8 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
 
 def _add_openai_parser(commands: argparse._SubParsersAction) -> None:
     openai = commands.add_parser("openai", help="serve the OpenAI HTTP API over a running engine's gRPC service")
-    openai.add_argument("--engine", required=True, metavar="HOST:PORT", help="the gRPC address of `jengine serve`")
+    openai.add_argument("--engine", required=True, action="append", metavar="HOST:PORT",
+                        help="the gRPC address of `jengine serve`; repeat it to route over several engines (one model)")
     openai.add_argument("--engine-api-key", default=None, help="the API key of that gRPC service, if it has one")
     _add_server_args(openai, grpc=False)
 
@@ -193,30 +200,57 @@ def _serve_model(args: argparse.Namespace) -> tuple[str, str | None]:
 def _serve(args: argparse.Namespace) -> int:
     """`jengine serve`: build the engine (minutes for a large model), then serve HTTP + gRPC until SIGTERM."""
     from jengine.config import EngineConfig
-    from jengine.engine.async_engine import AsyncEngine
     from server.app import run_server
 
     server_config = _server_config(args, args.grpc_port)
     model, served_name = _serve_model(args)
     engine_config = EngineConfig.from_kwargs(model, served_model_name=served_name, **engine_kwargs(args))
-    engine = AsyncEngine.from_config(engine_config)
+    if engine_config.parallel.num_processes > 1 and engine_config.parallel.process_id:
+        from jengine.parallel.distributed import serve_worker
+
+        return serve_worker(engine_config)  # no API here: process 0 serves, this one runs the same steps
+    engine = _serving_engine(engine_config)
     return run_server(lambda: engine, server_config, with_grpc=True)
 
 
+def _serving_engine(config: EngineConfig) -> EngineClient:
+    """One in-process engine, or `data_parallel_size` of them behind the prefix-aware router."""
+    from jengine.engine.async_engine import AsyncEngine
+    from jengine.engine.router import Router
+
+    if config.parallel.data_parallel_size > 1:
+        return Router.from_config(config)
+    return AsyncEngine.from_config(config)
+
+
 def _openai(args: argparse.Namespace) -> int:
-    """`jengine openai --engine HOST:PORT`: the HTTP shim alone, over a gRPC-backed EngineClient."""
+    """`jengine openai --engine HOST:PORT [--engine HOST:PORT ...]`: the HTTP shim alone, over a gRPC-backed
+    EngineClient, or over the prefix-aware router when several engines are given."""
     from jengine.errors import ConfigError
     from server.app import run_server
 
-    host, _, port = args.engine.rpartition(":")
-    if not host or not port.isdigit():
-        raise ConfigError(f"--engine must be HOST:PORT, got {args.engine!r}")
+    for address in args.engine:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"--engine must be HOST:PORT, got {address!r}")
+    if len(set(args.engine)) != len(args.engine):
+        raise ConfigError("each --engine address may be given once")
 
-    def make_client() -> EngineClient:  # called inside the event loop: the gRPC channel binds to it
+    def make_client() -> EngineClient:  # called inside the event loop: the gRPC channels bind to it
         try:
             from server.grpc_client import GrpcEngineClient
         except ImportError as exc:
             raise ConfigError(f"the gRPC engine client is not available in this build ({exc})") from None
-        return GrpcEngineClient(args.engine, api_key=args.engine_api_key)
+        from jengine.engine.router import Router
+
+        clients = [GrpcEngineClient(address, api_key=args.engine_api_key) for address in args.engine]
+        if len(clients) == 1:
+            return clients[0]
+        try:
+            return Router(clients)
+        except BaseException:
+            for client in clients:
+                client.shutdown()
+            raise
 
     return run_server(make_client, _server_config(args), with_grpc=False)

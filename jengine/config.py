@@ -33,13 +33,18 @@ class ModelConfig:
     max_logprobs: int = 20  # cap on logprobs / prompt_logprobs per request
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16  # tokens per KV page
     gpu_memory_utilization: float = 0.92  # fraction of device memory for weights + activations + KV cache
     num_gpu_blocks_override: int | None = None  # exact number of KV blocks (any platform)
     enable_prefix_caching: bool = True  # share full blocks between requests by a hash of their tokens
-    kv_cache_dtype: str = "auto"  # auto = the model dtype
+    # auto = the model dtype; fp8 (alias fp8_e4m3) = float8_e4m3fn with per-(layer, KV head) scales from the
+    # checkpoint's k_scale/v_scale, else calibrated on the first prefill
+    kv_cache_dtype: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,9 +57,16 @@ class SchedulerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    enable_expert_parallel: bool = False
+    tensor_parallel_size: int = 1  # devices one replica's model is split over (Megatron-style TP)
+    data_parallel_size: int = 1  # engine replicas on disjoint device groups, behind one router
+    enable_expert_parallel: bool = False  # MoE experts split whole over the TP devices instead of each split by TP
+    # Several hosts, one engine: process 0 schedules and serves, the others run the same steps on their devices.
+    # Unset here: $JENGINE_COORDINATOR_ADDRESS / $JENGINE_NUM_PROCESSES / $JENGINE_PROCESS_ID, else a
+    # LeaderWorkerSet's $LWS_LEADER_ADDRESS (port $JENGINE_COORDINATOR_PORT, default 8476) / $LWS_GROUP_SIZE /
+    # $LWS_WORKER_INDEX.
+    coordinator_address: str | None = None  # host:port of process 0's coordination service
+    num_processes: int = 1
+    process_id: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +76,9 @@ class RunnerConfig:
     compile_buckets: Literal["all", "lazy", "auto"] = "lazy"
     attention_backend: str = "auto"  # auto | reference | pallas_gpu
     compilation_cache_dir: str | None = None  # JAX persistent compilation cache (env JENGINE_COMPILATION_CACHE_DIR)
+    # pipelined steps: step N+1 is dispatched before step N's tokens reach the host (fed to it on the device);
+    # False runs each step to completion before the next is scheduled (same outputs, the host time not hidden)
+    async_scheduling: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +101,7 @@ class EngineConfig:
         if kwargs:
             raise ConfigError(f"unknown engine argument(s): {', '.join(sorted(kwargs))}")
         parts["runner"].setdefault("compilation_cache_dir", os.environ.get("JENGINE_COMPILATION_CACHE_DIR"))
+        parts["parallel"] = _multi_host_from_environment(parts["parallel"])
         model_part = ModelConfig(model=str(model), **parts["model"])
         sched = dict(parts["scheduler"], max_model_len=model_part.max_model_len or 0)
         config = cls(model_part, CacheConfig(**parts["cache"]), SchedulerConfig(**sched),
@@ -106,15 +122,18 @@ class EngineConfig:
             (0 < self.cache.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]"),
             (self.cache.num_gpu_blocks_override is None or self.cache.num_gpu_blocks_override > 0,
              "num_gpu_blocks_override must be positive"),
-            (self.cache.kv_cache_dtype == "auto", "kv_cache_dtype other than auto (fp8) is not available yet"),
+            (self.cache.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"kv_cache_dtype={self.cache.kv_cache_dtype!r} is not supported; choose {', '.join(KV_CACHE_DTYPES)}"),
             (self.scheduler.max_num_seqs > 0, "max_num_seqs must be positive"),
             (self.scheduler.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive"),
             (self.scheduler.max_num_queued_reqs >= 0, "max_num_queued_reqs must be >= 0"),
             (self.model.max_model_len is None or self.model.max_model_len > 0, "max_model_len must be positive"),
             (self.model.max_logprobs >= 0, "max_logprobs must be >= 0"),
-            (self.parallel.tensor_parallel_size == 1 and self.parallel.data_parallel_size == 1
-             and not self.parallel.enable_expert_parallel,
-             "tensor, data and expert parallelism are not available yet (use 1 device)"),
+            (self.parallel.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
+            (self.parallel.data_parallel_size >= 1, "data_parallel_size must be >= 1"),
+            (self.parallel.num_processes >= 1, "num_processes must be >= 1"),
+            (self.parallel.num_processes == 1 or self.parallel.data_parallel_size == 1,
+             "data_parallel_size > 1 runs on one host; across hosts, put `jengine openai --engine` before engines"),
             (self.runner.compile_buckets in ("all", "lazy", "auto"), "compile_buckets must be 'all', 'lazy' or 'auto'"),
         ]
         for ok, message in checks:
@@ -157,6 +176,23 @@ class ServerConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+
+
+def _multi_host_from_environment(parallel: dict[str, Any]) -> dict[str, Any]:
+    """Flags win; then jengine's variables; then a LeaderWorkerSet's (one pod per host, the leader is process 0)."""
+    env = os.environ
+    lws_leader = env.get("LWS_LEADER_ADDRESS")
+    lws_address = f"{lws_leader}:{env.get('JENGINE_COORDINATOR_PORT', '8476')}" if lws_leader else None
+    address = parallel.get("coordinator_address") or env.get("JENGINE_COORDINATOR_ADDRESS") or lws_address
+    count = parallel.get("num_processes") or env.get("JENGINE_NUM_PROCESSES") or env.get("LWS_GROUP_SIZE") or 1
+    process_id = parallel.get("process_id")
+    if process_id is None:
+        process_id = env.get("JENGINE_PROCESS_ID", env.get("LWS_WORKER_INDEX"))
+    try:
+        return parallel | {"coordinator_address": address, "num_processes": int(count),
+                           "process_id": None if process_id is None else int(process_id)}
+    except ValueError as e:
+        raise ConfigError(f"num_processes and process_id must be integers ({e})") from None
 
 
 def _refuse_unavailable(kwargs: dict[str, Any]) -> None:

@@ -1,5 +1,6 @@
 """Checks the Pallas kernels against their references at real shapes on the GPU, then times them side by side with
-JAX's bundled paged-attention op and with a device-to-device copy. Writes one results JSON and prints a table.
+peers (JAX's bundled paged-attention op and Mosaic GPU attention, torch SDPA's flash and cuDNN backends, JAX's cuDNN
+attention) and the measured ceilings (device-to-device copy, bf16 matmul). Writes one results JSON, prints a table.
 
 Shapes: Llama-3-8B attention (32 query / 8 KV heads, d=128, bf16, pages of 16) — decode batch 64 × context 4096,
 batch 8 × context 32k, a 4096-token causal prefill, and a mixed step of 60 decodes + one 2048-token chunk.
@@ -10,6 +11,13 @@ Ratios (names from the issue):
   decode_b8_ctx32k_bw_fraction   the same at batch 8 × 32k
   decode_b64_ctx4k_vs_bundled    the bundled Pallas paged_attention time / our decode time; higher is better
   mixed_step_vs_sum              mixed-step time / (60 decodes alone + the chunk alone); lower is better, target <= 1.15
+  fp8_vs_bf16_decode_speedup     bf16-cache decode time / float8-cache decode time, batch 64 × 4k, both with the
+                                 shipped tuning; higher is better, target >= 1.6 (also _b8_ctx32k)
+  decode_b64_ctx4k_vs_cudnn_contiguous   torch SDPA cuDNN time on a contiguous bf16 cache / our (paged, bf16) decode
+                                 time; higher is better, target >= 0.9 (also _vs_flash_, _b8_ctx32k_, _vs_jax_cudnn_)
+  prefill_4k_vs_mgpu_f16         bundled Mosaic GPU attention (f16, contiguous) time / our paged bf16 prefill time,
+                                 4096-token causal; higher is better
+  prefill_4k_vs_matmul_rate      our causal prefill TFLOP/s / the measured bf16 matmul TFLOP/s (8192³)
 Metric prefill_4k_causal_tflops: 2·S²·d·q_heads (causal half of 4·S²·d per head) / time; target >= 400.
 
 Timing: every function is compiled first and the GPU warmed (compile gaps inside timing once made decode read 1.6×
@@ -17,18 +25,21 @@ slow), then two interleaved passes, each `--runs` runs of n back-to-back calls (
 block_until_ready per run; the median. The cache (4.4 GB, pages shuffled) is far larger than L2, so decode reads come
 from HBM. The decode and prefill block sizes are picked among a few candidates (each checked against the reference in
 the same run) and the ratios are those of the pick, which `tuning.py` ships.
-Run on the H200: `PYTHONPATH=. python scripts/bench_kernels.py --out $OUT/kernels.json --git-sha <sha>`
-(`--sweep`: the wide block-size sweep and extra anchors; `--variants`: window/soft-cap/ragged/f32 checks;
-`--smoke`: tiny shapes in interpret mode, to check the script on a CPU).
+The cache holds random normals drawn in float32 and rounded to bf16 (drawn in bf16 directly, JAX gives only 128
+distinct values, which makes fp8 rounding errors correlate and look about 3x worse than on continuous data).
+Run on the H200: `PYTHONPATH=. python scripts/bench_kernels.py --out $OUT/kernels.json --git-sha <sha>`;
+`--only GROUP,...` runs some of the groups (core, bundled, kv_write, backend, fp8, peers, prefill; each sized for a
+call of a few minutes), and the figures of several calls merge into one file with `--merge A.json B.json --out FILE`
+(no device needed). Peers that fail here are recorded under `errors` in the results. `--sweep`: the wide block-size
+sweep and extra anchors; `--variants`: window/soft-cap/ragged/f32 checks; `--smoke`: tiny shapes in interpret mode,
+to check the script on a CPU (the GPU-only peers then show up as errors).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
-import platform
 import statistics
 import sys
 import time
@@ -39,6 +50,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import gpu_bench_common as common
+import kernel_peers as peers
+from gpu_bench_common import log
+from pallas_kernels.kv_quant import FP8_MAX, quantize
 from pallas_kernels.kv_write import kernel as kv_write_kernel
 from pallas_kernels.kv_write import reference as kv_write_reference
 from pallas_kernels.ragged_paged_attention import kernel as rpa
@@ -53,39 +68,28 @@ DTYPE = jnp.bfloat16
 # Batch shapes (names from the issue); `--smoke` shrinks them to run the whole script on a CPU in interpret mode.
 B_BIG, CTX, B_SMALL, CTX_LONG, PREFILL, MIX_DECODES, CHUNK = 64, 4096, 8, 32768, 4096, 60, 2048
 COPY_ELEMENTS = 1 << 30
+MATMUL_N = 8192
 INTERPRET = False
 MIN_CALLS = 5
+GROUPS = ("core", "bundled", "kv_write", "backend", "fp8", "peers", "prefill")
+DECODE_SHAPES = ("decode_b64_ctx4k", "decode_b8_ctx32k")
 
 
 def apply_smoke() -> None:
     """Tiny shapes + interpret mode: checks the script itself (every section, the JSON) without a GPU."""
     global B_BIG, CTX, B_SMALL, CTX_LONG, PREFILL, MIX_DECODES, CHUNK, NUM_PAGES, COPY_ELEMENTS, INTERPRET, LAYERS
-    global DECODE_SWEEP, PREFILL_SWEEP, MIN_CALLS
+    global DECODE_SWEEP, PREFILL_SWEEP, MIN_CALLS, MATMUL_N, FP8_CANDIDATES
     B_BIG, CTX, B_SMALL, CTX_LONG, PREFILL, MIX_DECODES, CHUNK = 4, 256, 2, 512, 128, 3, 64
-    NUM_PAGES, COPY_ELEMENTS, INTERPRET, LAYERS = 96, 1 << 20, True, LAYER + 1
+    NUM_PAGES, COPY_ELEMENTS, INTERPRET, LAYERS, MATMUL_N = 96, 1 << 20, True, LAYER + 1, 256
+    FP8_CANDIDATES = [(32, 2, 3, 128, 4)]
     DECODE_SWEEP, PREFILL_SWEEP, MIN_CALLS = DECODE_SWEEP[:1], PREFILL_SWEEP[:1], 1
     global DECODE_CANDIDATES, PREFILL_CANDIDATES
     DECODE_CANDIDATES, PREFILL_CANDIDATES = [(16, 2, 4, 64, 4), (32, 2, 3, 128, 4)], [(64, 32, 4, 2)]
 
 
-def log(*args) -> None:
-    print(*args, flush=True)
-
-
-def timeit(fn, *args, runs: int = 5, target_s: float = 0.05) -> float:
+def timeit(fn, *args, runs: int = 5) -> float:
     """Median seconds per call over `runs` runs of back-to-back calls (one sync per run)."""
-    jax.block_until_ready(fn(*args))
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    n = int(min(max(target_s / max(time.perf_counter() - t0, 1e-6), MIN_CALLS), 400))
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / n)
-    return statistics.median(times)
+    return common.timeit(fn, *args, runs=runs, min_calls=MIN_CALLS)
 
 
 class Batch:
@@ -120,8 +124,8 @@ class Batch:
         return Batch(None, a.q_lens + b.q_lens, a.seq_lens + b.seq_lens, width,
                      q=np.concatenate([a.q_np, b.q_np]), tables=np.concatenate([pad(a.tables_np), pad(b.tables_np)]))
 
-    def kv_bytes(self) -> int:
-        return sum(self.seq_lens) * KV_HEADS * HEAD_DIM * 2 * jnp.dtype(DTYPE).itemsize
+    def kv_bytes(self, itemsize: int = jnp.dtype(DTYPE).itemsize) -> int:
+        return sum(self.seq_lens) * KV_HEADS * HEAD_DIM * 2 * itemsize
 
     def args(self, kv):
         return (self.q, kv, jnp.int32(LAYER), self.qsl, self.lens, self.tables)
@@ -132,7 +136,8 @@ _OURS: dict = {}
 
 def ours(batch: Batch, tuning: Tuning | None = None, window: int = 0, soft_cap: float | None = None):
     """A jitted call of our kernel for this batch (default tuning unless given); one per (batch, settings), so
-    sections that time the same thing share one compile."""
+    sections that time the same thing share one compile. Arguments: `batch.args(kv)`, then the float8 cache's
+    scales when `kv` is one."""
     key = (id(batch), tuning, window, soft_cap)
     if key not in _OURS:
         _OURS[key] = _build_ours(batch, tuning, window, soft_cap)
@@ -142,9 +147,10 @@ def ours(batch: Batch, tuning: Tuning | None = None, window: int = 0, soft_cap: 
 def _build_ours(batch: Batch, tuning: Tuning | None, window: int, soft_cap: float | None):
     fn = functools.partial(rpa.ragged_paged_attention_impl, scale=SCALE, soft_cap=soft_cap,
                            max_query_len=batch.max_query_len, interpret=INTERPRET, tuning=tuning)
-    jitted = jax.jit(lambda q, kv, layer, qsl, lens, bt, w: fn(q, kv, layer, qsl, lens, bt, sliding_window=w))
+    jitted = jax.jit(lambda q, kv, layer, qsl, lens, bt, w, scales: fn(q, kv, layer, qsl, lens, bt, sliding_window=w,
+                                                                        kv_scales=scales))
     w = jnp.int32(window)
-    return lambda *a: jitted(*a, w)
+    return lambda *a: jitted(*a[:6], w, a[6] if len(a) > 6 else None)
 
 
 def reference(batch: Batch, window: int = 0, soft_cap: float | None = None):
@@ -188,6 +194,12 @@ class Bench:
             self.errors.append(f"{name}: {msg.strip().splitlines()[-1]}")
         log(f"--- {name} took {time.perf_counter() - t0:.1f} s")
 
+    def peer_error(self, name: str, error: Exception) -> None:
+        """A peer that cannot run here is recorded (under `errors` in the results), never fatal."""
+        first = (str(error).strip().splitlines() or [""])[0][:300]
+        self.errors.append(f"{name}: {type(error).__name__}: {first}")
+        log(f"  {name} failed: {type(error).__name__}: {first}")
+
     def metric(self, key: str, value: float) -> None:
         self.metrics[key] = value
         log(f"  {key:48s} {value:12.4f}")
@@ -201,14 +213,13 @@ class Bench:
 
 def make_cache(key) -> jax.Array:
     shape = (LAYERS, NUM_PAGES, BLOCK, 2, KV_HEADS, HEAD_DIM)
-    return jax.jit(lambda k: jax.random.normal(k, shape, DTYPE))(key)
+    return jax.jit(lambda k: jax.random.normal(k, shape, jnp.float32).astype(DTYPE))(key)  # see the docstring
 
 
 def copy_bandwidth(bench: Bench) -> None:
-    x = jax.random.normal(jax.random.key(1), (COPY_ELEMENTS,), DTYPE)  # 2 GiB
-    t = timeit(jax.jit(lambda a: a.copy()), x)
+    t, rate = common.copy_bandwidth(COPY_ELEMENTS, min_calls=MIN_CALLS)  # 2 GiB of bf16
     bench.metric("copy_us", t * 1e6)
-    bench.metric("copy_tb_per_s", 2 * x.nbytes / t / 1e12)  # bytes read + written
+    bench.metric("copy_tb_per_s", rate / 1e12)  # bytes read + written
 
 
 def batches(rng) -> dict[str, Batch]:
@@ -261,13 +272,12 @@ def bundled_paged_attention(kv, b: Batch, ppcb: int = 4, k_splits: int = 32, num
 
 
 def bundled(bench: Bench, kv, bs: dict[str, Batch]) -> None:
-    """Bundled op vs ours, timed in interleaved passes (ours with the chosen tuning)."""
+    """Bundled op vs ours, timed in interleaved passes (ours with the chosen tuning, else the shipped one)."""
     jobs = {}
     for name in ("decode_b64_ctx4k", "decode_b8_ctx32k"):
         fn, args = bundled_paged_attention(kv, bs[name])
         jobs[f"bundled_{name}"] = (fn, args)
-        if hasattr(bench, "chosen"):
-            jobs[f"ours_{name}"] = (ours(bs[name], tuning=decode_tuning(bench.chosen["decode"])), bs[name].args(kv))
+        jobs[f"ours_{name}"] = (ours(bs[name], tuning=decode_tuning_of(bench)), bs[name].args(kv))
     t = time_jobs(jobs, runs=bench.args.runs)
     for name in ("decode_b64_ctx4k", "decode_b8_ctx32k"):
         bench.metric(f"bundled_{name}_us", t[f"bundled_{name}"] * 1e6)
@@ -280,19 +290,6 @@ def bundled(bench: Bench, kv, bs: dict[str, Batch]) -> None:
 def xla_reference_decode(bench: Bench, kv, bs: dict[str, Batch]) -> None:
     b = bs["decode_b64_ctx4k"]
     bench.metric("xla_reference_decode_b64_ctx4k_us", timeit(reference(b), *b.args(kv), runs=bench.args.runs) * 1e6)
-
-
-def mgpu_prefill_anchor(bench: Bench) -> None:
-    """The bundled FA3-style Mosaic GPU attention (contiguous K/V, f16 only): what a Mosaic kernel reaches here."""
-    from jax.experimental.pallas.ops.gpu import attention_mgpu as mgpu
-
-    key = jax.random.split(jax.random.key(3), 3)
-    q = jax.random.normal(key[0], (1, 4096, Q_HEADS, HEAD_DIM), jnp.float16)
-    k = jax.random.normal(key[1], (1, 4096, KV_HEADS, HEAD_DIM), jnp.float16)
-    v = jax.random.normal(key[2], (1, 4096, KV_HEADS, HEAD_DIM), jnp.float16)
-    cfg = mgpu.TuningConfig(block_q=128, block_kv=128, max_concurrent_steps=2, causal=True)
-    t = timeit(jax.jit(functools.partial(mgpu.attention, config=cfg)), q, k, v, runs=bench.args.runs)
-    bench.metric("bundled_mgpu_prefill_4k_causal_f16_tflops", 2 * 4096 ** 2 * HEAD_DIM * Q_HEADS / t / 1e12)
 
 
 DECODE_SWEEP = [  # (block_n, num_warps, num_stages, split_tokens, max_splits)
@@ -322,9 +319,10 @@ def with_prefill(tuning: Tuning, c) -> Tuning:
 
 
 def time_jobs(jobs: dict, passes: int = 2, runs: int = 5) -> dict[str, float]:
-    """Every job compiled first, the GPU warmed, then `passes` interleaved passes: no compile gaps inside timing."""
-    for fn, args in jobs.values():
-        jax.block_until_ready(fn(*args))
+    """Every job compiled first, the GPU warmed, then `passes` interleaved passes: no compile gaps inside timing.
+    A job is `(fn, args)` (JAX) or `(fn, args, timer)` (a peer with its own synchronisation: `kernel_peers`)."""
+    for fn, args, *timer in jobs.values():
+        (timer[0] if timer else timeit)(fn, *args, runs=1)
     warm = jax.jit(lambda a: a * 2)
     x = jnp.ones((1 << 28,), DTYPE)
     t0 = time.perf_counter()
@@ -333,8 +331,8 @@ def time_jobs(jobs: dict, passes: int = 2, runs: int = 5) -> dict[str, float]:
     jax.block_until_ready(x)
     samples: dict[str, list[float]] = {k: [] for k in jobs}
     for _ in range(passes):
-        for name, (fn, args) in jobs.items():
-            samples[name].append(timeit(fn, *args, runs=runs))
+        for name, (fn, args, *timer) in jobs.items():
+            samples[name].append((timer[0] if timer else timeit)(fn, *args, runs=runs))
     for name, ts in samples.items():
         log(f"  {name:60s} " + " ".join(f"{t * 1e6:9.1f}" for t in ts) + " us")
     return {k: statistics.median(v) for k, v in samples.items()}
@@ -508,49 +506,156 @@ def kv_write(bench: Bench, kv) -> None:
         log(f"  check kv_write_t{tokens} equal={same}")
         del outs
 
+# ---------------------------------------------------------------------------------------------------------------
+# float8 cache, peers, prefill anchors (groups fp8, peers, prefill)
 
-def versions() -> dict:
-    out = {"python": platform.python_version(), "jax": jax.__version__}
+# Decode tunings (block_n, num_warps, num_stages, split_tokens, max_splits) also timed on the float8 cache: half the
+# bytes per position may want longer tiles. The ratio uses the shipped tuning; these go to the details file.
+FP8_CANDIDATES = [(64, 2, 3, 256, 32), (128, 2, 3, 256, 32), (64, 4, 3, 512, 16), (128, 4, 3, 512, 16)]
+# e4m3's own rounding (3 mantissa bits, 2.6 % RMS per value) puts the decode output ~3.8 % (L2) from bf16's on
+# standard-normal data (tests/kernels/test_fp8_kv.py); a broken scale or cast is far beyond this bound.
+FP8_VS_BF16_L2_TOL = 5e-2
+
+
+def decode_tuning_of(bench: Bench) -> Tuning | None:
+    """The tuning the side-by-side ratios use: the candidate chosen in this call (group core), else the shipped one."""
+    return decode_tuning(bench.chosen["decode"]) if hasattr(bench, "chosen") else None
+
+
+@jax.jit
+def fp8_cache(kv):
+    """The cache as float8_e4m3fn with one scale per (layer, K/V, KV head), amax ÷ 448: the engine's calibration."""
+    scales = jnp.max(jnp.abs(kv.astype(jnp.float32)), axis=(1, 2, 5)) / FP8_MAX
+    return quantize(kv, (1.0 / scales)[:, None, None, :, :, None]), scales
+
+
+def rel_l2(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def fp8_decode(bench: Bench, kv, bs: dict[str, Batch]) -> None:
+    """float8 against bf16 pages at both decode shapes: checked against the reference on the dequantized cache and
+    against the bf16 kernel, then timed side by side (shipped tuning, and the float8 candidates)."""
+    kv8, scales = fp8_cache(kv)
+    tuning = decode_tuning_of(bench)
+    jobs = {}
+    for name in DECODE_SHAPES:
+        b = bs[name]
+        fp8_args = (*b.args(kv8), scales)
+        out8 = ours(b, tuning=tuning)(*fp8_args)
+        ref8 = reference(b)(*b.args(kv8), kv_scales=scales)
+        bench.check(f"fp8_{name}_vs_reference", out8, ref8, 2e-2)
+        err = rel_l2(out8, ours(b, tuning=tuning)(*b.args(kv)))
+        bench.metric(f"fp8_{name}_vs_bf16_rel_l2_err", err)
+        bench.checks[f"fp8_{name}_vs_bf16"] = {"rel_l2_err": err, "ok": err <= FP8_VS_BF16_L2_TOL}
+        jobs[f"bf16/{name}"] = (ours(b, tuning=tuning), b.args(kv))
+        jobs[f"fp8/{name}"] = (ours(b, tuning=tuning), fp8_args)
+        for c in FP8_CANDIDATES:
+            c_ok = compare(ours(b, tuning=decode_tuning(c))(*fp8_args), ref8)
+            bench.checks[f"fp8{c}/{name}"] = {**c_ok, "ok": c_ok["finite"] and c_ok["rel_err"] <= 2e-2}
+            jobs[f"fp8{c}/{name}"] = (ours(b, tuning=decode_tuning(c)), fp8_args)
+    t = time_jobs(jobs, runs=bench.args.runs)
+    copy_rate = bench.metrics.get("copy_tb_per_s", 0) * 1e12
+    for name in DECODE_SHAPES:
+        bench.metric(f"fp8_{name}_us", t[f"fp8/{name}"] * 1e6)
+        bench.metric(f"bf16_{name}_beside_fp8_us", t[f"bf16/{name}"] * 1e6)
+        rate = bs[name].kv_bytes(itemsize=1) / t[f"fp8/{name}"]
+        bench.metric(f"fp8_{name}_tb_per_s", rate / 1e12)
+        if copy_rate:
+            bench.ratios[f"fp8_{name}_bw_fraction"] = rate / copy_rate
+        for c in FP8_CANDIDATES:
+            bench.sweep.append({"candidate": f"fp8{c}/{name}", "us": t[f"fp8{c}/{name}"] * 1e6,
+                                "ok": bench.checks[f"fp8{c}/{name}"]["ok"]})
+    bench.ratios["fp8_vs_bf16_decode_speedup"] = t["bf16/decode_b64_ctx4k"] / t["fp8/decode_b64_ctx4k"]
+    bench.ratios["fp8_vs_bf16_decode_b8_ctx32k_speedup"] = t["bf16/decode_b8_ctx32k"] / t["fp8/decode_b8_ctx32k"]
+    best = min(FP8_CANDIDATES, key=lambda c: sum(t[f"fp8{c}/{n}"] for n in DECODE_SHAPES))
+    log(f"  fastest float8 decode candidate {best}")
+    for name in DECODE_SHAPES:
+        bench.metric(f"fp8_best_candidate_{name}_us", t[f"fp8{best}/{name}"] * 1e6)
+
+
+PEER_RATIOS = {"cudnn": "cudnn_contiguous", "flash": "flash_contiguous", "jax_cudnn": "jax_cudnn_contiguous"}
+
+
+def peer_decode(bench: Bench, kv, bs: dict[str, Batch]) -> None:
+    """torch SDPA (flash, cuDNN) and JAX's cuDNN attention on a contiguous bf16 copy of the same K/V, one query
+    token per sequence, against our paged decode: each peer checked against our output, then timed beside it."""
+    tuning = decode_tuning_of(bench)
+    for name in DECODE_SHAPES:
+        b = bs[name]
+        k, v = peers.contiguous_kv(kv, jnp.int32(LAYER), b.tables, context=max(b.seq_lens))
+        mine = ours(b, tuning=tuning)
+        out = mine(*b.args(kv))
+        builders = {
+            "flash": lambda: peers.torch_sdpa_decode(b.q, k, v, "flash", SCALE),
+            "cudnn": lambda: peers.torch_sdpa_decode(b.q, k, v, "cudnn", SCALE),
+            "jax_cudnn": lambda: peers.jax_cudnn_decode(b.q, k, v, SCALE),
+        }
+        jobs = {f"ours/{name}": (mine, b.args(kv))}
+        for peer, build in builders.items():
+            try:
+                fn, args, timer = build()
+                got = fn(*args)
+                bench.check(f"{peer}_{name}_vs_ours", peers.torch_output(got) if timer is peers.timeit_torch else got,
+                            out, 2e-2)
+                timer(fn, *args, runs=1)  # its synchronisation works here too: timing it below cannot fail
+                jobs[f"{peer}/{name}"] = (fn, args, timer)
+            except Exception as e:  # noqa: BLE001 - a peer this machine cannot run is recorded, not fatal
+                bench.peer_error(f"peer {peer} {name}", e)
+        t = time_jobs(jobs, runs=bench.args.runs)
+        bench.metric(f"ours_{name}_beside_peers_us", t[f"ours/{name}"] * 1e6)
+        for peer, ratio in PEER_RATIOS.items():
+            if f"{peer}/{name}" in t:
+                bench.metric(f"{peer}_{name}_contiguous_us", t[f"{peer}/{name}"] * 1e6)
+                bench.ratios[f"{name}_vs_{ratio}"] = t[f"{peer}/{name}"] / t[f"ours/{name}"]
+        del k, v, jobs
+
+
+def prefill_anchors(bench: Bench, kv, bs: dict[str, Batch]) -> None:
+    """The bf16 matmul rate, and the bundled Mosaic GPU attention (f16, contiguous) beside our 4k causal prefill."""
+    rate = common.matmul_rate(MATMUL_N, runs=bench.args.runs, min_calls=MIN_CALLS)
+    bench.metric("matmul_bf16_tflops", rate / 1e12)
+    b = bs["prefill_4k"]
+    tuning = None
+    if hasattr(bench, "chosen"):
+        tuning = with_prefill(decode_tuning(bench.chosen["decode"]), bench.chosen["prefill"])
+    jobs = {"ours/prefill_4k": (ours(b, tuning=tuning), b.args(kv))}
     try:
-        import jaxlib
+        job, mgpu_reference = peers.mgpu_prefill(PREFILL, Q_HEADS, KV_HEADS, HEAD_DIM)
+        bench.check("mgpu_prefill_4k_vs_xla_reference", job[0](*job[1]), mgpu_reference(), 2e-2)
+        job[2](job[0], *job[1], runs=1)
+        jobs["mgpu/prefill_4k"] = job
+    except Exception as e:  # noqa: BLE001 - a peer this machine cannot run is recorded, not fatal
+        bench.peer_error("peer attention_mgpu prefill_4k", e)
+    t = time_jobs(jobs, runs=bench.args.runs)
+    tflops = prefill_flops() / t["ours/prefill_4k"]
+    bench.metric("prefill_4k_beside_mgpu_us", t["ours/prefill_4k"] * 1e6)
+    bench.metric("prefill_4k_beside_mgpu_tflops", tflops / 1e12)
+    bench.ratios["prefill_4k_vs_matmul_rate"] = tflops / rate
+    if "mgpu/prefill_4k" in t:
+        bench.metric("mgpu_prefill_4k_causal_f16_tflops", prefill_flops() / t["mgpu/prefill_4k"] / 1e12)
+        bench.ratios["prefill_4k_vs_mgpu_f16"] = t["mgpu/prefill_4k"] / t["ours/prefill_4k"]
 
-        out["jaxlib"] = jaxlib.__version__
-    except ImportError:
-        pass
-    from importlib import metadata
 
-    for dist in ("jax-cuda13-plugin", "jax-cuda12-plugin", "triton"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            pass
-    return out
+def merge_results(paths: list[str], out: str) -> None:
+    """Several calls' results files (e.g. one per `--only` group) merged into one, as DESIGN.md asks."""
+    merged = common.read_record(paths[0])
+    for path in paths[1:]:
+        merged = common.merge_records(merged, common.read_record(path))
+    common.write_record(out, merged)
+    common.print_tables(merged)
 
 
 def write_results(bench: Bench) -> None:
-    device = jax.devices()[0]
-    result = {
-        "benchmark": "kernels",
-        "git_sha": bench.args.git_sha,
-        "date": datetime.date.today().isoformat(),
-        "device": f"{device.device_kind} ({device.platform})",
-        "versions": versions(),
-        "command": " ".join(["python"] + sys.argv),
-        "metrics": bench.metrics,
-        "ratios": bench.ratios,
-    }
-    with open(bench.args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    result = common.result_record("kernels", bench.args.git_sha, common.jax_device_name(), common.versions(["torch"]),
+                                  " ".join(["python"] + sys.argv), bench.metrics, bench.ratios, errors=bench.errors)
+    common.write_record(bench.args.out, result)
     details = {"chosen": getattr(bench, "chosen", None), "checks": bench.checks, "sweep": bench.sweep,
                "errors": bench.errors}
     with open(bench.args.details, "w") as f:
         json.dump(details, f, indent=2)
-    log("\n| ratio | value |\n| --- | --- |")
-    for k, v in bench.ratios.items():
-        log(f"| {k} | {v:.3f} |")
-    log("\n| metric | value |\n| --- | --- |")
-    for k, v in bench.metrics.items():
-        log(f"| {k} | {v:.2f} |")
+    common.print_tables(result)
     bad = [k for k, c in bench.checks.items() if not c.get("ok")]
     log(f"\nchecks failed: {bad or 'none'}; section errors: {len(bench.errors)}")
     for e in bench.errors:
@@ -566,36 +671,54 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also the wide block-size sweep and extra anchors")
     parser.add_argument("--variants", action="store_true", help="also windows, soft cap, ragged and f32 checks")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU check of the script)")
+    parser.add_argument("--only", default=",".join(GROUPS), help=f"comma-separated groups of {', '.join(GROUPS)}")
+    parser.add_argument("--merge", nargs="+", metavar="RESULTS", help="merge these results files into --out and exit")
     args = parser.parse_args()
+    if args.merge:
+        merge_results(args.merge, args.out)
+        return
+    groups = set(args.only.split(","))
+    if groups - set(GROUPS):
+        parser.error(f"unknown group(s) {', '.join(sorted(groups - set(GROUPS)))}; choose from {', '.join(GROUPS)}")
     if args.smoke:
         apply_smoke()
     if args.details is None:
         args.details = args.out.rsplit("/", 1)[0] + "/attention_checks_and_sweep.json" if "/" in args.out \
             else "attention_checks_and_sweep.json"
-    log("devices:", jax.devices(), "versions:", versions())
+    log("devices:", jax.devices(), "versions:", common.versions())
     bench = Bench(args)
     kv = make_cache(jax.random.key(0))
     bs = batches(np.random.default_rng(0))
     refs: dict = {}
     tuning: list[Tuning] = []
-    bench.section("copy bandwidth", lambda: copy_bandwidth(bench))
-    bench.section("references", lambda: refs.update(references(bs, kv)))
-    bench.section("candidates: check and time", lambda: tuning.append(choose(bench, kv, bs, refs)))
-    copy_rate = bench.metrics.get("copy_tb_per_s", 0) * 1e12 or None
-    if tuning:
-        bench.section("final timings (chosen tuning)", lambda: final_timings(bench, kv, bs, tuning[0], copy_rate))
+    if groups & {"core", "fp8"}:
+        bench.section("copy bandwidth", lambda: copy_bandwidth(bench))
+    if "core" in groups:
+        bench.section("references", lambda: refs.update(references(bs, kv)))
+        bench.section("candidates: check and time", lambda: tuning.append(choose(bench, kv, bs, refs)))
+        copy_rate = bench.metrics.get("copy_tb_per_s", 0) * 1e12 or None
+        if tuning:
+            bench.section("final timings (chosen tuning)", lambda: final_timings(bench, kv, bs, tuning[0], copy_rate))
         write_results(bench)
-    bench.section("bundled paged_attention", lambda: bundled(bench, kv, bs))
-    write_results(bench)
-    bench.section("kv write: scatter vs pallas", lambda: kv_write(bench, kv))
-    bench.section("jengine pallas_gpu backend", lambda: backend_check(bench, kv))
-    write_results(bench)
+    if "bundled" in groups:
+        bench.section("bundled paged_attention", lambda: bundled(bench, kv, bs))
+        write_results(bench)
+    if "kv_write" in groups:
+        bench.section("kv write: scatter vs pallas", lambda: kv_write(bench, kv))
+    if "backend" in groups:
+        bench.section("jengine pallas_gpu backend", lambda: backend_check(bench, kv))
+    if "fp8" in groups:
+        bench.section("float8 cache: decode beside bf16", lambda: fp8_decode(bench, kv, bs))
+        write_results(bench)
+    if "peers" in groups:
+        bench.section("peers: torch SDPA flash/cuDNN, JAX cuDNN (decode)", lambda: peer_decode(bench, kv, bs))
+        write_results(bench)
+    if "prefill" in groups:
+        bench.section("prefill: Mosaic GPU attention, bf16 matmul rate", lambda: prefill_anchors(bench, kv, bs))
     if args.variants:
         bench.section("correctness: window, soft cap, ragged, f32", lambda: correctness_variants(bench, kv))
     if args.sweep:
         bench.section("XLA reference decode", lambda: xla_reference_decode(bench, kv, bs))
-        if not INTERPRET:
-            bench.section("bundled Mosaic GPU prefill anchor", lambda: mgpu_prefill_anchor(bench))
         bench.section("block-size sweep", lambda: sweep(bench, kv, bs))
     write_results(bench)
 

@@ -19,6 +19,9 @@ class AttentionBackend(Protocol):
     """Writes this step's K/V into the paged cache, then attends over it.
 
     Implementations may fuse the write into the attention kernel; the cache comes back updated (it is donated).
+    `kv_cache` is the paged array or, for `kv_cache_dtype="fp8"`, a `kv_cache.QuantizedKV` (float8 pages + per-layer,
+    per-KV-head scales, already set for `layer` by the attention layer): writes quantize with those scales, reads
+    dequantize, and the scales come back unchanged.
     """
 
     name: str
@@ -52,29 +55,34 @@ class ReferenceBackend:
         return out, kv_cache
 
 
-def _pallas_gpu() -> AttentionBackend:
+def _pallas_gpu(mesh=None) -> AttentionBackend:
     from jengine.attention.pallas import PallasGpuBackend  # imports Pallas only where it is used
 
-    return PallasGpuBackend()
+    return PallasGpuBackend(mesh=mesh)
 
 
-BACKENDS = {"reference": ReferenceBackend, "pallas_gpu": _pallas_gpu}
+def _reference(mesh=None) -> AttentionBackend:
+    return ReferenceBackend()  # plain jnp: GSPMD partitions it from the cache's sharding
 
 
-def select_backend(platform: str, requested: str = "auto", head_dim: int | None = None) -> AttentionBackend:
+BACKENDS = {"reference": _reference, "pallas_gpu": _pallas_gpu}
+
+
+def select_backend(platform: str, requested: str = "auto", head_dim: int | None = None, *,
+                   mesh=None) -> AttentionBackend:
     """`auto` picks the fastest backend the platform has; a named backend is taken as asked. On the GPU the Pallas
     kernels serve head_dim 64/128 (unknown head_dim: the backend itself falls back at trace time); others get the
-    reference, with a log line saying why."""
+    reference, with a log line saying why. `mesh`: the engine's tensor-parallel mesh (kernels run per device)."""
     if requested != "auto":
         if requested not in BACKENDS:
             raise ValueError(f"unknown attention backend {requested!r}; available: {sorted(BACKENDS)}")
-        return BACKENDS[requested]()
+        return BACKENDS[requested](mesh)
     backend = ReferenceBackend()
     if platform == "gpu":
         from pallas_kernels.ragged_paged_attention import SUPPORTED_HEAD_DIMS
 
         if head_dim is None or head_dim in SUPPORTED_HEAD_DIMS:
-            backend = _pallas_gpu()
+            backend = _pallas_gpu(mesh)
         else:
             logger.warning("pallas_gpu attention supports head_dim %s, not %d: using reference", SUPPORTED_HEAD_DIMS,
                            head_dim)

@@ -2,7 +2,8 @@
 
 The write goes first (this step's K/V must be visible to its own queries), then one ragged paged attention call over
 the whole flattened batch. Shapes the kernel does not handle (head_dim other than 64/128, page sizes outside
-16..128) fall back to the reference path at trace time, with one log line, so a model never fails to run.
+16..128) fall back to the reference path at trace time, with one log line, so a model never fails to run. A float8
+cache (`kv_cache.QuantizedKV`) hands its per-(layer, KV head) scales to both kernels.
 
 K/V write: both paths are exact and in place; `scripts/bench_kernels.py` times them inside one jit writing 32 layers
 (H200, 2026-11-29, benchmarks/results/2026-11-29-kernels.json): at 64 tokens the XLA scatter is faster (469 vs
@@ -14,12 +15,17 @@ between the two sizes measured); the choice depends on the static bucket only, a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+
+import jax
+from jax.sharding import Mesh, PartitionSpec as P
 
 from pallas_kernels.kv_write import write_kv as pallas_write_kv
 from pallas_kernels.ragged_paged_attention import UnsupportedShapeError, check_supported, ragged_paged_attention
 
 from jengine.attention import reference
+from jengine.attention.kv_cache import QuantizedKV, partition_spec, parts
 
 logger = logging.getLogger(__name__)
 
@@ -43,24 +49,40 @@ class PallasGpuBackend:
 
     name: str = "pallas_gpu"
     interpret: bool = False  # CPU tests run the same kernels in Pallas interpret mode
+    # Tensor parallelism: a kernel is per-device code, so on a multi-device mesh it runs under `shard_map`, each
+    # device on its own query heads and the KV heads they use (the cache is split by KV head).
+    mesh: Mesh | None = None
 
     def __call__(self, q, k, v, kv_cache, layer, md, *, scale, sliding_window, soft_cap):
+        call = functools.partial(self._local, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        if self.mesh is None or self.mesh.size == 1:
+            return call(q, k, v, kv_cache, layer, md)
+        axis = self.mesh.axis_names[0]
+        heads, cache = P(None, axis, None), partition_spec(kv_cache, axis)
+        sharded = jax.shard_map(call, mesh=self.mesh, in_specs=(heads, heads, heads, cache, P(), P()),
+                                out_specs=(heads, cache), check_vma=False)
+        return sharded(q, k, v, kv_cache, layer, md)
+
+    def _local(self, q, k, v, kv_cache, layer, md, *, scale, sliding_window, soft_cap):
         _, _, block_size, _, kv_heads, head_dim = kv_cache.shape
         if not supports(head_dim=head_dim, block_size=block_size, num_q_heads=q.shape[1], num_kv_heads=kv_heads):
             return _reference(q, k, v, kv_cache, layer, md, scale=scale, sliding_window=sliding_window,
                               soft_cap=soft_cap)
         kv_cache = self._write(kv_cache, layer, md.slot_mapping, k, v)
+        kv, kv_scales = parts(kv_cache)
         out = ragged_paged_attention(
-            q, kv_cache, layer, md.query_start_loc, md.seq_lens, md.block_tables, scale=float(scale),
+            q, kv, layer, md.query_start_loc, md.seq_lens, md.block_tables, kv_scales=kv_scales, scale=float(scale),
             sliding_window=sliding_window, soft_cap=float(soft_cap) if soft_cap else None,
             max_query_len=md.max_query_len, interpret=self.interpret,
         )
         return out, kv_cache
 
     def _write(self, kv_cache, layer, slot_mapping, k, v):
-        if k.shape[0] >= KV_WRITE_KERNEL_MIN_TOKENS:
-            return pallas_write_kv(kv_cache, layer, slot_mapping, k, v, interpret=self.interpret)
-        return reference.write_kv(kv_cache, layer, slot_mapping, k, v)
+        if k.shape[0] < KV_WRITE_KERNEL_MIN_TOKENS:
+            return reference.write_kv(kv_cache, layer, slot_mapping, k, v)
+        kv, kv_scales = parts(kv_cache)
+        kv = pallas_write_kv(kv, layer, slot_mapping, k, v, kv_scales=kv_scales, interpret=self.interpret)
+        return kv if kv_scales is None else QuantizedKV(kv, kv_scales)
 
 
 def _reference(q, k, v, kv_cache, layer, md, *, scale, sliding_window, soft_cap):

@@ -1,18 +1,22 @@
 """Pure-jnp paged attention: the oracle for the kernels and the path on platforms without one.
 
 KV-cache layout (docs/ARCHITECTURE.md): one array `[num_layers, num_blocks, block_size, 2, num_kv_heads, head_dim]`,
-K at index 0 and V at index 1 of axis 3, so one page of one layer (all heads, K and V) is contiguous.
+K at index 0 and V at index 1 of axis 3, so one page of one layer (all heads, K and V) is contiguous. A float8
+cache (`QuantizedKV`) is written quantized with its layer's scales and read back dequantized to float32.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jengine.attention.metadata import AttentionMetadata
+from pallas_kernels.kv_quant import quantize
 
-KVCache = Float[Array, "layers blocks block_size 2 kv_heads head_dim"]
+from jengine.attention.kv_cache import KVCache, QuantizedKV
+from jengine.attention.metadata import AttentionMetadata
 
 
 def write_kv(
@@ -22,12 +26,21 @@ def write_kv(
     k: Float[Array, "tokens kv_heads head_dim"],
     v: Float[Array, "tokens kv_heads head_dim"],
 ) -> KVCache:
-    """Writes new K/V into their slots in place (the cache is donated by the step); out-of-range slots are dropped."""
-    layers, blocks, block_size, two, heads, dim = kv_cache.shape
-    flat = kv_cache.reshape(layers, blocks * block_size, two, heads, dim)
-    new = jnp.stack([k, v], axis=1).astype(kv_cache.dtype)
-    flat = flat.at[layer, slot_mapping].set(new, mode="drop")
-    return flat.reshape(kv_cache.shape)
+    """Writes new K/V into their slots in place (the cache is donated by the step); out-of-range slots are dropped.
+    A float8 cache stores them divided by the layer's scales (which must be set: see `kv_cache.calibrate`)."""
+    new = jnp.stack([k, v], axis=1)
+    if isinstance(kv_cache, QuantizedKV):
+        inv = 1.0 / kv_cache.scales[layer]
+        return dataclasses.replace(kv_cache, kv=_scatter(kv_cache.kv, layer, slot_mapping,
+                                                         quantize(new, inv[None, :, :, None])))
+    return _scatter(kv_cache, layer, slot_mapping, new)
+
+
+def _scatter(kv, layer, slot_mapping, new):
+    layers, blocks, block_size, two, heads, dim = kv.shape
+    flat = kv.reshape(layers, blocks * block_size, two, heads, dim)
+    flat = flat.at[layer, slot_mapping].set(new.astype(kv.dtype), mode="drop")
+    return flat.reshape(kv.shape)
 
 
 def paged_attention(
@@ -59,8 +72,7 @@ def paged_attention(
     q_seq = q[token_idx].reshape(seqs, md.max_query_len, kv_heads, group, head_dim)
     q_pos = md.seq_lens[:, None] - q_len[:, None] + offsets[None, :]
 
-    layer_cache = jax.lax.dynamic_index_in_dim(kv_cache, layer, axis=0, keepdims=False)
-    pages = layer_cache[md.block_tables].reshape(seqs, width * block_size, 2, kv_heads, head_dim)
+    pages = _gather_pages(kv_cache, layer, md.block_tables)
     k, v = pages[:, :, 0], pages[:, :, 1]
 
     scores = jnp.einsum("bqhgd,bshd->bhgqs", q_seq, k, preferred_element_type=jnp.float32, precision="highest")
@@ -86,3 +98,16 @@ def paged_attention(
     seq_of_token = jnp.clip(jnp.searchsorted(md.query_start_loc[1:], token, side="right"), 0, seqs - 1)
     index_in_seq = jnp.clip(token - md.query_start_loc[seq_of_token], 0, md.max_query_len - 1)
     return out[seq_of_token, index_in_seq].astype(q.dtype)
+
+
+def _gather_pages(kv_cache: KVCache, layer, block_tables) -> Float[Array, "seqs context 2 kv_heads head_dim"]:
+    """Each request's pages of `layer` in position order; a float8 cache dequantized to float32."""
+    quantized = isinstance(kv_cache, QuantizedKV)
+    kv = kv_cache.kv if quantized else kv_cache
+    _, _, block_size, _, kv_heads, head_dim = kv.shape
+    seqs, width = block_tables.shape
+    layer_cache = jax.lax.dynamic_index_in_dim(kv, layer, axis=0, keepdims=False)
+    pages = layer_cache[block_tables].reshape(seqs, width * block_size, 2, kv_heads, head_dim)
+    if quantized:
+        return pages.astype(jnp.float32) * kv_cache.scales[layer][None, None, :, :, None]
+    return pages

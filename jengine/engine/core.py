@@ -2,6 +2,11 @@
 
 The scheduler and the runner never call each other; one step is three calls: schedule → execute → update.
 Token ids in, token ids out: text never enters the core.
+
+Pipelined (`async_scheduling`, the default), a step schedules and dispatches step N+1 before it fetches step N's
+tokens and applies them: the host's bookkeeping for N and N+2 runs while the device computes N+1. The scheduler
+counts N's samples as pending tokens and the runner feeds them to N+1 on the device, so outputs equal the serial
+engine's; what N+1 computes for a request that N finished is discarded.
 """
 
 from __future__ import annotations
@@ -9,11 +14,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import Any
 
 from jengine.cache.kv_cache_manager import KVCacheManager
 from jengine.config import EngineConfig
 from jengine.request import Request, RequestStatus
-from jengine.scheduler.output import TokenLogprobs
+from jengine.scheduler.output import RunnerOutput, SchedulerOutput, TokenLogprobs
 from jengine.scheduler.scheduler import Scheduler, SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -42,8 +48,13 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.cache.block_size)
         self.runner = runner
         self.num_steps = 0
+        self.pipelined = config.runner.async_scheduling
+        self._in_flight: tuple[SchedulerOutput, Any] | None = None  # dispatched, tokens not fetched (pipelined)
+        self._landed: list[EngineCoreOutput] = []  # outputs of a step applied early, returned by the next step()
 
     def add_request(self, request: Request, choice_index: int = 0, *, enforce_queue_bound: bool = True) -> None:
+        if self._in_flight is not None and request.request_id in self._in_flight[0].num_scheduled_tokens:
+            self._land_in_flight()  # an earlier request of this id is in the step in flight: its outputs go first
         self.scheduler.add_request(request, choice_index, enforce_queue_bound=enforce_queue_bound)
 
     def abort(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
@@ -62,10 +73,31 @@ class EngineCore:
         return self.scheduler.stats()
 
     def step(self) -> list[EngineCoreOutput]:
+        """One step's outputs: this step's when serial, the previous step's when pipelined."""
+        if self.pipelined:
+            return self._step_pipelined()
         sched = self.scheduler.schedule()
         runner_out = self.runner.execute(sched)
         if sched.is_empty:
             return []
+        return self._apply(sched, runner_out)
+
+    def _step_pipelined(self) -> list[EngineCoreOutput]:
+        """Schedule and dispatch the next step, then fetch and apply the one in flight (if any)."""
+        outputs, self._landed = self._landed, []
+        sched = self.scheduler.schedule()
+        launched = self.runner.dispatch(sched)
+        done, self._in_flight = self._in_flight, None if launched is None else (sched, launched)
+        if done is not None:
+            outputs += self._apply(done[0], self.runner.fetch(done[1]))
+        return outputs
+
+    def _land_in_flight(self) -> None:
+        """Fetch and apply the step in flight now (the host waits for it); its outputs come with the next step."""
+        (sched, launched), self._in_flight = self._in_flight, None
+        self._landed += self._apply(sched, self.runner.fetch(launched))
+
+    def _apply(self, sched: SchedulerOutput, runner_out: RunnerOutput) -> list[EngineCoreOutput]:
         updates = self.scheduler.update_from_output(sched, runner_out)
         self.num_steps += 1
         now = time.monotonic()
@@ -77,4 +109,8 @@ class EngineCore:
         ]
 
     def shutdown(self) -> None:
+        stop_workers = getattr(self.runner, "stop_workers", None)  # several processes: the workers end too
+        if stop_workers is not None:
+            stop_workers()
         self.runner = None
+        self._in_flight = None

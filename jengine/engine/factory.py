@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 
 import jax
 
@@ -13,6 +14,10 @@ from jengine.engine.core import EngineCore
 from jengine.errors import ConfigError
 from jengine.models.loader import load_model, load_spec
 from jengine.models.spec import ModelSpec
+from jengine.parallel.distributed import PublishingRunner, StepPublisher, agree_across_processes
+from jengine.parallel.distributed import initialize as initialize_processes
+from jengine.parallel.mesh import build_mesh, replica_devices
+from jengine.parallel.sharding import plan_layout
 from jengine.runner.kv_storage import log_plan, plan_kv_cache
 from jengine.runner.runner import ModelRunner
 from jengine.tokenizer import Tokenizer
@@ -46,21 +51,35 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
-def build_engine(config: EngineConfig) -> EngineParts:
+def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = None) -> EngineParts:
+    """One engine replica on `devices` (default: the first `tensor_parallel_size` devices), its model split over
+    them by tensor (and expert) parallelism."""
+    initialize_processes(config.parallel)  # before any device is touched
     enable_compilation_cache(config.runner.compilation_cache_dir)
     spec = load_spec(config.model.model)
     config = config.with_max_model_len(resolve_max_model_len(config, spec))
+    parallel = config.parallel
+    if devices is None:
+        devices = replica_devices(parallel.tensor_parallel_size)
+    elif len(devices) != parallel.tensor_parallel_size:
+        raise ConfigError(f"tensor_parallel_size={parallel.tensor_parallel_size} but {len(devices)} devices given")
+    layout = plan_layout(spec, build_mesh(devices), parallel.enable_expert_parallel)
     tokenizer = Tokenizer.from_pretrained(config.model.tokenizer or config.model.model, config.model.chat_template)
-    spec, params, dtype = load_model(config.model.model, dtype=config.model.dtype)
-    device = jax.devices()[0]
-    plan = plan_kv_cache(spec, config.cache, config.scheduler, dtype, device)
+    spec, params, dtype = load_model(config.model.model, dtype=config.model.dtype, sharding=layout.param_sharding,
+                                     kv_head_repeat=layout.kv_head_repeat)
+    device = next(d for d in devices if d.process_index == jax.process_index())  # memory stats: local only
+    plan = agree_across_processes(plan_kv_cache(spec, config.cache, config.scheduler, dtype, device,
+                                                kv_shards=layout.size))
     if plan.num_tokens < config.scheduler.max_model_len:
         raise ConfigError(
             f"the KV cache holds {plan.num_tokens} tokens, fewer than one request of max_model_len="
             f"{config.scheduler.max_model_len}; raise num_gpu_blocks_override or lower max_model_len"
         )
     log_plan(plan, config.scheduler.max_model_len)
-    backend = select_backend(device.platform, config.runner.attention_backend, head_dim=spec.head_dim)
-    runner = ModelRunner(spec, params, dtype, config, plan, backend)
+    backend = select_backend(device.platform, config.runner.attention_backend, head_dim=spec.head_dim,
+                             mesh=layout.mesh)
+    runner = ModelRunner(spec, params, dtype, config, plan, backend, layout)
+    if parallel.num_processes > 1 and jax.process_index() == 0:  # the workers replay process 0's runner calls
+        runner = PublishingRunner(runner, StepPublisher())
     core = EngineCore(config, runner, plan.num_blocks)
     return EngineParts(core, tokenizer, spec, config)

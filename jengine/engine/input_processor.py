@@ -95,7 +95,7 @@ class InputProcessor:
         """Validate everything, tokenize, resolve max_tokens and fan out into `params.n` core requests."""
         self._check_params(params)
         _check_int_field("priority", priority)
-        text, ids = self._tokenize(prompt)
+        text, ids = self.tokenize(prompt)
         self._check_token_ids(ids)
         resolved = self._resolve_lengths(len(ids), params)
         children = [
@@ -131,8 +131,9 @@ class InputProcessor:
         if params.stop and not params.detokenize:
             raise InvalidRequestError("stop strings need detokenize=True (they match text)", param="stop")
 
-    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        """(text or None, token ids) of any accepted prompt form; an empty prompt is refused before encoding."""
+    def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of any accepted prompt form, chats rendered; an empty prompt is refused before
+        encoding. The router uses it too, so its block hashes are those of the ids the engine will see."""
         if isinstance(prompt, str):
             return prompt, self._encode(prompt)
         if isinstance(prompt, Mapping):

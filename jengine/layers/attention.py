@@ -1,13 +1,16 @@
-"""The model-facing attention call: projections, q/k norms, rotary, then the chosen paged backend."""
+"""The model-facing attention call: projections, q/k norms, rotary, then the chosen paged backend.
+
+With a float8 cache the layer's K/V scales are settled here, before the backend writes: from the checkpoint's
+`kv_scale` parameter when the model has one, else calibrated from the first step's K/V (`attention/kv_cache.py`).
+"""
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jengine.attention.backend import AttentionBackend
+from jengine.attention.kv_cache import KVCache, QuantizedKV, allocate, calibrate
 from jengine.attention.metadata import AttentionMetadata
-from jengine.attention.reference import KVCache
 from jengine.layers.linear import Precision, linear
 from jengine.layers.norm import rms_norm
 from jengine.layers.rotary import apply_rotary
@@ -36,6 +39,8 @@ def self_attention(
     inv_freq, scaling = rope
     q = apply_rotary(q, md.positions, inv_freq, scaling)
     k = apply_rotary(k, md.positions, inv_freq, scaling)
+    if isinstance(kv_cache, QuantizedKV):
+        kv_cache = calibrate(kv_cache, layer, k, v, md.slot_mapping, w.get("kv_scale"))
     out, kv_cache = backend(
         q, k, v, kv_cache, layer, md,
         scale=hd**-0.5, sliding_window=window, soft_cap=spec.attn_logit_softcap,
@@ -50,4 +55,5 @@ def kv_cache_shape(spec: ModelSpec, num_blocks: int, block_size: int) -> tuple[i
 
 
 def allocate_kv_cache(spec: ModelSpec, num_blocks: int, block_size: int, dtype) -> KVCache:
-    return jnp.zeros(kv_cache_shape(spec, num_blocks, block_size), dtype=dtype)
+    """Zeros in `dtype`; float8_e4m3fn gives a `QuantizedKV` whose scales are set by the first step."""
+    return allocate(kv_cache_shape(spec, num_blocks, block_size), dtype)

@@ -52,3 +52,36 @@ def moe_mlp(
     out_sorted = grouped(hidden, w["we_down"])
     out = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(tokens, k, -1)
     return jnp.einsum("tkd,tk->td", out, weights, precision=precision)
+
+
+def moe_mlp_expert_parallel(
+    x: Float[Array, "tokens d"], w: dict[str, Array], moe: MoeSpec, act: str, precision: Precision,
+    mesh: jax.sharding.Mesh, axis: str,
+) -> Float[Array, "tokens d"]:
+    """The MoE with experts split whole over `axis`: every device routes all tokens (the activations are replicated
+    under tensor parallelism, so dispatch needs no communication), runs only the (token, expert) pairs of its own
+    experts, and one `psum` combines the partial outputs."""
+    weights, experts = route(x, w["router"], moe, precision)
+    P = jax.sharding.PartitionSpec
+    split = P(axis)
+
+    def local(x, weights, experts, we_gate, we_up, we_down):
+        tokens, k, num_local = x.shape[0], experts.shape[1], we_gate.shape[0]
+        local_expert = experts - jax.lax.axis_index(axis) * num_local
+        mine = (local_expert >= 0) & (local_expert < num_local)
+        key = jnp.where(mine, local_expert, num_local).reshape(-1)  # other devices' pairs sort to the end
+        order = jnp.argsort(key, stable=True)
+        group_sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
+        x_sorted = x[order // k]
+
+        def grouped(lhs: Array, rhs: Array) -> Array:
+            return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision)
+
+        hidden = ACTIVATIONS[act](grouped(x_sorted, we_gate)) * grouped(x_sorted, we_up)
+        out_sorted = jnp.where(mine.reshape(-1)[order][:, None], grouped(hidden, we_down), 0)
+        out = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(tokens, k, -1)
+        partial = jnp.einsum("tkd,tk->td", out, jnp.where(mine, weights, 0), precision=precision)
+        return jax.lax.psum(partial, axis)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), split, split, split), out_specs=P())(
+        x, weights, experts, w["we_gate"], w["we_up"], w["we_down"])

@@ -18,10 +18,11 @@ from jengine.attention.metadata import AttentionMetadata
 from jengine.attention.reference import KVCache
 from jengine.layers.attention import self_attention
 from jengine.layers.linear import Precision
-from jengine.layers.mlp import gated_mlp, moe_mlp
+from jengine.layers.mlp import gated_mlp, moe_mlp, moe_mlp_expert_parallel
 from jengine.layers.norm import rms_norm
 from jengine.layers.rotary import inverse_frequencies
 from jengine.models.spec import MlpKind, ModelSpec
+from jengine.parallel.mesh import TP_AXIS
 
 Params = dict
 
@@ -33,7 +34,7 @@ def matmul_precision(dtype) -> Precision:
 
 def _decoder_layer(
     spec: ModelSpec, mlp_kind: MlpKind, backend: AttentionBackend, rope, precision: Precision,
-    md: AttentionMetadata, carry, layer_inputs,
+    expert_mesh: jax.sharding.Mesh | None, md: AttentionMetadata, carry, layer_inputs,
 ):
     x, kv_cache = carry
     w, layer, window = layer_inputs
@@ -41,7 +42,9 @@ def _decoder_layer(
     attn, kv_cache = self_attention(spec, w, h, kv_cache, layer, window, md, rope, backend, precision)
     x = x + attn
     h = rms_norm(x, w["mlp_norm"], spec.rms_norm_eps)
-    if mlp_kind == "moe":
+    if mlp_kind == "moe" and expert_mesh is not None:
+        x = x + moe_mlp_expert_parallel(h, w, spec.moe, spec.hidden_act, precision, expert_mesh, TP_AXIS)
+    elif mlp_kind == "moe":
         x = x + moe_mlp(h, w, spec.moe, spec.hidden_act, precision)
     else:
         x = x + gated_mlp(h, w, spec.hidden_act, precision)
@@ -55,15 +58,20 @@ def forward(
     kv_cache: KVCache,
     token_ids: Int[Array, " tokens"],
     md: AttentionMetadata,
+    expert_mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[Float[Array, "tokens d"], KVCache]:
-    """Runs every layer over a flattened ragged batch; returns the final-normed hidden states and the cache."""
+    """Runs every layer over a flattened ragged batch; returns the final-normed hidden states and the cache.
+
+    `expert_mesh`: the MoE experts are split whole over its `tp` axis (expert parallelism); without it GSPMD
+    partitions everything from the parameter shardings alone.
+    """
     precision = matmul_precision(params["embed"].dtype)
     inv_freq, scaling = inverse_frequencies(spec.rope, spec.head_dim)
     rope = (jnp.asarray(inv_freq), scaling)
     x = params["embed"][token_ids]
     windows = spec.layer_windows
     for seg_params, (start, count, kind) in zip(params["segments"], spec.layer_segments(), strict=True):
-        body = functools.partial(_decoder_layer, spec, kind, backend, rope, precision, md)
+        body = functools.partial(_decoder_layer, spec, kind, backend, rope, precision, expert_mesh, md)
         layers = jnp.arange(start, start + count, dtype=jnp.int32)
         seg_windows = jnp.asarray(windows[start : start + count], dtype=jnp.int32)
         (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (seg_params, layers, seg_windows))

@@ -7,6 +7,7 @@ memory-mapped safetensors files, casts it and goes straight to its device, so th
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -23,7 +24,7 @@ from jengine.models.checkpoint import CheckpointReader, checkpoint_dtype, read_c
 from jengine.models.converted import converted_metadata, restore_converted, save_converted
 from jengine.models.registry import spec_from_hf_config
 from jengine.models.spec import ModelSpec
-from jengine.models.weights import LeafSource, parameter_sources
+from jengine.models.weights import KV_SCALE_TEMPLATES, LeafSource, kv_scale_names, parameter_sources
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +63,12 @@ def load_model(
     sharding: jax.sharding.Sharding | ShardingFor | None = None,
     progress: bool = True,
     converted_dir: str | Path | None = None,
+    kv_head_repeat: int = 1,
 ) -> tuple[ModelSpec, dict, jnp.dtype]:
     """Reads, checks, casts and places every parameter; returns (spec, params, dtype).
+
+    `kv_head_repeat` > 1 (tensor parallelism beyond the KV-head count) repeats each KV head that many times; the
+    returned spec then counts the repeated heads, so the model and the KV cache see one head per device.
 
     With `converted_dir`, a conversion saved there for the same checkpoint, dtype and layout is restored instead (fast
     start-up), and a fresh conversion is saved there otherwise.
@@ -73,25 +78,27 @@ def load_model(
         platform = jax.devices()[0].platform
         resolved = resolve_dtype(dtype, spec.checkpoint_dtype or checkpoint_dtype(reader), platform)
         sharding_for = _sharding_function(sharding)
-        sources = parameter_sources(spec)
-        fingerprint = _fingerprint(reader, resolved) if converted_dir else None
+        sources = parameter_sources(spec, kv_head_repeat)
+        kv_scales = load_kv_scales(reader, spec, kv_head_repeat)
+        spec = dataclasses.replace(spec, num_kv_heads=spec.num_kv_heads * kv_head_repeat)
+        fingerprint = _fingerprint(reader, resolved, kv_head_repeat) if converted_dir else None
         if converted_dir and (converted_metadata(converted_dir) or {}).get("fingerprint") == fingerprint:
             logger.info("restoring converted weights from %s", converted_dir)
             params = restore_converted(converted_dir, _abstract_params(sources, resolved, sharding_for))
-            return spec, params, resolved
+            return spec, _with_kv_scales(params, spec, kv_scales, sharding_for), resolved
         _check_sources(reader, sources)
         params = _place_all(reader, sources, resolved, sharding_for, progress)
     if converted_dir:
         save_converted(converted_dir, params, {"fingerprint": fingerprint, "source": str(model_dir)})
     logger.info("loaded %s (%s) from %s in %s", spec.architecture, spec.family, model_dir, resolved.name)
-    return spec, params, resolved
+    return spec, _with_kv_scales(params, spec, kv_scales, sharding_for), resolved
 
 
-def _fingerprint(reader: CheckpointReader, dtype: jnp.dtype) -> str:
+def _fingerprint(reader: CheckpointReader, dtype: jnp.dtype, kv_head_repeat: int) -> str:
     """Identifies a conversion: the config, every tensor's name/shape/dtype/file size and modification time (so a
     checkpoint re-saved with new weights of the same shapes is converted again), and the target dtype."""
     tensors = [(n, reader.shape(n), str(reader.dtype(n)), _file_stamp(reader.info(n).file)) for n in reader.names()]
-    payload = json.dumps([reader.config(), tensors, dtype.name], sort_keys=True, default=str)
+    payload = json.dumps([reader.config(), tensors, dtype.name, kv_head_repeat], sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
@@ -120,7 +127,7 @@ def _sharding_function(sharding: jax.sharding.Sharding | ShardingFor | None) -> 
 def _check_sources(reader: CheckpointReader, sources: dict) -> None:
     """Every tensor present, with the shape the config implies and a floating dtype, before any is read."""
     for leaf in jax.tree.leaves(sources, is_leaf=lambda x: isinstance(x, LeafSource)):
-        expected = leaf.tensor_shape[::-1] if leaf.transpose else leaf.tensor_shape
+        expected = leaf.checkpoint_shape
         for name in leaf.names.flat:
             reader.info(name)  # raises CheckpointError naming the missing tensor
             if tuple(reader.shape(name)) != expected:
@@ -153,14 +160,48 @@ def _place_leaf(reader: CheckpointReader, leaf: LeafSource, dtype: jnp.dtype, sh
     def read_shard(index: tuple[slice, ...]) -> np.ndarray:
         stack_index, tensor_index = index[:stack_rank], index[stack_rank:]
         names = leaf.names[stack_index] if stack_rank else leaf.names
-        pieces = [_read_tensor(reader, name, leaf.transpose, tensor_index, dtype) for name in names.flat]
+        pieces = [np.asarray(leaf.from_checkpoint(reader.read(name))[tensor_index], dtype=dtype)
+                  for name in names.flat]
         return np.stack(pieces).reshape(names.shape + pieces[0].shape)
 
     return jax.make_array_from_callback(leaf.shape, sharding, read_shard)
 
 
-def _read_tensor(reader: CheckpointReader, name: str, transpose: bool, index: tuple[slice, ...], dtype) -> np.ndarray:
-    tensor = reader.read(name)
-    if transpose:
-        tensor = tensor.T
-    return np.asarray(tensor[index], dtype=dtype)
+def load_kv_scales(reader: CheckpointReader, spec: ModelSpec, kv_head_repeat: int = 1) -> np.ndarray | None:
+    """The checkpoint's KV-cache scales as float32 `[layers, 2 (K, V), kv_heads × kv_head_repeat]` (a per-layer
+    scalar repeated over the heads), or None when it has none. They stay float32 whatever the model dtype."""
+    for template in KV_SCALE_TEMPLATES:
+        names = kv_scale_names(spec.num_layers, template)
+        present = [name in reader for name in names.flat]
+        if not any(present):
+            continue
+        if not all(present):
+            missing = next(name for name, ok in zip(names.flat, present) if not ok)
+            raise CheckpointError(f"the checkpoint has KV-cache scales for some layers but no tensor {missing}")
+        heads = spec.num_kv_heads
+        values = np.stack([_kv_scale(reader, name, heads) for name in names.flat])
+        logger.info("KV-cache scales from the checkpoint (%s)", template.format(i="N", kv="k|v"))
+        return np.repeat(values.reshape(spec.num_layers, 2, heads), kv_head_repeat, axis=-1)
+    return None
+
+
+def _kv_scale(reader: CheckpointReader, name: str, kv_heads: int) -> np.ndarray:
+    tensor = np.asarray(reader.read(name), np.float32).reshape(-1)
+    if tensor.size not in (1, kv_heads):
+        raise CheckpointError(f"tensor {name} has shape {tuple(reader.shape(name))}; a KV-cache scale is a scalar "
+                              f"or one value per KV head ({kv_heads})")
+    if not (np.isfinite(tensor).all() and (tensor > 0).all()):
+        raise CheckpointError(f"tensor {name} holds {tensor.tolist()}; KV-cache scales must be positive and finite")
+    return np.broadcast_to(tensor, (kv_heads,))
+
+
+def _with_kv_scales(params: dict, spec: ModelSpec, scales: np.ndarray | None, sharding_for: ShardingFor) -> dict:
+    """Each run of layers gets its scales as the float32 parameter `kv_scale [layers, 2, kv_heads]`."""
+    if scales is None:
+        return params
+    segments = []
+    for i, (segment, (start, count, _)) in enumerate(zip(params["segments"], spec.layer_segments(), strict=True)):
+        value = scales[start:start + count]
+        placed = jax.device_put(value, sharding_for(f"['segments'][{i}]['kv_scale']", value.shape))
+        segments.append({**segment, "kv_scale": placed})
+    return {**params, "segments": tuple(segments)}

@@ -20,12 +20,31 @@ class LeafSource:
     """One parameter array: `names` has the stack shape (layers, or layers × experts); each is one HF tensor."""
 
     names: np.ndarray  # object array of HF tensor names, shape = the stacking axes
-    tensor_shape: tuple[int, ...]  # our shape of one tensor (after the transpose)
+    tensor_shape: tuple[int, ...]  # our shape of one tensor (after the transpose and any head repeat)
     transpose: bool  # HF [out, in] → our [in, out]
+    # K/V projections when tensor parallelism exceeds the KV heads: each head's features repeated this many times
+    # along the last axis, so every device holds (a copy of) the one KV head its query heads use
+    head_repeat: int = 1
+    head_dim: int = 0
 
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.names.shape) + self.tensor_shape
+
+    @property
+    def checkpoint_shape(self) -> tuple[int, ...]:
+        """The shape the HF tensor must have."""
+        ours = self.tensor_shape[:-1] + (self.tensor_shape[-1] // self.head_repeat,)
+        return ours[::-1] if self.transpose else ours
+
+    def from_checkpoint(self, tensor: np.ndarray) -> np.ndarray:
+        """One HF tensor in our layout: transposed, heads repeated."""
+        if self.transpose:
+            tensor = tensor.T
+        if self.head_repeat > 1:
+            heads = tensor.reshape(tensor.shape[:-1] + (-1, self.head_dim))
+            tensor = np.repeat(heads, self.head_repeat, axis=-2).reshape(self.tensor_shape)
+        return tensor
 
 
 def _stack(template: str, layers: range, shape: tuple[int, ...], transpose: bool) -> LeafSource:
@@ -38,20 +57,25 @@ def _expert_stack(template: str, layers: range, experts: int, shape: tuple[int, 
     return LeafSource(names, shape, True)
 
 
-def _attention_leaves(spec: ModelSpec, layers: range) -> dict[str, LeafSource]:
+def _attention_leaves(spec: ModelSpec, layers: range, kv_repeat: int) -> dict[str, LeafSource]:
     d, hd = spec.hidden_size, spec.head_dim
-    q_out, kv_out = spec.num_heads * hd, spec.num_kv_heads * hd
+    q_out, kv_out = spec.num_heads * hd, spec.num_kv_heads * hd * kv_repeat
+
+    def kv_leaf(template: str, shape: tuple[int, ...], transpose: bool) -> LeafSource:
+        return dataclasses.replace(_stack(template, layers, shape, transpose), head_repeat=kv_repeat, head_dim=hd)
+
     leaves = {
         "attn_norm": _stack("model.layers.{i}.input_layernorm.weight", layers, (d,), False),
         "mlp_norm": _stack("model.layers.{i}.post_attention_layernorm.weight", layers, (d,), False),
         "wq": _stack(_ATTN + ".q_proj.weight", layers, (d, q_out), True),
-        "wk": _stack(_ATTN + ".k_proj.weight", layers, (d, kv_out), True),
-        "wv": _stack(_ATTN + ".v_proj.weight", layers, (d, kv_out), True),
+        "wk": kv_leaf(_ATTN + ".k_proj.weight", (d, kv_out), True),
+        "wv": kv_leaf(_ATTN + ".v_proj.weight", (d, kv_out), True),
         "wo": _stack(_ATTN + ".o_proj.weight", layers, (q_out, d), True),
     }
     if spec.qkv_bias:
-        for name, width in (("q", q_out), ("k", kv_out), ("v", kv_out)):
-            leaves[f"b{name}"] = _stack(_ATTN + f".{name}_proj.bias", layers, (width,), False)
+        leaves["bq"] = _stack(_ATTN + ".q_proj.bias", layers, (q_out,), False)
+        leaves["bk"] = kv_leaf(_ATTN + ".k_proj.bias", (kv_out,), False)
+        leaves["bv"] = kv_leaf(_ATTN + ".v_proj.bias", (kv_out,), False)
     if spec.o_bias:
         leaves["bo"] = _stack(_ATTN + ".o_proj.bias", layers, (d,), False)
     if spec.qk_norm:
@@ -91,13 +115,13 @@ def _moe_leaves(spec: ModelSpec, layers: range) -> dict[str, LeafSource]:
     }
 
 
-def parameter_sources(spec: ModelSpec) -> dict:
-    """The full parameter pytree of `spec`, with a `LeafSource` at every leaf."""
+def parameter_sources(spec: ModelSpec, kv_repeat: int = 1) -> dict:
+    """The full parameter pytree of `spec`, with a `LeafSource` at every leaf; `kv_repeat` repeats each KV head."""
     segments = []
     for start, count, kind in spec.layer_segments():
         layers = range(start, start + count)
         mlp = _moe_leaves(spec, layers) if kind == "moe" else _dense_mlp_leaves(spec, layers)
-        segments.append(_attention_leaves(spec, layers) | mlp)
+        segments.append(_attention_leaves(spec, layers, kv_repeat) | mlp)
     d, vocab = spec.hidden_size, spec.vocab_size
     tree = {
         "embed": LeafSource(np.array("model.embed_tokens.weight", dtype=object), (vocab, d), False),
@@ -107,3 +131,13 @@ def parameter_sources(spec: ModelSpec) -> dict:
     if not spec.tie_word_embeddings:
         tree["lm_head"] = LeafSource(np.array("lm_head.weight", dtype=object), (vocab, d), False)
     return tree
+
+
+# KV-cache scales of checkpoints made for a float8 KV cache (real value = stored value × scale): a scalar per layer or
+# one value per KV head, K then V, in the two spellings such checkpoints use.
+KV_SCALE_TEMPLATES = (_ATTN + ".{kv}_scale", _ATTN + ".attn.{kv}_scale")
+
+
+def kv_scale_names(num_layers: int, template: str) -> np.ndarray:
+    """`[layers, 2]` HF tensor names (K, V) in one spelling of `KV_SCALE_TEMPLATES`."""
+    return np.array([[template.format(i=i, kv=kv) for kv in "kv"] for i in range(num_layers)], dtype=object)

@@ -58,10 +58,12 @@ def warm_up(runner, shapes: list[StepShape], progress: bool = True) -> int:
     before = num_compiled_shapes()
     for shape in tqdm(shapes, desc="Compiling step buckets", disable=not progress):
         token_ids, md, rows = padding_inputs(shape, runner.batch.num_slots)
+        nowhere = np.full(shape.seqs, runner.row_tokens.shape[0], np.int32)  # samples recorded in no row
         for sampled_rows in (np.zeros(0, np.int64), np.zeros(1, np.int64)):
             sampling = table.build(sampled_rows, np.zeros(len(sampled_rows), np.int64), None, shape.seqs)
-            _, _, runner.kv_cache = runner._step(runner.params, runner.kv_cache, token_ids, md, rows, sampling,
-                                                 None, None, num_prompt_logprobs=0)
+            _, _, runner.kv_cache, runner.row_tokens = runner._step(
+                runner.params, runner.kv_cache, runner.row_tokens, token_ids, md, rows, nowhere, sampling, None, None,
+                num_prompt_logprobs=0)
     compiled = num_compiled_shapes() - before
     logger.info("compiled %d step variants for %d shape buckets", compiled, len(shapes))
     return compiled

@@ -2,6 +2,10 @@
 
 Input preparation is vectorised numpy over the scheduled tokens; per-request facts the step needs (prompt length,
 computed tokens, prompt logprobs asked) live in per-row arrays, so a decode step runs no Python loop over requests.
+
+A row's tokens are *known* (their ids are on the host) or *pending*: sampled by a step whose output has not been
+fetched yet. A step that needs a pending token gets `pending_token_id(row)` in its place and the jitted step reads
+the id from the device array of each row's last sampled token, so the next step never waits for the host.
 """
 
 from __future__ import annotations
@@ -13,6 +17,13 @@ import numpy as np
 from jengine.attention.metadata import AttentionMetadata
 from jengine.runner.buckets import StepBuckets, pick
 from jengine.scheduler.output import NewRequestData, SchedulerOutput
+
+PENDING_BASE = -2  # token id PENDING_BASE - r: the token row r sampled last (-1 stays the samplers' padding)
+
+
+def pending_token_id(rows: np.ndarray | int) -> np.ndarray | int:
+    """The placeholder id of the token each row sampled last, for inputs built before that token is on the host."""
+    return PENDING_BASE - rows
 
 
 @dataclasses.dataclass
@@ -30,9 +41,10 @@ class StepInputs:
     token_ids: np.ndarray  # [tokens_padded]
     metadata: AttentionMetadata
     logits_rows: np.ndarray  # last new token of each request [seqs_padded]
-    samples: np.ndarray  # bool [seqs]: the step reaches the request's last known token, so its sample counts
+    samples: np.ndarray  # bool [seqs]: the step reaches the request's last token, so its sample counts
     positions_start: np.ndarray  # computed tokens before this step [seqs]
     num_scheduled: np.ndarray  # new tokens this step [seqs]
+    owners: np.ndarray  # admission stamp of each row [seqs]: a row refilled since then has another one
 
 
 class InputBatch:
@@ -44,7 +56,10 @@ class InputBatch:
         self.pin_shapes = pin_shapes
         max_blocks = -(-max_model_len // block_size)
         self.token_ids = np.zeros((max_num_seqs, max_model_len), np.int32)
-        self.num_tokens = np.zeros(max_num_seqs, np.int32)
+        self.num_tokens = np.zeros(max_num_seqs, np.int32)  # known and pending tokens
+        self.num_known = np.zeros(max_num_seqs, np.int32)  # leading tokens whose ids are in `token_ids`
+        self.owners = np.zeros(max_num_seqs, np.int64)  # stamp of the admission that filled each row
+        self._admissions = 0
         self.num_computed = np.zeros(max_num_seqs, np.int32)  # tokens whose K/V the steps so far have written
         self.num_prompt = np.zeros(max_num_seqs, np.int32)
         self.num_prompt_logprobs = np.full(max_num_seqs, -1, np.int32)  # -1: prompt logprobs not asked
@@ -72,7 +87,9 @@ class InputBatch:
         self._last_ids = None
         n = len(new.token_ids)
         self.token_ids[row, :n] = new.token_ids
-        self.num_tokens[row] = n
+        self.num_tokens[row] = self.num_known[row] = n
+        self._admissions += 1
+        self.owners[row] = self._admissions
         self.num_computed[row] = new.num_computed_tokens
         self.num_prompt[row] = new.num_prompt_tokens
         wanted = new.sampling_params.prompt_logprobs
@@ -84,6 +101,7 @@ class InputBatch:
         info = self.rows.pop(request_id, None)
         if info is not None:
             self._free_rows.append(info.row)
+            self.owners[info.row] = 0  # steps still in flight for it no longer fill this row
             self._last_ids = None
 
     def _append_blocks(self, row: int, block_ids: list[int]) -> None:
@@ -91,10 +109,26 @@ class InputBatch:
         self.block_table[row, start : start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
 
-    def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
-        """Append one sampled token to each of `rows` (distinct rows), all at once."""
-        self.token_ids[rows, self.num_tokens[rows]] = token_ids
+    def reserve_sampled(self, rows: np.ndarray) -> None:
+        """A dispatched step samples one token for each of `rows` (distinct): pending until `fill_sampled`."""
         self.num_tokens[rows] += 1
+
+    def fill_sampled(self, rows: np.ndarray, token_ids: np.ndarray, owners: np.ndarray) -> None:
+        """The ids of the oldest pending token of each of `rows`, fetched from the device; rows whose request has
+        left (or whose row was refilled) since the step was dispatched are skipped."""
+        keep = self.owners[rows] == owners
+        if not keep.all():
+            rows, token_ids = rows[keep], token_ids[keep]
+        self.token_ids[rows, self.num_known[rows]] = token_ids
+        self.num_known[rows] += 1
+
+    def output_history(self, row: int, start: int, end: int) -> np.ndarray:
+        """Token ids of positions [start, end) of a row, pending ones as their placeholders (the sampler's
+        penalties resolve them on the device)."""
+        ids = self.token_ids[row, start:end].copy()
+        known = max(int(self.num_known[row]) - start, 0)
+        ids[known:] = pending_token_id(row)
+        return ids
 
     def rows_of(self, request_ids: list[str]) -> np.ndarray:
         """The rows of these requests. Steady decoding schedules the same requests in the same order step after
@@ -139,7 +173,11 @@ class InputBatch:
             block_tables=tables,
             max_query_len=self._query_bound(int(count.max()), tokens_padded),
         )
-        token_ids = np.concatenate([self.token_ids[row_of_token, positions], np.zeros(pad_tokens, np.int32)])
+        token_ids = self.token_ids[row_of_token, positions]
+        pending = positions >= self.num_known[row_of_token]
+        if pending.any():  # the previous step's samples, still on the device
+            token_ids = np.where(pending, pending_token_id(row_of_token), token_ids)
+        token_ids = np.concatenate([token_ids, np.zeros(pad_tokens, np.int32)]).astype(np.int32)
         logits_rows = np.concatenate([ends - 1, np.zeros(pad_seqs, np.int64)]).astype(np.int32)
         samples = seq_lens >= self.num_tokens[rows]
-        return StepInputs(request_ids, rows, token_ids, md, logits_rows, samples, start, count)
+        return StepInputs(request_ids, rows, token_ids, md, logits_rows, samples, start, count, self.owners[rows])

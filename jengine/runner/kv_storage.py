@@ -3,6 +3,8 @@
 The pool size follows vLLM's rule on devices that report memory: `gpu_memory_utilization` × device memory, minus
 what the weights already use and an activation reserve for the largest step. Where the device reports no memory (the
 CPU) the pool holds `max_num_seqs × max_model_len` tokens, capped at 2 GiB. `num_gpu_blocks_override` is exact.
+Blocks are counted in the cache's own element type: `kv_cache_dtype="fp8"` stores 1 byte per element, so twice as
+many blocks fit as in bfloat16.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jengine.attention import kv_cache
 from jengine.config import CacheConfig, SchedulerConfig
 from jengine.errors import ConfigError
 from jengine.layers.attention import kv_cache_shape
@@ -30,6 +33,7 @@ class KVPlan:
     block_size: int
     bytes_per_block: int
     source: str  # how the size was chosen, for the start-up line
+    kv_dtype: jnp.dtype | None = None  # the cache's element type (float8_e4m3fn for fp8); None: the model dtype
 
     @property
     def num_tokens(self) -> int:
@@ -48,35 +52,44 @@ def activation_reserve(spec: ModelSpec, sched: SchedulerConfig) -> int:
     return sched.max_num_batched_tokens * per_token + logits + (256 << 20)
 
 
-def plan_kv_cache(spec: ModelSpec, cache: CacheConfig, sched: SchedulerConfig, dtype, device: jax.Device) -> KVPlan:
-    per_block = bytes_per_block(spec, cache.block_size, dtype)
+def plan_kv_cache(spec: ModelSpec, cache: CacheConfig, sched: SchedulerConfig, dtype, device: jax.Device,
+                  kv_shards: int = 1) -> KVPlan:
+    """`device` is one of the engine's devices (they are alike); with `kv_shards` devices sharing the KV heads,
+    each holds 1/kv_shards of every block, so its memory fits that many more blocks."""
+    kv_dtype = kv_cache.cache_dtype(cache.kv_cache_dtype, dtype)
+    per_block = bytes_per_block(spec, cache.block_size, kv_dtype)
     if cache.num_gpu_blocks_override:
-        return KVPlan(cache.num_gpu_blocks_override, cache.block_size, per_block, "num_gpu_blocks_override")
+        return KVPlan(cache.num_gpu_blocks_override, cache.block_size, per_block, "num_gpu_blocks_override", kv_dtype)
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if not stats or "bytes_limit" not in stats:
         wanted = -(-sched.max_num_seqs * sched.max_model_len // cache.block_size)
         blocks = min(wanted, CPU_POOL_CAP_BYTES // per_block)
-        return KVPlan(max(blocks, 1), cache.block_size, per_block, "max_num_seqs × max_model_len (capped at 2 GiB)")
+        return KVPlan(max(blocks, 1), cache.block_size, per_block, "max_num_seqs × max_model_len (capped at 2 GiB)",
+                      kv_dtype)
     budget = int(stats["bytes_limit"] * cache.gpu_memory_utilization) - stats.get("bytes_in_use", 0)
     budget -= activation_reserve(spec, sched)
-    blocks = budget // per_block
+    blocks = budget // (per_block // kv_shards)
     if blocks < -(-sched.max_model_len // cache.block_size):
         raise ConfigError(
             f"not enough device memory for one request of max_model_len={sched.max_model_len}: {max(blocks, 0)} KV "
             f"blocks fit; raise gpu_memory_utilization or lower max_model_len"
         )
-    return KVPlan(int(blocks), cache.block_size, per_block, f"gpu_memory_utilization={cache.gpu_memory_utilization}")
+    return KVPlan(int(blocks), cache.block_size, per_block, f"gpu_memory_utilization={cache.gpu_memory_utilization}",
+                  kv_dtype)
 
 
 def log_plan(plan: KVPlan, max_model_len: int) -> None:
     gib = plan.num_blocks * plan.bytes_per_block / (1 << 30)
+    of_dtype = f" of {plan.kv_dtype.name}" if plan.kv_dtype is not None else ""
     logger.info(
-        "KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB (%s); %.1f requests of max_model_len=%d fit at once",
-        plan.num_blocks, plan.block_size, plan.num_tokens, gib, plan.source, plan.num_tokens / max_model_len,
+        "KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB%s (%s); %.1f requests of max_model_len=%d fit at once",
+        plan.num_blocks, plan.block_size, plan.num_tokens, gib, of_dtype, plan.source, plan.num_tokens / max_model_len,
         max_model_len,
     )
 
 
-def allocate(spec: ModelSpec, plan: KVPlan, dtype, sharding: jax.sharding.Sharding | None = None) -> jax.Array:
+def allocate(spec: ModelSpec, plan: KVPlan, dtype, sharding: jax.sharding.Sharding | None = None) -> kv_cache.KVCache:
+    """The zeroed cache in `plan.kv_dtype` (or `dtype`, the model's, when the plan names none): an array, or a
+    `QuantizedKV` for float8 (its scales set by the first step)."""
     shape = kv_cache_shape(spec, plan.num_blocks, plan.block_size)
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+    return kv_cache.allocate(shape, dtype if plan.kv_dtype is None else plan.kv_dtype, sharding)

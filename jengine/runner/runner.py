@@ -1,7 +1,9 @@
 """`ModelRunner.execute(SchedulerOutput) -> RunnerOutput`: the only owner of device arrays (weights, KV cache).
 
 Host bookkeeping here (persistent batch, padded inputs, sampling metadata); the math in the jitted step. One
-device→host copy per step brings the sampled tokens (and logprobs when asked) back.
+device→host copy per step brings the sampled tokens (and logprobs when asked) back. `execute` is `dispatch` (launch
+the step, wait for nothing) then `fetch` (that copy); a pipelined engine dispatches the next step in between, whose
+inputs take the pending tokens from the device (see `step.py`).
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import numpy as np
 from jengine.attention.backend import AttentionBackend
 from jengine.config import EngineConfig
 from jengine.models.spec import ModelSpec
+from jengine.parallel.sharding import ParallelLayout
 from jengine.runner.buckets import StepBuckets, pick, powers_of_two
 from jengine.runner.input_batch import InputBatch, StepInputs
 from jengine.runner.kv_storage import KVPlan, allocate
 from jengine.runner.compile import RecompileGuard, pinned_shapes, warm_up
 from jengine.runner.step import build_step
 from jengine.sampling.metadata import SamplingRowTable
+from jengine.sampling.sampler import SamplerOutput
 from jengine.scheduler.output import RunnerOutput, SchedulerOutput, TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -34,49 +38,86 @@ class PromptLogprobRequest:
     first_position: int  # position of the first target token (≥ 1)
     count: int
     starts_prompt: bool  # the chunk begins at position 0: the list starts with None for the first prompt token
+    num_logprobs: int  # top logprobs asked per position
+
+
+@dataclasses.dataclass(frozen=True)
+class InFlightStep:
+    """A dispatched step: its device outputs (being copied to the host) and what turns them into a RunnerOutput.
+    Holds no reference to the rows' requests, which may leave the batch before it is fetched."""
+
+    inputs: StepInputs
+    sampled: SamplerOutput
+    prompt_out: SamplerOutput | None
+    prompt_plan: list[PromptLogprobRequest]
+    logprobs_wanted: np.ndarray | None  # per scheduled request (-1: none) when the step returns logprobs
 
 
 class ModelRunner:
     def __init__(self, spec: ModelSpec, params: dict, dtype, config: EngineConfig, plan: KVPlan,
-                 backend: AttentionBackend) -> None:
+                 backend: AttentionBackend, layout: ParallelLayout) -> None:
+        """`params` are already placed as `layout` says; the KV cache is allocated here with its sharding."""
         self.spec, self.params, self.dtype = spec, params, dtype
         self.config = config
         self.engine_seed = config.model.seed
         sched = config.scheduler
         max_blocks = -(-sched.max_model_len // plan.block_size)
         self.buckets = StepBuckets.build(sched.max_num_batched_tokens, sched.max_num_seqs, max_blocks)
-        self.kv_cache = allocate(spec, plan, dtype)
+        self.layout = layout
+        self.kv_cache = allocate(spec, plan, dtype, layout.kv_cache_sharding)
         mode = config.runner.compile_buckets
         pin = mode == "all" or (mode == "auto" and backend.name != "reference")
         self.batch = InputBatch(sched.max_num_seqs, sched.max_model_len, plan.block_size,
                                 plan.num_blocks * plan.block_size, self.buckets, pin_shapes=pin)
         self.backend = backend
         self.sampling_rows = SamplingRowTable(sched.max_num_seqs, engine_seed=config.model.seed)
-        self._step = build_step(spec, backend)
+        self.row_tokens = jax.device_put(np.zeros(sched.max_num_seqs, np.int32), layout.replicated)  # the feed
+        self._step = build_step(spec, backend, layout.mesh if layout.expert_parallel else None)
         self.recompile_guard = RecompileGuard()
         if pin:
             warm_up(self, pinned_shapes(self.buckets))
             self.recompile_guard.arm()
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """One step, serially: launch it and wait for its tokens."""
+        step = self.dispatch(sched)
+        return RunnerOutput([], [], [], {}) if step is None else self.fetch(step)
+
+    def dispatch(self, sched: SchedulerOutput) -> InFlightStep | None:
+        """Applies the diff and launches the step without waiting for the device (None when nothing is scheduled).
+        Tokens of steps not fetched yet are pending: the step reads them on the device."""
         self.batch.apply(sched)
         for new in sched.new_requests:
             self.sampling_rows.set_row(self.batch.rows[new.request_id].row, new.sampling_params, new.choice_index,
                                        new.request_counter, tuple(new.eos_token_ids))
         if sched.is_empty:
-            return RunnerOutput([], [], [], {})
+            return None
         inputs = self.batch.prepare(sched)
         sampling = self._sampling_metadata(inputs)
         prompt_plan, prompt_rows, prompt_targets, prompt_k = self._prompt_logprob_rows(inputs)
-        sampled, prompt_out, self.kv_cache = self._step(
-            self.params, self.kv_cache, inputs.token_ids, inputs.metadata, inputs.logits_rows, sampling,
-            prompt_rows, prompt_targets, num_prompt_logprobs=prompt_k,
+        sampled, prompt_out, self.kv_cache, self.row_tokens = self._step(
+            self.params, self.kv_cache, self.row_tokens, inputs.token_ids, inputs.metadata, inputs.logits_rows,
+            self._sample_rows(inputs), sampling, prompt_rows, prompt_targets, num_prompt_logprobs=prompt_k,
         )
-        sampled, prompt_out = jax.device_get((sampled, prompt_out))
         self.recompile_guard.check(lambda: f"tokens={len(inputs.token_ids)} seqs={len(inputs.logits_rows)} "
                                            f"blocks={inputs.metadata.block_tables.shape[1]} "
                                            f"query_len={inputs.metadata.max_query_len}")
-        return self._runner_output(inputs, sampled, prompt_plan, prompt_out)
+        _start_copy_to_host((sampled, prompt_out))
+        self.batch.reserve_sampled(inputs.rows[inputs.samples])
+        wanted = self.sampling_rows.logprobs[inputs.rows] if sampling.max_num_logprobs else None
+        return InFlightStep(inputs, sampled, prompt_out, prompt_plan, wanted)
+
+    def fetch(self, step: InFlightStep) -> RunnerOutput:
+        """Waits for a dispatched step's outputs (one device→host copy) and records its tokens in the batch."""
+        sampled, prompt_out = jax.device_get((step.sampled, step.prompt_out))
+        return self._runner_output(step, sampled, prompt_out)
+
+    def _sample_rows(self, inputs: StepInputs) -> np.ndarray:
+        """The batch row that records each padded row's sample; out of range (dropped) where it does not count."""
+        nowhere = len(self.batch.num_tokens)
+        out = np.full(len(inputs.logits_rows), nowhere, np.int32)
+        out[: len(inputs.rows)] = np.where(inputs.samples, inputs.rows, nowhere)
+        return out
 
     # ------------------------------------------------------------------ sampling inputs
     def _sampling_metadata(self, inputs: StepInputs):
@@ -86,7 +127,7 @@ class ModelRunner:
 
         def histories(i: int):
             row, prompt = rows[i], num_prompt[i]
-            return self.batch.token_ids[row, :prompt], self.batch.token_ids[row, prompt : prompt + steps[i]]
+            return self.batch.token_ids[row, :prompt], self.batch.output_history(row, prompt, prompt + steps[i])
 
         return self.sampling_rows.build(rows, steps, histories, len(inputs.logits_rows))
 
@@ -102,7 +143,7 @@ class ModelRunner:
         for i in asking.tolist():
             start, count = int(inputs.positions_start[i]), int(inputs.num_scheduled[i])
             n = max(min(start + count, int(num_prompt[i]) - 1) - start, 0)  # targets are positions start+1 ..
-            plan.append(PromptLogprobRequest(inputs.request_ids[i], start + 1, n, start == 0))
+            plan.append(PromptLogprobRequest(inputs.request_ids[i], start + 1, n, start == 0, int(wanted[i])))
             rows.extend(range(int(offsets[i]), int(offsets[i]) + n))
             targets.extend(self.batch.token_ids[inputs.rows[i], start + 1 : start + 1 + n].tolist())
         k = int(wanted[asking].max())
@@ -112,28 +153,31 @@ class ModelRunner:
                 pick(max(k, 1), powers_of_two(1, max(self.config.model.max_logprobs, 1))))
 
     # ------------------------------------------------------------------ outputs
-    def _runner_output(self, inputs: StepInputs, sampled, prompt_plan, prompt_out) -> RunnerOutput:
-        """Appends the sampled tokens to the batch in one scatter; per request, only the output lists."""
+    def _runner_output(self, step: InFlightStep, sampled, prompt_out) -> RunnerOutput:
+        """Records the sampled tokens in the batch in one scatter; per request, only the output lists."""
+        inputs = step.inputs
         n = len(inputs.request_ids)
         token_ids = np.asarray(sampled.token_ids)[:n]
         samples = inputs.samples
         all_sample = bool(samples.all())
-        self.batch.append_sampled(inputs.rows if all_sample else inputs.rows[samples],
-                                  token_ids if all_sample else token_ids[samples])
+        if all_sample:
+            self.batch.fill_sampled(inputs.rows, token_ids, inputs.owners)
+        else:
+            self.batch.fill_sampled(inputs.rows[samples], token_ids[samples], inputs.owners[samples])
         sampled_lists = [[token] for token in token_ids.tolist()]
         if not all_sample:  # prefill chunks that stop short of their last token sample nothing
             for i in np.flatnonzero(~samples).tolist():
                 sampled_lists[i] = []
-        return RunnerOutput(inputs.request_ids, sampled_lists, self._token_logprobs(inputs, sampled),
-                            self._prompt_output(prompt_plan, prompt_out))
+        return RunnerOutput(inputs.request_ids, sampled_lists, self._token_logprobs(step, sampled),
+                            self._prompt_output(step.prompt_plan, prompt_out))
 
-    def _token_logprobs(self, inputs: StepInputs, sampled) -> list[TokenLogprobs | None]:
+    def _token_logprobs(self, step: InFlightStep, sampled) -> list[TokenLogprobs | None]:
         """Per row: the sampled token's raw logprobs and the top ones, for the requests that asked and sampled."""
-        logprobs: list[TokenLogprobs | None] = [None] * len(inputs.request_ids)
-        if sampled.logprobs is None:
+        logprobs: list[TokenLogprobs | None] = [None] * len(step.inputs.request_ids)
+        wanted = step.logprobs_wanted
+        if sampled.logprobs is None or wanted is None:
             return logprobs
-        wanted = self.sampling_rows.logprobs[inputs.rows]
-        for i in np.flatnonzero((wanted >= 0) & inputs.samples).tolist():
+        for i in np.flatnonzero((wanted >= 0) & step.inputs.samples).tolist():
             width = int(wanted[i]) + 1
             logprobs[i] = TokenLogprobs(sampled.logprob_token_ids[i, :width].tolist(),
                                         sampled.logprobs[i, :width].tolist(), int(sampled.sampled_rank[i]))
@@ -142,7 +186,7 @@ class ModelRunner:
     def _prompt_output(self, plan: list[PromptLogprobRequest], out) -> dict[str, list[TokenLogprobs | None]]:
         result, offset = {}, 0
         for item in plan:
-            wanted = self.batch.rows[item.request_id].request.sampling_params.prompt_logprobs
+            wanted = item.num_logprobs
             entries: list[TokenLogprobs | None] = [None] if item.starts_prompt else []
             for r in range(offset, offset + item.count):
                 entries.append(TokenLogprobs(out.logprob_token_ids[r, : wanted + 1].tolist(),
@@ -150,3 +194,9 @@ class ModelRunner:
             result[item.request_id] = entries
             offset += item.count
         return result
+
+
+def _start_copy_to_host(tree) -> None:
+    """Starts the device→host copy of every array in `tree` now, so that the later `device_get` only waits."""
+    for leaf in jax.tree_util.tree_leaves(tree):
+        leaf.copy_to_host_async()

@@ -5,6 +5,10 @@ Every step each request's computed tokens catch up with its known tokens under o
 chunk), then waiting ones in priority/FCFS order while slots and budget last. When the KV pool cannot hold a running
 request's next tokens, the lowest-priority, latest request is preempted: its blocks are freed and it is recomputed
 later with its generated tokens kept. Pure host Python; never imports jax.
+
+Tokens in flight: a request scheduled to sample holds one *pending* token until `update_from_output` brings its id.
+A pending token counts as known, so the engine may schedule the next step before the previous step's tokens reach
+the host (the runner feeds them on the device); run serially, every pending token arrives before the next schedule.
 """
 
 from __future__ import annotations
@@ -77,6 +81,8 @@ class Scheduler:
         self._choice_index: dict[str, int] = {}
         self._counter: dict[str, int] = {}
         self._stop_rules: dict[str, StopRule] = {}
+        self._pending: dict[str, int] = {}  # tokens sampled by steps whose outputs have not been applied yet
+        self._prompt_logprobs_seen: dict[str, tuple[int, int]] = {}  # (entries this prefill pass, entries sent)
         self._next_counter = 0
         self.num_preemptions_total = 0
 
@@ -135,24 +141,30 @@ class Scheduler:
 
         Runs once per running request per step, so the common decode (room in its last block) costs one check.
         """
-        running, has_room = self.running, self.kv.has_room  # locals: this loop runs per request per step
+        running, has_room, pending_of = self.running, self.kv.has_room, self._pending  # locals: hot loop
+        stop_rules = self._stop_rules
         index = 0
         while index < len(running) and budget > 0:
             request = running[index]
-            computed = request.num_computed_tokens
-            num_new = len(request.all_token_ids) - computed
-            if num_new > budget:
-                num_new = budget
-            if num_new <= 0:  # nothing known to compute (cannot happen after a sampled step); skip
-                index += 1
+            request_id, computed = request.request_id, request.num_computed_tokens
+            pending = pending_of.get(request_id, 0)
+            num_known = len(request.all_token_ids) + pending
+            num_new = num_known - computed
+            if num_new <= 0 or pending and num_known >= stop_rules[request_id].max_num_tokens:
+                index += 1  # nothing to compute, or it stops for length once its pending tokens arrive: skip
                 continue
+            samples = num_new <= budget
+            if not samples:
+                num_new = budget
             if not has_room(request, num_new):
                 new_blocks = self._allocate_or_preempt(request, num_new, index, preempted)
                 if new_blocks is None:  # the request itself was preempted
                     continue
                 if new_blocks:
-                    cached.append(CachedRequestData(request.request_id, new_blocks, computed))
-            scheduled[request.request_id] = num_new
+                    cached.append(CachedRequestData(request_id, new_blocks, computed))
+            scheduled[request_id] = num_new
+            if samples:
+                pending_of[request_id] = pending + 1
             request.num_computed_tokens = computed + num_new
             budget -= num_new
             index += 1
@@ -176,6 +188,8 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, scheduled: dict[str, int], new: list[NewRequestData]) -> None:
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if self._pending.get(request.request_id):  # preempted while its last token was in flight: wait for it
+                break
             computed_blocks, num_cached = [], 0
             if request.sampling_params.prompt_logprobs is None:  # cached positions would have no prompt logprobs
                 computed_blocks, num_cached = self.kv.get_computed_blocks(request)
@@ -190,6 +204,8 @@ class Scheduler:
             request.num_computed_tokens = num_cached + num_new  # NewRequestData below says where this step starts
             self.running.append(request)
             scheduled[request.request_id] = num_new
+            if num_cached + num_new == request.num_tokens:  # this step samples its next token
+                self._pending[request.request_id] = 1
             new.append(NewRequestData(
                 request.request_id, list(request.all_token_ids), request.num_prompt_tokens,
                 self.kv.block_ids(request.request_id), num_cached, request.sampling_params,
@@ -210,20 +226,37 @@ class Scheduler:
 
     # ---------------------------------------------------------------- after the step
     def update_from_output(self, sched: SchedulerOutput, out: RunnerOutput) -> list[RequestUpdate]:
-        """Appends sampled tokens, applies stop rules, frees finished requests' blocks."""
+        """Appends sampled tokens, applies stop rules, frees finished requests' blocks.
+
+        Later steps may have been scheduled meanwhile: a request that finishes here has its later work discarded
+        (it is gone from `requests`), and one preempted since gets its token all the same (it resumes with it)."""
         updates = []
-        prompt_logprobs = out.prompt_logprobs
+        prompt_logprobs, pending_of = out.prompt_logprobs, self._pending
         for request_id, tokens, logprobs in zip(out.request_ids, out.sampled_token_ids, out.logprobs, strict=True):
             request = self.requests.get(request_id)
             if request is None:  # finished or aborted since it was scheduled (`_finish` removes it)
                 continue
             prompt = prompt_logprobs.get(request_id) if prompt_logprobs else None
+            if prompt:
+                prompt = self._unsent_prompt_logprobs(request_id, prompt)
             if tokens:
+                pending_of[request_id] -= 1
                 finished = self._append_output(request, tokens)
                 updates.append(RequestUpdate(request, tokens, [logprobs], prompt, finished))
             elif prompt:
                 updates.append(RequestUpdate(request, tokens, [], prompt, False))
         return updates
+
+    def _unsent_prompt_logprobs(self, request_id: str, entries: list[TokenLogprobs | None]
+                                ) -> list[TokenLogprobs | None]:
+        """The entries of one prefill chunk not delivered before: a request preempted during or after its prefill
+        recomputes its prompt from position 0 (a chunk starting with None), and those positions were sent once."""
+        received, sent = self._prompt_logprobs_seen.get(request_id, (0, 0))
+        if entries[0] is None:  # the chunk at position 0: a new pass over the prompt
+            received = 0
+        start, received = received, received + len(entries)
+        self._prompt_logprobs_seen[request_id] = (received, max(sent, received))
+        return entries[max(sent - start, 0):]
 
     def _append_output(self, request: Request, tokens: list[int]) -> bool:
         """Appends sampled tokens and applies the stop rules; returns whether the request finished."""
@@ -235,7 +268,10 @@ class Scheduler:
         status = self._stop_status(request)
         if status is None:
             return False
-        self.running.remove(request)
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:  # preempted after the step that sampled this token was dispatched
+            self.waiting.remove(request)
         self._finish(request, status)
         return True
 
@@ -258,5 +294,7 @@ class Scheduler:
         self._choice_index.pop(request.request_id, None)
         self._counter.pop(request.request_id, None)
         self._stop_rules.pop(request.request_id, None)
+        self._pending.pop(request.request_id, None)
+        self._prompt_logprobs_seen.pop(request.request_id, None)
         self.waiting.forget(request.request_id)
         self._finished_ids.add(request.request_id)

@@ -3,7 +3,8 @@
 Each program copies `tokens_per_program` tokens: it loads their slots, then stores each token's K row and V row
 (`kv_heads * head_dim` contiguous elements each) at `[layer, slot, 0|1]` of the cache viewed as
 `[layers, num_slots, 2, kv_heads * head_dim]` (a free reshape). Padding tokens carry slot `num_slots` and are
-masked out, as are any other slot outside `[0, num_slots)`.
+masked out, as are any other slot outside `[0, num_slots)`. A float8 cache is written quantized in registers: each
+element times the reciprocal scale of its (layer, K/V, head), clipped to ±448, cast (`pallas_kernels.kv_quant`).
 
 Why it exists next to the XLA scatter in `reference.py`: JAX-PALLAS.md §6.4 measured both at ~42 µs standalone
 (dispatch-bound), which says nothing about their device time inside a step. `scripts/bench_kernels.py` times both
@@ -21,6 +22,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.kv_quant import FP8_MAX, KVScales, check_kv_scales
+
 KVCache = Float[Array, "layers blocks block_size 2 kv_heads head_dim"]
 
 
@@ -28,9 +31,10 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _kv_write_kernel(layer_ref, slots_ref, k_ref, v_ref, cache_in_ref, cache_ref, *, tokens_per_program: int,
-                     row_pad: int):
-    """Scatter of `tokens_per_program` K and V rows; every index is an array or scalar (interpret-mode gathers)."""
+def _kv_write_kernel(layer_ref, slots_ref, k_ref, v_ref, inv_ref, cache_in_ref, cache_ref, *, tokens_per_program: int,
+                     row_pad: int, head_dim: int, quantized: bool):
+    """Scatter of `tokens_per_program` K and V rows; every index is an array or scalar (interpret-mode gathers).
+    `inv_ref`: flattened `1 / kv_scales` `[layers * 2 * kv_heads]` (read only when `quantized`)."""
     del cache_in_ref  # the same buffer as cache_ref (aliased)
     num_tokens, row = k_ref.shape
     num_slots = cache_ref.shape[1]
@@ -44,8 +48,13 @@ def _kv_write_kernel(layer_ref, slots_ref, k_ref, v_ref, cache_in_ref, cache_ref
     dst = jnp.where(ok, slot, num_slots)[:, None]  # masked rows point past the end: dropped in interpret mode too
     layer = layer_ref[0]
     for kv, ref in ((0, k_ref), (1, v_ref)):
-        val = pltr.load(ref.at[src, cols], mask=mask, other=0).astype(cache_ref.dtype)
-        pltr.store(cache_ref.at[layer, dst, kv, cols], val, mask=mask)
+        val = pltr.load(ref.at[src, cols], mask=mask, other=0)
+        if quantized:
+            heads = row // head_dim
+            head = jnp.minimum(cols // head_dim, heads - 1)
+            inv = pltr.load(inv_ref.at[(layer * 2 + kv) * heads + head], mask=cols < row, other=0.0)
+            val = jnp.clip(val.astype(jnp.float32) * inv, -FP8_MAX, FP8_MAX)
+        pltr.store(cache_ref.at[layer, dst, kv, cols], val.astype(cache_ref.dtype), mask=mask)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tokens_per_program"), donate_argnames=("kv_cache",))
@@ -56,23 +65,28 @@ def write_kv(
     k: Float[Array, "tokens kv_heads head_dim"],
     v: Float[Array, "tokens kv_heads head_dim"],
     *,
+    kv_scales: KVScales | None = None,
     interpret: bool = False,
     tokens_per_program: int = 8,
 ) -> KVCache:
     """Writes `k`/`v` at `[layer, slot // block_size, slot % block_size]`; out-of-range slots are dropped. The cache
-    is updated in place when donated (here, or by the enclosing jitted step)."""
+    is updated in place when donated (here, or by the enclosing jitted step). A float8 cache needs `kv_scales`
+    (positive) and stores `k / kv_scales[layer, 0, head]`, `v / kv_scales[layer, 1, head]`, clipped to ±448."""
+    check_kv_scales(kv_cache.shape, kv_cache.dtype, kv_scales)
     layers, blocks, block_size, two, heads, dim = kv_cache.shape
     num_tokens = k.shape[0]
     cache = kv_cache.reshape(layers, blocks * block_size, two, heads * dim)
+    quantized = kv_scales is not None
+    inv = (1.0 / kv_scales.astype(jnp.float32)).reshape(-1) if quantized else jnp.ones((1,), jnp.float32)
     kernel = functools.partial(_kv_write_kernel, tokens_per_program=tokens_per_program,
-                               row_pad=_next_pow2(heads * dim))
+                               row_pad=_next_pow2(heads * dim), head_dim=dim, quantized=quantized)
     out = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(num_tokens, tokens_per_program),),
-        in_specs=[pl.no_block_spec] * 5,
+        in_specs=[pl.no_block_spec] * 6,
         out_specs=pl.no_block_spec,
         out_shape=jax.ShapeDtypeStruct(cache.shape, cache.dtype),
-        input_output_aliases={4: 0},
+        input_output_aliases={5: 0},
         compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="kv_write",
@@ -81,6 +95,7 @@ def write_kv(
         jnp.asarray(slot_mapping, jnp.int32),
         k.reshape(num_tokens, heads * dim),
         v.reshape(num_tokens, heads * dim),
+        inv,
         cache,
     )
     return out.reshape(kv_cache.shape)

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.kv_quant import KVScales, check_kv_scales, quantize
+
 KVCache = Float[Array, "layers blocks block_size 2 kv_heads head_dim"]
 
 
@@ -20,13 +22,20 @@ def write_kv(
     k: Float[Array, "tokens kv_heads head_dim"],
     v: Float[Array, "tokens kv_heads head_dim"],
     *,
+    kv_scales: KVScales | None = None,
     interpret: bool = False,  # signature parity with the kernel; the reference runs anywhere
 ) -> KVCache:
-    """Slot s = block * block_size + offset; slots outside `[0, num_slots)` (padding uses num_slots) are dropped."""
+    """Slot s = block * block_size + offset; slots outside `[0, num_slots)` (padding uses num_slots) are dropped.
+    A float8 cache stores `k / kv_scales[layer, 0, head]` (and V likewise), clipped to ±448."""
     del interpret
+    check_kv_scales(kv_cache.shape, kv_cache.dtype, kv_scales)
     layers, blocks, block_size, two, heads, dim = kv_cache.shape
     flat = kv_cache.reshape(layers, blocks * block_size, two, heads, dim)
     slots = jnp.where(slot_mapping < 0, blocks * block_size, slot_mapping)  # negative indices would wrap
-    new = jnp.stack([k, v], axis=1).astype(kv_cache.dtype)
-    flat = flat.at[jnp.asarray(layer, jnp.int32), slots].set(new, mode="drop")
+    layer = jnp.asarray(layer, jnp.int32)
+    new = jnp.stack([k, v], axis=1)
+    if kv_scales is not None:
+        inv = 1.0 / kv_scales.astype(jnp.float32)
+        new = quantize(new, inv[layer][None, :, :, None])
+    flat = flat.at[layer, slots].set(new.astype(kv_cache.dtype), mode="drop")
     return flat.reshape(kv_cache.shape)

@@ -18,6 +18,11 @@ serve both: a 128-row query tile wastes 97 % of its tensor-core work on a decode
     query heads of one KV head, the loop over its visible KV split into masked edges and an unmasked middle.
 The prefill launch is skipped when `max_query_len` (static) shows that every request fits the decode kernel.
 
+float8 cache (`kv_scales` given, see `pallas_kernels.kv_quant`): K/V tiles are loaded as e4m3 (half the bytes of
+bf16) and cast to the query dtype in registers (exact: every e4m3 value is a bf16 value). The per-(layer, KV head)
+scales are scalars for a whole program, so they are applied where they cost nothing: K's scale joins the softmax
+scale that multiplies the scores, V's scale multiplies the finished output rows.
+
 Backend: `pl.pallas_call` lowers through Triton on GPU, which jax 0.11.2 marks deprecated (a warning at lowering)
 but runs correctly on the H200; a Mosaic GPU (`plgpu.kernel`) port is the way to more prefill throughput.
 Triton rules obeyed here (JAX-PALLAS.md §1.2): every loaded or computed block has a power-of-two element count
@@ -38,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.kv_quant import KVScales, check_kv_scales
 from pallas_kernels.ragged_paged_attention.tuning import KernelConfig, SplitConfig, Tuning, default_tuning
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -76,6 +82,7 @@ class _Geometry:
     kv_heads: int
     head_dim: int
     block_size: int
+    quantized: bool  # float8 cache: per-(layer, KV head) scales are read and applied
 
     @property
     def group(self) -> int:
@@ -141,8 +148,8 @@ class _KVSource:
             ok = pos < self.kv_hi
             page = pltr.load(self.bt_ref.at[self.seq, page_idx], mask=ok, other=0)[:, None]
             ok2 = jnp.broadcast_to(ok[:, None], (block_n, cols.shape[1]))
-            k = pltr.load(self.kv_ref.at[self.layer, page, offset, 0, self.head, cols], mask=ok2, other=0)
-            v = pltr.load(self.kv_ref.at[self.layer, page, offset, 1, self.head, cols], mask=ok2, other=0)
+            k = pltr.load(self.kv_ref.at[self.layer, page, offset, 0, self.head, cols], mask=ok2, other=0.0)
+            v = pltr.load(self.kv_ref.at[self.layer, page, offset, 1, self.head, cols], mask=ok2, other=0.0)
         else:
             page = self.bt_ref[self.seq, page_idx][:, None]
             k = self.kv_ref[self.layer, page, offset, 0, self.head, cols]
@@ -158,14 +165,16 @@ class _Scores:
     soft_cap: float | None
     precision: lax.Precision | None
 
-    def __call__(self, q, k):
+    def __call__(self, q, k, k_scale=1.0):
+        """`k_scale`: the float8 cache's dequantization scale of K (a traced scalar), or the Python 1.0."""
         s = pltr.dot(q, k, trans_b=True, precision=self.precision)
         if self.soft_cap:
-            return jnp.tanh(s * (self.scale / self.soft_cap)) * (self.soft_cap * _LOG2E)
-        return s * (self.scale * _LOG2E)
+            return jnp.tanh(s * (k_scale * (self.scale / self.soft_cap))) * (self.soft_cap * _LOG2E)
+        return s * (k_scale * (self.scale * _LOG2E))
 
 
-def _attend(q, q_pos, src: _KVSource, lo, hi, first_pos, last_pos, window, *, block_n: int, scores: _Scores):
+def _attend(q, q_pos, src: _KVSource, lo, hi, first_pos, last_pos, window, *, block_n: int, scores: _Scores,
+            k_scale=1.0):
     """Online softmax of the query tile `q [block_m, d]` (rows at positions `q_pos`) over KV positions `[lo, hi)`.
 
     Returns (acc, m, l): unnormalised output, running max and sum, base 2. The tiles every row sees in full (between
@@ -180,7 +189,7 @@ def _attend(q, q_pos, src: _KVSource, lo, hi, first_pos, last_pos, window, *, bl
         def body(j, carry):
             acc, m, l = carry
             pos, k, v = src.load(j * block_n, block_n, masked, q.dtype)
-            s = scores(q, k)
+            s = scores(q, k, k_scale)
             if masked:
                 visible = pos[None, :] <= q_pos[:, None]
                 visible &= (window <= 0) | (pos[None, :] > q_pos[:, None] - window)
@@ -205,11 +214,23 @@ def _attend(q, q_pos, src: _KVSource, lo, hi, first_pos, last_pos, window, *, bl
     return lax.fori_loop(u1, t1, step(True), carry)
 
 
-def _finish(acc, m, l):
-    """Normalised output and base-2 log-sum-exp; rows that saw nothing give 0 and -inf."""
+def _finish(acc, m, l, v_scale=1.0):
+    """Normalised output (times V's dequantization scale) and base-2 log-sum-exp; rows that saw nothing give 0
+    and -inf."""
     seen = l > 0
     out = acc / jnp.where(seen, l, 1.0)[:, None]
+    if not isinstance(v_scale, float):
+        out = out * v_scale
     return out, jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), -jnp.inf)
+
+
+def _head_scales(scales_ref, layer, head, geo: _Geometry):
+    """(K scale, V scale) of one layer and KV head from the flattened `[layers * 2 * kv_heads]` table; Python 1.0s
+    for an unquantized cache (the table is then a placeholder, never read)."""
+    if not geo.quantized:
+        return 1.0, 1.0
+    base = layer * (2 * geo.kv_heads) + head
+    return scales_ref[base], scales_ref[base + geo.kv_heads]
 
 
 def _query_rows(block_m: int, group: int, group_pad: int):
@@ -242,7 +263,7 @@ def _store_rows(o_ref, tok, head, valid, value):
 # The two kernels.
 
 
-def _decode_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, q_ref, kv_ref, o_ref, lse_ref, *,
+def _decode_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, q_ref, kv_ref, scales_ref, o_ref, lse_ref, *,
                    geo: _Geometry, cfg: KernelConfig, split: SplitConfig, scores: _Scores):
     """Program (request b, KV head h, split s): chunk s of b's visible context for all of b's query rows. Only the
     rows of real (token, head) pairs are stored, so the partial buffers cost traffic for real rows alone."""
@@ -264,9 +285,10 @@ def _decode_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, q_ref, kv_r
         head = jnp.where(valid, h * geo.group + g, 0)
         q = _load_q(q_ref, tok, head, valid)
         src = _KVSource(kv_ref, bt_ref, b, layer_ref[0], h, hi, geo.block_size)
+        k_scale, v_scale = _head_scales(scales_ref, layer_ref[0], h, geo)
         acc, m, l = _attend(q, first_pos + t, src, my_lo, my_hi, first_pos, last_pos, window,
-                            block_n=cfg.block_n, scores=scores)
-        out, lse = _finish(acc, m, l)
+                            block_n=cfg.block_n, scores=scores, k_scale=k_scale)
+        out, lse = _finish(acc, m, l, v_scale)
         rows = jnp.where(valid, jnp.arange(cfg.block_m, dtype=jnp.int32), cfg.block_m)[:, None]
         cols = _cols(geo.head_dim)
         pltr.store(o_ref.at[b, h, s, rows, cols], out, mask=jnp.broadcast_to(valid[:, None], out.shape))
@@ -310,7 +332,7 @@ def _merge_kernel(window_ref, qsl_ref, lens_ref, o_part_ref, lse_part_ref, out_i
 
 
 def _prefill_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, tile_seq_ref, tile_q0_ref, q_ref, kv_ref,
-                    o_ref, *, geo: _Geometry, cfg: KernelConfig, scores: _Scores):
+                    scales_ref, o_ref, *, geo: _Geometry, cfg: KernelConfig, scores: _Scores):
     """Program (query tile i, KV head h). Real tiles attend; spare tiles (tile_seq == num_seqs) zero the rows of
     padding tokens, so the output holds no uninitialised memory."""
     i, h = pl.program_id(0), pl.program_id(1)
@@ -332,9 +354,10 @@ def _prefill_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, tile_seq_r
         q = _load_q(q_ref, tok, head, valid)
         lo, hi = _visible_range(first_pos, last_pos, window, cfg.block_n)
         src = _KVSource(kv_ref, bt_ref, b, layer_ref[0], h, hi, geo.block_size)
+        k_scale, v_scale = _head_scales(scales_ref, layer_ref[0], h, geo)
         acc, m, l = _attend(q, first_pos + t, src, lo, hi, first_pos, last_pos, window,
-                            block_n=cfg.block_n, scores=scores)
-        out, _ = _finish(acc, m, l)
+                            block_n=cfg.block_n, scores=scores, k_scale=k_scale)
+        out, _ = _finish(acc, m, l, v_scale)
         _store_rows(o_ref, tok, head, valid, out.astype(o_ref.dtype))
 
     @pl.when(b >= geo.num_seqs)
@@ -352,7 +375,7 @@ def _scalars(layer, sliding_window):
     return jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(sliding_window, jnp.int32).reshape(1)
 
 
-def _decode_call(q, kv_cache, layer_window, qsl, lens, bt, geo, tuning, scores, interpret):
+def _decode_call(q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning, scores, interpret):
     """Launches the split-K decode kernel: normalised partial outputs and their base-2 LSE per split."""
     cfg, split = tuning.decode, tuning.split
     part_shape = (geo.num_seqs, geo.kv_heads, split.max_splits, cfg.block_m)
@@ -360,7 +383,7 @@ def _decode_call(q, kv_cache, layer_window, qsl, lens, bt, geo, tuning, scores, 
     return pl.pallas_call(
         kernel,
         grid=(geo.num_seqs, geo.kv_heads, split.max_splits),
-        in_specs=[pl.no_block_spec] * 7,
+        in_specs=[pl.no_block_spec] * 8,
         out_specs=[pl.no_block_spec] * 2,
         out_shape=[
             jax.ShapeDtypeStruct((*part_shape, geo.head_dim), jnp.float32),
@@ -369,7 +392,7 @@ def _decode_call(q, kv_cache, layer_window, qsl, lens, bt, geo, tuning, scores, 
         compiler_params=pltr.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name="ragged_paged_attention_decode",
-    )(*layer_window, qsl, lens, bt, q, kv_cache)
+    )(*layer_window, qsl, lens, bt, q, kv_cache, scales)
 
 
 def _merge_call(out, partials, layer_window, qsl, lens, geo, tuning, interpret):
@@ -405,36 +428,39 @@ def _prefill_tiles(qsl, geo: _Geometry, tuning: Tuning):
     return num_tiles, seq, q0.astype(jnp.int32)
 
 
-def _prefill_call(q, kv_cache, layer_window, qsl, lens, bt, geo, tuning, scores, interpret):
+def _prefill_call(q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning, scores, interpret):
     cfg = tuning.prefill
     num_tiles, tile_seq, tile_q0 = _prefill_tiles(qsl, geo, tuning)
     kernel = functools.partial(_prefill_kernel, geo=geo, cfg=cfg, scores=scores)
     return pl.pallas_call(
         kernel,
         grid=(num_tiles, geo.kv_heads),
-        in_specs=[pl.no_block_spec] * 9,
+        in_specs=[pl.no_block_spec] * 10,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=pltr.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name="ragged_paged_attention_prefill",
-    )(*layer_window, qsl, lens, bt, tile_seq, tile_q0, q, kv_cache)
+    )(*layer_window, qsl, lens, bt, tile_seq, tile_q0, q, kv_cache, scales)
 
 
 def ragged_paged_attention_impl(
     q, kv_cache, layer, query_start_loc, seq_lens, block_tables, *, scale, sliding_window, soft_cap, max_query_len,
-    interpret, tuning: Tuning | None = None,
+    interpret, tuning: Tuning | None = None, kv_scales: KVScales | None = None,
 ):
     """The body of `ragged_paged_attention` with the block sizes as an argument (benchmarks sweep them)."""
     num_tokens, q_heads, head_dim = q.shape
     _, _, block_size, _, kv_heads, _ = kv_cache.shape
     check_supported(head_dim=head_dim, block_size=block_size, num_q_heads=q_heads, num_kv_heads=kv_heads)
-    geo = _Geometry(num_tokens, seq_lens.shape[0], q_heads, kv_heads, head_dim, block_size)
+    check_kv_scales(kv_cache.shape, kv_cache.dtype, kv_scales)
+    quantized = kv_scales is not None
+    scales = kv_scales.astype(jnp.float32).reshape(-1) if quantized else jnp.ones((1,), jnp.float32)
+    geo = _Geometry(num_tokens, seq_lens.shape[0], q_heads, kv_heads, head_dim, block_size, quantized)
     tuning = tuning or default_tuning(head_dim, geo.group)
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     scores = _Scores(float(scale), float(soft_cap) if soft_cap else None, precision)
     qsl, lens, bt = (jnp.asarray(a, jnp.int32) for a in (query_start_loc, seq_lens, block_tables))
     layer_window = _scalars(layer, sliding_window)
-    args = (q, kv_cache, layer_window, qsl, lens, bt, geo, tuning, scores, interpret)
+    args = (q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning, scores, interpret)
     partials = _decode_call(*args)
     if max_query_len <= _tokens_per_tile(geo, tuning.decode):
         out = jnp.zeros_like(q)  # every request is a decode: no prefill launch
@@ -452,6 +478,7 @@ def ragged_paged_attention(
     seq_lens: Int[Array, " seqs"],
     block_tables: Int[Array, "seqs blocks_per_seq"],
     *,
+    kv_scales: KVScales | None = None,
     scale: float,
     sliding_window: Int[Array, ""] | int = 0,
     soft_cap: float | None = None,
@@ -460,12 +487,14 @@ def ragged_paged_attention(
 ) -> Float[Array, "tokens q_heads head_dim"]:
     """Attention of every new token over its own request's cached positions (this step's K/V already written).
 
-    `sliding_window` > 0 keeps the last `sliding_window` positions (traced: it may differ per scanned layer);
-    `soft_cap` applies `cap * tanh(s / cap)` to the scaled logits; `max_query_len` is the static bound on new tokens
-    per request (a bucket). Rows of padding tokens (after `query_start_loc[-1]`) are zeros. Raises
-    `UnsupportedShapeError` for head dims or block sizes the kernel does not handle.
+    `kv_scales` (float32 `[layers, 2, kv_heads]`, required for and only for a float8_e4m3fn cache): real K/V =
+    stored value × scale of its layer, K or V, and KV head. `sliding_window` > 0 keeps the last `sliding_window`
+    positions (traced: it may differ per scanned layer); `soft_cap` applies `cap * tanh(s / cap)` to the scaled
+    logits; `max_query_len` is the static bound on new tokens per request (a bucket). Rows of padding tokens (after
+    `query_start_loc[-1]`) are zeros. Raises `UnsupportedShapeError` for head dims or block sizes the kernel does
+    not handle, ValueError for missing or misshaped scales.
     """
     return ragged_paged_attention_impl(
         q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale=scale, sliding_window=sliding_window,
-        soft_cap=soft_cap, max_query_len=max_query_len, interpret=interpret,
+        soft_cap=soft_cap, max_query_len=max_query_len, interpret=interpret, kv_scales=kv_scales,
     )

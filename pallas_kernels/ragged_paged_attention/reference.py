@@ -3,6 +3,7 @@
 Same semantics as jengine's `attention.reference.paged_attention` (which this package may not import): queries are
 regrouped per request into `[seqs, max_query_len]`, K/V gathered through the block table, a dense masked softmax in
 float32. One deliberate difference: rows of padding tokens are zeros here, as in the kernel, so whole outputs compare.
+A float8 cache is dequantized to float32 (stored value × scale) after the gather, before any arithmetic.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
+
+from pallas_kernels.kv_quant import KVScales, check_kv_scales
 
 KVCache = Float[Array, "layers blocks block_size 2 kv_heads head_dim"]
 
@@ -65,6 +68,7 @@ def ragged_paged_attention(
     seq_lens: Int[Array, " seqs"],
     block_tables: Int[Array, "seqs blocks_per_seq"],
     *,
+    kv_scales: KVScales | None = None,
     scale: float,
     sliding_window: Int[Array, ""] | int = 0,
     soft_cap: float | None = None,
@@ -73,6 +77,7 @@ def ragged_paged_attention(
 ) -> Float[Array, "tokens q_heads head_dim"]:
     """Each new token attends causally over its own request's cached positions; see `kernel.ragged_paged_attention`."""
     del interpret
+    check_kv_scales(kv_cache.shape, kv_cache.dtype, kv_scales)
     num_tokens, q_heads, head_dim = q.shape
     _, _, block_size, _, kv_heads, _ = kv_cache.shape
     seqs, width = block_tables.shape
@@ -80,8 +85,11 @@ def ragged_paged_attention(
     q_len = query_start_loc[1:] - query_start_loc[:-1]
     q_pos = seq_lens[:, None] - q_len[:, None] + jnp.arange(max_query_len, dtype=jnp.int32)[None, :]
 
-    layer_cache = jax.lax.dynamic_index_in_dim(kv_cache, jnp.asarray(layer, jnp.int32), axis=0, keepdims=False)
+    layer = jnp.asarray(layer, jnp.int32)
+    layer_cache = jax.lax.dynamic_index_in_dim(kv_cache, layer, axis=0, keepdims=False)
     pages = layer_cache[block_tables].reshape(seqs, width * block_size, 2, kv_heads, head_dim)
+    if kv_scales is not None:
+        pages = pages.astype(jnp.float32) * kv_scales[layer].astype(jnp.float32)[None, None, :, :, None]
     k, v = pages[:, :, 0], pages[:, :, 1]
 
     scores = jnp.einsum("bqhgd,bshd->bhgqs", q_seq, k, preferred_element_type=jnp.float32, precision="highest")

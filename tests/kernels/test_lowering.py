@@ -53,3 +53,27 @@ def test_kv_write_lowers_for_h200_in_place():
     )
     assert "__gpu$xla.gpu.triton" in text
     assert "tf.aliasing_output" in text or "output_operand_alias" in text
+
+
+@pytest.mark.parametrize("tokens,seqs,max_query_len,launches", [(64, 64, 1, 2), (4096, 8, 4096, 3)])
+def test_fp8_attention_lowers_for_h200(tokens, seqs, max_query_len, launches):
+    """float8_e4m3fn pages with per-(layer, KV head) scales: decode bucket (split-K + merge) and prefill."""
+    fn = functools.partial(attention.ragged_paged_attention, scale=128 ** -0.5, max_query_len=max_query_len)
+    text = lower_for_h200(
+        lambda q, kv, scales, layer, qsl, lens, bt: fn(q, kv, layer, qsl, lens, bt, kv_scales=scales),
+        S((tokens, 32, 128), jnp.bfloat16),
+        S((32, 40000, 16, 2, 8, 128), jnp.float8_e4m3fn),  # > 4 GiB of fp8: 64-bit page offsets
+        S((32, 2, 8), jnp.float32),
+        S((), i32), S((seqs + 1,), i32), S((seqs,), i32), S((seqs, 2048), i32),
+    )
+    assert text.count("__gpu$xla.gpu.triton") == launches
+
+
+def test_fp8_kv_write_lowers_for_h200_in_place():
+    text = lower_for_h200(
+        lambda cache, layer, slots, k, v, scales: kv_write.write_kv(cache, layer, slots, k, v, kv_scales=scales),
+        S((32, 20000, 16, 2, 8, 128), jnp.float8_e4m3fn), S((), i32), S((2048,), i32),
+        S((2048, 8, 128), jnp.bfloat16), S((2048, 8, 128), jnp.bfloat16), S((32, 2, 8), jnp.float32),
+    )
+    assert "__gpu$xla.gpu.triton" in text
+    assert "tf.aliasing_output" in text or "output_operand_alias" in text

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import logging
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import kv_quant
+
 from jengine.attention import pallas
 from jengine.attention.backend import ReferenceBackend, select_backend
+from jengine.attention.kv_cache import QuantizedKV
 from jengine.attention.metadata import AttentionMetadata
 from tests.kernels.batches import Bucket, build
 
@@ -65,3 +69,38 @@ def test_selection_by_platform_and_head_dim(caplog):
     with caplog.at_level(logging.WARNING, logger="jengine.attention.backend"):
         assert select_backend("gpu", head_dim=96).name == "reference"
     assert "96" in caplog.text
+
+
+@pytest.mark.parametrize("kernel_write", [False, True])
+def test_fp8_backend_matches_reference_backend(monkeypatch, kernel_write):
+    """A float8 cache through both backends: the same bytes written (Pallas write or scatter, both quantizing with
+    the cache's scales), outputs within float32 rounding of each other, scales passed through untouched."""
+    if kernel_write:
+        monkeypatch.setattr(pallas, "KV_WRITE_KERNEL_MIN_TOKENS", 1)
+    q, k, v, kv, md, n = step_inputs(BUCKET, [1, 20, 1, 9], [40, 20, 160, 70])
+    rng = np.random.default_rng(3)
+    scales = jnp.asarray(rng.uniform(0.005, 0.02, (BUCKET.layers, 2, BUCKET.kv_heads)), jnp.float32)
+    fp8 = kv_quant.quantize(kv, (1.0 / scales)[:, None, None, :, :, None])
+    kw = dict(scale=BUCKET.head_dim ** -0.5, sliding_window=jnp.int32(0), soft_cap=None)
+    out, cache = pallas.PallasGpuBackend(interpret=True)(q, k, v, QuantizedKV(jnp.array(fp8), scales), 1, md, **kw)
+    ref_out, ref_cache = ReferenceBackend()(q, k, v, QuantizedKV(jnp.array(fp8), scales), 1, md, **kw)
+    assert isinstance(cache, QuantizedKV) and cache.kv.dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(np.asarray(cache.kv).view(np.uint8), np.asarray(ref_cache.kv).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(cache.scales), np.asarray(scales))
+    np.testing.assert_allclose(np.asarray(out[:n]), np.asarray(ref_out[:n]), atol=2e-5, rtol=2e-5)
+
+
+def test_fp8_backend_under_a_tensor_parallel_mesh():
+    """On a 2-device mesh the kernels run per device under shard_map: the float8 cache's scales travel split by KV
+    head with the pages (each device reads its own heads' scales)."""
+    q, k, v, kv, md, n = step_inputs(BUCKET, [1, 20, 1, 9], [40, 20, 160, 70], seed=4)
+    scales = jnp.asarray(np.random.default_rng(4).uniform(0.005, 0.02, (BUCKET.layers, 2, BUCKET.kv_heads)),
+                         jnp.float32)
+    fp8 = kv_quant.quantize(kv, (1.0 / scales)[:, None, None, :, :, None])
+    mesh = jax.make_mesh((2,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
+    kw = dict(scale=BUCKET.head_dim ** -0.5, sliding_window=jnp.int32(0), soft_cap=None)
+    backend = pallas.PallasGpuBackend(interpret=True, mesh=mesh)
+    out, cache = jax.jit(lambda *a: backend(*a, **kw))(q, k, v, QuantizedKV(jnp.array(fp8), scales), 1, md)
+    ref_out, ref_cache = ReferenceBackend()(q, k, v, QuantizedKV(jnp.array(fp8), scales), 1, md, **kw)
+    np.testing.assert_array_equal(np.asarray(cache.kv).view(np.uint8), np.asarray(ref_cache.kv).view(np.uint8))
+    np.testing.assert_allclose(np.asarray(out[:n]), np.asarray(ref_out[:n]), atol=2e-5, rtol=2e-5)

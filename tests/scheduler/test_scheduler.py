@@ -16,7 +16,7 @@ from jengine.errors import CapacityError
 from jengine.request import Request, RequestStatus
 from jengine.sampling.params import SamplingParams
 from jengine.scheduler.output import RunnerOutput, SchedulerOutput
-from jengine.scheduler.scheduler import Scheduler
+from jengine.scheduler.scheduler import RequestUpdate, Scheduler
 
 BLOCK = 4
 
@@ -50,6 +50,21 @@ class FakeRunner:
         return RunnerOutput(ids, sampled, [None] * len(ids), {})
 
 
+class PipelinedDriver:
+    """Steps the scheduler the way the pipelined engine does: step N+1 is scheduled and run before step N's output
+    is applied. The fake runner knows its own samples at once, as the device does."""
+
+    def __init__(self, scheduler: Scheduler, runner: FakeRunner) -> None:
+        self.scheduler, self.runner = scheduler, runner
+        self.in_flight: tuple[SchedulerOutput, RunnerOutput] | None = None
+
+    def step(self) -> list[RequestUpdate]:
+        sched = self.scheduler.schedule()
+        out = self.runner.execute(sched)
+        done, self.in_flight = self.in_flight, None if sched.is_empty else (sched, out)
+        return self.scheduler.update_from_output(*done) if done else []
+
+
 def make_scheduler(num_blocks=64, max_num_seqs=8, budget=32, max_model_len=128, queued=100, prefix=True):
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                              max_num_queued_reqs=queued, max_model_len=max_model_len)
@@ -61,14 +76,26 @@ def request(rid: str, prompt: list[int], max_tokens: int = 5, priority: int = 0,
     return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params), priority=priority)
 
 
-def run_until_done(scheduler: Scheduler, runner: FakeRunner, max_steps: int = 1000) -> dict[str, list[int]]:
+def run_until_done(scheduler: Scheduler, runner: FakeRunner, max_steps: int = 1000,
+                   pipelined: bool = False) -> dict[str, list[int]]:
+    """Every request's output tokens; fails if a request gets tokens after its finishing update."""
     outputs: dict[str, list[int]] = {}
+    ended: set[str] = set()
+    driver = PipelinedDriver(scheduler, runner)
     for _ in range(max_steps):
         if not scheduler.has_unfinished():
             break
-        sched = scheduler.schedule()
-        for update in scheduler.update_from_output(sched, runner.execute(sched)):
-            outputs.setdefault(update.request.request_id, []).extend(update.new_token_ids)
+        if pipelined:
+            updates = driver.step()
+        else:
+            sched = scheduler.schedule()
+            updates = scheduler.update_from_output(sched, runner.execute(sched))
+        for update in updates:
+            request_id = update.request.request_id
+            assert request_id not in ended, f"{request_id} got tokens after it finished"
+            outputs.setdefault(request_id, []).extend(update.new_token_ids)
+            if update.finished:
+                ended.add(request_id)
     assert not scheduler.has_unfinished()
     return outputs
 
@@ -122,13 +149,14 @@ def test_max_num_seqs_bounds_running_requests():
         scheduler.update_from_output(sched, runner.execute(sched))
 
 
-def test_preemption_recomputes_and_keeps_generated_tokens():
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_preemption_recomputes_and_keeps_generated_tokens(pipelined):
     scheduler, kv = make_scheduler(num_blocks=10, max_num_seqs=8, budget=64, prefix=False)
     runner = FakeRunner()
     prompts = {f"r{i}": [10 * i + j for j in range(1, 8)] for i in range(4)}
     for rid, prompt in prompts.items():
         scheduler.add_request(request(rid, prompt, max_tokens=12))
-    outputs = run_until_done(scheduler, runner)
+    outputs = run_until_done(scheduler, runner, pipelined=pipelined)
     assert scheduler.num_preemptions_total > 0
     for rid, prompt in prompts.items():
         assert outputs[rid] == expected_tokens(prompt, 12)
@@ -173,28 +201,78 @@ def test_priority_orders_waiting_requests():
     assert order == ["late-urgent", "urgent", "first"]
 
 
-def test_stop_rules():
-    scheduler, _ = make_scheduler()
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_stop_rules(pipelined):
+    """Stops end the output exactly where the serial engine ends it; blocks come back once."""
+    scheduler, kv = make_scheduler()
     runner = FakeRunner()
     eos_req = Request("eos", [3], SamplingParams(max_tokens=10), eos_token_ids=frozenset({6}))
     min_req = Request("min", [3], SamplingParams(max_tokens=10, min_tokens=5), eos_token_ids=frozenset({5}))
     stop_req = Request("stop", [3], SamplingParams(max_tokens=10, stop_token_ids=[7]))
-    for r in (eos_req, min_req, stop_req):
+    one_req = request("one", [3, 4], max_tokens=1)
+    for r in (eos_req, min_req, stop_req, one_req):
         scheduler.add_request(r)
-    outputs = run_until_done(scheduler, runner)
+    outputs = run_until_done(scheduler, runner, pipelined=pipelined)
     assert outputs["eos"] == [4, 5, 6] and eos_req.status == RequestStatus.FINISHED_STOPPED
     assert outputs["min"] == [4, 5, 6, 7, 8, 9, 10, 11, 12, 13] and min_req.status == RequestStatus.FINISHED_LENGTH
     assert outputs["stop"] == [4, 5, 6, 7] and stop_req.status == RequestStatus.FINISHED_STOPPED
+    assert outputs["one"] == [5] and one_req.status == RequestStatus.FINISHED_LENGTH
+    assert kv.num_free_blocks == 64
+    kv.check_invariants()
+
+
+def test_pipelined_schedule_counts_the_token_in_flight():
+    """Scheduled again before its sampled token is known, a request decodes that pending token; a request whose
+    pending tokens reach max_tokens is not scheduled again (the step would be wasted)."""
+    scheduler, _ = make_scheduler()
+    runner = FakeRunner()
+    scheduler.add_request(request("a", [1, 2, 3], max_tokens=3))
+    scheduler.add_request(request("b", [7, 8], max_tokens=1))
+    first = scheduler.schedule()
+    first_out = runner.execute(first)
+    assert first.num_scheduled_tokens == {"a": 3, "b": 2}
+    second = scheduler.schedule()  # neither token is on the host yet
+    assert second.num_scheduled_tokens == {"a": 1}, "a decodes its pending token; b is done once it arrives"
+    second_out = runner.execute(second)
+    updates = scheduler.update_from_output(first, first_out)
+    assert [(u.request.request_id, u.new_token_ids, u.finished) for u in updates] == [("a", [4], False),
+                                                                                     ("b", [9], True)]
+    assert scheduler.schedule().num_scheduled_tokens == {"a": 1}
+    assert [u.new_token_ids for u in scheduler.update_from_output(second, second_out)] == [[5]]
+
+
+def test_preempted_while_its_token_is_in_flight_keeps_the_token():
+    scheduler, kv = make_scheduler(num_blocks=3, budget=64, prefix=False)
+    runner = FakeRunner()
+    driver = PipelinedDriver(scheduler, runner)
+    scheduler.add_request(request("a", [1, 2, 3], max_tokens=8))
+    scheduler.add_request(request("b", [5, 6, 7], max_tokens=8))
+    preempted_updates = []
+    outputs: dict[str, list[int]] = {}
+    while scheduler.has_unfinished():
+        for update in driver.step():
+            outputs.setdefault(update.request.request_id, []).extend(update.new_token_ids)
+            if update.request.status == RequestStatus.PREEMPTED:
+                preempted_updates.append(update.request.request_id)
+    assert preempted_updates == ["b"], "b's token sampled before its preemption arrives while it waits"
+    assert outputs == {"a": expected_tokens([1, 2, 3], 8), "b": expected_tokens([5, 6, 7], 8)}
+    resumed = [n for step in runner.steps for n in step.new_requests if n.request_id == "b" and n.num_output_tokens]
+    assert resumed and resumed[0].token_ids == [5, 6, 7, 8, 9], "b resumes with both of its tokens"
+    assert kv.num_free_blocks == 3
 
 
 class SchedulerMachine(RuleBasedStateMachine):
     """Random arrivals, aborts and steps never leak a block; every admitted request ends."""
 
+    pipelined = False
+
     def __init__(self) -> None:
         super().__init__()
         self.scheduler, self.kv = make_scheduler(num_blocks=12, max_num_seqs=4, budget=10, max_model_len=40)
         self.runner = FakeRunner()
+        self.driver = PipelinedDriver(self.scheduler, self.runner)
         self.admitted: dict[str, Request] = {}
+        self.ended: set[str] = set()
         self.counter = 0
 
     @rule(prompt=st.lists(st.integers(1, 3), min_size=1, max_size=14), max_tokens=st.integers(1, 8),
@@ -214,8 +292,15 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule()
     def step(self):
-        sched = self.scheduler.schedule()
-        self.scheduler.update_from_output(sched, self.runner.execute(sched))
+        if self.pipelined:
+            updates = self.driver.step()
+        else:
+            sched = self.scheduler.schedule()
+            updates = self.scheduler.update_from_output(sched, self.runner.execute(sched))
+        for update in updates:
+            assert update.request.request_id not in self.ended, "tokens after the request ended"
+            if update.finished:
+                self.ended.add(update.request.request_id)
 
     @invariant()
     def blocks_are_consistent(self):
@@ -232,9 +317,20 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert all(r.is_finished for r in self.admitted.values())
         assert self.kv.num_free_blocks == 12
         for r in self.admitted.values():
+            assert r.num_output_tokens <= r.sampling_params.max_tokens
             if r.status != RequestStatus.FINISHED_ABORTED:
                 assert r.output_token_ids == expected_tokens(r.prompt_token_ids, r.num_output_tokens)
+                assert r.status == RequestStatus.FINISHED_LENGTH and r.num_output_tokens == min(
+                    r.sampling_params.max_tokens, 40 - r.num_prompt_tokens)
+
+
+class PipelinedSchedulerMachine(SchedulerMachine):
+    """The same, with each step's output applied only after the next step was scheduled."""
+
+    pipelined = True
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+TestPipelinedSchedulerMachine = PipelinedSchedulerMachine.TestCase
+TestPipelinedSchedulerMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)

@@ -1,0 +1,1 @@
+"""Device meshes and sharding rules: tensor and expert parallelism within an engine, multi-host start-up."""

@@ -1,0 +1,158 @@
+"""Data parallelism behind the real servers: two engine replicas of the tiny chat model on two CPU devices.
+
+`local` is what `jengine serve --data-parallel-size 2` runs (the router over in-process replicas); `remote` is what
+`jengine openai --engine A --engine B` runs (the router over gRPC clients of each replica's gRPC service). Requests
+that share a system prompt reach one replica only (its prefix-cache counters move, the other's do not), distinct
+ones reach both, the answers are the engine's own, and nothing is left on either replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jengine.cli import build_parser, main
+from jengine.config import EngineConfig
+from jengine.engine.async_engine import AsyncEngine
+from jengine.engine.router import Router
+from jengine.sampling.params import SamplingParams
+from server.grpc_client import GrpcEngineClient
+from server.grpc_service import start_grpc_server
+from tests.server.conftest import ENGINE_KWARGS, MODEL_NAME, Servers, ServerHandle, metric, scrape, wait_for
+from tests.server.grpc_fixtures import LoopThread
+
+SYSTEM = ("You are a careful assistant. Answer in one short sentence, in English, and never mention the weather. "
+          "The quick brown fox jumps over the lazy dog; the engine streams each piece of text as it arrives.")
+QUESTIONS = ["Hello, how are you?", "What is a tokenizer?", "Why is the sun shining?", "Count to three."]
+MAX_TOKENS = 6
+
+
+@dataclasses.dataclass
+class DataParallel:
+    local: ServerHandle
+    remote: ServerHandle
+    replicas: list[AsyncEngine]
+
+    def front(self, name: str) -> ServerHandle:
+        return self.local if name == "local" else self.remote
+
+
+@pytest.fixture(scope="module")
+def dp(chat_model_dir: Path) -> Iterator[DataParallel]:
+    config = EngineConfig.from_kwargs(str(chat_model_dir), served_model_name=MODEL_NAME, data_parallel_size=2,
+                                      **ENGINE_KWARGS)
+    router = Router.from_config(config)
+    replicas: list[AsyncEngine] = router.replicas  # type: ignore[assignment]
+    local_servers, remote_servers, loops = Servers(), Servers(), LoopThread()
+    grpc_servers = [loops.run(start_grpc_server(engine, "127.0.0.1", 0)) for engine in replicas]
+    try:
+        local = local_servers.serve(router)
+        remote = remote_servers.serve(Router([GrpcEngineClient(f"127.0.0.1:{s.port}") for s in grpc_servers]))
+        yield DataParallel(local, remote, replicas)
+    finally:
+        remote_servers.stop_all()  # closes the gRPC clients only
+        for grpc_server in grpc_servers:
+            loops.run(grpc_server.stop(None))
+        loops.close()
+        local_servers.stop_all()  # shuts the replicas down
+
+
+def _messages(question: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
+def _engine_answers(engine: AsyncEngine, prompts: Sequence[Any]) -> list[str]:
+    """The replica's own greedy answers, asked directly (the reference for what the servers return)."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+    async def run() -> list[str]:
+        answers = []
+        for prompt in prompts:
+            answers.append("".join([o.outputs[0].text async for o in engine.generate(prompt, params)]))
+        return answers
+
+    return asyncio.run(run())
+
+
+async def _chats(handle: ServerHandle, questions: Sequence[str]) -> list[str]:
+    async with handle.async_client() as client:
+        replies = await asyncio.gather(*(
+            client.chat.completions.create(model=MODEL_NAME, messages=_messages(q), temperature=0,
+                                           max_tokens=MAX_TOKENS) for q in questions))
+    return [reply.choices[0].message.content for reply in replies]
+
+
+async def _completions(handle: ServerHandle, prompts: Sequence[str]) -> list[str]:
+    async with handle.async_client() as client:
+        replies = await asyncio.gather(*(
+            client.completions.create(model=MODEL_NAME, prompt=p, temperature=0, max_tokens=MAX_TOKENS)
+            for p in prompts))
+    return [reply.choices[0].text for reply in replies]
+
+
+def _queries(dp: DataParallel) -> list[int]:
+    return [engine.stats().prefix_cache_queries for engine in dp.replicas]
+
+
+def _wait_idle(dp: DataParallel, handle: ServerHandle) -> None:
+    def idle(engine: AsyncEngine) -> bool:
+        s = engine.stats()
+        return (s.num_running, s.num_waiting, s.kv_cache_usage, engine.num_in_flight, engine.num_streams) == (
+            0, 0, 0.0, 0, 0)
+
+    wait_for(lambda: all(idle(e) for e in dp.replicas) and handle.state.in_flight == 0, what="both replicas idle")
+
+
+@pytest.mark.parametrize("front", ["local", "remote"])
+def test_shared_system_prompt_sticks_and_other_prompts_spread(dp: DataParallel, front: str) -> None:
+    handle = dp.front(front)
+    chats = [{"messages": _messages(q)} for q in QUESTIONS]
+    prompts = [f"Item {i}: {q}" for i, q in enumerate(QUESTIONS * 2)]
+    expected_chats = _engine_answers(dp.replicas[0], chats)
+    expected_completions = _engine_answers(dp.replicas[1], prompts)
+
+    before = _queries(dp)
+    answers = asyncio.run(_chats(handle, QUESTIONS[:1]))  # the first computes (and caches) the system prompt
+    answers += asyncio.run(_chats(handle, QUESTIONS[1:]))
+    moved = [after - b for after, b in zip(_queries(dp), before)]
+    assert sorted(delta > 0 for delta in moved) == [False, True], moved  # one replica saw every shared request
+    assert answers == expected_chats
+
+    before = _queries(dp)
+    assert asyncio.run(_completions(handle, prompts)) == expected_completions
+    assert all(after > b for after, b in zip(_queries(dp), before))  # distinct prompts reached both replicas
+    _wait_idle(dp, handle)
+
+
+@pytest.mark.parametrize("front", ["local", "remote"])
+def test_metrics_and_health_sum_the_replicas(dp: DataParallel, front: str) -> None:
+    handle = dp.front(front)
+    assert handle.client().models.list().data[0].id == MODEL_NAME
+    assert handle.http.get("/health").status_code == 200
+    stats = [engine.stats() for engine in dp.replicas]
+
+    def summed() -> bool:
+        samples = scrape(handle)
+        return (metric(samples, "jengine:prefix_cache_queries_total") == sum(s.prefix_cache_queries for s in stats)
+                and metric(samples, "jengine:cache_config_info", block_size="16",
+                           num_gpu_blocks=str(sum(s.num_gpu_blocks for s in stats))) == 1.0)
+
+    wait_for(summed, what="/metrics summing both replicas")
+
+
+def test_cli_data_parallel_flags(chat_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", str(chat_model_dir), "--data-parallel-size", "9"]) == 1
+    assert "needs 9 devices, but only 8" in capsys.readouterr().err  # refused before any weight is loaded
+    assert main(["serve", str(chat_model_dir), "--tensor-parallel-size", "3", "--data-parallel-size", "3"]) == 1
+    assert "needs 9 devices" in capsys.readouterr().err
+    assert build_parser().parse_args(["openai", "--engine", "a:1", "--engine", "b:2"]).engine == ["a:1", "b:2"]
+    assert main(["openai", "--engine", "a:1", "--engine", "a:1"]) == 1
+    assert "once" in capsys.readouterr().err
+    assert main(["openai", "--engine", "a:1", "--engine", "b"]) == 1
+    assert "HOST:PORT" in capsys.readouterr().err
+
