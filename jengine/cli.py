@@ -41,7 +41,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--gpu-memory-utilization", type=float, default=0.92)
     group.add_argument("--num-gpu-blocks-override", type=int, default=None)
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    group.add_argument("--kv-cache-dtype", default="auto")
+    group.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                       help="auto: the model dtype; fp8: float8 e4m3 K/V with per-layer, per-head scales")
     group.add_argument("--tensor-parallel-size", type=int, default=1)
     group.add_argument("--data-parallel-size", type=int, default=1,
                        help="engine replicas on disjoint device groups behind one prefix-aware router (serve)")
@@ -53,6 +54,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--chat-template", default=None, help="chat template file or text, overriding the model's")
     group.add_argument("--max-logprobs", type=int, default=20)
     group.add_argument("--compile-buckets", default="lazy", choices=["all", "lazy", "auto"])
+    group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                       help="dispatch step N+1 before step N's tokens reach the host (default on)")
     group.add_argument("--compilation-cache-dir", type=Path, default=DEFAULT_COMPILATION_CACHE,
                        help="JAX persistent compilation cache")
     for flag in ("--quantization", "--lora-modules", "--speculative-config", "--reasoning-parser",
@@ -67,7 +70,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     names = ("tokenizer", "dtype", "seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
              "max_num_queued_reqs", "block_size", "gpu_memory_utilization", "num_gpu_blocks_override",
              "enable_prefix_caching", "kv_cache_dtype", "tensor_parallel_size", "data_parallel_size",
-             "enable_expert_parallel", "coordinator_address", "num_processes", "process_id", "chat_template", "max_logprobs", "compile_buckets", "quantization",
+             "enable_expert_parallel", "coordinator_address", "num_processes", "process_id", "chat_template",
+             "max_logprobs", "compile_buckets", "async_scheduling", "quantization",
              "lora_modules", "speculative_config", "reasoning_parser", "tool_call_parser", "enable_lora",
              "enable_auto_tool_choice")
     kwargs = {name: getattr(args, name) for name in names}

@@ -79,6 +79,9 @@ class RunnerConfig:
     # pipelined steps: step N+1 is dispatched before step N's tokens reach the host (fed to it on the device);
     # False runs each step to completion before the next is scheduled (same outputs, the host time not hidden)
     async_scheduling: bool = True
+    # straight-line layers instead of a loop over them: XLA:GPU runs a loop's control on the host (a device sync
+    # per layer), which unrolling removes at the price of compiling every layer; off until measured on the GPU
+    unroll_layers: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

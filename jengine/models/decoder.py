@@ -59,11 +59,13 @@ def forward(
     token_ids: Int[Array, " tokens"],
     md: AttentionMetadata,
     expert_mesh: jax.sharding.Mesh | None = None,
+    unroll_layers: bool = False,
 ) -> tuple[Float[Array, "tokens d"], KVCache]:
     """Runs every layer over a flattened ragged batch; returns the final-normed hidden states and the cache.
 
     `expert_mesh`: the MoE experts are split whole over its `tp` axis (expert parallelism); without it GSPMD
-    partitions everything from the parameter shardings alone.
+    partitions everything from the parameter shardings alone. `unroll_layers`: straight-line layers instead of a
+    loop (XLA:GPU runs a loop's control on the host, one device sync per layer; the price is compile time).
     """
     precision = matmul_precision(params["embed"].dtype)
     inv_freq, scaling = inverse_frequencies(spec.rope, spec.head_dim)
@@ -74,7 +76,8 @@ def forward(
         body = functools.partial(_decoder_layer, spec, kind, backend, rope, precision, expert_mesh, md)
         layers = jnp.arange(start, start + count, dtype=jnp.int32)
         seg_windows = jnp.asarray(windows[start : start + count], dtype=jnp.int32)
-        (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (seg_params, layers, seg_windows))
+        (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (seg_params, layers, seg_windows),
+                                        unroll=count if unroll_layers else 1)
     return rms_norm(x, params["final_norm"], spec.rms_norm_eps), kv_cache
 
 

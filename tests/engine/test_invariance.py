@@ -64,6 +64,7 @@ def test_greedy_output_is_invariant(tiny_model, prompts):
         "tiny token budget (chunked prefill)": dict(max_num_seqs=8, max_num_batched_tokens=5),
         "prefix caching off": dict(max_num_seqs=8, enable_prefix_caching=False),
         "small KV pool (preemption)": dict(max_num_seqs=8, num_gpu_blocks_override=8, block_size=16),
+        "layers unrolled": dict(max_num_seqs=8, unroll_layers=True),
     }
     for name, engine_args in variants.items():
         tokens, llm = run(model_dir, prompts, **engine_args)
