@@ -43,9 +43,11 @@ class LLM:
 
     def __init__(self, model: str, **engine_args: Any) -> None:
         """Every engine flag is a keyword of the same name (`max_model_len=`, `max_num_seqs=`, `dtype=`, ...)."""
-        from jengine.engine.factory import build_engine  # imports jax: only when an engine is really built
+        from jengine.engine.factory import build_engine, build_replicated_engine  # imports jax: only here
 
-        self._setup(build_engine(EngineConfig.from_kwargs(model, **engine_args)))
+        config = EngineConfig.from_kwargs(model, **engine_args)
+        build = build_replicated_engine if config.parallel.data_parallel_size > 1 else build_engine
+        self._setup(build(config))
 
     @classmethod
     def from_parts(cls, parts: EngineParts) -> LLM:

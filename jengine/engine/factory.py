@@ -83,3 +83,15 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
         runner = PublishingRunner(runner, StepPublisher())
     core = EngineCore(config, runner, plan.num_blocks)
     return EngineParts(core, tokenizer, spec, config)
+
+
+def build_replicated_engine(config: EngineConfig) -> EngineParts:
+    """`data_parallel_size` replicas on disjoint device groups behind one `ReplicatedCore` (the notebook API's
+    data parallelism; servers put the router before separate engines instead)."""
+    from jengine.engine.replicated_core import ReplicatedCore
+
+    parallel = config.parallel
+    replicas = [build_engine(config, replica_devices(parallel.tensor_parallel_size, parallel.data_parallel_size, i))
+                for i in range(parallel.data_parallel_size)]
+    core = ReplicatedCore([parts.core for parts in replicas], config.cache.block_size)
+    return dataclasses.replace(replicas[0], core=core)

@@ -20,7 +20,8 @@ from transformers import LlamaConfig
 from jengine.config import EngineConfig
 from jengine.engine.async_engine import AsyncEngine
 from jengine.engine.client import EngineClient, EngineStats
-from jengine.engine.router import PrefixIndex, Router
+from jengine.cache.prefix_index import PrefixIndex
+from jengine.engine.router import Router
 from jengine.errors import CapacityError, ConfigError, EngineDeadError, InvalidRequestError
 from jengine.outputs import RequestOutput
 from jengine.request import RequestStatus

@@ -1,0 +1,64 @@
+"""`ReplicatedCore`: `EngineCore`'s interface over data-parallel replicas, for the notebook API (`LLM`).
+
+`LLM(..., data_parallel_size=N)` builds N engine cores on disjoint device groups and steps them all from one thread:
+each core's step only dispatches device work and fetches the step before it, so the replicas' devices compute side
+by side. A request goes to the replica that was already sent its prompt's leading blocks (the KV manager's own block
+hashes), otherwise to the one holding the fewest requests — the serving router's rule, without its threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from jengine.cache.hashing import update_block_hashes
+from jengine.cache.prefix_index import PrefixIndex
+from jengine.engine.core import EngineCore, EngineCoreOutput
+from jengine.request import Request, RequestStatus
+
+
+class ReplicatedCore:
+    """Single-threaded like `EngineCore`; the caller owns it exclusively."""
+
+    def __init__(self, cores: Sequence[EngineCore], block_size: int) -> None:
+        self.cores = list(cores)
+        self.block_size = block_size
+        self._indexes = [PrefixIndex(core.kv_manager.num_blocks) for core in self.cores]
+        self._owner: dict[str, int] = {}  # request id → replica, until the request finishes
+
+    def add_request(self, request: Request, choice_index: int = 0, *, enforce_queue_bound: bool = True) -> None:
+        update_block_hashes(request, self.block_size)  # the scheduler computes the same hashes again (idempotent)
+        hashes = list(request.block_hashes)
+        replica = self._choose(hashes)
+        self.cores[replica].add_request(request, choice_index, enforce_queue_bound=enforce_queue_bound)
+        self._indexes[replica].remember(hashes)
+        self._owner[request.request_id] = replica
+
+    def _choose(self, hashes: list[bytes]) -> int:
+        """Longest remembered prefix first, then the fewest requests held, then the lowest index."""
+        return min(range(len(self.cores)),
+                   key=lambda i: (-self._indexes[i].match(hashes), self.cores[i].num_requests(), i))
+
+    def abort(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
+              ) -> list[EngineCoreOutput]:
+        by_replica: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            if request_id in self._owner:
+                by_replica.setdefault(self._owner.pop(request_id), []).append(request_id)
+        return [out for replica, ids in by_replica.items() for out in self.cores[replica].abort(ids, status)]
+
+    def step(self) -> list[EngineCoreOutput]:
+        outputs = [out for core in self.cores for out in core.step()]  # an idle core's step is cheap
+        for out in outputs:
+            if out.finish_reason is not None:
+                self._owner.pop(out.request_id, None)
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return any(core.has_unfinished() for core in self.cores)
+
+    def num_requests(self) -> int:
+        return sum(core.num_requests() for core in self.cores)
+
+    def shutdown(self) -> None:
+        for core in self.cores:
+            core.shutdown()
