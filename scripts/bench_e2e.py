@@ -183,7 +183,8 @@ class Call:
 
     def task(self, **fields: Any) -> dict[str, Any]:
         return {"tiny": self.args.tiny, "gpu": self.gpu, "model_dir": str(self.model_dir), "vocab": self.vocab,
-                "engine": self.scale.engine, "cache_dir": str(self.workdir / "jax-cache"),
+                "engine": {**self.scale.engine, **dict(self.args.engine_option)},
+                "cache_dir": str(self.workdir / "jax-cache"),
                 "hf_configs": self.args.hf_configs, **fields}
 
     def worker(self, kind: str, task: dict[str, Any], label: str) -> dict[str, Any]:
@@ -331,6 +332,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         metavar="IN,OUT", help="mixed: median prompt and output lengths (default 256,128)")
     parser.add_argument("--runs", type=int, default=None, help="shapes: timed runs per size and length (default 3)")
     parser.add_argument("--workdir", default="/tmp/jengine-e2e", help="checkpoint, caches and worker files")
+    parser.add_argument("--engine-option", action="append", default=[], type=_engine_option, metavar="KEY=VALUE",
+                        help="an extra jengine engine argument (JSON value), e.g. unroll_layers=true; repeatable")
     parser.add_argument("--deadline-s", type=float, default=570.0,
                         help="stop starting workers, and stop a running one, so the call ends within this")
     parser.add_argument("--worker", choices=("hf", "jengine"), help=argparse.SUPPRESS)
@@ -349,6 +352,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("give --part (what to run) or --merge-from (files to merge)")
     args.out = args.out or default_out()
     return args
+
+
+def _engine_option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
 
 
 def main(argv: list[str] | None = None) -> int:
