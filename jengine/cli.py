@@ -161,6 +161,11 @@ def _add_server_args(parser: argparse.ArgumentParser, *, grpc: bool) -> None:
                             "(default: $JENGINE_API_KEY)")
     group.add_argument("--drain-timeout", type=float, default=30.0,
                        help="seconds SIGTERM waits for in-flight requests before closing connections")
+    group.add_argument("--request-timeout", type=float, default=None,
+                       help="seconds an HTTP generation request may run before it is aborted and answered 504 "
+                            "(a stream that already started ends with an error chunk); default: no limit")
+    group.add_argument("--max-header-bytes", type=int, default=64 * 1024,
+                       help="largest request header block (request line and fields together); more gets 431")
 
 
 def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
@@ -185,7 +190,8 @@ def _server_config(args: argparse.Namespace, grpc_port: int = 0) -> ServerConfig
     from jengine.config import ServerConfig
 
     return ServerConfig.from_kwargs(host=args.host, port=args.port, grpc_port=grpc_port, api_key=args.api_key,
-                                    drain_timeout=args.drain_timeout)
+                                    drain_timeout=args.drain_timeout, request_timeout=args.request_timeout,
+                                    max_header_bytes=args.max_header_bytes)
 
 
 def _serve_model(args: argparse.Namespace) -> tuple[str, str | None]:

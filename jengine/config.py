@@ -156,6 +156,8 @@ class ServerConfig:
     grpc_port: int = 50051  # gRPC port; 0 = no gRPC service
     api_key: str | None = None  # Bearer key for every route but /health, /metrics, /version (env JENGINE_API_KEY)
     max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413
+    max_header_bytes: int = 64 * 1024  # request line plus header fields, together; more (or over 128 fields) get 431
+    request_timeout: float | None = None  # seconds an HTTP generation may run, then 504 and abort; None: no limit
     drain_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests before closing connections
     max_n: int = 16  # cap on `n` per request (vLLM's unbounded fan-out was CVE-2026-34756)
 
@@ -173,6 +175,8 @@ class ServerConfig:
             (0 <= self.port < 65536 and 0 <= self.grpc_port < 65536, "ports must be in [0, 65535]"),
             (self.api_key is None or len(self.api_key) > 0, "api_key must not be empty"),
             (self.max_body_bytes > 0, "max_body_bytes must be positive"),
+            (self.max_header_bytes >= 1024, "max_header_bytes must be at least 1024"),
+            (self.request_timeout is None or self.request_timeout > 0, "request_timeout must be positive (or unset)"),
             (self.drain_timeout >= 0, "drain_timeout must be >= 0"),
             (1 <= self.max_n <= 1024, "max_n must be in [1, 1024]"),
         ]

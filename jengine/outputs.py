@@ -56,7 +56,7 @@ class RequestMetrics:
     """Times of one request's milestones, in `time.monotonic()` seconds (the core's clock), for latency figures."""
 
     arrival_time: float
-    first_scheduled_time: float | None = None  # not reported by the core yet; kept for vLLM's shape
+    first_scheduled_time: float | None = None  # the core first scheduled it (a resumed preemption does not count)
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
@@ -70,6 +70,25 @@ class RequestMetrics:
     def e2e(self) -> float | None:
         """End-to-end latency: arrival → finished."""
         return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float | None:
+        """Waiting for a slot: arrival → first scheduled."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def prefill_time(self) -> float | None:
+        """First scheduled → first token (the prompt's computation, preemptions included)."""
+        if self.first_scheduled_time is None or self.first_token_time is None:
+            return None
+        return self.first_token_time - self.first_scheduled_time
+
+    @property
+    def decode_time(self) -> float | None:
+        """First token → last token."""
+        if self.first_token_time is None or self.last_token_time is None:
+            return None
+        return self.last_token_time - self.first_token_time
 
 
 @dataclasses.dataclass

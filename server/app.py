@@ -28,7 +28,8 @@ from jengine.errors import (
     AuthenticationError, EngineDeadError, InvalidRequestError, JengineError, NotFoundError, RequestTooLargeError,
     ServiceUnavailableError,
 )
-from server.errors import http_headers, http_status, openai_error_body
+from server.errors import openai_error_body
+from server.http_limits import JsonErrorRunner, error_response, header_block_bytes, headers_too_large
 from server.openai.routes import OpenAIRoutes, json_response
 
 logger = logging.getLogger(__name__)
@@ -66,21 +67,18 @@ STATE = web.AppKey("jengine_state", ServerState)
 
 # ---------------------------------------------------------------------------------------------------------- app
 def build_app(state: ServerState) -> web.Application:
-    """The aiohttp application: middlewares (errors → auth → drain/in-flight), OpenAI routes, health and metrics."""
-    app = web.Application(middlewares=[_errors_middleware, _auth_middleware, _drain_middleware],
-                          client_max_size=state.config.max_body_bytes)
+    """The aiohttp application: middlewares (errors → header size → auth → drain/in-flight), OpenAI routes, health
+    and metrics."""
+    app = web.Application(middlewares=[_errors_middleware, _header_limit_middleware, _auth_middleware,
+                                       _drain_middleware], client_max_size=state.config.max_body_bytes)
     app[STATE] = state
     OpenAIRoutes(state.client, fingerprint=f"fp_jengine_{version()}", max_n=state.config.max_n,
-                 max_body_bytes=state.config.max_body_bytes).register(app)
+                 max_body_bytes=state.config.max_body_bytes, request_timeout=state.config.request_timeout
+                 ).register(app)
     app.router.add_get("/health", _health)
     app.router.add_get("/version", _version)
     app.router.add_get("/metrics", _metrics)
     return app
-
-
-def error_response(exc: BaseException) -> web.Response:
-    """Any error as OpenAI error JSON with the table's status and headers (Retry-After on 429/503)."""
-    return json_response(openai_error_body(exc), status=http_status(exc), headers=http_headers(exc))
 
 
 @web.middleware
@@ -110,6 +108,15 @@ def _aiohttp_error(exc: web.HTTPException) -> web.StreamResponse:
                                 code="method_not_allowed" if exc.status == 405 else "invalid_value")
     allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
     return json_response(openai_error_body(error), status=exc.status, headers=allow)
+
+
+@web.middleware
+async def _header_limit_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Fields each under the parser's line limit may still add up to a block over the limit: 431 as well."""
+    limit = request.app[STATE].config.max_header_bytes
+    if header_block_bytes(request) > limit:
+        raise headers_too_large(limit)
+    return await handler(request)
 
 
 @web.middleware
@@ -193,7 +200,8 @@ class RunningServer:
 async def start_server(state: ServerState, *, with_grpc: bool = False) -> RunningServer:
     """Bind the HTTP app (and the gRPC service, if asked and available) on the current loop."""
     config = state.config
-    runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    runner = JsonErrorRunner(build_app(state), max_header_bytes=config.max_header_bytes, handler_cancellation=True,
+                             access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
     server = RunningServer(state, runner)

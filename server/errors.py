@@ -36,10 +36,15 @@ class ErrorKind:
     grpc_code: str  # a member name of grpc.StatusCode (grpc is imported only when a gRPC status is asked for)
 
 
+class HeadersTooLargeError(RequestTooLargeError):
+    """The request line and header fields together are over the HTTP server's limit (431; HTTP only)."""
+
+
 # Most specific first: the first class an exception is an instance of decides (REFERENCE.md, "Errors and limits").
 ERROR_TABLE: tuple[tuple[type[BaseException], ErrorKind], ...] = (
     (ContextLengthExceededError,
      ErrorKind(400, "invalid_request_error", "context_length_exceeded", "INVALID_ARGUMENT")),
+    (HeadersTooLargeError, ErrorKind(431, "invalid_request_error", "request_too_large", "RESOURCE_EXHAUSTED")),
     (RequestTooLargeError, ErrorKind(413, "invalid_request_error", "request_too_large", "RESOURCE_EXHAUSTED")),
     (InvalidRequestError, ErrorKind(400, "invalid_request_error", "invalid_value", "INVALID_ARGUMENT")),
     (AuthenticationError, ErrorKind(401, "authentication_error", "invalid_api_key", "UNAUTHENTICATED")),

@@ -294,7 +294,8 @@ def _stats_reader(core: object) -> StatsReader | None:
         sched, kv = core.stats(), core.kv_manager
         prefix = kv.prefix_cache_stats
         return EngineStats(sched.num_running, sched.num_waiting, sched.kv_cache_usage, sched.num_preemptions_total,
-                           prefix.queries, prefix.hits, kv.num_blocks, kv.block_size)
+                           prefix.queries, prefix.hits, kv.num_blocks, kv.block_size, tuple(core.step_tokens.counts),
+                           core.step_tokens.total_tokens)
 
     return read
 

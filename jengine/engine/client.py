@@ -27,6 +27,10 @@ class ModelInfo:
     max_logprobs: int
 
 
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+"""Upper bounds of the tokens-per-engine-step histogram (vLLM's `iteration_tokens_total` buckets)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineStats:
     """A snapshot of the engine's state, published by the core thread after each step (safe to read anywhere).
@@ -42,6 +46,10 @@ class EngineStats:
     prefix_cache_hits: int = 0  # cumulative of those served from it
     num_gpu_blocks: int = 0  # size of the KV pool in blocks (0 where unknown)
     block_size: int = 0  # tokens per KV block (0 where unknown)
+    # Engine steps by tokens computed in the step: one count per bucket of ITERATION_TOKEN_BUCKETS plus one above the
+    # last (not cumulative); () where the engine does not report them (a remote engine over gRPC).
+    step_token_counts: tuple[int, ...] = ()
+    step_tokens_sum: int = 0  # cumulative tokens of those steps
 
 
 @runtime_checkable

@@ -11,6 +11,7 @@ engine's; what N+1 computes for a request that N finished is discarded.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import time
@@ -18,6 +19,7 @@ from typing import Any
 
 from jengine.cache.kv_cache_manager import KVCacheManager
 from jengine.config import EngineConfig
+from jengine.engine.client import ITERATION_TOKEN_BUCKETS
 from jengine.request import Request, RequestStatus
 from jengine.scheduler.output import RunnerOutput, SchedulerOutput, TokenLogprobs
 from jengine.scheduler.scheduler import Scheduler, SchedulerStats
@@ -37,6 +39,19 @@ class EngineCoreOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | "error" once finished
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     timestamp: float
+    first_scheduled_time: float | None = None  # on a request's first output only: when it was first scheduled
+
+
+class StepTokenCounts:
+    """Cumulative histogram of the tokens each executed step computed (prefill chunks and decodes together)."""
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)  # per bucket, the last one above every bound
+        self.total_tokens = 0
+
+    def add(self, num_tokens: int) -> None:
+        self.counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, num_tokens)] += 1
+        self.total_tokens += num_tokens
 
 
 class EngineCore:
@@ -51,6 +66,8 @@ class EngineCore:
         self.pipelined = config.runner.async_scheduling
         self._in_flight: tuple[SchedulerOutput, Any] | None = None  # dispatched, tokens not fetched (pipelined)
         self._landed: list[EngineCoreOutput] = []  # outputs of a step applied early, returned by the next step()
+        self._first_scheduled: dict[str, float] = {}  # scheduled, first output not built yet → first scheduling time
+        self.step_tokens = StepTokenCounts()
 
     def add_request(self, request: Request, choice_index: int = 0, *, enforce_queue_bound: bool = True) -> None:
         if self._in_flight is not None and request.request_id in self._in_flight[0].num_scheduled_tokens:
@@ -60,7 +77,8 @@ class EngineCore:
     def abort(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
               ) -> list[EngineCoreOutput]:
         now = time.monotonic()
-        return [EngineCoreOutput(r.request_id, [], [], None, status.finish_reason, r.num_cached_prompt_tokens, now)
+        return [EngineCoreOutput(r.request_id, [], [], None, status.finish_reason, r.num_cached_prompt_tokens, now,
+                                 self._first_scheduled.pop(r.request_id, None))
                 for r in self.scheduler.finish_requests(request_ids, status)]
 
     def has_unfinished(self) -> bool:
@@ -76,7 +94,7 @@ class EngineCore:
         """One step's outputs: this step's when serial, the previous step's when pipelined."""
         if self.pipelined:
             return self._step_pipelined()
-        sched = self.scheduler.schedule()
+        sched = self._schedule()
         runner_out = self.runner.execute(sched)
         if sched.is_empty:
             return []
@@ -85,12 +103,23 @@ class EngineCore:
     def _step_pipelined(self) -> list[EngineCoreOutput]:
         """Schedule and dispatch the next step, then fetch and apply the one in flight (if any)."""
         outputs, self._landed = self._landed, []
-        sched = self.scheduler.schedule()
+        sched = self._schedule()
         launched = self.runner.dispatch(sched)
         done, self._in_flight = self._in_flight, None if launched is None else (sched, launched)
         if done is not None:
             outputs += self._apply(done[0], self.runner.fetch(done[1]))
         return outputs
+
+    def _schedule(self) -> SchedulerOutput:
+        """The scheduler's plan; requests scheduled for the very first time are stamped (a request resumed after a
+        preemption keeps its first stamp: its queue time ends once)."""
+        sched = self.scheduler.schedule()
+        if sched.new_requests:
+            now, requests = time.monotonic(), self.scheduler.requests
+            for new in sched.new_requests:
+                if requests[new.request_id].num_preemptions == 0:
+                    self._first_scheduled.setdefault(new.request_id, now)
+        return sched
 
     def _land_in_flight(self) -> None:
         """Fetch and apply the step in flight now (the host waits for it); its outputs come with the next step."""
@@ -100,11 +129,12 @@ class EngineCore:
     def _apply(self, sched: SchedulerOutput, runner_out: RunnerOutput) -> list[EngineCoreOutput]:
         updates = self.scheduler.update_from_output(sched, runner_out)
         self.num_steps += 1
-        now = time.monotonic()
+        self.step_tokens.add(sched.total_num_scheduled_tokens)
+        now, first_scheduled = time.monotonic(), self._first_scheduled
         return [
             EngineCoreOutput(u.request.request_id, u.new_token_ids, u.logprobs, u.prompt_logprobs,
                              u.request.status.finish_reason if u.finished else None,
-                             u.request.num_cached_prompt_tokens, now)
+                             u.request.num_cached_prompt_tokens, now, first_scheduled.pop(u.request.request_id, None))
             for u in updates
         ]
 

@@ -2,15 +2,19 @@
 
 Two sources, so the core thread does no metric work beyond publishing one snapshot per step:
 - gauges and the core's cumulative counters (running, waiting, KV usage, preemptions, prefix-cache tokens) are read at
-  scrape time from `EngineClient.stats()`, the snapshot the core publishes after each step;
+  scrape time from `EngineClient.stats()`, the snapshot the core publishes after each step; so is the tokens-per-step
+  histogram, as the cumulative bucket counts the core keeps;
 - per-request figures (tokens, TTFT, inter-token latency, end-to-end latency, finish reasons) are recorded by
   `MeteredEngineClient`, an `EngineClient` that wraps another and watches the outputs pass. `jengine serve` hands the
-  wrapped client to both front ends, so HTTP and gRPC traffic is counted alike.
+  wrapped client to both front ends, so HTTP and gRPC traffic is counted alike. The phase times (queue, prefill,
+  decode) come from the core's own timestamps on the outputs; a client whose outputs carry none (a remote engine over
+  gRPC) records no phase samples rather than estimates.
 No global registry: several servers can live in one process (tests do).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -18,10 +22,10 @@ from contextlib import aclosing
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from jengine.engine.client import EngineClient, EngineStats, ModelInfo
+from jengine.engine.client import ITERATION_TOKEN_BUCKETS, EngineClient, EngineStats, ModelInfo
 from jengine.engine.input_processor import PromptInput
 from jengine.errors import CapacityError
 from jengine.outputs import RequestOutput
@@ -36,7 +40,7 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0, 1920.0, 7680.0)
+               480.0, 960.0, 1920.0, 7680.0)  # also the queue, prefill and decode phases (vLLM's request latency)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
@@ -55,6 +59,7 @@ class _EngineStatsCollector(Collector):
             return
         yield from self._gauges(stats)
         yield from self._counters(stats)
+        yield from self._iteration_tokens(stats)
 
     def _gauges(self, stats: EngineStats) -> Iterator[Metric]:
         for name, doc, value in (
@@ -75,6 +80,17 @@ class _EngineStatsCollector(Collector):
             ("prefix_cache_hits", "Prefix-cache hits, in tokens.", stats.prefix_cache_hits),
         ):
             yield self._family(CounterMetricFamily, name, doc, value)
+
+    def _iteration_tokens(self, stats: EngineStats) -> Iterator[Metric]:
+        """The core's per-step token histogram (nothing when the engine does not report one)."""
+        if not stats.step_token_counts:
+            return
+        cumulative = list(itertools.accumulate(stats.step_token_counts))
+        buckets = [(str(float(bound)), count) for bound, count in zip(ITERATION_TOKEN_BUCKETS, cumulative)]
+        family = HistogramMetricFamily(PREFIX + "iteration_tokens_total", "Tokens computed per engine step.",
+                                       labels=["model_name"])
+        family.add_metric([self._model], buckets + [("+Inf", cumulative[-1])], sum_value=stats.step_tokens_sum)
+        yield family
 
     def _family(self, cls: type, name: str, doc: str, value: float) -> Metric:
         family = cls(PREFIX + name, doc, labels=["model_name"])
@@ -103,6 +119,12 @@ class EngineMetrics:
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between successive output tokens.", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.", E2E_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Time from arrival to first scheduling.",
+                                    E2E_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds", "Time from first scheduling to first token.",
+                                      E2E_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "Time from first token to last token.",
+                                     E2E_BUCKETS)
         self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
         self.request_generation_tokens = histogram("request_generation_tokens", "Generated tokens per request.",
                                                    TOKEN_BUCKETS)
@@ -160,6 +182,18 @@ class _RequestTracker:
         self._metrics.e2e.observe(max(0.0, now - self._arrival))
         self._metrics.request_prompt_tokens.observe(self._num_prompt or 0)
         self._metrics.request_generation_tokens.observe(self._num_generated)
+        self._observe_phases(output)
+
+    def _observe_phases(self, output: RequestOutput) -> None:
+        """Queue, prefill and decode times on the engine's clock, each where the engine reported both ends."""
+        times = output.metrics
+        if times is None or times.first_scheduled_time is None:
+            return  # never scheduled, or an engine that reports no scheduling times: no sample beats a guess
+        for histogram, value in ((self._metrics.queue_time, times.queue_time),
+                                 (self._metrics.prefill_time, times.prefill_time),
+                                 (self._metrics.decode_time, times.decode_time)):
+            if value is not None:
+                histogram.observe(max(0.0, value))
 
     def close(self, reason: str = "abort") -> None:
         """The stream ended early (caller gone: "abort"; engine failure: "error"): unfinished choices count so."""

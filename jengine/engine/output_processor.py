@@ -179,6 +179,10 @@ class _ParentState:
         if choice.index == 0:
             self.num_cached_tokens = out.num_cached_tokens
             self._add_prompt_logprobs(out.prompt_logprobs, decode)
+        if out.first_scheduled_time is not None:  # the earliest of its choices
+            known = self.metrics.first_scheduled_time
+            self.metrics.first_scheduled_time = (out.first_scheduled_time if known is None
+                                                 else min(known, out.first_scheduled_time))
         if out.new_token_ids and not choice.finished:
             if self.metrics.first_token_time is None:
                 self.metrics.first_token_time = out.timestamp

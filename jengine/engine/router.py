@@ -271,6 +271,8 @@ def sum_stats(snapshots: Sequence[EngineStats]) -> EngineStats:
         prefix_cache_queries=sum(s.prefix_cache_queries for s in snapshots),
         prefix_cache_hits=sum(s.prefix_cache_hits for s in snapshots), num_gpu_blocks=blocks,
         block_size=max((s.block_size for s in snapshots), default=0),
+        step_token_counts=tuple(map(sum, zip(*(s.step_token_counts for s in snapshots if s.step_token_counts)))),
+        step_tokens_sum=sum(s.step_tokens_sum for s in snapshots),
     )
 
 

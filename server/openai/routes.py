@@ -2,18 +2,22 @@
 
 Errors are raised as the `jengine.errors` hierarchy and rendered once, by the app's error middleware, through
 `server/errors.py`; only an error after a stream has started is written here (as a final chunk, then `[DONE]`).
+A generation that outlives the server's request timeout is aborted in the engine and ends the same way: 504 before
+the response has started, a final error chunk after.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
 from jengine.engine.client import EngineClient
-from jengine.errors import JengineError, NotFoundError, RequestTooLargeError
+from jengine.errors import DeadlineExceededError, JengineError, NotFoundError, RequestTooLargeError
 from jengine.tokenizer import NoChatTemplateError
 from server.openai.chunks import ChatStreamFormatter, CompletionStreamFormatter, StreamFormatter
 from server.openai.protocol import (
@@ -47,8 +51,10 @@ async def read_json(request: web.Request, max_bytes: int) -> dict[str, Any]:
 class OpenAIRoutes:
     """Handlers bound to one client; the model's limits are read once (they do not change while serving)."""
 
-    def __init__(self, client: EngineClient, *, fingerprint: str, max_n: int, max_body_bytes: int) -> None:
+    def __init__(self, client: EngineClient, *, fingerprint: str, max_n: int, max_body_bytes: int,
+                 request_timeout: float | None = None) -> None:
         self.client = client
+        self.request_timeout = request_timeout  # seconds per generation request; None: no limit
         self.info = client.get_model_info()
         self.tokenizer = client.get_tokenizer()
         self.fingerprint = fingerprint
@@ -92,14 +98,29 @@ class OpenAIRoutes:
     async def _generate(self, request: web.Request, prompts: list[Any], parsed: ChatRequest | CompletionRequest,
                         meta: ResponseMeta, acc: Accumulator, formatter: StreamFormatter | None
                         ) -> web.StreamResponse | None:
-        """Admit, then stream SSE (returns the response) or gather every output into `acc` (returns None)."""
-        streams = await RequestStreams.open(self.client, prompts, parsed.params, meta.id, parsed.priority)
+        """Admit, then stream SSE (returns the response) or gather every output into `acc` (returns None).
+
+        Past the deadline the engine's streams are closed (which aborts them) and the client hears 504 `timeout`."""
+        deadline = None if self.request_timeout is None else asyncio.get_running_loop().time() + self.request_timeout
+        try:
+            async with asyncio.timeout_at(deadline):
+                streams = await RequestStreams.open(self.client, prompts, parsed.params, meta.id, parsed.priority)
+                if formatter is None:
+                    async with streams:
+                        async for index, output in streams:
+                            acc.add(index, output)
+                    return None
+        except TimeoutError as exc:
+            raise self._timed_out(exc) from None
         async with streams:
-            if formatter is not None:
-                return await _stream(request, streams, formatter)
-            async for index, output in streams:
-                acc.add(index, output)
-        return None
+            return await _stream(request, streams, formatter, deadline, self._timed_out)
+
+    def _timed_out(self, exc: TimeoutError) -> DeadlineExceededError:
+        """The client's error for a passed deadline (an engine's own deadline error is kept as it is)."""
+        if isinstance(exc, DeadlineExceededError):
+            return exc
+        return DeadlineExceededError(f"the request did not finish within the server's request timeout "
+                                     f"({self.request_timeout:g} s); it was aborted")
 
     # ------------------------------------------------------------------ models and tokens
     async def list_models(self, request: web.Request) -> web.Response:
@@ -140,25 +161,23 @@ class OpenAIRoutes:
             raise NotFoundError(f"the model {model[:100]!r} does not exist; this server serves {self.info.name!r}")
 
 
-async def _stream(request: web.Request, streams: RequestStreams, formatter: StreamFormatter) -> web.StreamResponse:
+async def _stream(request: web.Request, streams: RequestStreams, formatter: StreamFormatter, deadline: float | None,
+                  timed_out: Callable[[TimeoutError], DeadlineExceededError]) -> web.StreamResponse:
     """Write SSE chunks as outputs arrive, then `[DONE]`; a client that goes away ends it (the streams are aborted
-    by the caller's `async with`). An engine error after the status went out travels as a last chunk."""
+    by the caller's `async with`). An engine error, or the deadline, after the status went out travels as a last
+    chunk."""
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
     tail = DONE
     try:
-        for payload in formatter.start():
-            await response.write(sse(payload))
-        async for index, output in streams:
-            for payload in formatter.on_output(index, output):
-                await response.write(sse(payload))
-        usage = formatter.usage_chunk()
-        if usage is not None:
-            await response.write(sse(usage))
+        async with asyncio.timeout_at(deadline):
+            await _write_chunks(response, streams, formatter)
     except ConnectionError:
         logger.debug("client went away mid-stream")
         return response
     except Exception as exc:
+        if isinstance(exc, TimeoutError):
+            exc = timed_out(exc)
         logger.warning("stream %s failed after it started: %s", formatter.meta.id, type(exc).__name__,
                        exc_info=not isinstance(exc, JengineError))
         tail = sse(formatter.error_chunk(exc)) + DONE
@@ -168,3 +187,14 @@ async def _stream(request: web.Request, streams: RequestStreams, formatter: Stre
     except ConnectionError:
         pass
     return response
+
+
+async def _write_chunks(response: web.StreamResponse, streams: RequestStreams, formatter: StreamFormatter) -> None:
+    for payload in formatter.start():
+        await response.write(sse(payload))
+    async for index, output in streams:
+        for payload in formatter.on_output(index, output):
+            await response.write(sse(payload))
+    usage = formatter.usage_chunk()
+    if usage is not None:
+        await response.write(sse(usage))

@@ -189,15 +189,15 @@ class Servers:
         self._threads: list[ServerThread] = []
 
     def start(self, model_dir: Path, *, api_key: str | None = None, served_model_name: str = MODEL_NAME,
-              **engine_kwargs: Any) -> ServerHandle:
+              server_kwargs: dict[str, Any] | None = None, **engine_kwargs: Any) -> ServerHandle:
         """The real engine over `model_dir` (ENGINE_KWARGS, overridden by `engine_kwargs`) behind the real app."""
         config = EngineConfig.from_kwargs(str(model_dir), served_model_name=served_model_name,
                                           **{**ENGINE_KWARGS, **engine_kwargs})
-        return self.serve(AsyncEngine.from_config(config), api_key=api_key)
+        return self.serve(AsyncEngine.from_config(config), api_key=api_key, **(server_kwargs or {}))
 
-    def serve(self, client: EngineClient, *, api_key: str | None = None) -> ServerHandle:
-        """The real app over any EngineClient (fakes included)."""
-        config = ServerConfig(host="127.0.0.1", port=0, grpc_port=0, api_key=api_key)
+    def serve(self, client: EngineClient, *, api_key: str | None = None, **server_kwargs: Any) -> ServerHandle:
+        """The real app over any EngineClient (fakes included); `server_kwargs` are further ServerConfig fields."""
+        config = ServerConfig(host="127.0.0.1", port=0, grpc_port=0, api_key=api_key, **server_kwargs)
         self._threads.append(ServerThread(client, config))
         return self._threads[-1].start()
 

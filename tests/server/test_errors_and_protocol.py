@@ -15,7 +15,7 @@ from jengine.errors import (
 )
 from jengine.tokenizer import NoChatTemplateError
 from server.errors import (
-    MAX_MESSAGE_CHARS, grpc_status, http_headers, http_status, openai_error, openai_error_body,
+    MAX_MESSAGE_CHARS, HeadersTooLargeError, grpc_status, http_headers, http_status, openai_error, openai_error_body,
 )
 from server.openai.protocol import normalize_messages, parse_chat, parse_completion
 
@@ -27,6 +27,7 @@ INFO = ModelInfo("m", "/models/m", 256, 384, 20)
     (ContextLengthExceededError("long"), 400, "invalid_request_error", "context_length_exceeded",
      "INVALID_ARGUMENT"),
     (RequestTooLargeError("big"), 413, "invalid_request_error", "request_too_large", "RESOURCE_EXHAUSTED"),
+    (HeadersTooLargeError("headers"), 431, "invalid_request_error", "request_too_large", "RESOURCE_EXHAUSTED"),
     (AuthenticationError("key"), 401, "authentication_error", "invalid_api_key", "UNAUTHENTICATED"),
     (NotFoundError("model"), 404, "invalid_request_error", "model_not_found", "NOT_FOUND"),
     (CapacityError("full"), 429, "rate_limit_error", "server_overloaded", "RESOURCE_EXHAUSTED"),

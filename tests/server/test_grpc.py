@@ -13,6 +13,8 @@ import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 
+import time
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -28,6 +30,7 @@ from jengine.v1 import jengine_pb2 as pb
 from server import grpc_convert
 from server.grpc_client import GrpcEngineClient
 from tests.conftest import COMMON, TOKENIZER_VOCAB
+from tests.server.conftest import paused_core
 from tests.server.grpc_fixtures import API_KEY, MAX_MODEL_LEN, GrpcHarness, auth, start_harness, stop_harness, wait_for
 
 GREEDY = pb.SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -266,6 +269,23 @@ def test_deadline_exceeded_aborts_the_request(harness: GrpcHarness, monkeypatch:
     assert received and not received[-1].finished  # cut mid-stream
     assert wait_for(lambda: "deadline-1" in aborted, 1.0), "the deadline must abort the request in the engine"
     assert harness.wait_idle(30.0)  # (a step that compiles a new shape may hold the abort up on the CPU)
+
+
+def test_deadline_passing_while_queued_aborts_the_request(harness: GrpcHarness) -> None:
+    """The core is held, so the call's deadline passes while its request waits: DEADLINE_EXCEEDED, and once the core
+    moves again the abort is applied before the request is ever scheduled (no prefix-cache lookup of it)."""
+    queries = harness.engine.stats().prefix_cache_queries
+    with paused_core(harness.engine):
+        call = harness.stub.Generate(pb.GenerateRequest(text="Queued too long", sampling=LONG), metadata=auth(),
+                                     timeout=0.5)
+        error = _status(lambda: list(call))
+        deadline = time.monotonic() + 5  # the server notices the cancelled call and queues the abort ...
+        while harness.engine.num_streams and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert harness.engine.num_streams == 0
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # ... before the core moves again
+    assert harness.wait_idle(5.0)
+    assert harness.engine.stats().prefix_cache_queries == queries
 
 
 def test_draining_refuses_new_calls_and_fails_health(harness: GrpcHarness) -> None:
