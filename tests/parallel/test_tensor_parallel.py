@@ -33,7 +33,8 @@ def prompts() -> list[list[int]]:
 
 def generate(model_dir, prompts, **parallel) -> tuple[list[list[int]], np.ndarray, LLM]:
     llm = LLM(str(model_dir), dtype="float32", max_model_len=128, **parallel)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+    # min_tokens bans EOS as HF's min_new_tokens does, so both sides pick the same token where EOS is the argmax
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     core = llm._core
     assert not core.has_unfinished() and core.kv_manager.num_free_blocks == core.kv_manager.num_blocks
