@@ -59,13 +59,14 @@ def forward(
     token_ids: Int[Array, " tokens"],
     md: AttentionMetadata,
     expert_mesh: jax.sharding.Mesh | None = None,
-    unroll_layers: bool = False,
+    unroll_layers: bool | int = False,
 ) -> tuple[Float[Array, "tokens d"], KVCache]:
     """Runs every layer over a flattened ragged batch; returns the final-normed hidden states and the cache.
 
     `expert_mesh`: the MoE experts are split whole over its `tp` axis (expert parallelism); without it GSPMD
     partitions everything from the parameter shardings alone. `unroll_layers`: straight-line layers instead of a
-    loop (XLA:GPU runs a loop's control on the host, one device sync per layer; the price is compile time).
+    loop (XLA:GPU runs a loop's control on the host, one device sync per iteration; the price is compile time);
+    an int k runs k layers per loop iteration.
     """
     precision = matmul_precision(params["embed"].dtype)
     inv_freq, scaling = inverse_frequencies(spec.rope, spec.head_dim)
@@ -77,8 +78,15 @@ def forward(
         layers = jnp.arange(start, start + count, dtype=jnp.int32)
         seg_windows = jnp.asarray(windows[start : start + count], dtype=jnp.int32)
         (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (seg_params, layers, seg_windows),
-                                        unroll=count if unroll_layers else 1)
+                                        unroll=layers_per_iteration(unroll_layers, count))
     return rms_norm(x, params["final_norm"], spec.rms_norm_eps), kv_cache
+
+
+def layers_per_iteration(unroll_layers: bool | int, count: int) -> int:
+    """True: every layer in one straight line; False: one layer per loop iteration; k: k per iteration."""
+    if unroll_layers is True:
+        return count
+    return max(1, min(int(unroll_layers), count))
 
 
 def compute_logits(spec: ModelSpec, params: Params, hidden: Float[Array, "n d"]) -> Float[Array, "n vocab"]:

@@ -48,7 +48,7 @@ def forward_step(
     num_prompt_logprobs: int,
     row_tokens: jax.Array | None = None,
     expert_mesh: jax.sharding.Mesh | None = None,
-    unroll_layers: bool = False,
+    unroll_layers: bool | int = False,
 ) -> tuple[jax.Array, SamplerOutput | None, jax.Array]:
     """Model forward over the ragged batch; float32 logits at the sampling rows; prompt logprobs when asked.
     With `row_tokens`, pending placeholders in `token_ids` take the rows' last sampled tokens."""
@@ -79,7 +79,7 @@ def sample_step(logits: jax.Array, sampling: SamplingMetadata, row_tokens: Int[A
 
 
 def build_step(spec: ModelSpec, backend: AttentionBackend, expert_mesh: jax.sharding.Mesh | None = None,
-               unroll_layers: bool = False):
+               unroll_layers: bool | int = False):
     """One engine step for one model: forward, then sampling; positional arguments from `params` on. Returns
     (sampler output, prompt logprobs or None, kv_cache, row_tokens); nothing waits for the device."""
 
