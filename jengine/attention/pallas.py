@@ -33,10 +33,15 @@ logger = logging.getLogger(__name__)
 KV_WRITE_KERNEL_MIN_TOKENS = 512
 
 
-def supports(*, head_dim: int, block_size: int, num_q_heads: int, num_kv_heads: int) -> bool:
-    """Whether the kernel handles these shapes (logged when not, with the reason)."""
+def supports(*, head_dim: int, block_size: int, num_q_heads: int, num_kv_heads: int, dtype, interpret: bool = False
+             ) -> bool:
+    """Whether the kernels handle these shapes and this dtype (logged when not, with the reason). float32 on the GPU
+    is refused: the kernels' tiles are sized for 16-bit data, and a float32 Llama-8B step failed on the H200
+    (benchmarks/results/2026-11-29-multigpu.json); interpret mode runs it exactly."""
     try:
         check_supported(head_dim=head_dim, block_size=block_size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads)
+        if jnp.dtype(dtype) == jnp.float32 and not interpret:
+            raise UnsupportedShapeError("the kernels run 16-bit models on the GPU, not float32")
     except UnsupportedShapeError as e:
         logger.warning("pallas_gpu attention cannot run this model (%s); using the reference path", e)
         return False
@@ -66,13 +71,8 @@ class PallasGpuBackend:
 
     def _local(self, q, k, v, kv_cache, layer, md, *, scale, sliding_window, soft_cap):
         _, _, block_size, _, kv_heads, head_dim = kv_cache.shape
-        if q.dtype == jnp.float32 and not self.interpret:
-            # float32 serving on the GPU: the kernels' tiles are sized for 16-bit data, and a float32 Llama-8B step
-            # failed on the H200 (benchmarks/results/2026-11-29-multigpu.json); the reference path is exact there
-            logger.warning("pallas_gpu attention runs 16-bit models; float32 uses the reference path")
-            return _reference(q, k, v, kv_cache, layer, md, scale=scale, sliding_window=sliding_window,
-                              soft_cap=soft_cap)
-        if not supports(head_dim=head_dim, block_size=block_size, num_q_heads=q.shape[1], num_kv_heads=kv_heads):
+        if not supports(head_dim=head_dim, block_size=block_size, num_q_heads=q.shape[1], num_kv_heads=kv_heads,
+                        dtype=q.dtype, interpret=self.interpret):
             return _reference(q, k, v, kv_cache, layer, md, scale=scale, sliding_window=sliding_window,
                               soft_cap=soft_cap)
         kv_cache = self._write(kv_cache, layer, md.slot_mapping, k, v)

@@ -99,18 +99,25 @@ class StepSubscriber:
 
 # ---------------------------------------------------------------------------------------------------------- codec
 def encode_step(sched: SchedulerOutput) -> str:
-    return json.dumps({
+    return json.dumps(_step_to_json(sched))
+
+
+def decode_step(message: str) -> SchedulerOutput:
+    return _step_from_json(json.loads(message))
+
+
+def _step_to_json(sched: SchedulerOutput) -> dict[str, Any]:
+    return {
         "new": [_new_to_json(n) for n in sched.new_requests],
         "cached": [[c.request_id, c.new_block_ids, c.num_computed_tokens] for c in sched.cached_requests],
         "scheduled": list(sched.num_scheduled_tokens.items()),
         "total": sched.total_num_scheduled_tokens,
         "finished": sorted(sched.finished_request_ids),
         "preempted": sorted(sched.preempted_request_ids),
-    })
+    }
 
 
-def decode_step(message: str) -> SchedulerOutput:
-    data = json.loads(message)
+def _step_from_json(data: dict[str, Any]) -> SchedulerOutput:
     return SchedulerOutput(
         new_requests=[_new_from_json(n) for n in data["new"]],
         cached_requests=[CachedRequestData(r, blocks, computed) for r, blocks, computed in data["cached"]],
@@ -139,7 +146,7 @@ def _new_from_json(data: dict[str, Any]) -> NewRequestData:
 
 # ---------------------------------------------------------------------------------------------------------- runners
 def _op(op: str, sched: SchedulerOutput | None = None) -> str:
-    return json.dumps({"op": op, "sched": None if sched is None else encode_step(sched)})
+    return json.dumps({"op": op, "sched": None if sched is None else _step_to_json(sched)})
 
 
 class PublishingRunner:
@@ -183,7 +190,7 @@ def run_worker(runner, subscriber: StepSubscriber | None = None) -> int:
         if op == "fetch":
             runner.fetch(launched.pop(0))
             continue
-        sched = decode_step(message["sched"])
+        sched = _step_from_json(message["sched"])
         steps += 0 if sched.is_empty else 1
         if op == "execute":
             runner.execute(sched)

@@ -16,7 +16,6 @@ import dataclasses
 import logging
 import re
 
-import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jengine.errors import ConfigError
@@ -117,8 +116,3 @@ def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
 
-
-def shard_layout_of(params: dict) -> dict[str, P]:
-    """Each parameter's spec by path, as placed (for logs and tests)."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(params)
-    return {jax.tree_util.keystr(path): leaf.sharding.spec for path, leaf in flat}

@@ -33,7 +33,7 @@ class KVPlan:
     block_size: int
     bytes_per_block: int
     source: str  # how the size was chosen, for the start-up line
-    kv_dtype: jnp.dtype | None = None  # the cache's element type (float8_e4m3fn for fp8); None: the model dtype
+    kv_dtype: jnp.dtype  # the cache's element type (the model dtype, or float8_e4m3fn for fp8)
 
     @property
     def num_tokens(self) -> int:
@@ -80,16 +80,15 @@ def plan_kv_cache(spec: ModelSpec, cache: CacheConfig, sched: SchedulerConfig, d
 
 def log_plan(plan: KVPlan, max_model_len: int) -> None:
     gib = plan.num_blocks * plan.bytes_per_block / (1 << 30)
-    of_dtype = f" of {plan.kv_dtype.name}" if plan.kv_dtype is not None else ""
     logger.info(
-        "KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB%s (%s); %.1f requests of max_model_len=%d fit at once",
-        plan.num_blocks, plan.block_size, plan.num_tokens, gib, of_dtype, plan.source, plan.num_tokens / max_model_len,
+        "KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB of %s (%s); %.1f requests of max_model_len=%d fit at once",
+        plan.num_blocks, plan.block_size, plan.num_tokens, gib, plan.kv_dtype.name, plan.source, plan.num_tokens / max_model_len,
         max_model_len,
     )
 
 
-def allocate(spec: ModelSpec, plan: KVPlan, dtype, sharding: jax.sharding.Sharding | None = None) -> kv_cache.KVCache:
-    """The zeroed cache in `plan.kv_dtype` (or `dtype`, the model's, when the plan names none): an array, or a
-    `QuantizedKV` for float8 (its scales set by the first step)."""
+def allocate(spec: ModelSpec, plan: KVPlan, sharding: jax.sharding.Sharding | None = None) -> kv_cache.KVCache:
+    """The zeroed cache in `plan.kv_dtype`: an array, or a `QuantizedKV` for float8 (its scales set by the first
+    step)."""
     shape = kv_cache_shape(spec, plan.num_blocks, plan.block_size)
-    return kv_cache.allocate(shape, dtype if plan.kv_dtype is None else plan.kv_dtype, sharding)
+    return kv_cache.allocate(shape, plan.kv_dtype, sharding)

@@ -64,7 +64,7 @@ class ModelRunner:
         max_blocks = -(-sched.max_model_len // plan.block_size)
         self.buckets = StepBuckets.build(sched.max_num_batched_tokens, sched.max_num_seqs, max_blocks)
         self.layout = layout
-        self.kv_cache = allocate(spec, plan, dtype, layout.kv_cache_sharding)
+        self.kv_cache = allocate(spec, plan, layout.kv_cache_sharding)
         mode = config.runner.compile_buckets
         pin = mode == "all" or (mode == "auto" and backend.name != "reference")
         self.batch = InputBatch(sched.max_num_seqs, sched.max_model_len, plan.block_size,
