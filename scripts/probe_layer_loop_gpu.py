@@ -1,0 +1,190 @@
+"""GPU probe: what a loop over stacked layer weights costs a memory-bound decode step, and where the step's time goes.
+
+Part `loop`: Llama-3-8B-shaped projections (q/k/v, o, gate/up, down) for `--layers` layers, run on a batch of 1 and
+64 tokens four ways: `lax.scan` over stacked weights, the same scan fully unrolled, a Python loop over one array per
+layer, and the scan with XLA's dynamic-slice fusion flag (in its own process, as flags are read once). Each reports
+its step time, its compile time, the weight bytes ÷ copy bandwidth floor, and how many copy / dynamic-slice
+instructions the compiled program holds (a slice copied out of the stack before each matmul triples the bytes).
+
+Part `engine`: the engine's jitted decode step at batch 1 on a random-weight Llama with Llama-3-8B layers (fewer of
+them, tiny vocabulary), scanned and unrolled, with a profiler trace of each summarised by kernel name.
+
+    PYTHONPATH=. python scripts/probe_layer_loop_gpu.py --out $OUT/probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_bench_common import copy_bandwidth, log, timeit  # noqa: E402
+
+D, F, QKV, O = 4096, 14336, 6144, 4096
+DSF_FLAG = "--xla_gpu_enable_dynamic_slice_fusion=true"
+
+
+def stacked_weights(layers: int):
+    import jax
+    import jax.numpy as jnp
+
+    keys = jax.random.split(jax.random.key(0), 4)
+    shapes = {"qkv": (layers, D, QKV), "o": (layers, O, D), "gate_up": (layers, D, 2 * F), "down": (layers, F, D)}
+    return {name: (jax.random.normal(k, s, jnp.bfloat16) * 0.02) for k, (name, s) in zip(keys, shapes.items())}
+
+
+def layer(x, w):
+    import jax
+    import jax.numpy as jnp
+
+    qkv = x @ w["qkv"]
+    x = x + qkv[:, :O] @ w["o"]
+    gu = x @ w["gate_up"]
+    x = x + (jax.nn.silu(gu[:, :F]) * gu[:, F:]) @ w["down"]
+    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x.astype(jnp.float32)), -1, keepdims=True)).astype(x.dtype)
+
+
+def variants(layers: int):
+    import jax
+
+    def scan(unroll):
+        def run(x, w):
+            return jax.lax.scan(lambda h, wl: (layer(h, wl), None), x, w, unroll=unroll)[0]
+        return run
+
+    def python_loop(x, ws):
+        for w in ws:
+            x = layer(x, w)
+        return x
+
+    return {"scan": (scan(1), False), "scan_unrolled": (scan(layers), False), "python_loop": (python_loop, True)}
+
+
+def hlo_counts(text: str) -> dict[str, int]:
+    lines = [ln for ln in text.splitlines() if "=" in ln]
+    return {op: sum(f" {op}(" in ln for ln in lines) for op in ("copy", "dynamic-slice", "while", "custom-call")}
+
+
+def loop_part(layers: int, only: str | None) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+
+    stacked = stacked_weights(layers)
+    weight_bytes = sum(a.nbytes for a in stacked.values())
+    _, bandwidth = copy_bandwidth()
+    out: dict[str, Any] = {"layers": layers, "weight_bytes": weight_bytes, "copy_bytes_per_s": bandwidth,
+                           "floor_ms": weight_bytes / (bandwidth / 2) * 1e3}
+    per_layer = [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(layers)]
+    for name, (fn, unstacked) in variants(layers).items():
+        if only and name != only:
+            continue
+        w = per_layer if unstacked else stacked
+        for batch in (1, 64):
+            x = jax.random.normal(jax.random.key(batch), (batch, D), jnp.bfloat16)
+            start = time.perf_counter()
+            compiled = jax.jit(fn).lower(x, w).compile()
+            compile_s = time.perf_counter() - start
+            seconds = timeit(compiled, x, w)
+            out[f"{name}_b{batch}"] = {"ms": seconds * 1e3, "compile_s": compile_s,
+                                       "vs_floor": seconds * 1e3 / out["floor_ms"],
+                                       "hlo": hlo_counts(compiled.as_text())}
+            log(name, batch, out[f"{name}_b{batch}"])
+    return out
+
+
+def dsf_part(layers: int) -> dict[str, Any]:
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + DSF_FLAG).strip())
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        proc = subprocess.run([sys.executable, __file__, "--part", "loop", "--layers", str(layers), "--only", "scan",
+                               "--out", f.name], env=env, capture_output=True, text=True)
+        if proc.returncode:
+            return {"error": proc.stderr[-2000:]}
+        return json.loads(Path(f.name).read_text())
+
+
+def kernel_summary(trace_dir: Path, top: int = 25) -> list[tuple[str, float, int]]:
+    """(name, total ms, count) of the trace's GPU kernels, largest first (device events carry a 'stream' pid)."""
+    files = sorted(trace_dir.rglob("*.trace.json.gz")) or sorted(trace_dir.rglob("perfetto_trace.json.gz"))
+    if not files:
+        return []
+    events = json.loads(gzip.decompress(files[-1].read_bytes()))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events if e.get("ph") == "M"
+             and e.get("name") == "process_name"}
+    totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for e in events:
+        if e.get("ph") == "X" and "/device:GPU" in names.get(e.get("pid"), "") and "dur" in e:
+            totals[e["name"]][0] += e["dur"] / 1e3
+            totals[e["name"]][1] += 1
+    return sorted(((n, round(t, 3), c) for n, (t, c) in totals.items()), key=lambda r: -r[1])[:top]
+
+
+def engine_part(layers: int, steps: int) -> dict[str, Any]:
+    import jax
+
+    from check_pipeline_gpu import LLAMA3_8B_LAYER, Recorder, device_seconds
+    from jengine import LLM, SamplingParams
+    from jengine.models.demo import build_random_llama
+
+    model = build_random_llama(Path(tempfile.mkdtemp()) / "llama", num_hidden_layers=layers, **LLAMA3_8B_LAYER)
+    out: dict[str, Any] = {"layers": layers}
+    for unroll in (False, True):
+        start = time.perf_counter()
+        with LLM(str(model), dtype="bfloat16", max_model_len=1024, max_num_seqs=8, unroll_layers=unroll,
+                 enable_prefix_caching=False, seed=0) as llm:
+            build_s = time.perf_counter() - start
+            params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+            prompt = [{"prompt_token_ids": list(range(3, 131))}]
+            llm.generate(prompt, params, use_tqdm=False)
+            run_step = llm._core.runner._step
+            recorder = Recorder(llm, 1)
+            llm.generate(prompt, params, use_tqdm=False)
+            device = device_seconds(llm, recorder, run_step)
+            trace = Path(tempfile.mkdtemp())
+            with jax.profiler.trace(str(trace)):
+                llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+            key = "unrolled" if unroll else "scan"
+            out[key] = {"engine_start_s": build_s, "device_step_ms": device * 1e3,
+                        "step_period_ms": 1e3 * sorted(recorder.decode_periods(1))[len(recorder.decode_periods(1)) // 2],
+                        "kernels_8_steps": kernel_summary(trace)}
+            log(key, json.dumps(out[key], indent=1))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--part", action="append", choices=["loop", "dsf", "engine"])
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--engine-layers", type=int, default=8)
+    parser.add_argument("--only", default=None)
+    args = parser.parse_args()
+    result: dict[str, Any] = {}
+    for part in args.part or ["loop", "dsf", "engine"]:
+        try:
+            if part == "loop":
+                result["loop"] = loop_part(args.layers, args.only)
+            elif part == "dsf":
+                result["dsf"] = dsf_part(args.layers)
+            else:
+                result["engine"] = engine_part(args.engine_layers, 32)
+        except Exception as e:  # one part failing must not lose the others
+            result[part] = {"error": repr(e)}
+        Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    if args.only:  # the child process of the dsf part: its own numbers only
+        Path(args.out).write_text(json.dumps(result["loop"], default=str))
+
+
+if __name__ == "__main__":
+    main()
