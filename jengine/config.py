@@ -79,10 +79,6 @@ class RunnerConfig:
     # pipelined steps: step N+1 is dispatched before step N's tokens reach the host (fed to it on the device);
     # False runs each step to completion before the next is scheduled (same outputs, the host time not hidden)
     async_scheduling: bool = True
-    # straight-line layers instead of a loop over them: XLA:GPU runs a loop's control on the host (a device sync
-    # per iteration), which unrolling removes at the price of compiling every layer; an int k puts k layers in
-    # each iteration (fewer syncs, k layers compiled). Off until measured on the GPU
-    unroll_layers: bool | int = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,9 +135,6 @@ class EngineConfig:
             (self.parallel.num_processes == 1 or self.parallel.data_parallel_size == 1,
              "data_parallel_size > 1 runs on one host; across hosts, put `jengine openai --engine` before engines"),
             (self.runner.compile_buckets in ("all", "lazy", "auto"), "compile_buckets must be 'all', 'lazy' or 'auto'"),
-            (isinstance(self.runner.unroll_layers, bool) or (isinstance(self.runner.unroll_layers, int)
-                                                            and self.runner.unroll_layers >= 1),
-             "unroll_layers must be true, false or a number of layers per loop iteration (>= 1)"),
         ]
         for ok, message in checks:
             if not ok:

@@ -333,7 +333,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=None, help="shapes: timed runs per size and length (default 3)")
     parser.add_argument("--workdir", default="/tmp/jengine-e2e", help="checkpoint, caches and worker files")
     parser.add_argument("--engine-option", action="append", default=[], type=_engine_option, metavar="KEY=VALUE",
-                        help="an extra jengine engine argument (JSON value), e.g. unroll_layers=true; repeatable")
+                        help="an extra jengine engine argument (JSON value), e.g. async_scheduling=false; repeatable")
     parser.add_argument("--deadline-s", type=float, default=570.0,
                         help="stop starting workers, and stop a running one, so the call ends within this")
     parser.add_argument("--worker", choices=("hf", "jengine"), help=argparse.SUPPRESS)

@@ -237,9 +237,8 @@ def main() -> None:
     parser.add_argument("--merge-from", default=None, help="a results file whose figures this call adds to")
     parser.add_argument("--workdir", default="/tmp/jengine-multigpu")
     parser.add_argument("--tiny", action="store_true", help="a small model (CPU check of the script)")
-    parser.add_argument("--unroll-layers", action="store_true", help="engines run straight-line layers")
     args = parser.parse_args()
-    options = {"unroll_layers": args.unroll_layers}
+    options: dict = {}
     import jax
 
     sizes = [int(s) for s in args.tp.split(",")]

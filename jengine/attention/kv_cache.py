@@ -1,7 +1,7 @@
 """The KV cache value the attention backends take and return: the paged array in the model dtype, or, with
 `kv_cache_dtype="fp8"`, a `QuantizedKV` pytree: the same paged layout stored as float8_e4m3fn plus one float32 scale
-per (layer, K/V, KV head). The pytree travels through the jitted step exactly like the plain array (scanned over
-layers in the carry, donated as one argument), so no caller above the attention layer changes.
+per (layer, K/V, KV head). The pytree travels through the jitted step exactly like the plain array (from layer to
+layer, donated as one argument), so no caller above the attention layer changes.
 
 Scales (`real value = stored value × scale`) come from the checkpoint (`self_attn.k_scale` / `v_scale`, loaded as
 the per-layer parameter `kv_scale`) or, without them, from the first step that writes real tokens: amax of that

@@ -1,13 +1,11 @@
 """The decoder every supported family shares: `forward(params, kv, tokens, metadata) -> (hidden, kv)`.
 
-Families differ only in the spec (biases, q/k norms, sliding windows, dense or MoE MLPs). Layers with the same
-parameter structure are stacked and run with one `lax.scan` per run of such layers, so a 32-layer model traces one
-layer, while per-layer differences that are only numbers (sliding windows) ride along as scanned scalars.
+Families differ only in the spec (biases, q/k norms, sliding windows, dense or MoE MLPs). The layers run as
+straight-line code over one weight array per layer (`models/weights.py` says why not a scan over stacked weights);
+the KV cache stays one array that every layer updates in place at its own index.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -34,12 +32,12 @@ def matmul_precision(dtype) -> Precision:
 
 def _decoder_layer(
     spec: ModelSpec, mlp_kind: MlpKind, backend: AttentionBackend, rope, precision: Precision,
-    expert_mesh: jax.sharding.Mesh | None, md: AttentionMetadata, carry, layer_inputs,
-):
-    x, kv_cache = carry
-    w, layer, window = layer_inputs
+    expert_mesh: jax.sharding.Mesh | None, md: AttentionMetadata, x: Float[Array, "tokens d"], kv_cache: KVCache,
+    w: dict[str, Array], layer: int, window: int,
+) -> tuple[Float[Array, "tokens d"], KVCache]:
     h = rms_norm(x, w["attn_norm"], spec.rms_norm_eps)
-    attn, kv_cache = self_attention(spec, w, h, kv_cache, layer, window, md, rope, backend, precision)
+    attn, kv_cache = self_attention(spec, w, h, kv_cache, jnp.int32(layer), jnp.int32(window), md, rope, backend,
+                                    precision)
     x = x + attn
     h = rms_norm(x, w["mlp_norm"], spec.rms_norm_eps)
     if mlp_kind == "moe" and expert_mesh is not None:
@@ -48,7 +46,7 @@ def _decoder_layer(
         x = x + moe_mlp(h, w, spec.moe, spec.hidden_act, precision)
     else:
         x = x + gated_mlp(h, w, spec.hidden_act, precision)
-    return (x, kv_cache), None
+    return x, kv_cache
 
 
 def forward(
@@ -59,34 +57,21 @@ def forward(
     token_ids: Int[Array, " tokens"],
     md: AttentionMetadata,
     expert_mesh: jax.sharding.Mesh | None = None,
-    unroll_layers: bool | int = False,
 ) -> tuple[Float[Array, "tokens d"], KVCache]:
     """Runs every layer over a flattened ragged batch; returns the final-normed hidden states and the cache.
 
     `expert_mesh`: the MoE experts are split whole over its `tp` axis (expert parallelism); without it GSPMD
-    partitions everything from the parameter shardings alone. `unroll_layers`: straight-line layers instead of a
-    loop (XLA:GPU runs a loop's control on the host, one device sync per iteration; the price is compile time);
-    an int k runs k layers per loop iteration.
+    partitions everything from the parameter shardings alone.
     """
     precision = matmul_precision(params["embed"].dtype)
     inv_freq, scaling = inverse_frequencies(spec.rope, spec.head_dim)
     rope = (jnp.asarray(inv_freq), scaling)
     x = params["embed"][token_ids]
-    windows = spec.layer_windows
-    for seg_params, (start, count, kind) in zip(params["segments"], spec.layer_segments(), strict=True):
-        body = functools.partial(_decoder_layer, spec, kind, backend, rope, precision, expert_mesh, md)
-        layers = jnp.arange(start, start + count, dtype=jnp.int32)
-        seg_windows = jnp.asarray(windows[start : start + count], dtype=jnp.int32)
-        (x, kv_cache), _ = jax.lax.scan(body, (x, kv_cache), (seg_params, layers, seg_windows),
-                                        unroll=layers_per_iteration(unroll_layers, count))
+    for layer, (w, kind, window) in enumerate(zip(params["layers"], spec.mlp_kinds, spec.layer_windows,
+                                                  strict=True)):
+        x, kv_cache = _decoder_layer(spec, kind, backend, rope, precision, expert_mesh, md, x, kv_cache, w, layer,
+                                     window)
     return rms_norm(x, params["final_norm"], spec.rms_norm_eps), kv_cache
-
-
-def layers_per_iteration(unroll_layers: bool | int, count: int) -> int:
-    """True: every layer in one straight line; False: one layer per loop iteration; k: k per iteration."""
-    if unroll_layers is True:
-        return count
-    return max(1, min(int(unroll_layers), count))
 
 
 def compute_logits(spec: ModelSpec, params: Params, hidden: Float[Array, "n d"]) -> Float[Array, "n vocab"]:

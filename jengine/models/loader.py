@@ -94,11 +94,16 @@ def load_model(
     return spec, _with_kv_scales(params, spec, kv_scales, sharding_for), resolved
 
 
+# Changes whenever the parameter pytree's structure does, so older saved conversions are converted again.
+PARAMS_LAYOUT = "one-array-per-layer"
+
+
 def _fingerprint(reader: CheckpointReader, dtype: jnp.dtype, kv_head_repeat: int) -> str:
     """Identifies a conversion: the config, every tensor's name/shape/dtype/file size and modification time (so a
     checkpoint re-saved with new weights of the same shapes is converted again), and the target dtype."""
     tensors = [(n, reader.shape(n), str(reader.dtype(n)), _file_stamp(reader.info(n).file)) for n in reader.names()]
-    payload = json.dumps([reader.config(), tensors, dtype.name, kv_head_repeat], sort_keys=True, default=str)
+    payload = json.dumps([reader.config(), tensors, dtype.name, kv_head_repeat, PARAMS_LAYOUT], sort_keys=True,
+                         default=str)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
@@ -196,12 +201,10 @@ def _kv_scale(reader: CheckpointReader, name: str, kv_heads: int) -> np.ndarray:
 
 
 def _with_kv_scales(params: dict, spec: ModelSpec, scales: np.ndarray | None, sharding_for: ShardingFor) -> dict:
-    """Each run of layers gets its scales as the float32 parameter `kv_scale [layers, 2, kv_heads]`."""
+    """Each layer gets its scales as the float32 parameter `kv_scale [2, kv_heads]`."""
     if scales is None:
         return params
-    segments = []
-    for i, (segment, (start, count, _)) in enumerate(zip(params["segments"], spec.layer_segments(), strict=True)):
-        value = scales[start:start + count]
-        placed = jax.device_put(value, sharding_for(f"['segments'][{i}]['kv_scale']", value.shape))
-        segments.append({**segment, "kv_scale": placed})
-    return {**params, "segments": tuple(segments)}
+    layers = tuple({**weights, "kv_scale": jax.device_put(scales[i], sharding_for(f"['layers'][{i}]['kv_scale']",
+                                                                                 scales[i].shape))}
+                   for i, weights in enumerate(params["layers"]))
+    return {**params, "layers": layers}

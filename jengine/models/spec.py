@@ -98,20 +98,6 @@ class ModelSpec:
         """Per-layer sliding window in tokens, 0 for full attention."""
         return tuple(self.sliding_window if kind == "sliding" else 0 for kind in self.attention_kinds)
 
-    def layer_segments(self) -> tuple[tuple[int, int, MlpKind], ...]:
-        """Runs of consecutive layers with the same parameter structure: (first layer, count, mlp kind).
-
-        Each run is one `lax.scan` over stacked weights; a model whose layers are all alike is a single run.
-        """
-        segments: list[tuple[int, int, MlpKind]] = []
-        for layer, kind in enumerate(self.mlp_kinds):
-            if segments and segments[-1][2] == kind:
-                start, count, _ = segments[-1]
-                segments[-1] = (start, count + 1, kind)
-            else:
-                segments.append((layer, 1, kind))
-        return tuple(segments)
-
 
 def config_value(config: dict[str, Any], *names: str, default: Any = None) -> Any:
     """The first of `names` present (and not None) in an HF config dict."""

@@ -60,7 +60,7 @@ class ParallelLayout:
         return NamedSharding(self.mesh, P(None, None, None, None, T, None))
 
     def param_spec(self, path: str, ndim: int) -> P:
-        """The spec of one parameter leaf from its pytree path (`['segments'][0]['wq']`) and rank."""
+        """The spec of one parameter leaf from its pytree path (`['layers'][0]['wq']`) and rank."""
         name = re.findall(r"\['([^']+)'\]", path)[-1]
         rule = _RULES.get(name)
         if rule is None or self.size == 1:
@@ -109,7 +109,7 @@ def plan_layout(spec: ModelSpec, mesh: Mesh, expert_parallel: bool = False) -> P
 
 
 def _dense_layers(spec: ModelSpec) -> bool:
-    return any(kind == "dense" for _, _, kind in spec.layer_segments())
+    return "dense" in spec.mlp_kinds
 
 
 def _require(ok: bool, message: str) -> None:

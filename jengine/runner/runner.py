@@ -72,8 +72,7 @@ class ModelRunner:
         self.backend = backend
         self.sampling_rows = SamplingRowTable(sched.max_num_seqs, engine_seed=config.model.seed)
         self.row_tokens = jax.device_put(np.zeros(sched.max_num_seqs, np.int32), layout.replicated)  # the feed
-        self._step = build_step(spec, backend, layout.mesh if layout.expert_parallel else None,
-                                config.runner.unroll_layers)
+        self._step = build_step(spec, backend, layout.mesh if layout.expert_parallel else None)
         self.recompile_guard = RecompileGuard()
         if pin:
             warm_up(self, pinned_shapes(self.buckets))

@@ -33,7 +33,7 @@ def resolve_pending(ids: Int[Array, "*shape"], row_tokens: Int[Array, " rows"]) 
     return jnp.where(ids <= PENDING_BASE, row_tokens[rows], ids)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "backend", "num_prompt_logprobs", "expert_mesh", "unroll_layers"),
+@functools.partial(jax.jit, static_argnames=("spec", "backend", "num_prompt_logprobs", "expert_mesh"),
                    donate_argnames=("kv_cache",))
 def forward_step(
     spec: ModelSpec,
@@ -48,13 +48,12 @@ def forward_step(
     num_prompt_logprobs: int,
     row_tokens: jax.Array | None = None,
     expert_mesh: jax.sharding.Mesh | None = None,
-    unroll_layers: bool | int = False,
 ) -> tuple[jax.Array, SamplerOutput | None, jax.Array]:
     """Model forward over the ragged batch; float32 logits at the sampling rows; prompt logprobs when asked.
     With `row_tokens`, pending placeholders in `token_ids` take the rows' last sampled tokens."""
     if row_tokens is not None:
         token_ids = resolve_pending(token_ids, row_tokens)
-    hidden, kv_cache = forward(spec, backend, params, kv_cache, token_ids, md, expert_mesh, unroll_layers)
+    hidden, kv_cache = forward(spec, backend, params, kv_cache, token_ids, md, expert_mesh)
     logits = compute_logits(spec, params, hidden[logits_rows])
     prompt = None
     if prompt_rows is not None:
@@ -78,8 +77,7 @@ def sample_step(logits: jax.Array, sampling: SamplingMetadata, row_tokens: Int[A
     return out, row_tokens.at[sample_rows].set(out.token_ids, mode="drop")
 
 
-def build_step(spec: ModelSpec, backend: AttentionBackend, expert_mesh: jax.sharding.Mesh | None = None,
-               unroll_layers: bool | int = False):
+def build_step(spec: ModelSpec, backend: AttentionBackend, expert_mesh: jax.sharding.Mesh | None = None):
     """One engine step for one model: forward, then sampling; positional arguments from `params` on. Returns
     (sampler output, prompt logprobs or None, kv_cache, row_tokens); nothing waits for the device."""
 
@@ -87,8 +85,7 @@ def build_step(spec: ModelSpec, backend: AttentionBackend, expert_mesh: jax.shar
              prompt_targets, *, num_prompt_logprobs: int):
         logits, prompt, kv_cache = forward_step(spec, backend, params, kv_cache, token_ids, md, logits_rows,
                                                 prompt_rows, prompt_targets, num_prompt_logprobs=num_prompt_logprobs,
-                                                row_tokens=row_tokens, expert_mesh=expert_mesh,
-                                                unroll_layers=unroll_layers)
+                                                row_tokens=row_tokens, expert_mesh=expert_mesh)
         sampled, row_tokens = sample_step(logits, sampling, row_tokens, sample_rows)
         return sampled, prompt, kv_cache, row_tokens
 

@@ -179,11 +179,10 @@ def test_checkpoint_scales_load_as_float32_per_layer_parameters(models, tmp_path
     tensors = {f"model.layers.{i}.self_attn.{kv}_scale": np.full((heads,), 0.01 * (i + 1), np.float32)
                for i in range(layers) for kv in "kv"}
     spec, params, dtype = load_model(with_scales(model_dir, tmp_path, tensors), dtype="bfloat16", progress=False)
-    (segment,) = params["segments"]
-    assert dtype == jnp.bfloat16 and segment["kv_scale"].dtype == jnp.float32
-    assert segment["kv_scale"].shape == (layers, 2, heads)
+    scales = [layer["kv_scale"] for layer in params["layers"]]
+    assert dtype == jnp.bfloat16 and all(s.dtype == jnp.float32 and s.shape == (2, heads) for s in scales)
     expected = np.array([0.01 * (i + 1) for i in range(layers)], np.float32)
-    np.testing.assert_array_equal(np.asarray(segment["kv_scale"])[:, 1, 0], expected)
+    np.testing.assert_array_equal(np.array([np.asarray(s)[1, 0] for s in scales]), expected)
     assert spec.num_kv_heads == heads
 
 

@@ -64,8 +64,6 @@ def test_greedy_output_is_invariant(tiny_model, prompts):
         "tiny token budget (chunked prefill)": dict(max_num_seqs=8, max_num_batched_tokens=5),
         "prefix caching off": dict(max_num_seqs=8, enable_prefix_caching=False),
         "small KV pool (preemption)": dict(max_num_seqs=8, num_gpu_blocks_override=8, block_size=16),
-        "layers unrolled": dict(max_num_seqs=8, unroll_layers=True),
-        "two layers per loop iteration": dict(max_num_seqs=8, unroll_layers=2),
     }
     for name, engine_args in variants.items():
         tokens, llm = run(model_dir, prompts, **engine_args)

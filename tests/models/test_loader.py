@@ -242,24 +242,24 @@ def test_auto_without_dtype_in_config_uses_the_tensors_dtype(llama_bf16, tmp_pat
 def test_loaded_values_equal_the_checkpoint(llama, loaded_f32, layer):
     _, hf = llama
     spec, params, dtype = loaded_f32
-    seg = params["segments"][0]
-    assert spec.layer_segments() == ((0, 2, "dense"),)
+    assert len(params["layers"]) == spec.num_layers == 2
+    seg = params["layers"][layer]
     attn, mlp = f"model.layers.{layer}.self_attn", f"model.layers.{layer}.mlp"
     # Projections are stored [in, out]: the transpose of HF's [out, in].
-    assert seg["wq"].shape == (2, TINY["hidden_size"], Q_OUT)
-    assert seg["wk"].shape == (2, TINY["hidden_size"], KV_OUT)
-    np.testing.assert_array_equal(np.asarray(seg["wq"][layer]), _hf(hf, f"{attn}.q_proj.weight").T)
-    np.testing.assert_array_equal(np.asarray(seg["wk"][layer]), _hf(hf, f"{attn}.k_proj.weight").T)
-    np.testing.assert_array_equal(np.asarray(seg["wv"][layer]), _hf(hf, f"{attn}.v_proj.weight").T)
-    np.testing.assert_array_equal(np.asarray(seg["wo"][layer]), _hf(hf, f"{attn}.o_proj.weight").T)
-    np.testing.assert_array_equal(np.asarray(seg["w_gate"][layer]), _hf(hf, f"{mlp}.gate_proj.weight").T)
-    np.testing.assert_array_equal(np.asarray(seg["w_up"][layer]), _hf(hf, f"{mlp}.up_proj.weight").T)
-    np.testing.assert_array_equal(np.asarray(seg["w_down"][layer]), _hf(hf, f"{mlp}.down_proj.weight").T)
+    assert seg["wq"].shape == (TINY["hidden_size"], Q_OUT)
+    assert seg["wk"].shape == (TINY["hidden_size"], KV_OUT)
+    np.testing.assert_array_equal(np.asarray(seg["wq"]), _hf(hf, f"{attn}.q_proj.weight").T)
+    np.testing.assert_array_equal(np.asarray(seg["wk"]), _hf(hf, f"{attn}.k_proj.weight").T)
+    np.testing.assert_array_equal(np.asarray(seg["wv"]), _hf(hf, f"{attn}.v_proj.weight").T)
+    np.testing.assert_array_equal(np.asarray(seg["wo"]), _hf(hf, f"{attn}.o_proj.weight").T)
+    np.testing.assert_array_equal(np.asarray(seg["w_gate"]), _hf(hf, f"{mlp}.gate_proj.weight").T)
+    np.testing.assert_array_equal(np.asarray(seg["w_up"]), _hf(hf, f"{mlp}.up_proj.weight").T)
+    np.testing.assert_array_equal(np.asarray(seg["w_down"]), _hf(hf, f"{mlp}.down_proj.weight").T)
     np.testing.assert_array_equal(
-        np.asarray(seg["attn_norm"][layer]), _hf(hf, f"model.layers.{layer}.input_layernorm.weight")
+        np.asarray(seg["attn_norm"]), _hf(hf, f"model.layers.{layer}.input_layernorm.weight")
     )
     np.testing.assert_array_equal(
-        np.asarray(seg["mlp_norm"][layer]), _hf(hf, f"model.layers.{layer}.post_attention_layernorm.weight")
+        np.asarray(seg["mlp_norm"]), _hf(hf, f"model.layers.{layer}.post_attention_layernorm.weight")
     )
 
 
@@ -301,9 +301,9 @@ def _tp_sharding(mesh):
     def sharding_for(path: str, shape: tuple[int, ...]):
         name = re.findall(r"\['(\w+)'\]", path)[-1]
         if name in COLUMN_PARALLEL:
-            return NamedSharding(mesh, P(None, None, "tp"))
+            return NamedSharding(mesh, P(None, "tp"))
         if name in ROW_PARALLEL:
-            return NamedSharding(mesh, P(None, "tp", None))
+            return NamedSharding(mesh, P("tp", None))
         return NamedSharding(mesh, P())
 
     return sharding_for
@@ -336,9 +336,9 @@ def test_placement_on_a_tensor_parallel_sharding(llama, loaded_f32, unsharded_to
         assert arr.shape == reference[path].shape
         expected_shard_shape = list(arr.shape)
         if name in COLUMN_PARALLEL:
-            expected_shard_shape[2] //= devices
-        elif name in ROW_PARALLEL:
             expected_shard_shape[1] //= devices
+        elif name in ROW_PARALLEL:
+            expected_shard_shape[0] //= devices
         full = np.asarray(reference[path])
         shards = arr.addressable_shards
         assert {s.device for s in shards} == set(mesh.devices.flat)

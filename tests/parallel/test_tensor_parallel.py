@@ -57,17 +57,17 @@ def hf_greedy(model, prompts) -> list[list[int]]:
 
 def expected_specs(name: str, tp: int, ep: bool) -> P:
     """Megatron-style TP: column-parallel q/k/v, gate/up; row-parallel o, down; vocab-parallel embedding and head;
-    experts split whole under EP, else each expert's hidden features split. Stacked leaves lead with stack axes."""
+    experts split whole under EP, else each expert's hidden features split. One array per layer; experts stacked."""
     if tp == 1:
         return P()
     table = {
-        "wq": P(None, None, "tp"), "bq": P(None, "tp"), "wk": P(None, None, "tp"), "bk": P(None, "tp"),
-        "wv": P(None, None, "tp"), "bv": P(None, "tp"), "wo": P(None, "tp", None),
-        "w_gate": P(None, None, "tp"), "w_up": P(None, None, "tp"), "w_down": P(None, "tp", None),
+        "wq": P(None, "tp"), "bq": P("tp"), "wk": P(None, "tp"), "bk": P("tp"),
+        "wv": P(None, "tp"), "bv": P("tp"), "wo": P("tp", None),
+        "w_gate": P(None, "tp"), "w_up": P(None, "tp"), "w_down": P("tp", None),
         "embed": P("tp", None), "lm_head": P("tp", None),
-        "we_gate": P(None, "tp", None, None) if ep else P(None, None, None, "tp"),
-        "we_up": P(None, "tp", None, None) if ep else P(None, None, None, "tp"),
-        "we_down": P(None, "tp", None, None) if ep else P(None, None, "tp", None),
+        "we_gate": P("tp", None, None) if ep else P(None, None, "tp"),
+        "we_up": P("tp", None, None) if ep else P(None, None, "tp"),
+        "we_down": P("tp", None, None) if ep else P(None, "tp", None),
     }
     return table.get(name, P())
 
@@ -75,7 +75,7 @@ def expected_specs(name: str, tp: int, ep: bool) -> P:
 def assert_placed_by_the_rules(llm: LLM, tp: int, ep: bool, num_kv_heads: int) -> None:
     runner = llm._core.runner
     leaves = {"embed": runner.params["embed"], **{f"{name}#{i}": leaf for i, seg in
-                                                  enumerate(runner.params["segments"]) for name, leaf in seg.items()}}
+                                                  enumerate(runner.params["layers"]) for name, leaf in seg.items()}}
     if "lm_head" in runner.params:
         leaves["lm_head"] = runner.params["lm_head"]
     for key, leaf in leaves.items():
