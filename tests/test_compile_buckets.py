@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 from transformers import LlamaConfig
 
 from jengine import LLM, SamplingParams
+from jengine.runner.buckets import StepBuckets
+from jengine.runner.compile import pinned_shapes
 from jengine.runner.step import num_compiled_shapes
 from tests.conftest import COMMON
 
@@ -40,3 +46,35 @@ def test_auto_compiles_up_front_only_with_a_kernel_backend(model_dir):
         assert llm._core.runner.backend.name == "reference"
         assert not llm._core.runner.batch.pin_shapes
         assert num_compiled_shapes() == before
+
+
+PRECOMPILE_PROBE = """
+import json, sys, threading
+import jax
+from jengine import LLM
+
+compiles = {"main": 0, "threads": 0}
+def count(event, seconds, **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration":
+        compiles["main" if threading.current_thread() is threading.main_thread() else "threads"] += 1
+jax.monitoring.register_event_duration_secs_listener(count)
+with LLM(sys.argv[1], dtype="float32", max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32,
+         compile_buckets="all") as llm:
+    text = llm.generate(["ab"], use_tqdm=False)[0].outputs[0].text
+print(json.dumps(compiles))
+"""
+
+
+def test_start_up_compiles_buckets_on_threads_and_the_runs_reuse_them(model_dir, tmp_path):
+    """Start-up compiles every bucket ahead of time on worker threads; the warm-up runs then reuse those programs
+    instead of compiling each a second time on the main thread. A fresh process (and an empty persistent cache),
+    so nothing was compiled before."""
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", PRECOMPILE_PROBE, str(model_dir)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    compiles = json.loads(proc.stdout.strip().splitlines()[-1])
+    shapes = pinned_shapes(StepBuckets.build(32, 8, -(-64 // 16)))
+    assert compiles["threads"] >= len(shapes), compiles  # every shape's forward at least
+    # the main thread compiles the cache allocation and such, never a step program of each shape
+    assert compiles["main"] < len(shapes), compiles

@@ -22,7 +22,7 @@ from jengine.runner.buckets import StepBuckets, pick, powers_of_two
 from jengine.runner.input_batch import InputBatch, StepInputs
 from jengine.runner.kv_storage import KVPlan, allocate
 from jengine.runner.compile import RecompileGuard, pinned_shapes, warm_up
-from jengine.runner.step import build_step
+from jengine.runner.step import build_step, build_step_compiler
 from jengine.sampling.metadata import SamplingRowTable
 from jengine.sampling.sampler import SamplerOutput
 from jengine.scheduler.output import RunnerOutput, SchedulerOutput, TokenLogprobs
@@ -72,7 +72,9 @@ class ModelRunner:
         self.backend = backend
         self.sampling_rows = SamplingRowTable(sched.max_num_seqs, engine_seed=config.model.seed)
         self.row_tokens = jax.device_put(np.zeros(sched.max_num_seqs, np.int32), layout.replicated)  # the feed
-        self._step = build_step(spec, backend, layout.mesh if layout.expert_parallel else None)
+        expert_mesh = layout.mesh if layout.expert_parallel else None
+        self._step = build_step(spec, backend, expert_mesh)
+        self._compile_step = build_step_compiler(spec, backend, expert_mesh)
         self.recompile_guard = RecompileGuard()
         if pin:
             warm_up(self, pinned_shapes(self.buckets))

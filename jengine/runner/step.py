@@ -92,6 +92,22 @@ def build_step(spec: ModelSpec, backend: AttentionBackend, expert_mesh: jax.shar
     return step
 
 
+def build_step_compiler(spec: ModelSpec, backend: AttentionBackend, expert_mesh: jax.sharding.Mesh | None = None):
+    """Compiles the step's two programs for the arguments a step call would get, without running them (nothing is
+    donated or written): start-up runs it from several threads to fill the persistent compilation cache."""
+
+    def compile_step(params, kv_cache, row_tokens, token_ids, md, logits_rows, sample_rows, sampling, prompt_rows,
+                     prompt_targets, *, num_prompt_logprobs: int) -> None:
+        forward = forward_step.lower(spec, backend, params, kv_cache, token_ids, md, logits_rows, prompt_rows,
+                                     prompt_targets, num_prompt_logprobs=num_prompt_logprobs, row_tokens=row_tokens,
+                                     expert_mesh=expert_mesh).compile()
+        logits = forward.out_info[0]
+        logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=logits.sharding)
+        sample_step.lower(logits, sampling, row_tokens, sample_rows).compile()
+
+    return compile_step
+
+
 def num_compiled_shapes() -> int:
     """How many step variants are compiled in this process (the recompilation guard watches it grow)."""
     return forward_step._cache_size() + sample_step._cache_size()
