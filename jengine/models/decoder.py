@@ -3,12 +3,20 @@
 Families differ only in the spec (biases, q/k norms, sliding windows, dense or MoE MLPs). The layers run as
 straight-line code over one weight array per layer (`models/weights.py` says why not a scan over stacked weights);
 the KV cache stays one array that every layer updates in place at its own index.
+
+Each layer is a call of one jitted layer function, its index and window passed as traced scalars: alike layers
+then share one trace and one lowering (JAX emits one function and a call per layer; XLA inlines the calls, so the
+compiled program is the same straight line). Tracing and lowering 32 layers apiece, Pallas kernels included, had
+made tracing, not XLA, the bulk of a warm start: about 0.4 s per step program under the GIL on an 8B model.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jengine.attention.backend import AttentionBackend
@@ -30,13 +38,16 @@ def matmul_precision(dtype) -> Precision:
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
+@functools.partial(jax.jit, static_argnames=("spec", "mlp_kind", "backend", "rope_scaling", "precision",
+                                             "expert_mesh"))
 def _decoder_layer(
-    spec: ModelSpec, mlp_kind: MlpKind, backend: AttentionBackend, rope, precision: Precision,
-    expert_mesh: jax.sharding.Mesh | None, md: AttentionMetadata, x: Float[Array, "tokens d"], kv_cache: KVCache,
-    w: dict[str, Array], layer: int, window: int,
+    x: Float[Array, "tokens d"], kv_cache: KVCache, w: dict[str, Array], layer: Int[Array, ""],
+    window: Int[Array, ""], md: AttentionMetadata, inv_freq: Float[Array, " half_rot"], *, spec: ModelSpec,
+    mlp_kind: MlpKind, backend: AttentionBackend, rope_scaling: float, precision: Precision,
+    expert_mesh: jax.sharding.Mesh | None,
 ) -> tuple[Float[Array, "tokens d"], KVCache]:
     h = rms_norm(x, w["attn_norm"], spec.rms_norm_eps)
-    attn, kv_cache = self_attention(spec, w, h, kv_cache, jnp.int32(layer), jnp.int32(window), md, rope, backend,
+    attn, kv_cache = self_attention(spec, w, h, kv_cache, layer, window, md, (inv_freq, rope_scaling), backend,
                                     precision)
     x = x + attn
     h = rms_norm(x, w["mlp_norm"], spec.rms_norm_eps)
@@ -65,12 +76,12 @@ def forward(
     """
     precision = matmul_precision(params["embed"].dtype)
     inv_freq, scaling = inverse_frequencies(spec.rope, spec.head_dim)
-    rope = (jnp.asarray(inv_freq), scaling)
     x = params["embed"][token_ids]
     for layer, (w, kind, window) in enumerate(zip(params["layers"], spec.mlp_kinds, spec.layer_windows,
                                                   strict=True)):
-        x, kv_cache = _decoder_layer(spec, kind, backend, rope, precision, expert_mesh, md, x, kv_cache, w, layer,
-                                     window)
+        x, kv_cache = _decoder_layer(x, kv_cache, w, np.int32(layer), np.int32(window), md, inv_freq, spec=spec,
+                                     mlp_kind=kind, backend=backend, rope_scaling=float(scaling),
+                                     precision=precision, expert_mesh=expert_mesh)
     return rms_norm(x, params["final_norm"], spec.rms_norm_eps), kv_cache
 
 
