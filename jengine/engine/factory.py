@@ -66,7 +66,7 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
     layout = plan_layout(spec, build_mesh(devices), parallel.enable_expert_parallel)
     tokenizer = Tokenizer.from_pretrained(config.model.tokenizer or config.model.model, config.model.chat_template)
     spec, params, dtype = load_model(config.model.model, dtype=config.model.dtype, sharding=layout.param_sharding,
-                                     kv_head_repeat=layout.kv_head_repeat)
+                                     kv_head_repeat=layout.kv_head_repeat, projection_shards=layout.size)
     device = next(d for d in devices if d.process_index == jax.process_index())  # memory stats: local only
     plan = agree_across_processes(plan_kv_cache(spec, config.cache, config.scheduler, dtype, device,
                                                 kv_shards=layout.size))

@@ -11,7 +11,7 @@ from jaxtyping import Array, Float, Int
 from jengine.attention.backend import AttentionBackend
 from jengine.attention.kv_cache import KVCache, QuantizedKV, allocate, calibrate
 from jengine.attention.metadata import AttentionMetadata
-from jengine.layers.linear import Precision, linear
+from jengine.layers.linear import Precision, linear, split_fused
 from jengine.layers.norm import rms_norm
 from jengine.layers.rotary import apply_rotary
 from jengine.models.spec import ModelSpec
@@ -30,9 +30,10 @@ def self_attention(
     precision: Precision = None,
 ) -> tuple[Float[Array, "tokens d"], KVCache]:
     tokens, hd = x.shape[0], spec.head_dim
-    q = linear(x, w["wq"], w.get("bq"), precision).reshape(tokens, spec.num_heads, hd)
-    k = linear(x, w["wk"], w.get("bk"), precision).reshape(tokens, spec.num_kv_heads, hd)
-    v = linear(x, w["wv"], w.get("bv"), precision).reshape(tokens, spec.num_kv_heads, hd)
+    widths = (spec.num_heads * hd, spec.num_kv_heads * hd, spec.num_kv_heads * hd)
+    q, k, v = split_fused(linear(x, w["wqkv"], w.get("bqkv"), precision), widths, spec.projection_shards)
+    q = q.reshape(tokens, spec.num_heads, hd)
+    k, v = (a.reshape(tokens, spec.num_kv_heads, hd) for a in (k, v))
     if spec.qk_norm:  # Qwen3: RMSNorm over each head before the rotation
         q = rms_norm(q, w["q_norm"], spec.rms_norm_eps)
         k = rms_norm(k, w["k_norm"], spec.rms_norm_eps)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float
 
 Precision = jax.lax.Precision | None
@@ -17,6 +18,15 @@ def linear(
 ) -> Float[Array, "... d_out"]:
     y = jnp.dot(x, w, precision=precision)
     return y + b if b is not None else y
+
+
+def split_fused(y: Float[Array, "... total"], widths: tuple[int, ...], shards: int) -> list[Array]:
+    """The parts of a fused projection's output (`models/weights.py`: columns grouped per shard, each shard holding
+    its slice of every part in order). Reshaping the shard axis out keeps a tensor-parallel split local."""
+    grouped = y.reshape(*y.shape[:-1], shards, sum(widths) // shards)
+    bounds = np.cumsum([w // shards for w in widths])[:-1].tolist()
+    return [part.reshape(*y.shape[:-1], width)
+            for part, width in zip(jnp.split(grouped, bounds, axis=-1), widths, strict=True)]
 
 
 ACTIVATIONS = {

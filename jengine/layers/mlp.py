@@ -6,16 +6,17 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from jengine.layers.linear import ACTIVATIONS, Precision, linear
+from jengine.layers.linear import ACTIVATIONS, Precision, linear, split_fused
 from jengine.models.spec import MoeSpec
 
 
 def gated_mlp(
-    x: Float[Array, "tokens d"], w: dict[str, Array], act: str, precision: Precision = None
+    x: Float[Array, "tokens d"], w: dict[str, Array], act: str, precision: Precision = None, shards: int = 1
 ) -> Float[Array, "tokens d"]:
-    """down(act(gate(x)) * up(x)), with the optional biases some Llama configs ask for."""
-    gate = linear(x, w["w_gate"], w.get("b_gate"), precision)
-    up = linear(x, w["w_up"], w.get("b_up"), precision)
+    """down(act(gate(x)) * up(x)), with the optional biases some Llama configs ask for; gate and up are one fused
+    projection whose columns are grouped per `shards` (see `split_fused`)."""
+    inter = w["w_down"].shape[0]
+    gate, up = split_fused(linear(x, w["w_gate_up"], w.get("b_gate_up"), precision), (inter, inter), shards)
     return linear(ACTIVATIONS[act](gate) * up, w["w_down"], w.get("b_down"), precision)
 
 

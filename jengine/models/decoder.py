@@ -56,7 +56,7 @@ def _decoder_layer(
     elif mlp_kind == "moe":
         x = x + moe_mlp(h, w, spec.moe, spec.hidden_act, precision)
     else:
-        x = x + gated_mlp(h, w, spec.hidden_act, precision)
+        x = x + gated_mlp(h, w, spec.hidden_act, precision, spec.projection_shards)
     return x, kv_cache
 
 

@@ -11,7 +11,7 @@ import dataclasses
 import hashlib
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import jax
@@ -24,7 +24,8 @@ from jengine.models.checkpoint import CheckpointReader, checkpoint_dtype, read_c
 from jengine.models.converted import converted_metadata, restore_converted, save_converted
 from jengine.models.registry import spec_from_hf_config
 from jengine.models.spec import ModelSpec
-from jengine.models.weights import KV_SCALE_TEMPLATES, LeafSource, kv_scale_names, parameter_sources
+from jengine.models.weights import (
+    KV_SCALE_TEMPLATES, FusedSource, LeafSource, Source, is_source, kv_scale_names, parameter_sources)
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +65,14 @@ def load_model(
     progress: bool = True,
     converted_dir: str | Path | None = None,
     kv_head_repeat: int = 1,
+    projection_shards: int = 1,
 ) -> tuple[ModelSpec, dict, jnp.dtype]:
     """Reads, checks, casts and places every parameter; returns (spec, params, dtype).
 
     `kv_head_repeat` > 1 (tensor parallelism beyond the KV-head count) repeats each KV head that many times; the
     returned spec then counts the repeated heads, so the model and the KV cache see one head per device.
+    `projection_shards`: the tensor-parallel size; the fused q/k/v and gate/up columns are grouped per shard (see
+    `models/weights.py`), and the returned spec records it for the model to split them.
 
     With `converted_dir`, a conversion saved there for the same checkpoint, dtype and layout is restored instead (fast
     start-up), and a fresh conversion is saved there otherwise.
@@ -78,10 +82,11 @@ def load_model(
         platform = jax.devices()[0].platform
         resolved = resolve_dtype(dtype, spec.checkpoint_dtype or checkpoint_dtype(reader), platform)
         sharding_for = _sharding_function(sharding)
-        sources = parameter_sources(spec, kv_head_repeat)
+        sources = parameter_sources(spec, kv_head_repeat, projection_shards)
         kv_scales = load_kv_scales(reader, spec, kv_head_repeat)
-        spec = dataclasses.replace(spec, num_kv_heads=spec.num_kv_heads * kv_head_repeat)
-        fingerprint = _fingerprint(reader, resolved, kv_head_repeat) if converted_dir else None
+        spec = dataclasses.replace(spec, num_kv_heads=spec.num_kv_heads * kv_head_repeat,
+                                   projection_shards=projection_shards)
+        fingerprint = _fingerprint(reader, resolved, kv_head_repeat, projection_shards) if converted_dir else None
         if converted_dir and (converted_metadata(converted_dir) or {}).get("fingerprint") == fingerprint:
             logger.info("restoring converted weights from %s", converted_dir)
             params = restore_converted(converted_dir, _abstract_params(sources, resolved, sharding_for))
@@ -95,15 +100,15 @@ def load_model(
 
 
 # Changes whenever the parameter pytree's structure does, so older saved conversions are converted again.
-PARAMS_LAYOUT = "one-array-per-layer"
+PARAMS_LAYOUT = "one-array-per-layer, fused qkv and gate_up"
 
 
-def _fingerprint(reader: CheckpointReader, dtype: jnp.dtype, kv_head_repeat: int) -> str:
+def _fingerprint(reader: CheckpointReader, dtype: jnp.dtype, kv_head_repeat: int, shards: int) -> str:
     """Identifies a conversion: the config, every tensor's name/shape/dtype/file size and modification time (so a
     checkpoint re-saved with new weights of the same shapes is converted again), and the target dtype."""
     tensors = [(n, reader.shape(n), str(reader.dtype(n)), _file_stamp(reader.info(n).file)) for n in reader.names()]
-    payload = json.dumps([reader.config(), tensors, dtype.name, kv_head_repeat, PARAMS_LAYOUT], sort_keys=True,
-                         default=str)
+    payload = json.dumps([reader.config(), tensors, dtype.name, kv_head_repeat, shards, PARAMS_LAYOUT],
+                         sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
@@ -113,7 +118,7 @@ def _file_stamp(path: Path) -> tuple[int, int]:
 
 
 def _abstract_params(sources: dict, dtype: jnp.dtype, sharding_for: ShardingFor) -> dict:
-    flat, treedef = jax.tree_util.tree_flatten_with_path(sources, is_leaf=lambda x: isinstance(x, LeafSource))
+    flat, treedef = jax.tree_util.tree_flatten_with_path(sources, is_leaf=is_source)
     return jax.tree.unflatten(treedef, [
         jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=sharding_for(jax.tree_util.keystr(path), leaf.shape))
         for path, leaf in flat
@@ -131,7 +136,7 @@ def _sharding_function(sharding: jax.sharding.Sharding | ShardingFor | None) -> 
 
 def _check_sources(reader: CheckpointReader, sources: dict) -> None:
     """Every tensor present, with the shape the config implies and a floating dtype, before any is read."""
-    for leaf in jax.tree.leaves(sources, is_leaf=lambda x: isinstance(x, LeafSource)):
+    for leaf in _single_tensors(sources):
         expected = leaf.checkpoint_shape
         for name in leaf.names.flat:
             reader.info(name)  # raises CheckpointError naming the missing tensor
@@ -146,8 +151,14 @@ def _check_sources(reader: CheckpointReader, sources: dict) -> None:
                 )
 
 
+def _single_tensors(sources: dict) -> Iterator[LeafSource]:
+    """Every LeafSource, the parts of fused ones included."""
+    for source in jax.tree.leaves(sources, is_leaf=is_source):
+        yield from (source.parts if isinstance(source, FusedSource) else (source,))
+
+
 def _place_all(reader: CheckpointReader, sources: dict, dtype: jnp.dtype, sharding_for: ShardingFor, progress: bool):
-    paths_and_leaves = jax.tree_util.tree_flatten_with_path(sources, is_leaf=lambda x: isinstance(x, LeafSource))
+    paths_and_leaves = jax.tree_util.tree_flatten_with_path(sources, is_leaf=is_source)
     flat, treedef = paths_and_leaves
     total = sum(int(np.prod(leaf.shape)) * dtype.itemsize for _, leaf in flat)
     placed = []
@@ -159,7 +170,9 @@ def _place_all(reader: CheckpointReader, sources: dict, dtype: jnp.dtype, shardi
     return jax.tree.unflatten(treedef, placed)
 
 
-def _place_leaf(reader: CheckpointReader, leaf: LeafSource, dtype: jnp.dtype, sharding) -> jax.Array:
+def _place_leaf(reader: CheckpointReader, leaf: Source, dtype: jnp.dtype, sharding) -> jax.Array:
+    if isinstance(leaf, FusedSource):
+        return _place_fused(reader, leaf, dtype, sharding)
     stack_rank = leaf.names.ndim
 
     def read_shard(index: tuple[slice, ...]) -> np.ndarray:
@@ -168,6 +181,16 @@ def _place_leaf(reader: CheckpointReader, leaf: LeafSource, dtype: jnp.dtype, sh
         pieces = [np.asarray(leaf.from_checkpoint(reader.read(name))[tensor_index], dtype=dtype)
                   for name in names.flat]
         return np.stack(pieces).reshape(names.shape + pieces[0].shape)
+
+    return jax.make_array_from_callback(leaf.shape, sharding, read_shard)
+
+
+def _place_fused(reader: CheckpointReader, leaf: FusedSource, dtype: jnp.dtype, sharding) -> jax.Array:
+    """Each device's slice of the fused array (its parts are single tensors, read whole once per slice)."""
+
+    def read_shard(index: tuple[slice, ...]) -> np.ndarray:
+        tensors = [part.from_checkpoint(reader.read(str(part.names))) for part in leaf.parts]
+        return np.asarray(leaf.fuse(tensors)[index], dtype=dtype)
 
     return jax.make_array_from_callback(leaf.shape, sharding, read_shard)
 

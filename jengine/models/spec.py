@@ -79,6 +79,8 @@ class ModelSpec:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     attn_logit_softcap: float | None = None
+    # the tensor-parallel size the fused q/k/v and gate/up columns are grouped for (set by the loader)
+    projection_shards: int = 1
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

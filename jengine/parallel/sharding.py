@@ -27,10 +27,9 @@ logger = logging.getLogger(__name__)
 T = TP_AXIS
 # leaf name → spec of the per-layer tensor (no stacking axes). Conditional leaves are resolved in `_rule`.
 _RULES: dict[str, tuple] = {
-    "wq": (None, T), "bq": (T,),
-    "wk": (None, T), "bk": (T,), "wv": (None, T), "bv": (T,),
+    "wqkv": (None, T), "bqkv": (T,),  # columns grouped per shard (models/weights.py)
     "wo": (T, None),
-    "w_gate": (None, T), "b_gate": (T,), "w_up": (None, T), "b_up": (T,), "w_down": (T, None),
+    "w_gate_up": (None, T), "b_gate_up": (T,), "w_down": (T, None),
     "embed": ("vocab", None), "lm_head": ("vocab", None),
     # MoE: [experts, in, out]; "ep" splits the expert axis, "tp" the expert's hidden features
     "we_gate": ("ep", None, "tp_ff"), "we_up": ("ep", None, "tp_ff"), "we_down": ("ep", "tp_ff", None),

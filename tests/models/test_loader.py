@@ -26,6 +26,7 @@ from safetensors.numpy import load_file, save_file
 from transformers import LlamaConfig
 
 from jengine.errors import CheckpointError, ConfigError, UnsupportedModelError
+from jengine.layers.linear import split_fused
 from jengine.models import loader
 from jengine.models.loader import load_model, resolve_dtype
 from jengine.models.registry import SUPPORTED_ARCHITECTURES
@@ -39,8 +40,8 @@ Q_OUT = TINY["num_attention_heads"] * HEAD_DIM
 KV_OUT = TINY["num_key_value_heads"] * HEAD_DIM
 WEIGHTS = "model.safetensors"
 
-COLUMN_PARALLEL = ("wq", "wk", "wv", "w_gate", "w_up")  # output axis (last) split over "tp"
-ROW_PARALLEL = ("wo", "w_down")  # input axis (after the layer axis) split over "tp"
+COLUMN_PARALLEL = ("wqkv", "w_gate_up")  # output axis (last) split over "tp"
+ROW_PARALLEL = ("wo", "w_down")  # input axis split over "tp"
 
 
 @pytest.fixture(scope="module")
@@ -245,15 +246,13 @@ def test_loaded_values_equal_the_checkpoint(llama, loaded_f32, layer):
     assert len(params["layers"]) == spec.num_layers == 2
     seg = params["layers"][layer]
     attn, mlp = f"model.layers.{layer}.self_attn", f"model.layers.{layer}.mlp"
-    # Projections are stored [in, out]: the transpose of HF's [out, in].
-    assert seg["wq"].shape == (TINY["hidden_size"], Q_OUT)
-    assert seg["wk"].shape == (TINY["hidden_size"], KV_OUT)
-    np.testing.assert_array_equal(np.asarray(seg["wq"]), _hf(hf, f"{attn}.q_proj.weight").T)
-    np.testing.assert_array_equal(np.asarray(seg["wk"]), _hf(hf, f"{attn}.k_proj.weight").T)
-    np.testing.assert_array_equal(np.asarray(seg["wv"]), _hf(hf, f"{attn}.v_proj.weight").T)
+    # Projections are stored [in, out]: the transpose of HF's [out, in]; q|k|v and gate|up side by side.
+    assert seg["wqkv"].shape == (TINY["hidden_size"], Q_OUT + 2 * KV_OUT)
+    qkv = [_hf(hf, f"{attn}.{name}_proj.weight").T for name in "qkv"]
+    np.testing.assert_array_equal(np.asarray(seg["wqkv"]), np.concatenate(qkv, axis=1))
     np.testing.assert_array_equal(np.asarray(seg["wo"]), _hf(hf, f"{attn}.o_proj.weight").T)
-    np.testing.assert_array_equal(np.asarray(seg["w_gate"]), _hf(hf, f"{mlp}.gate_proj.weight").T)
-    np.testing.assert_array_equal(np.asarray(seg["w_up"]), _hf(hf, f"{mlp}.up_proj.weight").T)
+    gate_up = [_hf(hf, f"{mlp}.{name}_proj.weight").T for name in ("gate", "up")]
+    np.testing.assert_array_equal(np.asarray(seg["w_gate_up"]), np.concatenate(gate_up, axis=1))
     np.testing.assert_array_equal(np.asarray(seg["w_down"]), _hf(hf, f"{mlp}.down_proj.weight").T)
     np.testing.assert_array_equal(
         np.asarray(seg["attn_norm"]), _hf(hf, f"model.layers.{layer}.input_layernorm.weight")
@@ -261,6 +260,32 @@ def test_loaded_values_equal_the_checkpoint(llama, loaded_f32, layer):
     np.testing.assert_array_equal(
         np.asarray(seg["mlp_norm"]), _hf(hf, f"model.layers.{layer}.post_attention_layernorm.weight")
     )
+
+
+def test_fused_columns_are_grouped_per_tensor_parallel_shard(llama):
+    """With 2 shards, each half of a fused projection holds that half of q, then of k, then of v (gate, up): a
+    contiguous split over 2 devices gives each its own heads' slices."""
+    _, hf = llama
+    spec, params, _ = load_model(llama[0], dtype="float32", progress=False, projection_shards=2)
+    assert spec.projection_shards == 2
+    attn, mlp = "model.layers.1.self_attn", "model.layers.1.mlp"
+    q, k, v = (_hf(hf, f"{attn}.{name}_proj.weight").T for name in "qkv")
+    gate, up = (_hf(hf, f"{mlp}.{name}_proj.weight").T for name in ("gate", "up"))
+    qh, kh, ih = Q_OUT // 2, KV_OUT // 2, TINY["intermediate_size"] // 2
+    want_qkv = np.concatenate([q[:, :qh], k[:, :kh], v[:, :kh], q[:, qh:], k[:, kh:], v[:, kh:]], axis=1)
+    want_gate_up = np.concatenate([gate[:, :ih], up[:, :ih], gate[:, ih:], up[:, ih:]], axis=1)
+    np.testing.assert_array_equal(np.asarray(params["layers"][1]["wqkv"]), want_qkv)
+    np.testing.assert_array_equal(np.asarray(params["layers"][1]["w_gate_up"]), want_gate_up)
+
+
+def test_split_fused_recovers_the_parts():
+    rng = np.random.default_rng()
+    parts = [rng.standard_normal((3, w)).astype(np.float32) for w in (8, 4, 4)]
+    shards = 2
+    fused = np.concatenate([p[:, s * p.shape[1] // shards:(s + 1) * p.shape[1] // shards]
+                            for s in range(shards) for p in parts], axis=1)
+    for got, want in zip(split_fused(jnp.asarray(fused), (8, 4, 4), shards), parts, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), want)
 
 
 def test_embed_norm_and_lm_head_equal_the_checkpoint(llama, loaded_f32):

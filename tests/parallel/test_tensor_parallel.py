@@ -61,9 +61,8 @@ def expected_specs(name: str, tp: int, ep: bool) -> P:
     if tp == 1:
         return P()
     table = {
-        "wq": P(None, "tp"), "bq": P("tp"), "wk": P(None, "tp"), "bk": P("tp"),
-        "wv": P(None, "tp"), "bv": P("tp"), "wo": P("tp", None),
-        "w_gate": P(None, "tp"), "w_up": P(None, "tp"), "w_down": P("tp", None),
+        "wqkv": P(None, "tp"), "bqkv": P("tp"), "wo": P("tp", None),
+        "w_gate_up": P(None, "tp"), "w_down": P("tp", None),
         "embed": P("tp", None), "lm_head": P("tp", None),
         "we_gate": P("tp", None, None) if ep else P(None, None, "tp"),
         "we_up": P("tp", None, None) if ep else P(None, None, "tp"),
