@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 
@@ -64,9 +65,14 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
     elif len(devices) != parallel.tensor_parallel_size:
         raise ConfigError(f"tensor_parallel_size={parallel.tensor_parallel_size} but {len(devices)} devices given")
     layout = plan_layout(spec, build_mesh(devices), parallel.enable_expert_parallel)
-    tokenizer = Tokenizer.from_pretrained(config.model.tokenizer or config.model.model, config.model.chat_template)
-    spec, params, dtype = load_model(config.model.model, dtype=config.model.dtype, sharding=layout.param_sharding,
-                                     kv_head_repeat=layout.kv_head_repeat, projection_shards=layout.size)
+    tokenizer_dir = config.model.tokenizer or config.model.model
+    Tokenizer.check_files(tokenizer_dir)  # a missing tokenizer fails before any weight is read
+    # Loading the tokenizer imports transformers (and torch, where installed): seconds that overlap the weights'.
+    with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
+        pending_tokenizer = pool.submit(Tokenizer.from_pretrained, tokenizer_dir, config.model.chat_template)
+        spec, params, dtype = load_model(config.model.model, dtype=config.model.dtype, sharding=layout.param_sharding,
+                                         kv_head_repeat=layout.kv_head_repeat, projection_shards=layout.size)
+        tokenizer = pending_tokenizer.result()
     device = next(d for d in devices if d.process_index == jax.process_index())  # memory stats: local only
     plan = agree_across_processes(plan_kv_cache(spec, config.cache, config.scheduler, dtype, device,
                                                 kv_shards=layout.size))

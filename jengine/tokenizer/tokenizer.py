@@ -75,6 +75,12 @@ class Tokenizer:
         tokenizer._check_template(explicit=chat_template is not None)
         return tokenizer
 
+    @staticmethod
+    def check_files(model_dir: str | Path) -> None:
+        """Raises CheckpointError, naming what is missing, unless the directory has tokenizer files: the quick check
+        a caller that loads the tokenizer in the background runs first."""
+        _check_tokenizer_files(Path(model_dir))
+
     @property
     def hf_tokenizer(self) -> Any:
         """The wrapped HF tokenizer, for the rare caller that needs more than this class offers."""

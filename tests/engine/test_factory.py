@@ -1,0 +1,50 @@
+"""`build_engine`'s start-up order: the tokenizer loads beside the weights, yet a missing or broken tokenizer is
+still reported as such (a missing one before any weight is read)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from transformers import LlamaConfig
+
+from jengine import LLM
+from jengine.engine import factory
+from jengine.errors import CheckpointError
+from jengine.tokenizer.tokenizer import TOKENIZER_FILES
+from tests.conftest import COMMON
+
+
+@pytest.fixture(scope="module")
+def model_dir(build_checkpoint, tiny_tokenizer_dir):
+    config = LlamaConfig(**{**COMMON, "num_hidden_layers": 1, "max_position_embeddings": 64})
+    return build_checkpoint(config, tokenizer_dir=tiny_tokenizer_dir)[0]
+
+
+def _without_tokenizer(model_dir, tmp_path):
+    copy = shutil.copytree(model_dir, tmp_path / "model")
+    for name in TOKENIZER_FILES:
+        (copy / name).unlink(missing_ok=True)
+    return copy
+
+
+def test_a_missing_tokenizer_fails_before_any_weight_is_read(model_dir, tmp_path, monkeypatch):
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights were read before the tokenizer was checked")
+
+    monkeypatch.setattr(factory, "load_model", no_weights)
+    with pytest.raises(CheckpointError, match="no tokenizer"):
+        LLM(str(_without_tokenizer(model_dir, tmp_path)), dtype="float32", max_model_len=64)
+
+
+def test_a_broken_tokenizer_is_reported_after_the_overlapped_load(model_dir, tmp_path):
+    broken = shutil.copytree(model_dir, tmp_path / "model")
+    (broken / "tokenizer.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="tokenizer"):
+        LLM(str(broken), dtype="float32", max_model_len=64)
+
+
+def test_the_engine_has_the_model_directorys_tokenizer(model_dir):
+    with LLM(str(model_dir), dtype="float32", max_model_len=64) as llm:
+        ids = llm.get_tokenizer().encode("hello world")
+        assert llm.get_tokenizer().decode(ids, skip_special_tokens=True).strip() == "hello world"
