@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -162,12 +163,19 @@ def _place_all(reader: CheckpointReader, sources: dict, dtype: jnp.dtype, shardi
     flat, treedef = paths_and_leaves
     total = sum(int(np.prod(leaf.shape)) * dtype.itemsize for _, leaf in flat)
     placed = []
-    with tqdm(total=total, unit="B", unit_scale=True, desc="Loading weights", disable=not progress) as bar:
-        for path, leaf in flat:
-            name = jax.tree_util.keystr(path)
-            placed.append(_place_leaf(reader, leaf, dtype, sharding_for(name, leaf.shape)))
+    # Leaves load on a few threads: the transposes and casts of one (numpy, without the GIL) overlap another's
+    # transfer to the device.
+    with (ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="weights") as pool,
+          tqdm(total=total, unit="B", unit_scale=True, desc="Loading weights", disable=not progress) as bar):
+        futures = [pool.submit(_place_leaf, reader, leaf, dtype, sharding_for(jax.tree_util.keystr(path), leaf.shape))
+                   for path, leaf in flat]
+        for future, (_, leaf) in zip(futures, flat, strict=True):
+            placed.append(future.result())
             bar.update(int(np.prod(leaf.shape)) * dtype.itemsize)
     return jax.tree.unflatten(treedef, placed)
+
+
+LOAD_THREADS = 4
 
 
 def _place_leaf(reader: CheckpointReader, leaf: Source, dtype: jnp.dtype, sharding) -> jax.Array:
@@ -186,13 +194,10 @@ def _place_leaf(reader: CheckpointReader, leaf: Source, dtype: jnp.dtype, shardi
 
 
 def _place_fused(reader: CheckpointReader, leaf: FusedSource, dtype: jnp.dtype, sharding) -> jax.Array:
-    """Each device's slice of the fused array (its parts are single tensors, read whole once per slice)."""
-
-    def read_shard(index: tuple[slice, ...]) -> np.ndarray:
-        tensors = [part.from_checkpoint(reader.read(str(part.names))) for part in leaf.parts]
-        return np.asarray(leaf.fuse(tensors)[index], dtype=dtype)
-
-    return jax.make_array_from_callback(leaf.shape, sharding, read_shard)
+    """Each device's slice of the fused array, built once on the host (its parts are single tensors)."""
+    fused = leaf.fuse([np.asarray(part.from_checkpoint(reader.read(str(part.names))), dtype=dtype)
+                       for part in leaf.parts])
+    return jax.make_array_from_callback(leaf.shape, sharding, lambda index: fused[index])
 
 
 def load_kv_scales(reader: CheckpointReader, spec: ModelSpec, kv_head_repeat: int = 1) -> np.ndarray | None:
