@@ -45,7 +45,8 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 import e2e_checkpoint  # noqa: E402
 import e2e_roofline as roof  # noqa: E402
-from e2e_figures import METHODS, engine_figures, mixed_figures, shapes_figures, worker_metrics  # noqa: E402
+from e2e_figures import (
+    METHODS, combine_hf_shares, engine_figures, mixed_figures, shapes_figures, worker_metrics)  # noqa: E402
 from e2e_workload import mixed_requests, save_requests  # noqa: E402
 from gpu_bench_common import (  # noqa: E402
     device_memory_bytes, log, merge_records, print_tables, read_record, result_record, write_record)
@@ -252,9 +253,13 @@ class Call:
                                   m["max_total_len"], seed=0)
         path = self.workdir / "mixed-requests.json"
         save_requests(path, requests)
-        spec = {"requests_file": str(path), "cap": self.scale.max_batch}
+        spec = {"requests_file": str(path), "cap": self.scale.max_batch, "share": list(self.args.hf_share)}
         method = METHODS["mixed"].format(**m)
         ours = self.jengine_worker(self.task(role="mixed", mixed=spec), "jengine-mixed")
+        k, n = self.args.hf_share
+        if n > 1 and "jengine_mixed_tokens_per_s" in ours["metrics"]:  # each share's call measures jengine whole
+            ours["metrics"][f"jengine_mixed_tokens_per_s_share{k}of{n}"] = \
+                ours["metrics"]["jengine_mixed_tokens_per_s"]
         self.publish("mixed", [ours], mixed_figures({}, ours["metrics"]), method)
         hf = self.hf_worker(self.task(part="mixed", mixed=spec), "hf-mixed")
         self.publish("mixed", [hf, ours], mixed_figures(hf["metrics"], ours["metrics"]), method)
@@ -293,7 +298,7 @@ class Call:
         details.write_text(json.dumps(workers, indent=1))
 
     def write(self, show: bool = False) -> None:
-        record = self.ours if self.base is None else merge_records(self.base, self.ours)
+        record = with_hf_shares_combined(self.ours if self.base is None else merge_records(self.base, self.ours))
         write_record(self.out, record)
         if show:
             print_tables(record)
@@ -301,6 +306,11 @@ class Call:
                 for error in errors:
                     log(f"error ({part}): {error}")
             log(f"\nwritten: {self.out}")
+
+
+def with_hf_shares_combined(record: dict[str, Any]) -> dict[str, Any]:
+    metrics, ratios = combine_hf_shares(record["metrics"])
+    return {**record, "metrics": record["metrics"] | metrics, "ratios": record["ratios"] | ratios}
 
 
 def default_out() -> str:
@@ -327,6 +337,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="which sides to run: jengine,hf (a ratio needs both of its sides in one call)")
     parser.add_argument("--batch-sizes", default=None, type=lambda v: [int(b) for b in v.split(",")],
                         help="shapes: batch sizes besides the largest that fits (default 1,16,64)")
+    parser.add_argument("--hf-share", default=(0, 1), type=_share, metavar="K/N",
+                        help="mixed: HF runs only its batches K, K+N, ... (HF's whole workload can outlast one call; "
+                             "run K = 0..N-1 in N calls at one commit and merge them)")
     parser.add_argument("--num-prompts", type=int, default=None, help="mixed: requests (default 1000)")
     parser.add_argument("--mixed-lengths", default=None, type=lambda v: [int(x) for x in v.split(",")],
                         metavar="IN,OUT", help="mixed: median prompt and output lengths (default 256,128)")
@@ -354,6 +367,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _share(value: str) -> tuple[int, int]:
+    try:
+        k, n = (int(x) for x in value.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--hf-share takes K/N, e.g. 0/2; got {value!r}") from None
+    if not 0 <= k < n:
+        raise argparse.ArgumentTypeError(f"--hf-share K/N needs 0 <= K < N; got {value!r}")
+    return k, n
+
+
 def _engine_option(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key:
@@ -372,8 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.part:  # merge only
         if call.base is None:
             raise SystemExit("nothing to merge: no --merge-from file exists")
-        write_record(call.out, call.base)
-        print_tables(call.base)
+        record = with_hf_shares_combined(call.base)
+        write_record(call.out, record)
+        print_tables(record)
         return 0
     call.prepare()
     for part in PARTS:

@@ -7,6 +7,7 @@ missing (its section failed) is left out rather than guessed.
 
 from __future__ import annotations
 
+import re
 import statistics
 from typing import Any
 
@@ -97,6 +98,30 @@ def mixed_figures(hf: dict[str, float], ours: dict[str, float]) -> Figures:
     if "kv_waste_fraction" in ours:
         ratios["kv_waste_fraction"] = ours["kv_waste_fraction"]
     return {}, ratios
+
+
+def combine_hf_shares(metrics: dict[str, float]) -> Figures:
+    """HF's mixed throughput from shares of its batches run in separate calls (`--hf-share k/n`), once every share
+    of one split is present with one batch size: counted tokens over summed seconds. jengine ran the whole workload
+    in each of those calls; its side of the ratio is the mean of those runs."""
+    out_metrics: dict[str, float] = {}
+    ratios: dict[str, float] = {}
+    ours = [v for key, v in metrics.items() if key.startswith("jengine_mixed_tokens_per_s_share")]
+    for config, name in (("best", "throughput_vs_hf"), ("default", "throughput_vs_hf_default")):
+        for n in sorted({int(m.group(1)) for key in metrics
+                         if (m := re.fullmatch(rf"hf_{config}_mixed_seconds_share\d+of(\d+)", key))}):
+            tags = [f"share{k}of{n}" for k in range(n)]
+            if not all(f"hf_{config}_mixed_seconds_{t}" in metrics for t in tags):
+                continue
+            if len({metrics.get(f"hf_{config}_mixed_batch_size_{t}") for t in tags}) != 1:
+                continue  # a share that fell back to a smaller batch cut the workload differently
+            seconds = sum(metrics[f"hf_{config}_mixed_seconds_{t}"] for t in tags)
+            tokens = sum(metrics[f"hf_{config}_mixed_counted_tokens_{t}"] for t in tags)
+            out_metrics[f"hf_{config}_mixed_seconds"] = seconds
+            out_metrics[f"hf_{config}_mixed_tokens_per_s"] = tokens / seconds
+            if ours:
+                ratios[name] = (sum(ours) / len(ours)) / (tokens / seconds)
+    return out_metrics, ratios
 
 
 def engine_figures(shape: LlamaShape, ours: dict[str, float], ttft_on: list[float] | None,

@@ -129,12 +129,14 @@ def mixed_batch_size(runner: HfRunner, shape: LlamaShape, requests: list, cap: i
     return 1
 
 
-def run_mixed(runner: HfRunner, requests: list, batch_size: int, config: str) -> dict[str, Any]:
+def run_mixed(runner: HfRunner, requests: list, batch_size: int, config: str,
+              share: tuple[int, int] = (0, 1)) -> dict[str, Any]:
     """Output tokens per second over the whole mixed workload; a batch size that runs out of memory after all is
-    halved (at most twice) and the workload run again from the start."""
+    halved (at most twice) and the workload run again from the start. `share` (k, n): only batches k, k + n, ...
+    (HF's whole workload can outlast one GPU call; `e2e_figures.combine_hf_shares` adds the shares up)."""
     for attempt in range(3):
         try:
-            return _run_mixed_at(runner, requests, batch_size, config)
+            return _run_mixed_at(runner, requests, batch_size, config, share)
         except runner.torch.cuda.OutOfMemoryError:
             if attempt == 2:
                 raise
@@ -144,14 +146,24 @@ def run_mixed(runner: HfRunner, requests: list, batch_size: int, config: str) ->
     raise AssertionError("unreachable")
 
 
-def _run_mixed_at(runner: HfRunner, requests: list, batch_size: int, config: str) -> dict[str, Any]:
-    batches = hf_batches(requests, batch_size)
+def _run_mixed_at(runner: HfRunner, requests: list, batch_size: int, config: str,
+                  share: tuple[int, int]) -> dict[str, Any]:
+    k, n = share
+    all_batches = hf_batches(requests, batch_size)
+    batches = all_batches[k::n]
     counted = sum(b.counted_tokens for b in batches)
     warm_up(runner, batches, config)
     seconds = time_batches(runner, batches, config)
     elapsed = sum(seconds)
-    log(f"  HF {config} mixed: {counted} tokens in {elapsed:.1f} s = {counted / elapsed:.1f} tok/s")
-    metrics = {f"hf_{config}_mixed_batch_size": batch_size, f"hf_{config}_mixed_batches": len(batches),
+    log(f"  HF {config} mixed{f' (share {k} of {n})' if n > 1 else ''}: {counted} tokens in {elapsed:.1f} s = "
+        f"{counted / elapsed:.1f} tok/s")
+    if n > 1:
+        tag = f"share{k}of{n}"
+        return {"metrics": {f"hf_{config}_mixed_batch_size_{tag}": batch_size,
+                            f"hf_{config}_mixed_seconds_{tag}": elapsed,
+                            f"hf_{config}_mixed_counted_tokens_{tag}": counted},
+                "samples": {f"hf_{config}_mixed_batch_seconds_{tag}": seconds}}
+    metrics = {f"hf_{config}_mixed_batch_size": batch_size, f"hf_{config}_mixed_batches": len(all_batches),
                "hf_mixed_output_tokens": counted,  # what the requests asked for: the same for every batch size
                f"hf_{config}_mixed_generated_tokens": sum(batch_size * b.max_new_tokens for b in batches),
                f"hf_{config}_mixed_seconds": elapsed, f"hf_{config}_mixed_tokens_per_s": counted / elapsed}
@@ -203,7 +215,8 @@ def work(task: dict[str, Any], sink: Any) -> None:
         requests = load_requests(Path(task["mixed"]["requests_file"]))
         size = mixed_batch_size(runner, shape, requests, task["mixed"]["cap"])
         for config in configs:
-            sink.section(f"HF {config} mixed", lambda c=config: run_mixed(runner, requests, size, c))
+            share = tuple(task["mixed"].get("share", (0, 1)))
+            sink.section(f"HF {config} mixed", lambda c=config: run_mixed(runner, requests, size, c, share))
 
 
 def device_name(runner: HfRunner) -> str:

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 import e2e_checkpoint  # noqa: E402
 import e2e_roofline as roof  # noqa: E402
-from e2e_figures import engine_figures, mixed_figures, shapes_figures  # noqa: E402
+from e2e_figures import combine_hf_shares, engine_figures, mixed_figures, shapes_figures  # noqa: E402
 from e2e_workload import Request, hf_batches, left_pad  # noqa: E402
 from gpu_bench_common import merge_records, result_record  # noqa: E402
 
@@ -139,3 +139,18 @@ def test_results_from_several_calls_merge_into_one_file():
     with pytest.raises(ValueError, match="git_sha"):
         merge_records(first, second | {"git_sha": "def"})
     assert merge_records(first, second | {"git_sha": "unknown"})["git_sha"] == "abc"
+
+
+def test_hf_shares_from_separate_calls_add_up_to_the_whole_workload():
+    """HF's batches split over calls (`--hf-share k/n`): counted tokens over summed seconds, once every share of one
+    batch size is present; jengine's side is the mean of its whole-workload runs in those calls."""
+    shares = {"hf_best_mixed_seconds_share0of2": 30.0, "hf_best_mixed_counted_tokens_share0of2": 600,
+              "hf_best_mixed_batch_size_share0of2": 64, "jengine_mixed_tokens_per_s_share0of2": 900.0}
+    assert combine_hf_shares(shares) == ({}, {})  # half the workload: no figure yet
+    shares |= {"hf_best_mixed_seconds_share1of2": 10.0, "hf_best_mixed_counted_tokens_share1of2": 200,
+               "hf_best_mixed_batch_size_share1of2": 64, "jengine_mixed_tokens_per_s_share1of2": 1100.0}
+    metrics, ratios = combine_hf_shares(shares)
+    assert metrics["hf_best_mixed_tokens_per_s"] == pytest.approx(800 / 40)
+    assert ratios == {"throughput_vs_hf": pytest.approx(1000 / 20)}
+    shares["hf_best_mixed_batch_size_share1of2"] = 32  # that call fell back to a smaller batch: a different split
+    assert combine_hf_shares(shares) == ({}, {})
