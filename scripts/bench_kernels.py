@@ -555,6 +555,7 @@ def fp8_decode(bench: Bench, kv, bs: dict[str, Batch]) -> None:
             c_ok = compare(ours(b, tuning=decode_tuning(c))(*fp8_args), ref8)
             bench.checks[f"fp8{c}/{name}"] = {**c_ok, "ok": c_ok["finite"] and c_ok["rel_err"] <= 2e-2}
             jobs[f"fp8{c}/{name}"] = (ours(b, tuning=decode_tuning(c)), fp8_args)
+    fp8_offset_check(bench, kv8, scales, bs[DECODE_SHAPES[0]], tuning)
     t = time_jobs(jobs, runs=bench.args.runs)
     copy_rate = bench.metrics.get("copy_tb_per_s", 0) * 1e12
     for name in DECODE_SHAPES:
@@ -573,6 +574,18 @@ def fp8_decode(bench: Bench, kv, bs: dict[str, Batch]) -> None:
     log(f"  fastest float8 decode candidate {best}")
     for name in DECODE_SHAPES:
         bench.metric(f"fp8_best_candidate_{name}_us", t[f"fp8{best}/{name}"] * 1e6)
+
+
+def fp8_offset_check(bench: Bench, kv8, scales, b: Batch, tuning) -> None:
+    """The same float8 pages in a cache twice as large (the layers repeated, so the read layer holds the same data):
+    over 4 GiB the Triton lowering switches to 64-bit offsets. A 1-byte cache of 2–4 GiB gets 32-bit ones, which
+    cannot address past 2 GiB (signed); comparing the two tells whether that is where float8 results go wrong."""
+    big = jnp.concatenate([kv8, kv8], axis=0)
+    big_scales = jnp.concatenate([scales, scales], axis=0)
+    log(f"  float8 cache bytes: {kv8.nbytes / 2**30:.2f} GiB and {big.nbytes / 2**30:.2f} GiB")
+    ref8 = reference(b)(*b.args(kv8), kv_scales=scales)
+    bench.check("fp8_cache_over_4gib_vs_reference", ours(b, tuning=tuning)(*b.args(big), big_scales), ref8, 2e-2)
+    del big
 
 
 PEER_RATIOS = {"cudnn": "cudnn_contiguous", "flash": "flash_contiguous", "jax_cudnn": "jax_cudnn_contiguous"}
