@@ -30,6 +30,8 @@ from jengine.models.weights import (
 
 logger = logging.getLogger(__name__)
 
+LOAD_THREADS = 4  # leaves read, transposed and placed at once (each holds its host copy until placed)
+
 DTYPE_NAMES = {
     "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
     "float16": jnp.float16, "fp16": jnp.float16, "half": jnp.float16,
@@ -174,8 +176,6 @@ def _place_all(reader: CheckpointReader, sources: dict, dtype: jnp.dtype, shardi
             bar.update(int(np.prod(leaf.shape)) * dtype.itemsize)
     return jax.tree.unflatten(treedef, placed)
 
-
-LOAD_THREADS = 4
 
 
 def _place_leaf(reader: CheckpointReader, leaf: Source, dtype: jnp.dtype, sharding) -> jax.Array:

@@ -26,6 +26,8 @@ from jengine.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+MAX_COMPILE_THREADS = 8  # each compile holds a copy of the program's HLO; 8 keep a 16-core host busy
+
 
 @dataclasses.dataclass(frozen=True)
 class StepShape:
@@ -74,9 +76,6 @@ def warm_up(runner, shapes: list[StepShape], progress: bool = True) -> int:
     compiled = num_compiled_shapes() - before
     logger.info("compiled %d step variants for %d shape buckets", compiled, len(shapes))
     return compiled
-
-
-MAX_COMPILE_THREADS = 8
 
 
 def _padding_call(runner, shape: StepShape, num_sampled: int) -> tuple[tuple, dict]:
