@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -64,17 +65,22 @@ def warm_up(runner, shapes: list[StepShape], progress: bool = True) -> int:
     workers = min(MAX_COMPILE_THREADS, os.cpu_count() or 1)
     precompiled = workers > 1 and len(calls) > 1
     if precompiled:
+        start, lowering, compiling = time.perf_counter(), 0.0, 0.0
         with ThreadPoolExecutor(workers) as pool, tqdm(total=len(calls), desc="Compiling step buckets",
                                                        disable=not progress) as bar:
-            for _ in pool.map(lambda call: runner._compile_step(*call[0], **call[1]), calls):
+            for lower_s, compile_s in pool.map(lambda call: runner._compile_step(*call[0], **call[1]), calls):
+                lowering, compiling = lowering + lower_s, compiling + compile_s
                 bar.update()
+        logger.info("compiled %d step variants on %d threads in %.1f s (summed over threads: tracing and lowering "
+                    "%.1f s, XLA compile or cache load %.1f s)", len(calls), workers, time.perf_counter() - start,
+                    lowering, compiling)
     before = num_compiled_shapes()
     for args, kwargs in tqdm(calls, desc="Warming up step buckets" if precompiled else "Compiling step buckets",
                              disable=not progress):
         _, _, runner.kv_cache, runner.row_tokens = runner._step(runner.params, runner.kv_cache, runner.row_tokens,
                                                                 *args[3:], **kwargs)
     compiled = num_compiled_shapes() - before
-    logger.info("compiled %d step variants for %d shape buckets", compiled, len(shapes))
+    logger.info("%d step variants ready for %d shape buckets", compiled, len(shapes))
     return compiled
 
 

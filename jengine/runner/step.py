@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -94,16 +95,25 @@ def build_step(spec: ModelSpec, backend: AttentionBackend, expert_mesh: jax.shar
 
 def build_step_compiler(spec: ModelSpec, backend: AttentionBackend, expert_mesh: jax.sharding.Mesh | None = None):
     """Compiles the step's two programs for the arguments a step call would get, without running them (nothing is
-    donated or written): start-up runs it from several threads to fill the persistent compilation cache."""
+    donated or written): start-up runs it from several threads, and the step calls that follow reuse the programs.
+    Returns the seconds spent (tracing and lowering, XLA compiling or loading from the persistent cache)."""
 
     def compile_step(params, kv_cache, row_tokens, token_ids, md, logits_rows, sample_rows, sampling, prompt_rows,
-                     prompt_targets, *, num_prompt_logprobs: int) -> None:
-        forward = forward_step.lower(spec, backend, params, kv_cache, token_ids, md, logits_rows, prompt_rows,
+                     prompt_targets, *, num_prompt_logprobs: int) -> tuple[float, float]:
+        start = time.perf_counter()
+        lowered = forward_step.lower(spec, backend, params, kv_cache, token_ids, md, logits_rows, prompt_rows,
                                      prompt_targets, num_prompt_logprobs=num_prompt_logprobs, row_tokens=row_tokens,
-                                     expert_mesh=expert_mesh).compile()
+                                     expert_mesh=expert_mesh)
+        lowered_at = time.perf_counter()
+        forward = lowered.compile()
+        compiled_at = time.perf_counter()
         logits = forward.out_info[0]
         logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=logits.sharding)
-        sample_step.lower(logits, sampling, row_tokens, sample_rows).compile()
+        lowered = sample_step.lower(logits, sampling, row_tokens, sample_rows)
+        sample_lowered_at = time.perf_counter()
+        lowered.compile()
+        return (lowered_at - start) + (sample_lowered_at - compiled_at), \
+            (compiled_at - lowered_at) + (time.perf_counter() - sample_lowered_at)
 
     return compile_step
 
