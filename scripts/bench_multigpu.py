@@ -71,15 +71,15 @@ def prompts(vocab: int, count: int, length: int, seed: int) -> list[dict]:
 
 
 def engine(model: Path, dtype: str, tp: int, ep: bool = False, max_num_seqs: int = 8, backend: str = "auto",
-           blocks: int | None = None, **options):
+           blocks: int | None = None):
     from jengine import LLM
 
     return LLM(str(model), dtype=dtype, tensor_parallel_size=tp, enable_expert_parallel=ep, max_model_len=1024,
                max_num_seqs=max_num_seqs, max_num_batched_tokens=8192, compile_buckets="lazy", seed=0,
-               attention_backend=backend, num_gpu_blocks_override=blocks, **options)
+               attention_backend=backend, num_gpu_blocks_override=blocks)
 
 
-def greedy_run(model: Path, dtype: str, tp: int, batch: list[dict], out: dict, ep: bool = False, **options):
+def greedy_run(model: Path, dtype: str, tp: int, batch: list[dict], out: dict, ep: bool = False):
     """Greedy tokens on the default (kernel) backend; if that fails, the failure is recorded and the jnp reference
     backend answers instead, so the layout comparison still runs."""
     import traceback
@@ -87,7 +87,7 @@ def greedy_run(model: Path, dtype: str, tp: int, batch: list[dict], out: dict, e
     for backend in ("auto", "reference"):
         try:
             # a small exact pool: the greedy batch needs ~100 blocks, and float32 steps need room beside the weights
-            llm = engine(model, dtype, tp, ep, backend=backend, blocks=1024, **options)
+            llm = engine(model, dtype, tp, ep, backend=backend, blocks=1024)
             try:
                 return greedy(llm, batch)
             finally:
@@ -172,11 +172,11 @@ def release(llm) -> None:
     gc.collect()
 
 
-def part_dense_f32(model: Path, sizes: list[int], vocab: int, out: dict, **options) -> None:
+def part_dense_f32(model: Path, sizes: list[int], vocab: int, out: dict) -> None:
     batch = prompts(vocab, GREEDY_PROMPTS, PROMPT_LEN, seed=1)
     results = {}
     for tp in [1, *sizes]:
-        results[tp] = greedy_run(model, "float32", tp, batch, out, **options)[0]
+        results[tp] = greedy_run(model, "float32", tp, batch, out)[0]
         log(f"float32 TP={tp}: greedy done")
     for tp in sizes:
         same = sum(a == b for a, b in zip(results[1], results[tp])) / len(batch)
@@ -185,14 +185,14 @@ def part_dense_f32(model: Path, sizes: list[int], vocab: int, out: dict, **optio
     out["ratios"]["tp_greedy_identical"] = min(out["ratios"][f"tp{tp}_greedy_identical_f32"] for tp in sizes)
 
 
-def part_dense_speed(model: Path, sizes: list[int], config: dict, out: dict, **options) -> None:
+def part_dense_speed(model: Path, sizes: list[int], config: dict, out: dict) -> None:
     _, bandwidth = common.copy_bandwidth()
     out["metrics"]["copy_tb_per_s"] = bandwidth / 1e12
     batch = prompts(config["vocab_size"], GREEDY_PROMPTS, PROMPT_LEN, seed=1)
     times: dict[int, dict[int, float]] = {}
     chosen: dict[int, tuple] = {}
     for tp in [1, *sizes]:
-        llm = engine(model, "bfloat16", tp, max_num_seqs=max(BATCHES), **options)
+        llm = engine(model, "bfloat16", tp, max_num_seqs=max(BATCHES))
         chosen[tp] = greedy(llm, batch)
         times[tp] = {b: step_time(llm, prompts(config["vocab_size"], b, PROMPT_LEN, seed=b)) for b in BATCHES}
         release(llm)
@@ -212,12 +212,12 @@ def part_dense_speed(model: Path, sizes: list[int], config: dict, out: dict, **o
         out["metrics"][f"tp{tp}_bf16_max_logprob_diff"] = diff_before_divergence(chosen[tp], chosen[1])
 
 
-def part_moe(model: Path, sizes: list[int], vocab: int, out: dict, **options) -> None:
+def part_moe(model: Path, sizes: list[int], vocab: int, out: dict) -> None:
     batch = prompts(vocab, GREEDY_PROMPTS, PROMPT_LEN, seed=2)
     for dtype in ("float32", "bfloat16"):
         base = None
         for tp in [1, *sizes]:
-            result = greedy_run(model, dtype, tp, batch, out, ep=tp > 1, **options)
+            result = greedy_run(model, dtype, tp, batch, out, ep=tp > 1)
             if base is None:
                 base = result
                 continue
@@ -241,7 +241,6 @@ def main() -> None:
     parser.add_argument("--workdir", default="/tmp/jengine-multigpu")
     parser.add_argument("--tiny", action="store_true", help="a small model (CPU check of the script)")
     args = parser.parse_args()
-    options: dict = {}
     import jax
 
     sizes = [int(s) for s in args.tp.split(",")]
@@ -252,16 +251,16 @@ def main() -> None:
     if args.part == "moe":
         shape = TINY_MOE if args.tiny else MIXTRAL_REDUCED
         model = write_mixtral(work / "mixtral", shape)
-        part_moe(model, sizes, shape["vocab_size"], out, **options)
+        part_moe(model, sizes, shape["vocab_size"], out)
     else:
         shape = ckpt.TINY if args.tiny else ckpt.LLAMA_31_8B
         model = work / "llama"
         if not (model / "config.json").exists():
             ckpt.write_random_llama(model, shape)
         if args.part == "dense_f32":
-            part_dense_f32(model, sizes, shape["vocab_size"], out, **options)
+            part_dense_f32(model, sizes, shape["vocab_size"], out)
         else:
-            part_dense_speed(model, sizes, ckpt.llama_config(shape), out, **options)
+            part_dense_speed(model, sizes, ckpt.llama_config(shape), out)
     if out.get("errors"):
         out["metrics"]["errors"] = out["errors"]
     record = common.result_record(

@@ -11,6 +11,7 @@ The buckets are first compiled ahead of time on several threads (XLA compiles wi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -61,39 +62,44 @@ def padding_inputs(shape: StepShape, num_slots: int) -> tuple[np.ndarray, Attent
 
 def warm_up(runner, shapes: list[StepShape], progress: bool = True) -> int:
     """Compiles the step for `shapes` (greedy and sampling variants of the sampler); returns the compile count."""
-    calls = [_padding_call(runner, shape, sampled) for shape in shapes for sampled in (0, 1)]
+    calls = [_padding_step_inputs(runner, shape, sampled) for shape in shapes for sampled in (0, 1)]
     workers = min(MAX_COMPILE_THREADS, os.cpu_count() or 1)
     precompiled = workers > 1 and len(calls) > 1
     if precompiled:
         start, lowering, compiling = time.perf_counter(), 0.0, 0.0
         with ThreadPoolExecutor(workers) as pool, tqdm(total=len(calls), desc="Compiling step buckets",
                                                        disable=not progress) as bar:
-            for lower_s, compile_s in pool.map(lambda call: runner._compile_step(*call[0], **call[1]), calls):
+            compile_one = functools.partial(_compile, runner)
+            for lower_s, compile_s in pool.map(compile_one, calls):
                 lowering, compiling = lowering + lower_s, compiling + compile_s
                 bar.update()
         logger.info("compiled %d step variants on %d threads in %.1f s (summed over threads: tracing and lowering "
                     "%.1f s, XLA compile or cache load %.1f s)", len(calls), workers, time.perf_counter() - start,
                     lowering, compiling)
     before = num_compiled_shapes()
-    for args, kwargs in tqdm(calls, desc="Warming up step buckets" if precompiled else "Compiling step buckets",
-                             disable=not progress):
+    for inputs in tqdm(calls, desc="Warming up step buckets" if precompiled else "Compiling step buckets",
+                       disable=not progress):
         _, _, runner.kv_cache, runner.row_tokens = runner._step(runner.params, runner.kv_cache, runner.row_tokens,
-                                                                *args[3:], **kwargs)
+                                                                *inputs, num_prompt_logprobs=0)
     compiled = num_compiled_shapes() - before
     logger.info("%d step variants ready for %d shape buckets", compiled, len(shapes))
     return compiled
 
 
-def _padding_call(runner, shape: StepShape, num_sampled: int) -> tuple[tuple, dict]:
-    """The step arguments of a padding-only step of `shape` that samples `num_sampled` rows (0: greedy variant)."""
+def _compile(runner, inputs: tuple) -> tuple[float, float]:
+    return runner._compile_step(runner.params, runner.kv_cache, runner.row_tokens, *inputs, num_prompt_logprobs=0)
+
+
+def _padding_step_inputs(runner, shape: StepShape, num_sampled: int) -> tuple:
+    """The step's inputs after its state (params, cache, row tokens) for a padding-only step of `shape` that samples
+    `num_sampled` rows (0: the greedy variant)."""
     table = SamplingRowTable(1)
     table.set_row(0, SamplingParams(temperature=1.0), 0, 0, ())
     token_ids, md, rows = padding_inputs(shape, runner.batch.num_slots)
     nowhere = np.full(shape.seqs, runner.row_tokens.shape[0], np.int32)  # samples recorded in no row
     sampled_rows = np.zeros(num_sampled, np.int64)
     sampling = table.build(sampled_rows, np.zeros(num_sampled, np.int64), None, shape.seqs)
-    args = (runner.params, runner.kv_cache, runner.row_tokens, token_ids, md, rows, nowhere, sampling, None, None)
-    return args, {"num_prompt_logprobs": 0}
+    return token_ids, md, rows, nowhere, sampling, None, None
 
 
 class RecompileGuard:

@@ -100,22 +100,24 @@ def build_step_compiler(spec: ModelSpec, backend: AttentionBackend, expert_mesh:
 
     def compile_step(params, kv_cache, row_tokens, token_ids, md, logits_rows, sample_rows, sampling, prompt_rows,
                      prompt_targets, *, num_prompt_logprobs: int) -> tuple[float, float]:
-        start = time.perf_counter()
-        lowered = forward_step.lower(spec, backend, params, kv_cache, token_ids, md, logits_rows, prompt_rows,
-                                     prompt_targets, num_prompt_logprobs=num_prompt_logprobs, row_tokens=row_tokens,
-                                     expert_mesh=expert_mesh)
-        lowered_at = time.perf_counter()
-        forward = lowered.compile()
-        compiled_at = time.perf_counter()
+        forward, lower_f, compile_f = _lower_and_compile(
+            forward_step, spec, backend, params, kv_cache, token_ids, md, logits_rows, prompt_rows, prompt_targets,
+            num_prompt_logprobs=num_prompt_logprobs, row_tokens=row_tokens, expert_mesh=expert_mesh)
         logits = forward.out_info[0]
         logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=logits.sharding)
-        lowered = sample_step.lower(logits, sampling, row_tokens, sample_rows)
-        sample_lowered_at = time.perf_counter()
-        lowered.compile()
-        return (lowered_at - start) + (sample_lowered_at - compiled_at), \
-            (compiled_at - lowered_at) + (time.perf_counter() - sample_lowered_at)
+        _, lower_s, compile_s = _lower_and_compile(sample_step, logits, sampling, row_tokens, sample_rows)
+        return lower_f + lower_s, compile_f + compile_s
 
     return compile_step
+
+
+def _lower_and_compile(jitted, *args, **kwargs):
+    """(compiled, seconds tracing and lowering, seconds compiling or loading from the cache)."""
+    start = time.perf_counter()
+    lowered = jitted.lower(*args, **kwargs)
+    lowered_at = time.perf_counter()
+    compiled = lowered.compile()
+    return compiled, lowered_at - start, time.perf_counter() - lowered_at
 
 
 def num_compiled_shapes() -> int:
