@@ -21,6 +21,14 @@ from jengine.tokenizer.tiny import train_tiny_tokenizer
 
 TOKENIZER_VOCAB = 384
 
+
+def fresh_seed() -> int:
+    """A new seed per run (tests print it on failure); JENGINE_TEST_SEED replays a failing one."""
+    import numpy as np
+
+    fixed = os.environ.get("JENGINE_TEST_SEED")
+    return int(fixed) if fixed else int(np.random.SeedSequence().entropy % (2**32))
+
 # Shared shape: GQA 4 query heads over 2 KV heads, 3 layers, a vocabulary matching the tiny tokenizer.
 COMMON = dict(
     vocab_size=TOKENIZER_VOCAB,

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from pallas_kernels.kv_quant import is_fp8
+from pallas_kernels.addressing import check_addressable
 from pallas_kernels.kv_write import write_kv as pallas_write_kv
 from pallas_kernels.ragged_paged_attention import UnsupportedShapeError, check_supported, ragged_paged_attention
 
@@ -35,18 +35,19 @@ KV_WRITE_KERNEL_MIN_TOKENS = 512
 
 
 def supports(*, head_dim: int, block_size: int, num_q_heads: int, num_kv_heads: int, dtype, cache_dtype=None,
-             interpret: bool = False) -> bool:
+             cache_shape: tuple[int, ...] | None = None, interpret: bool = False) -> bool:
     """Whether the kernels handle these shapes and dtypes (logged when not, with the reason). Refused on the GPU,
     where interpret mode runs them exactly: float32 (the tiles are sized for 16-bit data; a float32 Llama-8B step
-    failed on the H200, benchmarks/results/2026-11-29-multigpu.json) and a float8 cache (the kernels' float8 path
-    returned NaN on the H200 against finite references, benchmarks/results/2026-11-29-kernels-fp8.json; until it
-    passes there, the reference path keeps float8 caches correct)."""
+    failed on the H200, benchmarks/results/2026-11-29-multigpu.json) and a per-device cache the Triton lowering's
+    32-bit offsets cannot address (a float8 cache of (2, 4] GiB: `pallas_kernels/addressing.py`; the planner sizes
+    caches outside that window, and the NaN the H200 gave in benchmarks/results/2026-11-29-kernels-fp8.json came
+    from a 2.03 GiB float8 cache)."""
     try:
         check_supported(head_dim=head_dim, block_size=block_size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads)
         if jnp.dtype(dtype) == jnp.float32 and not interpret:
             raise UnsupportedShapeError("the kernels run 16-bit models on the GPU, not float32")
-        if cache_dtype is not None and is_fp8(cache_dtype) and not interpret:
-            raise UnsupportedShapeError("the kernels' float8 KV-cache path is not yet correct on GPUs")
+        if cache_shape is not None and cache_dtype is not None and not interpret:
+            check_addressable(cache_shape, cache_dtype)
     except UnsupportedShapeError as e:
         logger.warning("pallas_gpu attention cannot run this model (%s); using the reference path", e)
         return False
@@ -76,8 +77,9 @@ class PallasGpuBackend:
 
     def _local(self, q, k, v, kv_cache, layer, md, *, scale, sliding_window, soft_cap):
         _, _, block_size, _, kv_heads, head_dim = kv_cache.shape
+        kv = parts(kv_cache)[0]
         if not supports(head_dim=head_dim, block_size=block_size, num_q_heads=q.shape[1], num_kv_heads=kv_heads,
-                        dtype=q.dtype, cache_dtype=parts(kv_cache)[0].dtype, interpret=self.interpret):
+                        dtype=q.dtype, cache_dtype=kv.dtype, cache_shape=kv.shape, interpret=self.interpret):
             return _reference(q, k, v, kv_cache, layer, md, scale=scale, sliding_window=sliding_window,
                               soft_cap=soft_cap)
         kv_cache = self._write(kv_cache, layer, md.slot_mapping, k, v)

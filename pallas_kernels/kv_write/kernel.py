@@ -22,6 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.addressing import check_addressable
 from pallas_kernels.kv_quant import FP8_MAX, KVScales, check_kv_scales
 
 KVCache = Float[Array, "layers blocks block_size 2 kv_heads head_dim"]
@@ -71,8 +72,11 @@ def write_kv(
 ) -> KVCache:
     """Writes `k`/`v` at `[layer, slot // block_size, slot % block_size]`; out-of-range slots are dropped. The cache
     is updated in place when donated (here, or by the enclosing jitted step). A float8 cache needs `kv_scales`
-    (positive) and stores `k / kv_scales[layer, 0, head]`, `v / kv_scales[layer, 1, head]`, clipped to ±448."""
+    (positive) and stores `k / kv_scales[layer, 0, head]`, `v / kv_scales[layer, 1, head]`, clipped to ±448.
+    Outside interpret mode, a cache the lowering's 32-bit offsets cannot address raises `UnsupportedShapeError`."""
     check_kv_scales(kv_cache.shape, kv_cache.dtype, kv_scales)
+    if not interpret:
+        check_addressable(kv_cache.shape, kv_cache.dtype)
     layers, blocks, block_size, two, heads, dim = kv_cache.shape
     num_tokens = k.shape[0]
     cache = kv_cache.reshape(layers, blocks * block_size, two, heads * dim)

@@ -43,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.addressing import UnsupportedShapeError, check_addressable
 from pallas_kernels.kv_quant import KVScales, check_kv_scales
 from pallas_kernels.ragged_paged_attention.tuning import KernelConfig, SplitConfig, Tuning, default_tuning
 
@@ -54,10 +55,6 @@ _LOG2E = math.log2(math.e)
 _M_INIT = -1e30
 
 KVCache = Float[Array, "layers blocks block_size 2 kv_heads head_dim"]
-
-
-class UnsupportedShapeError(ValueError):
-    """The kernel does not handle this shape; callers fall back to the reference path."""
 
 
 def check_supported(*, head_dim: int, block_size: int, num_q_heads: int, num_kv_heads: int) -> None:
@@ -452,6 +449,8 @@ def ragged_paged_attention_impl(
     _, _, block_size, _, kv_heads, _ = kv_cache.shape
     check_supported(head_dim=head_dim, block_size=block_size, num_q_heads=q_heads, num_kv_heads=kv_heads)
     check_kv_scales(kv_cache.shape, kv_cache.dtype, kv_scales)
+    if not interpret:
+        check_addressable(kv_cache.shape, kv_cache.dtype)
     quantized = kv_scales is not None
     scales = kv_scales.astype(jnp.float32).reshape(-1) if quantized else jnp.ones((1,), jnp.float32)
     geo = _Geometry(num_tokens, seq_lens.shape[0], q_heads, kv_heads, head_dim, block_size, quantized)
@@ -492,7 +491,8 @@ def ragged_paged_attention(
     positions (traced: it may differ per scanned layer); `soft_cap` applies `cap * tanh(s / cap)` to the scaled
     logits; `max_query_len` is the static bound on new tokens per request (a bucket). Rows of padding tokens (after
     `query_start_loc[-1]`) are zeros. Raises `UnsupportedShapeError` for head dims or block sizes the kernel does
-    not handle, ValueError for missing or misshaped scales.
+    not handle and, outside interpret mode, for a cache its 32-bit offsets cannot address (`addressing.py`);
+    ValueError for missing or misshaped scales.
     """
     return ragged_paged_attention_impl(
         q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale=scale, sliding_window=sliding_window,

@@ -13,10 +13,10 @@ import torch
 from transformers import LlamaConfig
 
 from jengine import LLM, SamplingParams
-from tests.conftest import COMMON
+from tests.conftest import COMMON, fresh_seed
 
 MAX_TOKENS = 12
-SEED = int(np.random.SeedSequence().entropy % (2**32))
+SEED = fresh_seed()
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +79,8 @@ def test_generate_matches_transformers_with_logprobs(tiny_model, prompts):
     """Greedy tokens equal HF `generate`; the top-5 raw logprobs and prompt logprobs match HF within 1e-3."""
     model_dir, hf_model = tiny_model
     with LLM(str(model_dir), dtype="float32", max_model_len=128, max_num_seqs=4) as llm:
-        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, ignore_eos=True,
-                                logprobs=5, prompt_logprobs=3)  # min_tokens: EOS banned, as HF's min_new_tokens
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, logprobs=5,
+                                prompt_logprobs=3)  # min_tokens = max_tokens: EOS banned, as HF's min_new_tokens
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params, use_tqdm=False)
         assert_nothing_leaked(llm)
     for prompt, out in zip(prompts[:4], outputs, strict=True):

@@ -13,10 +13,10 @@ from transformers import LlamaConfig
 
 from jengine import LLM, SamplingParams
 from jengine.engine.client import ITERATION_TOKEN_BUCKETS
-from tests.conftest import COMMON
+from tests.conftest import COMMON, fresh_seed
 from tests.engine.test_invariance import assert_nothing_leaked
 
-SEED = int(np.random.SeedSequence().entropy % (2**32))
+SEED = fresh_seed()
 # A small pool forces preemption; a small budget chunks the prefills.
 PRESSURED = dict(max_num_seqs=8, max_num_batched_tokens=16, num_gpu_blocks_override=10, block_size=16)
 

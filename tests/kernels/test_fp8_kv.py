@@ -15,9 +15,10 @@ from pallas_kernels.kv_quant import FP8_DTYPE, FP8_MAX, quantize
 from pallas_kernels.kv_write import kernel as write_kernel
 from pallas_kernels.kv_write import reference as write_reference
 from pallas_kernels.ragged_paged_attention import kernel, reference
+from tests.conftest import fresh_seed
 from tests.kernels.batches import Batch, Bucket, build
 
-SEED = int(np.random.SeedSequence().entropy % (2**32))
+SEED = fresh_seed()
 LAYER = 1
 
 

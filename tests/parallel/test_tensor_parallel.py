@@ -18,10 +18,10 @@ from jengine.errors import ConfigError
 from jengine.models.registry import spec_from_hf_config
 from jengine.parallel.mesh import build_mesh, replica_devices
 from jengine.parallel.sharding import plan_layout
-from tests.conftest import COMMON
+from tests.conftest import COMMON, fresh_seed
 
 MAX_TOKENS = 8
-SEED = int(np.random.SeedSequence().entropy % (2**32))
+SEED = fresh_seed()
 LOGPROB_TOL = 1e-4
 
 
@@ -33,8 +33,8 @@ def prompts() -> list[list[int]]:
 
 def generate(model_dir, prompts, **parallel) -> tuple[list[list[int]], np.ndarray, LLM]:
     llm = LLM(str(model_dir), dtype="float32", max_model_len=128, **parallel)
-    # min_tokens bans EOS as HF's min_new_tokens does, so both sides pick the same token where EOS is the argmax
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+    # min_tokens = max_tokens bans EOS throughout, as HF's min_new_tokens does (ignore_eos would lift the ban)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, logprobs=1)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     core = llm._core
     assert not core.has_unfinished() and core.kv_manager.num_free_blocks == core.kv_manager.num_blocks

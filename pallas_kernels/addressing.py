@@ -1,0 +1,45 @@
+"""Which arrays the Pallas Triton lowering addresses correctly.
+
+jax 0.11.2's Triton lowering offsets into an array in elements, with 32-bit integers unless the array holds more
+than 4 GiB (`_compute_offsets_from_indices` in `jax/_src/pallas/triton/lowering.py`). A 1-byte array (a float8
+KV cache) of more than 2^31 elements but at most 4 GiB therefore gets element offsets beyond int32: its upper part
+is read, and written, at negative offsets, outside the array. Arrays of 2-byte or wider elements never fall in that
+window (4 GiB of them is at most 2^31 elements), and arrays over 4 GiB get 64-bit offsets.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+INT32_ELEMENTS = 2**31  # element offsets must stay below this under 32-bit addressing
+WIDE_OFFSETS_ABOVE_BYTES = 2**32  # the lowering switches to 64-bit offsets for arrays larger than this
+
+
+class UnsupportedShapeError(ValueError):
+    """A kernel does not handle this shape; callers fall back to the reference path."""
+
+
+def offsets_overflow(shape: tuple[int, ...], dtype) -> bool:
+    """Whether some element of an array of `shape` and `dtype` lies beyond the lowering's 32-bit offsets."""
+    elements = math.prod(shape)
+    return elements > INT32_ELEMENTS and elements * jnp.dtype(dtype).itemsize <= WIDE_OFFSETS_ABOVE_BYTES
+
+
+def check_addressable(shape: tuple[int, ...], dtype) -> None:
+    """Raises `UnsupportedShapeError` for an array the kernels would address out of bounds."""
+    if offsets_overflow(shape, dtype):
+        nbytes = math.prod(shape) * jnp.dtype(dtype).itemsize
+        raise UnsupportedShapeError(
+            f"a {jnp.dtype(dtype).name} array of {nbytes / 2**30:.2f} GiB per device lies in the window (2 GiB, "
+            f"4 GiB] where Pallas' Triton lowering overflows its 32-bit element offsets; size it outside"
+        )
+
+
+def largest_addressable_count(count: int, elements_per_item: int, dtype) -> int:
+    """The largest number ≤ `count` of items (e.g. KV blocks of `elements_per_item` elements) whose array the
+    kernels address correctly: `count` itself, or as many as keep the array within 2^31 elements."""
+    if not offsets_overflow((count * elements_per_item,), dtype):
+        return count
+    return INT32_ELEMENTS // elements_per_item
