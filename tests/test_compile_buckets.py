@@ -78,3 +78,15 @@ def test_start_up_compiles_buckets_on_threads_and_the_runs_reuse_them(model_dir,
     assert compiles["threads"] >= len(shapes), compiles  # every shape's forward at least
     # the main thread compiles the cache allocation and such, never a step program of each shape
     assert compiles["main"] < len(shapes), compiles
+
+
+def test_pinned_start_up_compiles_one_mixed_program_per_token_bucket():
+    """An 8B server's buckets (2048 tokens, 256 requests): a step with a prefill pads its requests to the most its
+    token bucket can hold, so start-up builds one program per token bucket besides the decode ones, and every
+    mixed step (at most min(tokens, 256) requests) fits its shape."""
+    buckets = StepBuckets.build(2048, 256, 512)
+    shapes = pinned_shapes(buckets)
+    mixed = [s for s in shapes if s.query_len > 1]
+    assert len(shapes) == len(buckets.seqs) + len(buckets.tokens) == 14
+    assert sorted(s.tokens for s in mixed) == list(buckets.tokens)
+    assert all(s.seqs >= min(s.tokens, 256) for s in mixed)

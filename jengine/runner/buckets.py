@@ -40,3 +40,9 @@ class StepBuckets:
             blocks=powers_of_two(4, max_blocks_per_seq),
             query_len=powers_of_two(1, max_num_batched_tokens),
         )
+
+    def mixed_step_seqs(self, tokens_padded: int) -> int:
+        """The request bucket of a pinned step with a prefill in it: one per token bucket, as many rows as the
+        tokens allow. Each pair of buckets would be its own forward program (the largest thing start-up compiles
+        or loads); the padded rows cost only their LM-head rows, which read no more weights."""
+        return pick(min(tokens_padded, self.seqs[-1]), self.seqs)

@@ -40,10 +40,11 @@ class StepShape:
 
 
 def pinned_shapes(buckets: StepBuckets) -> list[StepShape]:
-    """Every shape a pinned runner produces: decode-only steps (query length 1) and mixed steps."""
+    """Every shape a pinned runner produces: decode-only steps (query length 1), one per request bucket, and mixed
+    steps, one per token bucket."""
     width = buckets.blocks[-1]
     decode = [StepShape(min(t for t in buckets.tokens if t >= s), s, width, 1) for s in buckets.seqs]
-    mixed = [StepShape(t, s, width, t) for t in buckets.tokens for s in buckets.seqs if s <= t]
+    mixed = [StepShape(t, buckets.mixed_step_seqs(t), width, t) for t in buckets.tokens]
     return decode + mixed
 
 

@@ -50,8 +50,9 @@ class StepInputs:
 class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, num_slots: int,
                  buckets: StepBuckets, pin_shapes: bool = False) -> None:
-        """`pin_shapes` (compile_buckets="all"): the block-table width is always the largest bucket and a prefill
-        step's query bound is its token bucket, so every step shape is one `compile.pinned_shapes` lists."""
+        """`pin_shapes` (compile_buckets="all"): the block-table width is always the largest bucket, and a prefill
+        step's query bound is its token bucket and its request bucket follows from that one, so every step shape is
+        one `compile.pinned_shapes` lists."""
         self.block_size, self.num_slots, self.buckets = block_size, num_slots, buckets
         self.pin_shapes = pin_shapes
         max_blocks = -(-max_model_len // block_size)
@@ -159,7 +160,10 @@ class InputBatch:
         blocks = self.block_table[row_of_token, positions // self.block_size]
 
         b = self.buckets
-        tokens_padded, seqs_padded = pick(total, b.tokens), pick(len(rows), b.seqs)
+        longest = int(count.max())
+        tokens_padded = pick(total, b.tokens)
+        pinned_mixed = self.pin_shapes and longest > 1
+        seqs_padded = b.mixed_step_seqs(tokens_padded) if pinned_mixed else pick(len(rows), b.seqs)
         width = b.blocks[-1] if self.pin_shapes else pick(int(self.num_blocks[rows].max()), b.blocks)
         pad_tokens, pad_seqs = tokens_padded - total, seqs_padded - len(rows)
         tables = np.zeros((seqs_padded, width), np.int32)
@@ -171,7 +175,7 @@ class InputBatch:
             query_start_loc=np.concatenate([[0], ends, np.full(pad_seqs, total)]).astype(np.int32),
             seq_lens=np.concatenate([seq_lens, np.zeros(pad_seqs, np.int32)]).astype(np.int32),
             block_tables=tables,
-            max_query_len=self._query_bound(int(count.max()), tokens_padded),
+            max_query_len=self._query_bound(longest, tokens_padded),
         )
         token_ids = self.token_ids[row_of_token, positions]
         pending = positions >= self.num_known[row_of_token]
