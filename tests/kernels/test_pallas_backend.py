@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
@@ -90,21 +91,37 @@ def test_fp8_backend_matches_reference_backend(monkeypatch, kernel_write):
     np.testing.assert_allclose(np.asarray(out[:n]), np.asarray(ref_out[:n]), atol=2e-5, rtol=2e-5)
 
 
-def test_fp8_cache_takes_the_reference_path_outside_interpret_mode(caplog):
-    """On a real GPU a float8 cache is routed to the reference attention (the kernels' float8 path is not yet
-    correct there), with the reason logged: the result is the reference backend's, bytes and outputs."""
-    q, k, v, kv, md, n = step_inputs(BUCKET, [1, 20, 1, 9], [40, 20, 160, 70], seed=5)
-    q, k, v = (a.astype(jnp.bfloat16) for a in (q, k, v))  # a 16-bit model: the float8 cache is the only reason
-    scales = jnp.asarray(np.random.default_rng(5).uniform(0.005, 0.02, (BUCKET.layers, 2, BUCKET.kv_heads)),
-                         jnp.float32)
-    fp8 = kv_quant.quantize(kv, (1.0 / scales)[:, None, None, :, :, None])
-    kw = dict(scale=BUCKET.head_dim ** -0.5, sliding_window=jnp.int32(0), soft_cap=None)
+H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+
+
+def kernel_launches_for_h200(cache_blocks: int, cache_dtype) -> int:
+    """The backend's step for an abstract H200 with a float8 (or other) cache of `cache_blocks` 16-token blocks of
+    32 layers × 4 KV heads × 128: how many Triton kernels it launches (0: the reference path)."""
+    S = jax.ShapeDtypeStruct
+    tokens, seqs = 64, 64
+    cache = S((32, cache_blocks, 16, 2, 4, 128), cache_dtype)
+    kv = QuantizedKV(cache, S((32, 2, 4), jnp.float32)) if cache_dtype == jnp.float8_e4m3fn else cache
+    i32 = jnp.int32
+    md = AttentionMetadata(S((tokens,), i32), S((tokens,), i32), S((seqs + 1,), i32), S((seqs,), i32),
+                           S((seqs, 256), i32), 1)
+    qkv = [S((tokens, h, 128), jnp.bfloat16) for h in (16, 4, 4)]
+    step = functools.partial(pallas.PallasGpuBackend(), scale=0.1, sliding_window=jnp.int32(0), soft_cap=None)
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)
+    with jax.sharding.use_abstract_mesh(mesh):
+        lowered = jax.jit(step).trace(*qkv, kv, S((), i32), md).lower(lowering_platforms=("cuda",))
+    return lowered.as_text().count("__gpu$xla.gpu.triton")
+
+
+def test_gpu_cache_the_kernels_cannot_address_takes_the_reference_path(caplog):
+    """Lowered for an H200 (no GPU needed): a float8 cache of (2, 4] GiB per device, which the Triton lowering's
+    32-bit offsets cannot address, takes the reference attention with the reason logged; float8 caches on either
+    side of that window, and a bfloat16 one inside it, run the kernels."""
     with caplog.at_level(logging.WARNING, logger="jengine.attention.pallas"):
-        out, cache = pallas.PallasGpuBackend()(q, k, v, QuantizedKV(jnp.array(fp8), scales), 1, md, **kw)
-    ref_out, ref_cache = ReferenceBackend()(q, k, v, QuantizedKV(jnp.array(fp8), scales), 1, md, **kw)
-    np.testing.assert_array_equal(np.asarray(cache.kv).view(np.uint8), np.asarray(ref_cache.kv).view(np.uint8))
-    np.testing.assert_array_equal(np.asarray(out[:n]), np.asarray(ref_out[:n]))
-    assert "float8" in caplog.text
+        assert kernel_launches_for_h200(4800, jnp.float8_e4m3fn) == 0  # 2.34 GiB
+    assert "32-bit element offsets" in caplog.text
+    assert kernel_launches_for_h200(3000, jnp.float8_e4m3fn) > 0  # 1.46 GiB
+    assert kernel_launches_for_h200(9000, jnp.float8_e4m3fn) > 0  # 4.39 GiB: 64-bit offsets
+    assert kernel_launches_for_h200(4800, jnp.bfloat16) > 0  # 4.69 GiB
 
 
 def test_fp8_backend_under_a_tensor_parallel_mesh():
