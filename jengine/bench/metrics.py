@@ -68,8 +68,9 @@ def _summary(prefix: str, values_s: Sequence[float], percentiles: Sequence[int])
 
 
 def compute_metrics(results: Sequence[RequestResult], duration: float, *, slo: dict[str, float] | None = None,
-                    percentiles: Sequence[int] = PERCENTILES) -> dict[str, float | int]:
-    """Percentiles interpolate linearly between the sorted samples (numpy's default)."""
+                    percentiles: Sequence[int] = PERCENTILES, streamed: bool = True) -> dict[str, float | int]:
+    """Percentiles interpolate linearly between the sorted samples (numpy's default). `streamed=False` (offline
+    runs, whose outputs arrive whole) leaves out the ITL, which only streaming measures, rather than report 0."""
     done = [r for r in results if r.success]
     input_tokens = sum(r.prompt_len for r in done)
     output_tokens = sum(r.output_len for r in done)
@@ -85,7 +86,8 @@ def compute_metrics(results: Sequence[RequestResult], duration: float, *, slo: d
     }
     metrics.update(_summary("ttft", [r.ttft for r in done if r.ttft is not None], percentiles))
     metrics.update(_summary("tpot", [t for r in done if (t := r.tpot) is not None], percentiles))
-    metrics.update(_summary("itl", [gap for r in done for gap in r.itls], percentiles))
+    if streamed:
+        metrics.update(_summary("itl", [gap for r in done for gap in r.itls], percentiles))
     metrics.update(_summary("e2el", [r.e2el for r in done], percentiles))
     if slo:
         good = sum(meets_slo(r, slo) for r in done)

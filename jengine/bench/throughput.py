@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         duration = time.perf_counter() - start
     results = [_result(output) for output in outputs]
-    metrics = compute_metrics(results, duration)
+    metrics = compute_metrics(results, duration, streamed=False)
     report: dict[str, Any] = {"benchmark": "throughput", "model": model, "dataset_name": args.dataset_name,
                               "num_prompts": len(requests), "seed": args.seed, **metrics}
     print(format_table("Offline Throughput Benchmark Result", metrics))
