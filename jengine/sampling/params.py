@@ -16,7 +16,7 @@ from typing import Any
 from jengine.errors import InvalidRequestError
 
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily, as in vLLM
-MAX_STOP_STRINGS = 4  # OpenAI's cap on `stop`
+MAX_STOP_STRINGS = 64  # OpenAI caps `stop` at 4, vLLM not at all; eval harnesses send a dozen and more
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for each logit_bias value is [-100, 100]
 _SEED_LOW, _SEED_HIGH = -(2**63), 2**64  # any 64-bit seed, signed or not
 

@@ -21,6 +21,7 @@ from jengine.sampling.params import SamplingParams
 MAX_JSON_DEPTH = 32
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs cap; the engine's --max-logprobs may lower it
 MAX_PROMPTS = 1024  # prompts in one /v1/completions batch (each also needs its own engine slots)
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens: vLLM's and OpenAI's legacy default
 _ROLES = frozenset({"system", "developer", "user", "assistant"})
 _MESSAGE_KEYS = frozenset({"role", "content", "name"})
 
@@ -257,12 +258,12 @@ def parse_chat(body: Mapping[str, Any], info: ModelInfo, max_n: int = 16) -> Cha
 
 
 def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
-    """Chat asks with `logprobs: true` and `top_logprobs: k` (0..20); k without logprobs is a 400, as OpenAI's."""
+    """Chat asks with `logprobs: true` and `top_logprobs: k` (0..20); k > 0 without logprobs is a 400, as vLLM's."""
     wanted = get_field(body, "logprobs", "bool", False)
     top = get_field(body, "top_logprobs", "int")
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
         raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", param="top_logprobs")
-    if top is not None and not wanted:
+    if top and not wanted:
         raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
     return (top or 0) if wanted else None
 
@@ -278,8 +279,9 @@ def _message(message: Any, i: int) -> dict[str, str]:
     where = f"messages[{i}]"
     if not isinstance(message, dict):
         raise InvalidRequestError(f"{where} must be an object, got {json_type(message)}", param=where)
-    for key in message:
-        if key not in _MESSAGE_KEYS:
+    for key, value in message.items():
+        # null (or an empty tool_calls list) asks for nothing: what the client's own response messages carry
+        if key not in _MESSAGE_KEYS and value is not None and not (key == "tool_calls" and value == []):
             raise InvalidRequestError(f"{where}.{str(key)[:40]} is not supported by this server (no tool use)",
                                       param=f"{where}.{str(key)[:40]}")
     role = message.get("role")
@@ -319,6 +321,8 @@ def parse_completion(body: Mapping[str, Any], info: ModelInfo, max_n: int = 16) 
     prompts = completion_prompts(body.get("prompt"))
     echo = get_field(body, "echo", "bool", False)
     kwargs = _sampling_kwargs(body, ("max_tokens",))
+    if kwargs["max_tokens"] is None:
+        kwargs["max_tokens"] = COMPLETION_DEFAULT_MAX_TOKENS
     logprobs = get_field(body, "logprobs", "int")
     if logprobs is not None:
         if not 0 <= logprobs <= MAX_LOGPROBS:
@@ -338,12 +342,12 @@ def completion_prompts(prompt: Any) -> list[Any]:
     if not isinstance(prompt, list) or not prompt:
         raise InvalidRequestError("prompt must be a non-empty string, array of strings or array of token ids, got "
                                   f"{json_type(prompt) if prompt != [] else 'an empty array'}", param="prompt")
+    if all(_KINDS["int"][0](t) for t in prompt):  # one prompt of token ids (its length is the context's business)
+        return [{"prompt_token_ids": prompt}]
     if len(prompt) > MAX_PROMPTS:
         raise InvalidRequestError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", param="prompt")
     if all(isinstance(p, str) for p in prompt):
         return [_text_prompt(p) for p in prompt]
-    if all(_KINDS["int"][0](t) for t in prompt):
-        return [{"prompt_token_ids": prompt}]
     if all(isinstance(p, list) for p in prompt):
         return [{"prompt_token_ids": _token_prompt(p)} for p in prompt]
     raise InvalidRequestError("prompt mixes strings, token ids and arrays", param="prompt")

@@ -91,7 +91,7 @@ def test_max_tokens_none_is_what_is_left(processor: InputProcessor) -> None:
 
 @pytest.mark.parametrize("params, field", [
     ({"n": 17}, "n"), ({"logprobs": 6}, "logprobs"), ({"prompt_logprobs": 6}, "prompt_logprobs"),
-    ({"temperature": -1.0}, "temperature"), ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"temperature": -1.0}, "temperature"), ({"stop": [f"s{i}" for i in range(65)]}, "stop"),
     ({"stop_token_ids": [100_000]}, "stop_token_ids"), ({"stop": "x", "detokenize": False}, "stop"),
 ])
 def test_params_validated(processor: InputProcessor, params: dict[str, object], field: str) -> None:

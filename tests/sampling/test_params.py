@@ -54,7 +54,8 @@ def test_is_greedy(temperature: float, greedy: bool) -> None:
         dict(n=16), dict(temperature=0), dict(temperature=2.5), dict(top_p=1e-3), dict(top_k=1), dict(top_k=10**6),
         dict(min_p=1.0), dict(presence_penalty=-2.0), dict(frequency_penalty=2), dict(repetition_penalty=0.1),
         dict(max_tokens=None, min_tokens=1000), dict(max_tokens=1), dict(min_tokens=16), dict(logprobs=0),
-        dict(logprobs=20), dict(prompt_logprobs=0), dict(stop=["a", "b", "c", "d"]), dict(stop_token_ids=[0, 99]),
+        dict(logprobs=20), dict(prompt_logprobs=0), dict(stop=[f"s{i}" for i in range(64)]),
+        dict(stop_token_ids=[0, 99]),
         dict(logit_bias={0: -100, "99": 100.0}), dict(seed=0), dict(seed=-(2**63)), dict(seed=2**64 - 1),
     ],
 )
@@ -93,7 +94,7 @@ def test_valid_edges(kwargs: dict[str, Any]) -> None:
         (dict(logprobs=21), "logprobs"),
         (dict(prompt_logprobs=21), "prompt_logprobs"),
         (dict(prompt_logprobs=-1), "prompt_logprobs"),
-        (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
+        (dict(stop=[f"s{i}" for i in range(65)]), "stop"),
         (dict(stop=""), "stop"),
         (dict(stop=["a", ""]), "stop"),
         (dict(stop=["a", 3]), "stop"),

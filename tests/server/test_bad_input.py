@@ -64,7 +64,7 @@ CASES: list[tuple[str, str, str, Any, int, str]] = [
     ("n-bool", "POST", C, c(n=True), 400, "n"),
     ("logprobs-over-cap", "POST", C, c(logprobs=21), 400, "logprobs"),
     ("logprobs-negative", "POST", C, c(logprobs=-1), 400, "logprobs"),
-    ("five-stops", "POST", C, c(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
+    ("65-stops", "POST", C, c(stop=[f"s{i}" for i in range(65)]), 400, "stop"),
     ("stop-number", "POST", C, c(stop=5), 400, "stop"),
     ("stop-empty-string", "POST", C, c(stop=[""]), 400, "stop"),
     ("presence-penalty", "POST", C, c(presence_penalty=3), 400, "presence_penalty"),
@@ -101,8 +101,8 @@ CASES: list[tuple[str, str, str, Any, int, str]] = [
     ("chat-content-number", "POST", H, h(messages=[{"role": "user", "content": 5}]), 400, "messages[0].content"),
     ("chat-image-part", "POST", H, h(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), 400, "image_url"),
-    ("chat-tool-calls", "POST", H, h(messages=[{"role": "assistant", "content": "x", "tool_calls": []}]), 400,
-     "tool_calls"),
+    ("chat-tool-calls", "POST", H, h(messages=[{"role": "assistant", "content": "x", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]), 400, "tool_calls"),
     ("chat-tools", "POST", H, h(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     ("chat-tool-choice", "POST", H, h(tool_choice="auto"), 400, "tool_choice"),
     ("chat-json-mode", "POST", H, h(response_format={"type": "json_object"}), 400, "response_format"),

@@ -61,7 +61,7 @@ def test_completion_defaults_extras_and_harmless_fields() -> None:
                                "service_tier": "auto", "top_k": -1, "min_p": 0.1, "stop": "x",
                                "logit_bias": {"5": 1.5}, "seed": 3, "echo": True, "logprobs": 2}, INFO)
     params = parsed.params
-    assert params.max_tokens is None and parsed.prompts == ["hi"]  # omitted: the rest of the context
+    assert params.max_tokens == 16 and parsed.prompts == ["hi"]  # omitted: vLLM's default for completions
     assert (params.top_k, params.min_p, params.stop, params.logit_bias, params.seed) == (0, 0.1, ("x",), {5: 1.5}, 3)
     assert params.logprobs == 2 and params.prompt_logprobs == 2  # echo shows the prompt's logprobs too
     assert parse_completion({"prompt": [[1, 2], [3]]}, INFO).prompts == [{"prompt_token_ids": [1, 2]},

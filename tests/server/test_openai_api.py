@@ -127,11 +127,17 @@ def test_async_client_streams_and_calls(server: ServerHandle) -> None:
     assert streamed == whole
 
 
-def test_max_tokens_omitted_fills_the_context(server: ServerHandle) -> None:
-    prompt = [THE] * 200
-    result = server.client().completions.create(model=MODEL_NAME, prompt=prompt, temperature=0,
-                                                extra_body={"ignore_eos": True})
-    assert result.usage.completion_tokens == MAX_MODEL_LEN - 200 and result.choices[0].finish_reason == "length"
+def test_max_tokens_omitted(server: ServerHandle) -> None:
+    """As vLLM's server: /v1/completions generates 16 tokens (OpenAI's legacy default), chat the rest of the
+    context."""
+    client, prompt = server.client(), [THE] * 200
+    result = client.completions.create(model=MODEL_NAME, prompt=prompt, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert result.usage.completion_tokens == 16 and result.choices[0].finish_reason == "length"
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "the " * 100}],
+                                          temperature=0, extra_body={"ignore_eos": True})
+    assert chat.usage.prompt_tokens + chat.usage.completion_tokens == MAX_MODEL_LEN
+    assert chat.choices[0].finish_reason == "length"
 
 
 def test_context_length_error_states_both_lengths(server: ServerHandle) -> None:
@@ -140,6 +146,28 @@ def test_context_length_error_states_both_lengths(server: ServerHandle) -> None:
     error = caught.value.body
     assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
     assert "200" in error["message"] and str(MAX_MODEL_LEN) in error["message"]
+
+
+def test_a_long_token_prompt_is_one_prompt(server: ServerHandle) -> None:
+    """A flat array of token ids is one prompt however long (the cap on prompts per batch does not apply): past
+    max_model_len it is the context-length error."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        server.client().completions.create(model=MODEL_NAME, prompt=[THE] * 1100, max_tokens=1)
+    assert caught.value.body["code"] == "context_length_exceeded" and "1100" in caught.value.body["message"]
+
+
+def test_a_returned_message_can_be_sent_back(server: ServerHandle) -> None:
+    """The client's own response message, dumped with its null fields (refusal, tool_calls, audio, ...), is
+    accepted in the next request's history; top_logprobs=0 without logprobs asks for nothing and is accepted."""
+    client = server.client()
+    first = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=3, **GREEDY)
+    history = [{"role": "user", "content": "hi"}, first.choices[0].message.model_dump(),
+               {"role": "user", "content": "more"}]
+    assert any(value is None for value in history[1].values())
+    second = client.chat.completions.create(model=MODEL_NAME, messages=history, max_tokens=3, top_logprobs=0,
+                                            **GREEDY)
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens and second.choices[0].logprobs is None
 
 
 def test_completion_logprobs_with_echo(server: ServerHandle, tokenizer: Tokenizer) -> None:
