@@ -79,15 +79,20 @@ class LLM:
 
     def chat(self, messages: Conversation | Sequence[Conversation], sampling_params: ParamsArg = None, *,
              chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"}) or a list of them, through the chat template."""
+        """One conversation (a list of {"role", "content"}) or a list of them, through the chat template.
+        `continue_final_message` (with add_generation_prompt=False) continues the last message instead of starting
+        a new turn; `chat_template_kwargs` are extra template variables (e.g. {"enable_thinking": False})."""
         self._raise_if_dead()
         conversations = _as_conversation_list(messages)
         params = _params_per_prompt(sampling_params, len(conversations))
         now = time.monotonic()
         requests = [
             self._input.process_chat(c, sp, self._next_id(), chat_template=chat_template,
-                                     add_generation_prompt=add_generation_prompt, arrival_time=now)
+                                     add_generation_prompt=add_generation_prompt,
+                                     continue_final_message=continue_final_message,
+                                     chat_template_kwargs=chat_template_kwargs, arrival_time=now)
             for c, sp in zip(conversations, params)
         ]
         return self._run(requests, use_tqdm)

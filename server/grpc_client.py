@@ -242,23 +242,23 @@ class RemoteTokenizer:
         return list(self._client.unary("Detokenize", request).token_strs)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
-        """The rendered prompt text (tools and template kwargs are not carried by jengine.v1: refused if given)."""
-        return self._tokenize_chat(messages, add_generation_prompt, kwargs).prompt
+                            continue_final_message: bool = False, tools: Any = None, **template_kwargs: Any) -> str:
+        """The rendered prompt text (tools are not carried by jengine.v1: refused if given)."""
+        return self._tokenize_chat(messages, add_generation_prompt, continue_final_message, tools,
+                                   template_kwargs).prompt
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-                    **kwargs: Any) -> list[int]:
-        return list(self._tokenize_chat(messages, add_generation_prompt, kwargs).token_ids)
+                    continue_final_message: bool = False, tools: Any = None, **template_kwargs: Any) -> list[int]:
+        return list(self._tokenize_chat(messages, add_generation_prompt, continue_final_message, tools,
+                                        template_kwargs).token_ids)
 
     def _tokenize_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
-                       kwargs: dict[str, Any]) -> pb.TokenizeResponse:
-        given = sorted(k for k, v in kwargs.items() if v is not None)
-        if given:
-            raise InvalidRequestError(f"{', '.join(given)[:100]} cannot be sent to a remote engine's chat template",
-                                      param=given[0])
-        request = pb.TokenizeRequest(messages=messages_to_proto(messages, add_generation_prompt),
-                                     add_special_tokens=False)
-        return self._client.unary("Tokenize", request)
+                       continue_final_message: bool, tools: Any, template_kwargs: dict[str, Any]
+                       ) -> pb.TokenizeResponse:
+        if tools:
+            raise InvalidRequestError("tools cannot be sent to a remote engine's chat template", param="tools")
+        chat = messages_to_proto(messages, add_generation_prompt, continue_final_message, template_kwargs)
+        return self._client.unary("Tokenize", pb.TokenizeRequest(messages=chat, add_special_tokens=False))
 
     @property
     def vocab_size(self) -> int:

@@ -7,6 +7,7 @@ vLLM's order included), and `SamplingParams` travel field for field, an unset pr
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -121,16 +122,46 @@ def messages_from_proto(msg: pb.ChatMessages) -> list[dict[str, str]]:
     return out
 
 
-def messages_to_proto(messages: Any, add_generation_prompt: Any = True) -> pb.ChatMessages:
-    """Only what v1 carries (role, content text, name); anything else is refused, never dropped."""
+_CHAT_PROMPT_KEYS = ("messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+
+
+def messages_to_proto(messages: Any, add_generation_prompt: Any = True, continue_final_message: Any = False,
+                      chat_template_kwargs: Any = None) -> pb.ChatMessages:
+    """Only what v1 carries (role, content text, name; the template options); anything else is refused, never
+    dropped. Template kwargs travel as a JSON object."""
     if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of messages", param="messages")
-    if not isinstance(add_generation_prompt, bool):
-        raise InvalidRequestError("add_generation_prompt must be a boolean", param="add_generation_prompt")
-    msg = pb.ChatMessages(add_generation_prompt=add_generation_prompt)
+    for name, value in (("add_generation_prompt", add_generation_prompt),
+                        ("continue_final_message", continue_final_message)):
+        if not isinstance(value, bool):
+            raise InvalidRequestError(f"{name} must be a boolean", param=name)
+    msg = pb.ChatMessages(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
+    if chat_template_kwargs:
+        if not isinstance(chat_template_kwargs, Mapping):
+            raise InvalidRequestError("chat_template_kwargs must be an object", param="chat_template_kwargs")
+        try:
+            msg.chat_template_kwargs_json = json.dumps(dict(chat_template_kwargs))
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError(f"chat_template_kwargs must be JSON values: {exc}"[:200],
+                                      param="chat_template_kwargs") from None
     for message in messages:
         msg.messages.append(_message_to_proto(message))
     return msg
+
+
+def chat_options_from_proto(msg: pb.ChatMessages) -> dict[str, Any]:
+    """The template options of a chat, as the engine's chat prompt dict holds them."""
+    options: dict[str, Any] = {
+        "add_generation_prompt": msg.add_generation_prompt if msg.HasField("add_generation_prompt") else True,
+        "continue_final_message": msg.continue_final_message,
+    }
+    if msg.chat_template_kwargs_json:
+        try:
+            options["chat_template_kwargs"] = json.loads(msg.chat_template_kwargs_json)
+        except json.JSONDecodeError:
+            raise InvalidRequestError("chat_template_kwargs_json is not valid JSON",
+                                      param="chat_template_kwargs") from None
+    return options
 
 
 def _message_to_proto(message: Any) -> pb.ChatMessage:
@@ -155,8 +186,7 @@ def prompt_from_request(request: pb.GenerateRequest) -> PromptInput:
         return list(request.token_ids.ids)
     if kind == "messages":
         chat = request.messages
-        add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-        return {"messages": messages_from_proto(chat), "add_generation_prompt": add}
+        return {"messages": messages_from_proto(chat), **chat_options_from_proto(chat)}
     raise InvalidRequestError("set one of text, token_ids or messages", param="prompt")
 
 
@@ -177,8 +207,10 @@ def fill_prompt(request: pb.GenerateRequest, prompt: PromptInput) -> str | None:
 
 def _fill_mapping(request: pb.GenerateRequest, prompt: Mapping[str, Any]) -> str | None:
     if "messages" in prompt:
-        _refuse_keys(prompt, ("messages", "add_generation_prompt"))
-        request.messages.CopyFrom(messages_to_proto(prompt["messages"], prompt.get("add_generation_prompt", True)))
+        _refuse_keys(prompt, _CHAT_PROMPT_KEYS)
+        request.messages.CopyFrom(messages_to_proto(
+            prompt["messages"], prompt.get("add_generation_prompt", True), prompt.get("continue_final_message", False),
+            prompt.get("chat_template_kwargs")))
         return None
     _refuse_keys(prompt, ("prompt", "prompt_token_ids"))
     text = prompt.get("prompt")

@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jengine.engine.client import EngineClient
+from jengine.engine.input_processor import chat_text
 from jengine.errors import (
     AuthenticationError, DeadlineExceededError, InvalidRequestError, JengineError, ServiceUnavailableError,
 )
@@ -31,7 +32,8 @@ from jengine.v1 import jengine_pb2 as pb
 from jengine.v1 import jengine_pb2_grpc as pb_grpc
 from server.errors import error_code, grpc_details, grpc_status
 from server.grpc_convert import (
-    OutputEncoder, messages_from_proto, model_info_to_proto, prompt_from_request, sampling_from_proto, stats_to_proto,
+    OutputEncoder, chat_options_from_proto, messages_from_proto, model_info_to_proto, prompt_from_request,
+    sampling_from_proto, stats_to_proto,
 )
 
 logger = logging.getLogger(__name__)
@@ -149,11 +151,7 @@ class EngineService(pb_grpc.EngineServicer):
             ids = tokenizer.encode(request.text, add_special_tokens=add_special)
         elif kind == "messages":
             chat = request.messages
-            add_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-            messages = messages_from_proto(chat)
-            if not messages:
-                raise InvalidRequestError("messages must be a non-empty list of messages", param="messages")
-            response.prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=add_prompt)
+            response.prompt = chat_text(tokenizer, messages_from_proto(chat), chat_options_from_proto(chat))
             ids = tokenizer.encode(response.prompt, add_special_tokens=add_special)
         else:
             raise InvalidRequestError("set text or messages", param="input")

@@ -26,11 +26,12 @@ logger = logging.getLogger(__name__)
 
 PromptInput = str | Sequence[int] | Mapping[str, Any]
 """A text, a list of token ids, `{"prompt": text}` or `{"prompt_token_ids": ids}` (optionally with its "prompt"), or a
-chat `{"messages": [...], "add_generation_prompt": bool}` rendered with the model's chat template. Servers pass chats
-in this form so that the template is rendered only after the request has been admitted."""
+chat `{"messages": [...]}` rendered with the model's chat template, with the optional `add_generation_prompt` (bool,
+default true), `continue_final_message` (bool) and `chat_template_kwargs` (extra template variables). Servers pass
+chats in this form so that the template is rendered only after the request has been admitted."""
 
 _PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
-_CHAT_KEYS = frozenset({"messages", "add_generation_prompt"})
+_CHAT_KEYS = frozenset({"messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +113,8 @@ class InputProcessor:
         *,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
         priority: int = 0,
         arrival_time: float,
     ) -> ProcessedRequest:
@@ -120,7 +123,9 @@ class InputProcessor:
         tokenizer = self.tokenizer
         if chat_template is not None:
             tokenizer = Tokenizer(tokenizer.hf_tokenizer, chat_template=chat_template)
-        prompt = render_chat(tokenizer, messages, add_generation_prompt)
+        options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+                   "chat_template_kwargs": chat_template_kwargs}
+        prompt = render_chat(tokenizer, messages, options)
         return self.process(prompt, params, request_id, priority=priority, arrival_time=arrival_time)
 
     def _check_params(self, params: SamplingParams) -> None:
@@ -165,10 +170,7 @@ class InputProcessor:
         unknown = sorted(str(k) for k in prompt if k not in _CHAT_KEYS)
         if unknown:
             raise InvalidRequestError(f"unsupported chat prompt field(s): {', '.join(unknown)[:200]}", param="prompt")
-        add_generation_prompt = prompt.get("add_generation_prompt", True)
-        if not isinstance(add_generation_prompt, bool):
-            raise InvalidRequestError("add_generation_prompt must be a boolean", param="add_generation_prompt")
-        rendered = render_chat(self.tokenizer, prompt["messages"], add_generation_prompt)
+        rendered = render_chat(self.tokenizer, prompt["messages"], prompt)
         return rendered["prompt"], rendered["prompt_token_ids"]
 
     def _encode(self, text: str) -> list[int]:
@@ -210,12 +212,28 @@ class InputProcessor:
         return params
 
 
-def render_chat(tokenizer: Tokenizer, messages: Any, add_generation_prompt: bool = True) -> dict[str, Any]:
-    """`{"prompt": text, "prompt_token_ids": ids}` of a chat: the template rendered in the sandbox, encoded without
-    added special tokens (the template already holds BOS). Raises NoChatTemplateError for a model without one."""
+def chat_text(tokenizer: Tokenizer, messages: Any, options: Mapping[str, Any] | None = None) -> str:
+    """The chat rendered by its template in the sandbox. `options`: a chat prompt dict's rendering keys
+    (`add_generation_prompt`, default true; `continue_final_message`; `chat_template_kwargs`), type-checked here.
+    Raises NoChatTemplateError for a model without a template."""
     if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of messages", param="messages")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    options = options or {}
+    flags = {"add_generation_prompt": options.get("add_generation_prompt", True),
+             "continue_final_message": options.get("continue_final_message", False)}
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise InvalidRequestError(f"{name} must be a boolean", param=name)
+    kwargs = options.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise InvalidRequestError("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    return tokenizer.apply_chat_template(messages, **flags, **kwargs)
+
+
+def render_chat(tokenizer: Tokenizer, messages: Any, options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """`{"prompt": text, "prompt_token_ids": ids}` of a chat (`chat_text`), encoded without added special tokens
+    (the template already holds BOS)."""
+    text = chat_text(tokenizer, messages, options)
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
 

@@ -170,10 +170,18 @@ class Tokenizer:
         messages: Sequence[Message],
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
         **template_kwargs: Any,
     ) -> str:
-        """Render the chat template to a prompt string, in the sandbox; errors become InvalidRequestError."""
+        """Render the chat template to a prompt string, in the sandbox; errors become InvalidRequestError.
+
+        `template_kwargs` are extra template variables (e.g. Qwen3's `enable_thinking`). `continue_final_message`
+        ends the prompt right after the last message's text, without its end-of-turn, so the model continues it
+        (a prefilled assistant reply); it excludes `add_generation_prompt`."""
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true",
+                                      param="continue_final_message")
         context = {
             **self._special_token_strings(),
             **template_kwargs,
@@ -181,19 +189,22 @@ class Tokenizer:
             "tools": tools,
             "add_generation_prompt": add_generation_prompt,
         }
-        return _render(self._template, context)
+        text = _render(self._template, context)
+        return _cut_after_final_message(text, messages) if continue_final_message else text
 
     def encode_chat(
         self,
         messages: Sequence[Message],
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
         **template_kwargs: Any,
     ) -> list[int]:
         """Token ids of the rendered chat; no special tokens are added because the template already holds BOS."""
         prompt = self.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs
+            messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            tools=tools, **template_kwargs
         )
         return self.encode(prompt, add_special_tokens=False)
 
@@ -363,6 +374,23 @@ def _make_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
 def _compile(source: str) -> jinja2.Template:
     """Compile in a fresh sandbox (raises jinja2.TemplateSyntaxError; callers decide whose fault that is)."""
     return _make_environment().from_string(source)
+
+
+def _cut_after_final_message(text: str, messages: Sequence[Message]) -> str:
+    """`text` up to the end of the last message's content (its trailing whitespace kept where the template kept
+    it): what follows it is the template's end-of-turn, which would stop the model continuing the message."""
+    final = messages[-1].get("content") if messages and isinstance(messages[-1], Mapping) else None
+    core = final.strip() if isinstance(final, str) else ""
+    if not core:
+        raise InvalidRequestError("continue_final_message needs a final message with text to continue",
+                                  param="continue_final_message")
+    start = text.rfind(core)
+    if start < 0:
+        raise InvalidRequestError("the chat template does not show the final message's text as it is, so it "
+                                  "cannot be continued", param="continue_final_message")
+    end = start + len(core)
+    trailing = final[len(final.rstrip()):]
+    return text[: end + len(trailing)] if text.startswith(trailing, end) else text[:end]
 
 
 def _render(template: jinja2.Template, context: dict[str, Any]) -> str:

@@ -14,7 +14,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18jengine/v1/jengine.proto\x12\njengine.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"H\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\x07\n\x05_name\"w\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.jengine.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\xa6\x06\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x17\n\nmax_tokens\x18\r \x01(\x05H\x05\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0e \x01(\x05\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x06\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\x05H\x07\x88\x01\x01\x12=\n\nlogit_bias\x18\x11 \x03(\x0b\x32).jengine.v1.SamplingParams.LogitBiasEntry\x12 \n\x13skip_special_tokens\x18\x12 \x01(\x08H\x08\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x13 \x01(\x08H\t\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x14 \x01(\x08\x12\x17\n\ndetokenize\x18\x15 \x01(\x08H\n\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokensB\r\n\x0b_detokenize\"B\n\x0eResponseFormat\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x13\n\x0bjson_schema\x18\x02 \x01(\t\x12\r\n\x05regex\x18\x03 \x01(\t\"\xa0\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.jengine.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x04 \x01(\x0b\x32\x18.jengine.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.jengine.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x11\n\tlora_name\x18\x07 \x01(\t\x12\x33\n\x0fresponse_format\x18\x08 \x01(\x0b\x32\x1a.jengine.v1.ResponseFormatB\x08\n\x06prompt\"L\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\r\n\x05token\x18\x04 \x01(\t\"|\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\r\n\x05token\x18\x04 \x01(\t\x12,\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x16.jengine.v1.TopLogprob\"\xf8\x01\n\x0f\x43ompletionDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.jengine.v1.TokenLogprob\x12\x1f\n\x12\x63umulative_logprob\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x12\n\x08stop_str\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\x05H\x00\x42\r\n\x0bstop_reasonB\x15\n\x13_cumulative_logprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xf5\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x07outputs\x18\x02 \x03(\x0b\x32\x1b.jengine.v1.CompletionDelta\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.jengine.v1.Usage\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12\x13\n\x06prompt\x18\x06 \x01(\tH\x00\x88\x01\x01\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.jengine.v1.TokenLogprobB\t\n\x07_prompt\"\x90\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\x08messages\x18\x02 \x01(\x0b\x32\x18.jengine.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"k\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x13\n\x06prompt\x18\x04 \x01(\tH\x00\x88\x01\x01\x42\t\n\x07_prompt\"\xc9\x01\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\x19\n\x11return_token_strs\x18\x04 \x01(\x08\x42\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokens\"6\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x12\n\ntoken_strs\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xf2\x01\n\rTokenizerInfo\x12\x12\n\nvocab_size\x18\x01 \x01(\x05\x12\x19\n\x0c\x62os_token_id\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x0c\x65os_token_id\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x19\n\x0cpad_token_id\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x17\n\x0f\x61ll_special_ids\x18\x06 \x03(\x05\x12\x19\n\x11has_chat_template\x18\x07 \x01(\x08\x42\x0f\n\r_bos_token_idB\x0f\n\r_eos_token_idB\x0f\n\r_pad_token_id\"\xa1\x01\n\x14GetModelInfoResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x14\n\x0cmax_logprobs\x18\x05 \x01(\x05\x12,\n\ttokenizer\x18\x06 \x01(\x0b\x32\x19.jengine.v1.TokenizerInfo\"\x11\n\x0fGetStatsRequest\"\xd2\x01\n\x10GetStatsResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x04 \x01(\x03\x12\x1c\n\x14prefix_cache_queries\x18\x05 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x06 \x01(\x03\x12\x16\n\x0enum_gpu_blocks\x18\x07 \x01(\x05\x12\x12\n\nblock_size\x18\x08 \x01(\x05\x32\xff\x02\n\x06\x45ngine\x12G\n\x08Generate\x12\x1b.jengine.v1.GenerateRequest\x1a\x1c.jengine.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.jengine.v1.TokenizeRequest\x1a\x1c.jengine.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.jengine.v1.DetokenizeRequest\x1a\x1e.jengine.v1.DetokenizeResponse\x12Q\n\x0cGetModelInfo\x12\x1f.jengine.v1.GetModelInfoRequest\x1a .jengine.v1.GetModelInfoResponse\x12\x45\n\x08GetStats\x12\x1b.jengine.v1.GetStatsRequest\x1a\x1c.jengine.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18jengine/v1/jengine.proto\x12\njengine.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"H\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\x07\n\x05_name\"\xba\x01\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.jengine.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08\x12!\n\x19\x63hat_template_kwargs_json\x18\x04 \x01(\tB\x18\n\x16_add_generation_prompt\"\xa6\x06\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x17\n\nmax_tokens\x18\r \x01(\x05H\x05\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0e \x01(\x05\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x06\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\x05H\x07\x88\x01\x01\x12=\n\nlogit_bias\x18\x11 \x03(\x0b\x32).jengine.v1.SamplingParams.LogitBiasEntry\x12 \n\x13skip_special_tokens\x18\x12 \x01(\x08H\x08\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x13 \x01(\x08H\t\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x14 \x01(\x08\x12\x17\n\ndetokenize\x18\x15 \x01(\x08H\n\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokensB\r\n\x0b_detokenize\"B\n\x0eResponseFormat\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x13\n\x0bjson_schema\x18\x02 \x01(\t\x12\r\n\x05regex\x18\x03 \x01(\t\"\xa0\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.jengine.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x04 \x01(\x0b\x32\x18.jengine.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.jengine.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x11\n\tlora_name\x18\x07 \x01(\t\x12\x33\n\x0fresponse_format\x18\x08 \x01(\x0b\x32\x1a.jengine.v1.ResponseFormatB\x08\n\x06prompt\"L\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\r\n\x05token\x18\x04 \x01(\t\"|\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\r\n\x05token\x18\x04 \x01(\t\x12,\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x16.jengine.v1.TopLogprob\"\xf8\x01\n\x0f\x43ompletionDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.jengine.v1.TokenLogprob\x12\x1f\n\x12\x63umulative_logprob\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x12\n\x08stop_str\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\x05H\x00\x42\r\n\x0bstop_reasonB\x15\n\x13_cumulative_logprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xf5\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x07outputs\x18\x02 \x03(\x0b\x32\x1b.jengine.v1.CompletionDelta\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.jengine.v1.Usage\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12\x13\n\x06prompt\x18\x06 \x01(\tH\x00\x88\x01\x01\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.jengine.v1.TokenLogprobB\t\n\x07_prompt\"\x90\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\x08messages\x18\x02 \x01(\x0b\x32\x18.jengine.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"k\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x13\n\x06prompt\x18\x04 \x01(\tH\x00\x88\x01\x01\x42\t\n\x07_prompt\"\xc9\x01\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\x19\n\x11return_token_strs\x18\x04 \x01(\x08\x42\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokens\"6\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x12\n\ntoken_strs\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xf2\x01\n\rTokenizerInfo\x12\x12\n\nvocab_size\x18\x01 \x01(\x05\x12\x19\n\x0c\x62os_token_id\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x0c\x65os_token_id\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x19\n\x0cpad_token_id\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x17\n\x0f\x61ll_special_ids\x18\x06 \x03(\x05\x12\x19\n\x11has_chat_template\x18\x07 \x01(\x08\x42\x0f\n\r_bos_token_idB\x0f\n\r_eos_token_idB\x0f\n\r_pad_token_id\"\xa1\x01\n\x14GetModelInfoResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x14\n\x0cmax_logprobs\x18\x05 \x01(\x05\x12,\n\ttokenizer\x18\x06 \x01(\x0b\x32\x19.jengine.v1.TokenizerInfo\"\x11\n\x0fGetStatsRequest\"\xd2\x01\n\x10GetStatsResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x04 \x01(\x03\x12\x1c\n\x14prefix_cache_queries\x18\x05 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x06 \x01(\x03\x12\x16\n\x0enum_gpu_blocks\x18\x07 \x01(\x05\x12\x12\n\nblock_size\x18\x08 \x01(\x05\x32\xff\x02\n\x06\x45ngine\x12G\n\x08Generate\x12\x1b.jengine.v1.GenerateRequest\x1a\x1c.jengine.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.jengine.v1.TokenizeRequest\x1a\x1c.jengine.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.jengine.v1.DetokenizeRequest\x1a\x1e.jengine.v1.DetokenizeResponse\x12Q\n\x0cGetModelInfo\x12\x1f.jengine.v1.GetModelInfoRequest\x1a .jengine.v1.GetModelInfoResponse\x12\x45\n\x08GetStats\x12\x1b.jengine.v1.GetStatsRequest\x1a\x1c.jengine.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -27,44 +27,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_end=63
   _globals['_CHATMESSAGE']._serialized_start=65
   _globals['_CHATMESSAGE']._serialized_end=137
-  _globals['_CHATMESSAGES']._serialized_start=139
-  _globals['_CHATMESSAGES']._serialized_end=258
-  _globals['_SAMPLINGPARAMS']._serialized_start=261
-  _globals['_SAMPLINGPARAMS']._serialized_end=1067
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=834
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=882
-  _globals['_RESPONSEFORMAT']._serialized_start=1069
-  _globals['_RESPONSEFORMAT']._serialized_end=1135
-  _globals['_GENERATEREQUEST']._serialized_start=1138
-  _globals['_GENERATEREQUEST']._serialized_end=1426
-  _globals['_TOPLOGPROB']._serialized_start=1428
-  _globals['_TOPLOGPROB']._serialized_end=1504
-  _globals['_TOKENLOGPROB']._serialized_start=1506
-  _globals['_TOKENLOGPROB']._serialized_end=1630
-  _globals['_COMPLETIONDELTA']._serialized_start=1633
-  _globals['_COMPLETIONDELTA']._serialized_end=1881
-  _globals['_USAGE']._serialized_start=1883
-  _globals['_USAGE']._serialized_end=1963
-  _globals['_GENERATERESPONSE']._serialized_start=1966
-  _globals['_GENERATERESPONSE']._serialized_end=2211
-  _globals['_TOKENIZEREQUEST']._serialized_start=2214
-  _globals['_TOKENIZEREQUEST']._serialized_end=2358
-  _globals['_TOKENIZERESPONSE']._serialized_start=2360
-  _globals['_TOKENIZERESPONSE']._serialized_end=2467
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2470
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2671
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2673
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2727
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2729
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2750
-  _globals['_TOKENIZERINFO']._serialized_start=2753
-  _globals['_TOKENIZERINFO']._serialized_end=2995
-  _globals['_GETMODELINFORESPONSE']._serialized_start=2998
-  _globals['_GETMODELINFORESPONSE']._serialized_end=3159
-  _globals['_GETSTATSREQUEST']._serialized_start=3161
-  _globals['_GETSTATSREQUEST']._serialized_end=3178
-  _globals['_GETSTATSRESPONSE']._serialized_start=3181
-  _globals['_GETSTATSRESPONSE']._serialized_end=3391
-  _globals['_ENGINE']._serialized_start=3394
-  _globals['_ENGINE']._serialized_end=3777
+  _globals['_CHATMESSAGES']._serialized_start=140
+  _globals['_CHATMESSAGES']._serialized_end=326
+  _globals['_SAMPLINGPARAMS']._serialized_start=329
+  _globals['_SAMPLINGPARAMS']._serialized_end=1135
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=902
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=950
+  _globals['_RESPONSEFORMAT']._serialized_start=1137
+  _globals['_RESPONSEFORMAT']._serialized_end=1203
+  _globals['_GENERATEREQUEST']._serialized_start=1206
+  _globals['_GENERATEREQUEST']._serialized_end=1494
+  _globals['_TOPLOGPROB']._serialized_start=1496
+  _globals['_TOPLOGPROB']._serialized_end=1572
+  _globals['_TOKENLOGPROB']._serialized_start=1574
+  _globals['_TOKENLOGPROB']._serialized_end=1698
+  _globals['_COMPLETIONDELTA']._serialized_start=1701
+  _globals['_COMPLETIONDELTA']._serialized_end=1949
+  _globals['_USAGE']._serialized_start=1951
+  _globals['_USAGE']._serialized_end=2031
+  _globals['_GENERATERESPONSE']._serialized_start=2034
+  _globals['_GENERATERESPONSE']._serialized_end=2279
+  _globals['_TOKENIZEREQUEST']._serialized_start=2282
+  _globals['_TOKENIZEREQUEST']._serialized_end=2426
+  _globals['_TOKENIZERESPONSE']._serialized_start=2428
+  _globals['_TOKENIZERESPONSE']._serialized_end=2535
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2538
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2739
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2741
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2795
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2797
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2818
+  _globals['_TOKENIZERINFO']._serialized_start=2821
+  _globals['_TOKENIZERINFO']._serialized_end=3063
+  _globals['_GETMODELINFORESPONSE']._serialized_start=3066
+  _globals['_GETMODELINFORESPONSE']._serialized_end=3227
+  _globals['_GETSTATSREQUEST']._serialized_start=3229
+  _globals['_GETSTATSREQUEST']._serialized_end=3246
+  _globals['_GETSTATSRESPONSE']._serialized_start=3249
+  _globals['_GETSTATSRESPONSE']._serialized_end=3459
+  _globals['_ENGINE']._serialized_start=3462
+  _globals['_ENGINE']._serialized_end=3845
 # @@protoc_insertion_point(module_scope)

@@ -35,7 +35,8 @@ _BOOLS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", 
           "detokenize")
 _SAMPLING = frozenset(_NUMBERS + _INTS + _BOOLS + ("stop", "stop_token_ids", "logit_bias", "max_tokens"))
 _COMMON = _SAMPLING | _HARMLESS | {"model", "stream", "stream_options", "priority"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt"}
+_CHAT_TEMPLATE = frozenset({"add_generation_prompt", "continue_final_message", "chat_template_kwargs"})
+CHAT_FIELDS = _COMMON | _CHAT_TEMPLATE | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo"}
 
 
@@ -245,16 +246,30 @@ def parse_chat(body: Mapping[str, Any], info: ModelInfo, max_n: int = 16) -> Cha
     check_fields(body, CHAT_FIELDS)
     model = get_field(body, "model", "str")
     stream, options = _stream(body)
-    messages = normalize_messages(body.get("messages"))
-    add_generation_prompt = get_field(body, "add_generation_prompt", "bool", True)
+    prompt = {"messages": normalize_messages(body.get("messages")), **chat_template_options(body)}
     kwargs = _sampling_kwargs(body, ("max_completion_tokens", "max_tokens"))
     top_logprobs = _chat_logprobs(body)
     if top_logprobs is not None:
         kwargs["logprobs"] = top_logprobs
     params = _build_params(kwargs, info, max_n)
-    prompt = {"messages": messages, "add_generation_prompt": add_generation_prompt}
     return ChatRequest(model, prompt, params, stream, options, top_logprobs, _priority(body),
                        params.prompt_logprobs is not None)
+
+
+def chat_template_options(body: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's chat-template fields: `add_generation_prompt` (default true), and where given
+    `continue_final_message` (continue the last message: needs add_generation_prompt false) and
+    `chat_template_kwargs` (extra template variables, e.g. {"enable_thinking": false})."""
+    options: dict[str, Any] = {"add_generation_prompt": get_field(body, "add_generation_prompt", "bool", True)}
+    if get_field(body, "continue_final_message", "bool", False):
+        if options["add_generation_prompt"]:
+            raise InvalidRequestError("continue_final_message needs add_generation_prompt set to false",
+                                      param="continue_final_message")
+        options["continue_final_message"] = True
+    template_kwargs = get_field(body, "chat_template_kwargs", "object")
+    if template_kwargs:
+        options["chat_template_kwargs"] = template_kwargs
+    return options
 
 
 def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
@@ -370,7 +385,7 @@ def parse_tokenize(body: Mapping[str, Any]) -> dict[str, Any]:
     """vLLM's /tokenize: {"prompt"} or {"messages"}; → the checked fields (text or messages, options)."""
     chat = "messages" in body
     allowed = {"model", "add_special_tokens", "return_token_strs"} | (
-        {"messages", "add_generation_prompt"} if chat else {"prompt"})
+        {"messages"} | _CHAT_TEMPLATE if chat else {"prompt"})
     check_fields(body, frozenset(allowed))
     out: dict[str, Any] = {
         "model": get_field(body, "model", "str"),
@@ -379,7 +394,7 @@ def parse_tokenize(body: Mapping[str, Any]) -> dict[str, Any]:
     }
     if chat:
         out["messages"] = normalize_messages(body["messages"])
-        out["add_generation_prompt"] = get_field(body, "add_generation_prompt", "bool", True)
+        out["chat"] = chat_template_options(body)
     else:
         prompt = get_field(body, "prompt", "str")
         if prompt is None:

@@ -17,6 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from jengine.engine.client import EngineClient
+from jengine.engine.input_processor import chat_text
 from jengine.errors import DeadlineExceededError, JengineError, NotFoundError, RequestTooLargeError
 from jengine.tokenizer import NoChatTemplateError
 from server.openai.chunks import ChatStreamFormatter, CompletionStreamFormatter, StreamFormatter
@@ -136,8 +137,7 @@ class OpenAIRoutes:
         if "messages" in fields:
             if not self.tokenizer.has_chat_template:
                 raise NoChatTemplateError()
-            text = self.tokenizer.apply_chat_template(fields["messages"],
-                                                      add_generation_prompt=fields["add_generation_prompt"])
+            text = chat_text(self.tokenizer, fields["messages"], fields["chat"])
         else:
             text = fields["prompt"]
         ids = self.tokenizer.encode(text, add_special_tokens=fields["add_special_tokens"])

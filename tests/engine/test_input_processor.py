@@ -122,5 +122,14 @@ def test_chat_renders_the_template(processor: InputProcessor, tokenizer: Tokeniz
     custom = processor.process_chat(messages, params, "c", arrival_time=0.0,
                                     chat_template="{{ messages[0]['content'] }}!", add_generation_prompt=False)
     assert custom.prompt == "Hello!!"
+    greeting = Tokenizer(tokenizer.hf_tokenizer, chat_template="{{ greeting }} {{ messages[0]['content'] }}")
+    kwargs_processor = InputProcessor(greeting, tokenizer.vocab_size, MAX_LEN, max_logprobs=5)
+    text, _ = kwargs_processor.tokenize({"messages": messages, "chat_template_kwargs": {"greeting": "Hey"}})
+    assert text == "Hey Hello!"
+    for bad, field in (({"chat_template_kwargs": [1]}, "chat_template_kwargs"),
+                       ({"continue_final_message": "yes"}, "continue_final_message")):
+        with pytest.raises(InvalidRequestError) as info:
+            processor.tokenize({"messages": messages, **bad})
+        assert info.value.param == field
     with pytest.raises(InvalidRequestError):
         processor.process_chat([], params, "c", arrival_time=0.0)

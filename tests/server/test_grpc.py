@@ -324,7 +324,10 @@ def test_grpc_engine_client_equals_the_engine(harness: GrpcHarness) -> None:
     client = GrpcEngineClient(harness.address, api_key=API_KEY)
     assert isinstance(client, EngineClient)
     params = SamplingParams(n=2, temperature=0.0, max_tokens=12, logprobs=2, prompt_logprobs=1, stop=["e"])
-    prompts = ["The weather is nice", {"prompt": "Hi", "prompt_token_ids": [1, 100, 200]}, {"messages": CHAT}]
+    continued = {"messages": [*CHAT, {"role": "assistant", "content": "Sure, here"}], "add_generation_prompt": False,
+                 "continue_final_message": True, "chat_template_kwargs": {"enable_thinking": False}}
+    prompts = ["The weather is nice", {"prompt": "Hi", "prompt_token_ids": [1, 100, 200]}, {"messages": CHAT},
+               continued]
 
     async def remote(prompt) -> list[RequestOutput]:
         return [out async for out in client.generate(prompt, params)]
@@ -340,6 +343,9 @@ def test_grpc_engine_client_equals_the_engine(harness: GrpcHarness) -> None:
         assert tokenizer.encode_chat(CHAT) == local.encode_chat(CHAT) and tokenizer.vocab_size == local.vocab_size
         assert tokenizer.apply_chat_template(CHAT, add_generation_prompt=False) == \
             local.apply_chat_template(CHAT, add_generation_prompt=False)
+        assert tokenizer.apply_chat_template(continued["messages"], add_generation_prompt=False,
+                                             continue_final_message=True, enable_thinking=False) == \
+            local.apply_chat_template(continued["messages"], add_generation_prompt=False, continue_final_message=True)
         assert tokenizer.convert_ids_to_tokens([1, 100]) == local.convert_ids_to_tokens([1, 100])
         assert [tokenizer.decode([2], skip_special_tokens=False) for _ in range(2)] == ["</s>", "</s>"]
         assert tokenizer.has_chat_template and tokenizer.eos_token_ids == local.eos_token_ids

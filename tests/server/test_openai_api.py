@@ -170,6 +170,25 @@ def test_a_returned_message_can_be_sent_back(server: ServerHandle) -> None:
     assert second.usage.prompt_tokens > first.usage.prompt_tokens and second.choices[0].logprobs is None
 
 
+def test_chat_template_options(server: ServerHandle, tokenizer: Tokenizer) -> None:
+    """vLLM's continue_final_message (the reply continues a prefilled assistant message) and chat_template_kwargs
+    (extra template variables), on chat completions and /tokenize alike; continuing a message while also opening a
+    new turn is a 400."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True,
+               "chat_template_kwargs": {"enable_thinking": False}}
+    expected = tokenizer.encode_chat(messages, add_generation_prompt=False, continue_final_message=True)
+    assert tokenizer.decode(expected, skip_special_tokens=False).endswith("assistant\nThe answer is")
+    tokens = server.http.post("/tokenize", json={"messages": messages, **options}).json()["tokens"]
+    assert tokens == expected
+    chat = server.client().chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2,
+                                                   extra_body={**GREEDY["extra_body"], **options}, temperature=0)
+    assert chat.usage.prompt_tokens == len(expected)
+    with pytest.raises(openai.BadRequestError, match="add_generation_prompt"):
+        server.client().chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2,
+                                                extra_body={"continue_final_message": True})
+
+
 def test_completion_logprobs_with_echo(server: ServerHandle, tokenizer: Tokenizer) -> None:
     prompt = "The weather is nice"
     result = server.client().completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, logprobs=3,

@@ -233,3 +233,25 @@ def test_rendering_matches_transformers(tokenizer: Tokenizer, with_tools: bool) 
     )
     assert ours == hf
     assert ("東京" in ours) == with_tools and ours.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+@pytest.mark.parametrize("final", ["The answer is", "The answer is  ", "多语言 🙂 \n"])
+def test_continue_final_message_matches_transformers(tokenizer: Tokenizer, final: str) -> None:
+    """The prompt ends inside the last message (a prefilled reply the model continues), as HF renders it."""
+    messages = [*TWO_TURNS, {"role": "assistant", "content": final}]
+    ours = tokenizer.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    hf = tokenizer.hf_tokenizer.apply_chat_template(messages, chat_template=CHATML_TEMPLATE, tokenize=False,
+                                                    add_generation_prompt=False, continue_final_message=True)
+    assert ours == hf and ours.rstrip().endswith(final.strip()) and not ours.endswith("<|im_end|>\n")
+
+
+def test_continue_final_message_errors(tokenizer: Tokenizer) -> None:
+    messages = [*TWO_TURNS, {"role": "assistant", "content": "x"}]
+    with pytest.raises(InvalidRequestError, match="cannot both be true"):
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, continue_final_message=True)
+    with pytest.raises(InvalidRequestError, match="final message with text"):
+        tokenizer.apply_chat_template([*TWO_TURNS, {"role": "assistant", "content": "  "}],
+                                      add_generation_prompt=False, continue_final_message=True)
+    hidden = _with_template(tokenizer, "{% for m in messages %}{{ m.role }};{% endfor %}")
+    with pytest.raises(InvalidRequestError, match="cannot be continued"):
+        hidden.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
