@@ -21,6 +21,7 @@ from jengine.sampling.params import SamplingParams
 MAX_JSON_DEPTH = 32
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs cap; the engine's --max-logprobs may lower it
 MAX_PROMPTS = 1024  # prompts in one /v1/completions batch (each also needs its own engine slots)
+MAX_REQUEST_ID_CHARS = 256
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens: vLLM's and OpenAI's legacy default
 _ROLES = frozenset({"system", "developer", "user", "assistant"})
 _MESSAGE_KEYS = frozenset({"role", "content", "name"})
@@ -34,7 +35,7 @@ _INTS = ("n", "seed", "top_k", "min_tokens", "prompt_logprobs")
 _BOOLS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
           "detokenize")
 _SAMPLING = frozenset(_NUMBERS + _INTS + _BOOLS + ("stop", "stop_token_ids", "logit_bias", "max_tokens"))
-_COMMON = _SAMPLING | _HARMLESS | {"model", "stream", "stream_options", "priority"}
+_COMMON = _SAMPLING | _HARMLESS | {"model", "stream", "stream_options", "priority", "request_id"}
 _CHAT_TEMPLATE = frozenset({"add_generation_prompt", "continue_final_message", "chat_template_kwargs"})
 CHAT_FIELDS = _COMMON | _CHAT_TEMPLATE | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo"}
@@ -55,7 +56,15 @@ _REFUSED: dict[str, Callable[[Any], bool]] = {
     "audio": _off, "prediction": _off, "reasoning_effort": _off, "web_search_options": _off, "suffix": _off,
     "guided_json": _off, "guided_regex": _off, "guided_choice": _off, "guided_grammar": _off,
     "structured_outputs": _off, "logits_processors": _off, "verbosity": _off,
+    # vLLM's extras that change the output, where this server lacks them
+    "best_of": lambda v: v is None or v == 1, "truncate_prompt_tokens": _off,
+    "return_tokens_as_token_ids": lambda v: v is None or v is False,
 }
+# Per endpoint: the value each endpoint always uses is accepted, another one refused.
+_CHAT_REFUSED: dict[str, Callable[[Any], bool]] = {
+    "add_special_tokens": lambda v: v is None or v is False, "echo": lambda v: v is None or v is False,
+}
+_COMPLETION_REFUSED: dict[str, Callable[[Any], bool]] = {"add_special_tokens": lambda v: v is None or v is True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +84,7 @@ class CompletionRequest:
     logprobs: int | None  # completions-format logprobs (top-k beside the chosen token), None = none
     priority: int
     want_prompt_logprobs: bool  # vLLM's prompt_logprobs asked for (echo's own use of them does not show them)
+    request_id: str | None = None  # vLLM's extra: the response id becomes cmpl-<request_id>
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +97,7 @@ class ChatRequest:
     top_logprobs: int | None  # None: no logprobs; k: chosen token plus the k most likely
     priority: int
     want_prompt_logprobs: bool
+    request_id: str | None = None  # vLLM's extra: the response id becomes chatcmpl-<request_id>
 
 
 # ---------------------------------------------------------------------------------------------------------- JSON
@@ -159,13 +170,16 @@ def get_field(body: Mapping[str, Any], name: str, kind: str, default: Any = None
     return value
 
 
-def check_fields(body: Mapping[str, Any], allowed: frozenset[str]) -> None:
-    """Refuse features this server lacks, then fields nobody knows: neither is ever silently ignored."""
-    for name, harmless in _REFUSED.items():
+def check_fields(body: Mapping[str, Any], allowed: frozenset[str],
+                 refused: Mapping[str, Callable[[Any], bool]] | None = None) -> None:
+    """Refuse features this server lacks (`_REFUSED`, and the endpoint's own `refused`), then fields nobody knows:
+    neither is ever silently ignored."""
+    refused = {**_REFUSED, **(refused or {})}
+    for name, harmless in refused.items():
         if name in body and not harmless(body[name]):
-            raise InvalidRequestError(f"{name} is not supported by this server", param=name,
-                                      code="unsupported_parameter")
-    unknown = sorted(k for k in body if k not in allowed and k not in _REFUSED)
+            raise InvalidRequestError(f"{name}={json.dumps(body[name])[:40]} is not supported by this server",
+                                      param=name, code="unsupported_parameter")
+    unknown = sorted(k for k in body if k not in allowed and k not in refused)
     if unknown:
         raise InvalidRequestError(f"unrecognized request argument(s): {', '.join(unknown)}"[:300], param=unknown[0],
                                   code="unknown_parameter")
@@ -240,10 +254,17 @@ def _priority(body: Mapping[str, Any]) -> int:
     return get_field(body, "priority", "int", 0)
 
 
+def _request_id(body: Mapping[str, Any]) -> str | None:
+    request_id = get_field(body, "request_id", "str")
+    if request_id is not None and not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
+        raise InvalidRequestError(f"request_id must have 1 to {MAX_REQUEST_ID_CHARS} characters", param="request_id")
+    return request_id
+
+
 # ---------------------------------------------------------------------------------------------------------- chat
 def parse_chat(body: Mapping[str, Any], info: ModelInfo, max_n: int = 16) -> ChatRequest:
     """A /v1/chat/completions body → ChatRequest (every check here; the template is rendered after admission)."""
-    check_fields(body, CHAT_FIELDS)
+    check_fields(body, CHAT_FIELDS, _CHAT_REFUSED)
     model = get_field(body, "model", "str")
     stream, options = _stream(body)
     prompt = {"messages": normalize_messages(body.get("messages")), **chat_template_options(body)}
@@ -253,7 +274,7 @@ def parse_chat(body: Mapping[str, Any], info: ModelInfo, max_n: int = 16) -> Cha
         kwargs["logprobs"] = top_logprobs
     params = _build_params(kwargs, info, max_n)
     return ChatRequest(model, prompt, params, stream, options, top_logprobs, _priority(body),
-                       params.prompt_logprobs is not None)
+                       params.prompt_logprobs is not None, _request_id(body))
 
 
 def chat_template_options(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -330,7 +351,7 @@ def _content(content: Any, where: str) -> str:
 # ---------------------------------------------------------------------------------------------------------- completions
 def parse_completion(body: Mapping[str, Any], info: ModelInfo, max_n: int = 16) -> CompletionRequest:
     """A /v1/completions body → CompletionRequest (a batch of prompts shares one SamplingParams)."""
-    check_fields(body, COMPLETION_FIELDS)
+    check_fields(body, COMPLETION_FIELDS, _COMPLETION_REFUSED)
     model = get_field(body, "model", "str")
     stream, options = _stream(body)
     prompts = completion_prompts(body.get("prompt"))
@@ -347,7 +368,7 @@ def parse_completion(body: Mapping[str, Any], info: ModelInfo, max_n: int = 16) 
             kwargs["prompt_logprobs"] = max(kwargs.get("prompt_logprobs") or 0, logprobs)
     params = _build_params(kwargs, info, max_n)
     return CompletionRequest(model, prompts, params, stream, options, echo, logprobs, _priority(body),
-                             body.get("prompt_logprobs") is not None)
+                             body.get("prompt_logprobs") is not None, _request_id(body))
 
 
 def completion_prompts(prompt: Any) -> list[Any]:

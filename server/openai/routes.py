@@ -77,7 +77,7 @@ class OpenAIRoutes:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         parsed = parse_completion(await read_json(request, self.max_body_bytes), self.info, self.max_n)
         self._check_model(parsed.model)
-        meta = ResponseMeta.new("completion", self.info.name, self.fingerprint)
+        meta = ResponseMeta.new("completion", self.info.name, self.fingerprint, parsed.request_id)
         acc = Accumulator(len(parsed.prompts), parsed.params.n)
         formatter = CompletionStreamFormatter(meta, acc, parsed, self.decoders) if parsed.stream else None
         streamed = await self._generate(request, parsed.prompts, parsed, meta, acc, formatter)
@@ -89,7 +89,7 @@ class OpenAIRoutes:
         self._check_model(parsed.model)
         if not self.tokenizer.has_chat_template:
             raise NoChatTemplateError()  # before admission: the engine would only refuse it after tokenising
-        meta = ResponseMeta.new("chat", self.info.name, self.fingerprint)
+        meta = ResponseMeta.new("chat", self.info.name, self.fingerprint, parsed.request_id)
         acc = Accumulator(1, parsed.params.n)
         formatter = ChatStreamFormatter(meta, acc, parsed, self.decoders) if parsed.stream else None
         streamed = await self._generate(request, [parsed.prompt], parsed, meta, acc, formatter)

@@ -42,9 +42,10 @@ class ResponseMeta:
     system_fingerprint: str
 
     @classmethod
-    def new(cls, kind: str, model: str, fingerprint: str) -> ResponseMeta:
+    def new(cls, kind: str, model: str, fingerprint: str, request_id: str | None = None) -> ResponseMeta:
+        """`request_id` (the client's, as vLLM takes it) names the response; else a fresh random id."""
         prefix, obj = ("chatcmpl", "chat.completion") if kind == "chat" else ("cmpl", "text_completion")
-        return cls(f"{prefix}-{uuid.uuid4().hex}", obj, int(time.time()), model, fingerprint)
+        return cls(f"{prefix}-{request_id or uuid.uuid4().hex}", obj, int(time.time()), model, fingerprint)
 
     def head(self, *, chunk: bool = False) -> dict[str, Any]:
         obj = self.object + ".chunk" if chunk and self.object == "chat.completion" else self.object

@@ -189,6 +189,18 @@ def test_chat_template_options(server: ServerHandle, tokenizer: Tokenizer) -> No
                                                 extra_body={"continue_final_message": True})
 
 
+def test_vllm_request_id_and_default_valued_extras(server: ServerHandle) -> None:
+    """vLLM's request_id names the response; extras set to the value this server always uses are accepted."""
+    client = server.client()
+    completion = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2, extra_body={
+        "request_id": "eval-7", "best_of": 1, "add_special_tokens": True, "return_tokens_as_token_ids": False})
+    assert completion.id == "cmpl-eval-7"
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=2, extra_body={"request_id": "c-1", "add_special_tokens": False,
+                                                                    "echo": False})
+    assert chat.id == "chatcmpl-c-1"
+
+
 def test_completion_logprobs_with_echo(server: ServerHandle, tokenizer: Tokenizer) -> None:
     prompt = "The weather is nice"
     result = server.client().completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, logprobs=3,
