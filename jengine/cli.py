@@ -10,6 +10,7 @@ features not built yet are refused, never ignored. `bench {throughput,latency,se
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
@@ -166,6 +167,23 @@ def _add_server_args(parser: argparse.ArgumentParser, *, grpc: bool) -> None:
                             "(a stream that already started ends with an error chunk); default: no limit")
     group.add_argument("--max-header-bytes", type=int, default=64 * 1024,
                        help="largest request header block (request line and fields together); more gets 431")
+    for name, what in (("origins", "origins"), ("methods", "HTTP methods"), ("headers", "request headers")):
+        group.add_argument(f"--allowed-{name}", type=_json_string_list, default=["*"], metavar="JSON",
+                           help=f"CORS: the {what} browsers may use, a JSON list (default: [\"*\"], any)")
+    group.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies, auth)")
+
+
+def _json_string_list(text: str) -> list[str]:
+    """vLLM's form for the CORS flags: a JSON list of strings (a bare string is taken as a list of one)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = [text]
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
 
 
 def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
@@ -191,7 +209,11 @@ def _server_config(args: argparse.Namespace, grpc_port: int = 0) -> ServerConfig
 
     return ServerConfig.from_kwargs(host=args.host, port=args.port, grpc_port=grpc_port, api_key=args.api_key,
                                     drain_timeout=args.drain_timeout, request_timeout=args.request_timeout,
-                                    max_header_bytes=args.max_header_bytes)
+                                    max_header_bytes=args.max_header_bytes,
+                                    allowed_origins=tuple(args.allowed_origins),
+                                    allowed_methods=tuple(args.allowed_methods),
+                                    allowed_headers=tuple(args.allowed_headers),
+                                    allow_credentials=args.allow_credentials)
 
 
 def _serve_model(args: argparse.Namespace) -> tuple[str, str | None]:

@@ -157,6 +157,11 @@ class ServerConfig:
     request_timeout: float | None = None  # seconds an HTTP generation may run, then 504 and abort; None: no limit
     drain_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests before closing connections
     max_n: int = 16  # cap on `n` per request (vLLM's unbounded fan-out was CVE-2026-34756)
+    # CORS, vLLM's defaults: browsers may call the API from any origin
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerConfig:

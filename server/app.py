@@ -1,6 +1,6 @@
 """The serving process: the OpenAI HTTP app and the gRPC service over one `EngineClient`, and their lifecycle.
 
-`/health`, `/metrics` and `/version` are open; every other route needs the API key when one is set (Bearer, compared
+`/health` (and its alias `/ping`), `/metrics` and `/version` are open; every other route needs the API key when one is set (Bearer, compared
 in constant time). SIGTERM (or SIGINT) drains: /health turns 503 at once, new requests get 503, in-flight requests
 finish up to `drain_timeout`, then connections close (aborting whatever is left), the engine stops and the process
 exits 0. Every error leaves as OpenAI error JSON through the one table in `server/errors.py`.
@@ -28,13 +28,14 @@ from jengine.errors import (
     AuthenticationError, EngineDeadError, InvalidRequestError, JengineError, NotFoundError, RequestTooLargeError,
     ServiceUnavailableError,
 )
+from server import cors
 from server.errors import openai_error_body
 from server.http_limits import JsonErrorRunner, error_response, header_block_bytes, headers_too_large
 from server.openai.routes import OpenAIRoutes, json_response
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -67,15 +68,21 @@ STATE = web.AppKey("jengine_state", ServerState)
 
 # ---------------------------------------------------------------------------------------------------------- app
 def build_app(state: ServerState) -> web.Application:
-    """The aiohttp application: middlewares (errors → header size → auth → drain/in-flight), OpenAI routes, health
-    and metrics."""
-    app = web.Application(middlewares=[_errors_middleware, _header_limit_middleware, _auth_middleware,
-                                       _drain_middleware], client_max_size=state.config.max_body_bytes)
+    """The aiohttp application: middlewares (CORS preflight → errors → header size → auth → drain/in-flight), OpenAI
+    routes, health and metrics."""
+    config = state.config
+    cors_policy = cors.policy_from(config.allowed_origins, config.allowed_methods, config.allowed_headers,
+                                   config.allow_credentials)
+    app = web.Application(middlewares=[cors.preflight_middleware(cors_policy), _errors_middleware,
+                                       _header_limit_middleware, _auth_middleware, _drain_middleware],
+                          client_max_size=config.max_body_bytes)
+    cors.install(app, cors_policy)
     app[STATE] = state
     OpenAIRoutes(state.client, fingerprint=f"fp_jengine_{version()}", max_n=state.config.max_n,
                  max_body_bytes=state.config.max_body_bytes, request_timeout=state.config.request_timeout
                  ).register(app)
     app.router.add_get("/health", _health)
+    app.router.add_route("*", "/ping", _health)  # vLLM's (SageMaker's) liveness route, GET or POST
     app.router.add_get("/version", _version)
     app.router.add_get("/metrics", _metrics)
     return app

@@ -42,8 +42,30 @@ def test_every_api_route_needs_the_key(small: ServerHandle) -> None:
 
 
 def test_health_metrics_and_version_are_open(small: ServerHandle) -> None:
-    for path in ("/health", "/metrics", "/version"):
+    for path in ("/health", "/metrics", "/version", "/ping"):
         assert small.http.get(path).status_code == 200, path
+    assert small.http.post("/ping").status_code == 200
+
+
+def test_browsers_may_call_from_any_origin(small: ServerHandle) -> None:
+    """vLLM's default CORS: a preflight is answered without the key; responses, errors and streams carry
+    Access-Control-Allow-Origin."""
+    origin = {"Origin": "http://app.example"}
+    preflight = small.http.options("/v1/chat/completions", headers={
+        **origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"})
+    assert preflight.status_code == 204 and preflight.headers["Access-Control-Allow-Origin"] == "*"
+    assert preflight.headers["Access-Control-Allow-Methods"] == "POST"
+    assert preflight.headers["Access-Control-Allow-Headers"] == "authorization"
+    body = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2}
+    for headers, status in (({**small.headers(), **origin}, 200), (origin, 401)):
+        response = small.http.post("/v1/completions", json=body, headers=headers)
+        assert response.status_code == status and response.headers["Access-Control-Allow-Origin"] == "*"
+    with small.http.stream("POST", "/v1/completions", json={**body, "stream": True},
+                           headers={**small.headers(), **origin}) as stream:
+        assert stream.headers["Access-Control-Allow-Origin"] == "*"
+        stream.read()
+    assert "Access-Control-Allow-Origin" not in small.http.post("/v1/completions", json=body,
+                                                                headers=small.headers()).headers
 
 
 def test_chat_without_a_template_is_a_clear_400(small: ServerHandle) -> None:
