@@ -85,6 +85,7 @@ class CompletionRequest:
     priority: int
     want_prompt_logprobs: bool  # vLLM's prompt_logprobs asked for (echo's own use of them does not show them)
     request_id: str | None = None  # vLLM's extra: the response id becomes cmpl-<request_id>
+    echo_only: bool = False  # echo with max_tokens 0: the prompt (and its logprobs) back, nothing generated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,7 +210,8 @@ def _max_tokens(body: Mapping[str, Any], names: tuple[str, ...]) -> int | None:
         value = get_field(body, name, "int")
         if value is not None:
             if value < 1:
-                raise InvalidRequestError(f"{name} must be >= 1, got {value}", param=name)
+                hint = " (0 only with echo on /v1/completions, to score the prompt)" if name == "max_tokens" else ""
+                raise InvalidRequestError(f"{name} must be >= 1{hint}, got {value}", param=name)
             return value
     return None
 
@@ -356,6 +358,9 @@ def parse_completion(body: Mapping[str, Any], info: ModelInfo, max_n: int = 16) 
     stream, options = _stream(body)
     prompts = completion_prompts(body.get("prompt"))
     echo = get_field(body, "echo", "bool", False)
+    echo_only = echo and get_field(body, "max_tokens", "int") == 0
+    if echo_only:  # prompt scoring: the engine samples one token, which the response leaves out
+        body = {**body, "max_tokens": 1}
     kwargs = _sampling_kwargs(body, ("max_tokens",))
     if kwargs["max_tokens"] is None:
         kwargs["max_tokens"] = COMPLETION_DEFAULT_MAX_TOKENS
@@ -368,7 +373,7 @@ def parse_completion(body: Mapping[str, Any], info: ModelInfo, max_n: int = 16) 
             kwargs["prompt_logprobs"] = max(kwargs.get("prompt_logprobs") or 0, logprobs)
     params = _build_params(kwargs, info, max_n)
     return CompletionRequest(model, prompts, params, stream, options, echo, logprobs, _priority(body),
-                             body.get("prompt_logprobs") is not None, _request_id(body))
+                             body.get("prompt_logprobs") is not None, _request_id(body), echo_only)
 
 
 def completion_prompts(prompt: Any) -> list[Any]:

@@ -78,7 +78,7 @@ class OpenAIRoutes:
         parsed = parse_completion(await read_json(request, self.max_body_bytes), self.info, self.max_n)
         self._check_model(parsed.model)
         meta = ResponseMeta.new("completion", self.info.name, self.fingerprint, parsed.request_id)
-        acc = Accumulator(len(parsed.prompts), parsed.params.n)
+        acc = Accumulator(len(parsed.prompts), parsed.params.n, drop_generated=parsed.echo_only)
         formatter = CompletionStreamFormatter(meta, acc, parsed, self.decoders) if parsed.stream else None
         streamed = await self._generate(request, parsed.prompts, parsed, meta, acc, formatter)
         return streamed or json_response(completion_response(

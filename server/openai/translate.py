@@ -91,8 +91,11 @@ class PromptTotals:
 class Accumulator:
     """Gathers delta outputs of one HTTP request (k prompts × n choices; choice index = prompt × n + choice)."""
 
-    def __init__(self, num_prompts: int, n: int) -> None:
+    def __init__(self, num_prompts: int, n: int, *, drop_generated: bool = False) -> None:
+        """`drop_generated`: the request scores its prompt only (echo with max_tokens 0, run with one token), so
+        the generated token is left out of text, logprobs and usage."""
         self.n = n
+        self.drop_generated = drop_generated
         self.prompts = [PromptTotals() for _ in range(num_prompts)]
         self.choices = [ChoiceTotals() for _ in range(num_prompts * n)]
 
@@ -104,6 +107,8 @@ class Accumulator:
         prompt.logprobs.extend(output.prompt_logprobs or ())
         deltas = []
         for delta in output.outputs:
+            if self.drop_generated:
+                delta = dataclasses.replace(delta, text="", token_ids=[], cumulative_logprob=None, logprobs=None)
             index = prompt_index * self.n + delta.index
             choice = self.choices[index]
             choice.text += delta.text

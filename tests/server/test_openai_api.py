@@ -217,6 +217,25 @@ def test_completion_logprobs_with_echo(server: ServerHandle, tokenizer: Tokenize
         assert top[token] == logprob and logprob == max(top.values())  # greedy: the chosen token is the top one
 
 
+def test_echo_with_zero_max_tokens_scores_the_prompt(server: ServerHandle, tokenizer: Tokenizer) -> None:
+    """vLLM's prompt scoring (log-likelihood evaluation): echo with max_tokens 0 returns the prompt and its
+    logprobs and generates nothing, streamed or not; the prompt rows equal those of an echo that generates."""
+    client, prompt = server.client(), "The weather is nice"
+    scored = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    choice, num_prompt = scored.choices[0], len(tokenizer.encode(prompt))
+    assert choice.text == prompt and scored.usage.completion_tokens == 0
+    assert len(choice.logprobs.tokens) == num_prompt and choice.logprobs.token_logprobs[0] is None
+    generating = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1, echo=True, logprobs=1)
+    assert generating.choices[0].logprobs.token_logprobs[:num_prompt] == choice.logprobs.token_logprobs
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=0, echo=True, logprobs=1,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == prompt
+    assert [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == \
+        choice.logprobs.tokens
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=0)
+
+
 def test_streamed_echo_and_logprobs_match_non_streaming(server: ServerHandle) -> None:
     body = {"model": MODEL_NAME, "prompt": "Echo me", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
             "echo": True, "logprobs": 2}
