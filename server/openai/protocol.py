@@ -1,9 +1,9 @@
 """OpenAI request bodies → prompts + `SamplingParams`, with every check done before the request touches the engine.
 
-Strict on purpose: a JSON type that is not the documented one is a 400 naming the field (no "5" for 5), an unknown
-field is a 400 (never accepted and ignored), and a known field whose feature this server lacks and that would change
-the output (`tools`, a non-text `response_format`, `suffix`, ...) is a 400 that says so. Fields that change nothing
-about the output (`user`, `metadata`, `store`, ...) are accepted. Caps (n, logprobs, stop, nesting) are enforced here
+Strict on purpose: a JSON type that is not the documented one is a 400 naming the field (no "5" for 5, though 5.0 is
+5), an unknown field is a 400 (never accepted and ignored), and a known field whose feature this server lacks and that
+would change the output (`tools`, a non-text `response_format`, `suffix`, ...) is a 400 that says so. Fields that
+change nothing about the output (`user`, `metadata`, `store`, ...) are accepted. Caps (n, logprobs, stop, nesting) are enforced here
 or in `SamplingParams.validate`, which this module calls with the model's limits.
 """
 
@@ -165,6 +165,8 @@ def get_field(body: Mapping[str, Any], name: str, kind: str, default: Any = None
     value = body.get(name)
     if value is None:
         return default
+    if kind == "int" and isinstance(value, float) and value.is_integer():
+        return int(value)  # 2.0 is the integer 2 (JSON has one number type; pydantic-based servers agree)
     check, what = _KINDS[kind]
     if not check(value):
         raise InvalidRequestError(f"{name} must be {what}, got {json_type(value)}", param=name)

@@ -66,6 +66,8 @@ def test_completion_defaults_extras_and_harmless_fields() -> None:
     assert params.logprobs == 2 and params.prompt_logprobs == 2  # echo shows the prompt's logprobs too
     assert parse_completion({"prompt": [[1, 2], [3]]}, INFO).prompts == [{"prompt_token_ids": [1, 2]},
                                                                          {"prompt_token_ids": [3]}]
+    integral = parse_completion({"prompt": "hi", "max_tokens": 3.0, "n": 2.0, "temperature": 1.0}, INFO).params
+    assert (integral.max_tokens, integral.n) == (3, 2) and type(integral.max_tokens) is int  # 3.0 is 3, 1.5 a 400
 
 
 def test_chat_parsing() -> None:
