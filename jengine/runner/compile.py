@@ -17,6 +17,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import jax
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -77,13 +78,16 @@ def warm_up(runner, shapes: list[StepShape], progress: bool = True) -> int:
         logger.info("compiled %d step variants on %d threads in %.1f s (summed over threads: tracing and lowering "
                     "%.1f s, XLA compile or cache load %.1f s)", len(calls), workers, time.perf_counter() - start,
                     lowering, compiling)
-    before = num_compiled_shapes()
+    before, start = num_compiled_shapes(), time.perf_counter()
     for inputs in tqdm(calls, desc="Warming up step buckets" if precompiled else "Compiling step buckets",
                        disable=not progress):
         _, _, runner.kv_cache, runner.row_tokens = runner._step(runner.params, runner.kv_cache, runner.row_tokens,
                                                                 *inputs, num_prompt_logprobs=0)
+    # The runs are dispatched asynchronously: wait for them here, or the first request would wait for them all.
+    jax.block_until_ready((runner.kv_cache, runner.row_tokens))
     compiled = num_compiled_shapes() - before
-    logger.info("%d step variants ready for %d shape buckets", compiled, len(shapes))
+    logger.info("%d step variants ready for %d shape buckets (warm-up runs %.1f s)", compiled, len(shapes),
+                time.perf_counter() - start)
     return compiled
 
 
