@@ -32,9 +32,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", type=Path, default=None,
                        help="HF model directory (safetensors); default: a tiny random-weight demo model built offline")
     group.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-    group.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    group.add_argument("--dtype", default="auto", type=_dtype_name, metavar="{auto,bfloat16,float16,float32}",
+                       help="also vLLM's aliases half, bf16, float")
     group.add_argument("--seed", type=int, default=0)
-    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--max-model-len", type=_token_count, default=None, help="tokens; 32k or 1m also read")
     group.add_argument("--max-num-seqs", type=int, default=256)
     group.add_argument("--max-num-batched-tokens", type=int, default=2048)
     group.add_argument("--max-num-queued-reqs", type=int, default=1024)
@@ -44,7 +45,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     group.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                        help="auto: the model dtype; fp8: float8 e4m3 K/V with per-layer, per-head scales")
-    group.add_argument("--tensor-parallel-size", type=int, default=1)
+    group.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     group.add_argument("--data-parallel-size", type=int, default=1,
                        help="engine replicas on disjoint device groups behind one prefix-aware router (serve)")
     group.add_argument("--enable-expert-parallel", action="store_true")
@@ -64,6 +65,45 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         group.add_argument(flag, default=None, help=argparse.SUPPRESS)
     for flag in ("--enable-lora", "--enable-auto-tool-choice"):
         group.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+    _add_vllm_compat_args(parser)
+
+
+# vLLM flags accepted so its command lines run unchanged; the config refuses the values that would change something.
+_COMPAT_SWITCHES = ("--trust-remote-code", "--enforce-eager", "--disable-log-stats", "--disable-log-requests",
+                    "--enable-log-requests")
+_COMPAT_VALUES = {"--revision": None, "--download-dir": None, "--tokenizer-mode": None, "--load-format": None,
+                  "--task": None, "--swap-space": float, "--uvicorn-log-level": None}
+
+
+def _add_vllm_compat_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("vLLM flags accepted for compatibility (no effect here; values that would "
+                                      "change something are refused)")
+    for flag in _COMPAT_SWITCHES:
+        group.add_argument(flag, action="store_true")
+    for flag, kind in _COMPAT_VALUES.items():
+        group.add_argument(flag, default=None, type=kind)
+    group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
+    group.add_argument("-pp", "--pipeline-parallel-size", type=int, default=None)
+
+
+def _dtype_name(text: str) -> str:
+    """vLLM's dtype names and aliases → jengine's."""
+    names = {"auto": "auto", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "half": "float16",
+             "fp16": "float16", "float32": "float32", "float": "float32", "fp32": "float32"}
+    if text.lower() not in names:
+        raise argparse.ArgumentTypeError(f"invalid dtype {text!r}; choose from {', '.join(names)}")
+    return names[text.lower()]
+
+
+def _token_count(text: str) -> int:
+    """An integer, or with vLLM's suffixes: lower case decimal (25.6k = 25600), upper case binary (32K = 32768)."""
+    units = {"k": 1000, "K": 1024, "m": 1000**2, "M": 1024**2}
+    try:
+        if text and text[-1] in units:
+            return int(float(text[:-1]) * units[text[-1]])
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a token count: {text!r} (e.g. 4096, 32k, 128K)") from None
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -77,6 +117,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
              "enable_auto_tool_choice")
     kwargs = {name: getattr(args, name) for name in names}
     kwargs["compilation_cache_dir"] = str(args.compilation_cache_dir) if args.compilation_cache_dir else None
+    for name in ("trust_remote_code", "enforce_eager", "disable_log_stats", "revision", "download_dir",
+                 "tokenizer_mode", "load_format", "task", "swap_space", "enable_chunked_prefill",
+                 "pipeline_parallel_size"):
+        value = getattr(args, name, None)
+        if value is not None and value is not False:
+            kwargs[name] = value  # the config checks the value changes nothing
     return kwargs
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Literal
 
 from jengine.errors import ConfigError
@@ -18,6 +20,28 @@ from jengine.errors import ConfigError
 _NOT_YET_AVAILABLE = {
     "quantization": None, "enable_lora": False, "lora_modules": None, "speculative_config": None,
     "reasoning_parser": None, "enable_auto_tool_choice": False, "tool_call_parser": None,
+}
+
+# vLLM flags that change nothing here at the values they accept (so vLLM command lines and scripts run as they are);
+# other values are refused, naming what this engine does instead.
+def _one_of(*values: Any) -> Callable[[Any], bool]:
+    return lambda value: any(value is v or (type(value) is type(v) and value == v) for v in values)
+
+
+_ANY_BOOL = _one_of(False, True)
+_NO_EFFECT: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "trust_remote_code": (_ANY_BOOL, "jengine runs its own model code, for the supported architectures only"),
+    "enforce_eager": (_ANY_BOOL, "each shape is one compiled XLA program; there is no graph capture to skip"),
+    "disable_log_stats": (_ANY_BOOL, "statistics go to /metrics"),
+    "revision": (_one_of(None, "main"), "models load from a local directory"),
+    "download_dir": (_one_of(None), "models load from a local directory; nothing is downloaded"),
+    "tokenizer_mode": (_one_of(None, "auto", "hf"), "the HF fast tokenizer is used"),
+    "load_format": (_one_of(None, "auto", "safetensors"), "weights load from safetensors"),
+    "enable_chunked_prefill": (_one_of(None, True), "prefills are always chunked by max_num_batched_tokens"),
+    "pipeline_parallel_size": (_one_of(1), "use tensor_parallel_size (pipeline parallelism is not built)"),
+    "task": (_one_of(None, "auto", "generate"), "jengine generates text"),
+    "swap_space": (lambda v: v is None or (isinstance(v, (int, float)) and v >= 0),
+                   "preempted requests are recomputed, never swapped to host memory"),
 }
 
 
@@ -93,13 +117,17 @@ class EngineConfig:
     def from_kwargs(cls, model: str | Path, **kwargs: Any) -> EngineConfig:
         """Builds and validates the config from flat keyword arguments (vLLM names)."""
         _refuse_unavailable(kwargs)
+        _drop_no_effect(kwargs)
+        if "seed" in kwargs and kwargs["seed"] is None:  # vLLM's seed=None: not reproducible from run to run
+            kwargs["seed"] = secrets.randbits(63)
         parts = {}
         for name, part in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
                            ("parallel", ParallelConfig), ("runner", RunnerConfig)):
             fields = {f.name for f in dataclasses.fields(part)} - {"model"}
             parts[name] = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
         if kwargs:
-            raise ConfigError(f"unknown engine argument(s): {', '.join(sorted(kwargs))}")
+            raise ConfigError(f"unknown engine argument(s): {', '.join(sorted(kwargs))} (jengine takes vLLM's names "
+                              f"for the features it has; `jengine serve --help` lists them)")
         parts["runner"].setdefault("compilation_cache_dir", os.environ.get("JENGINE_COMPILATION_CACHE_DIR"))
         parts["parallel"] = _multi_host_from_environment(parts["parallel"])
         model_part = ModelConfig(model=str(model), **parts["model"])
@@ -202,6 +230,14 @@ def _multi_host_from_environment(parallel: dict[str, Any]) -> dict[str, Any]:
                            "process_id": None if process_id is None else int(process_id)}
     except ValueError as e:
         raise ConfigError(f"num_processes and process_id must be integers ({e})") from None
+
+
+def _drop_no_effect(kwargs: dict[str, Any]) -> None:
+    for name, (accepted, instead) in _NO_EFFECT.items():
+        if name in kwargs:
+            value = kwargs.pop(name)
+            if not accepted(value):
+                raise ConfigError(f"{name}={value!r} is not supported: {instead}")
 
 
 def _refuse_unavailable(kwargs: dict[str, Any]) -> None:

@@ -29,6 +29,8 @@ from jengine.request import RequestStatus
 from jengine.sampling.params import SamplingParams
 from jengine.tokenizer import Tokenizer
 
+OFFLINE_MAX_N = 1024  # choices per prompt offline (pass@k wants many); servers keep their own, smaller cap
+
 if TYPE_CHECKING:
     from jengine.engine.factory import EngineParts
 
@@ -59,7 +61,7 @@ class LLM:
     def _setup(self, parts: EngineParts) -> None:
         self._parts = parts
         self._core = parts.core
-        self._input = InputProcessor.from_parts(parts)
+        self._input = InputProcessor.from_parts(parts, OFFLINE_MAX_N, stop_at_context_end=True)
         self._output = OutputProcessor(parts.tokenizer)
         sched = parts.config.scheduler
         self._bound = sched.max_num_seqs + sched.max_num_queued_reqs
@@ -237,6 +239,10 @@ def _params_per_prompt(params: ParamsArg, count: int) -> list[SamplingParams]:
         return [SamplingParams()] * count
     if isinstance(params, SamplingParams):
         return [params] * count
+    if isinstance(params, (Mapping, str)):
+        raise InvalidRequestError(f"sampling_params must be SamplingParams or a list of them, got "
+                                  f"{type(params).__name__} (SamplingParams(**d) builds one from a dict)",
+                                  param="sampling_params")
     params = list(params)
     if len(params) != count:
         raise InvalidRequestError(f"got {len(params)} sampling_params for {count} prompts", param="sampling_params")

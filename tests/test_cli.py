@@ -38,6 +38,18 @@ def test_generate_prints_one_completion_per_prompt(model_dir, tmp_path):
 def test_features_not_built_are_refused_not_ignored(model_dir):
     result = jengine("generate", "--model", str(model_dir), "--quantization", "awq")
     assert result.returncode == 1 and "quantization is not available" in result.stderr
+    result = jengine("generate", "--model", str(model_dir), "-pp", "2")
+    assert result.returncode == 1 and "pipeline_parallel_size=2 is not supported" in result.stderr
+
+
+def test_a_vllm_command_line_runs_as_it_is(model_dir, tmp_path):
+    """vLLM's aliases and flags that change nothing here (graph capture, remote code, swap space, log switches)."""
+    result = jengine("generate", "--model", str(model_dir), "--prompt", "Hello", "--max-tokens", "3", "--ignore-eos",
+                     "--dtype", "half", "--max-model-len", "0.064k", "-tp", "1", "--trust-remote-code",
+                     "--enforce-eager", "--disable-log-requests", "--disable-log-stats", "--swap-space", "4",
+                     "--enable-chunked-prefill", "--tokenizer-mode", "auto", "--compilation-cache-dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "generated 3 tokens" in result.stderr and "float16" in result.stderr
 
 
 def test_unknown_architecture_is_refused_with_the_supported_list(tmp_path):

@@ -18,6 +18,7 @@ from jengine.errors import ContextLengthExceededError, InvalidRequestError
 from jengine.request import Request
 from jengine.sampling.params import SamplingParams
 from jengine.tokenizer import Tokenizer
+from jengine.tokenizer.tokenizer import read_template_argument
 
 if TYPE_CHECKING:
     from jengine.engine.factory import EngineParts
@@ -67,21 +68,27 @@ class InputProcessor:
         max_n: int = 16,
         *,
         model_eos_token_ids: Iterable[int] = (),
+        stop_at_context_end: bool = False,
     ) -> None:
-        """`vocab_size` is the model's (its embedding may be padded past the tokenizer; the smaller bound wins)."""
+        """`vocab_size` is the model's (its embedding may be padded past the tokenizer; the smaller bound wins).
+        `stop_at_context_end` (offline use, as vLLM's LLM): a max_tokens reaching past max_model_len ends the output
+        there (finish_reason "length", with a warning) instead of refusing the request (what servers do)."""
         self.tokenizer = tokenizer
         self.vocab_size = min(tokenizer.vocab_size, vocab_size)
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
         self.max_n = max_n
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model_eos_token_ids)
+        self.stop_at_context_end = stop_at_context_end
 
     @classmethod
-    def from_parts(cls, parts: EngineParts, max_n: int = 16) -> InputProcessor:
+    def from_parts(cls, parts: EngineParts, max_n: int = 16, *, stop_at_context_end: bool = False
+                   ) -> InputProcessor:
         """The processor for a built engine: its tokenizer, the model's vocabulary and EOS ids, the resolved limits."""
         return cls(
             parts.tokenizer, parts.spec.vocab_size, parts.config.scheduler.max_model_len,
             parts.config.model.max_logprobs, max_n, model_eos_token_ids=parts.spec.eos_token_ids,
+            stop_at_context_end=stop_at_context_end,
         )
 
     def process(
@@ -121,8 +128,8 @@ class InputProcessor:
         """Render the chat template (sandboxed), then process the result as token ids with the rendered text."""
         self._check_params(params)  # before rendering: a bad request costs no template work
         tokenizer = self.tokenizer
-        if chat_template is not None:
-            tokenizer = Tokenizer(tokenizer.hf_tokenizer, chat_template=chat_template)
+        if chat_template is not None:  # a file, or the template text, as LLM(chat_template=) takes it
+            tokenizer = Tokenizer(tokenizer.hf_tokenizer, chat_template=read_template_argument(chat_template))
         options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
                    "chat_template_kwargs": chat_template_kwargs}
         prompt = render_chat(tokenizer, messages, options)
@@ -204,6 +211,11 @@ class InputProcessor:
                     f"of max_model_len {limit}", param="min_tokens",
                 )
             return dataclasses.replace(params, max_tokens=room)
+        room = limit - prompt_len
+        if prompt_len + params.max_tokens > limit and self.stop_at_context_end and params.min_tokens <= room:
+            logger.warning("a prompt of %d tokens leaves %d of max_model_len %d: its output stops there, before "
+                           "max_tokens=%d (finish_reason 'length')", prompt_len, room, limit, params.max_tokens)
+            return dataclasses.replace(params, max_tokens=room)
         if prompt_len + params.max_tokens > limit:
             raise ContextLengthExceededError(
                 f"the prompt has {prompt_len} tokens and max_tokens is {params.max_tokens}: "
@@ -227,7 +239,23 @@ def chat_text(tokenizer: Tokenizer, messages: Any, options: Mapping[str, Any] | 
     kwargs = options.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
         raise InvalidRequestError("chat_template_kwargs must be an object", param="chat_template_kwargs")
-    return tokenizer.apply_chat_template(messages, **flags, **kwargs)
+    return tokenizer.apply_chat_template([_with_text_content(m) for m in messages], **flags, **kwargs)
+
+
+def _with_text_content(message: Any) -> Any:
+    """OpenAI's content parts ([{"type": "text", "text": ...}, ...]) joined by newlines, as the server does; the
+    template then sees a string. Other messages pass as they are (the template decides what it accepts)."""
+    content = message.get("content") if isinstance(message, Mapping) else None
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for part in content:
+        if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+            raise InvalidRequestError(f"content part of type {str(kind)[:40]!r} is not supported (text parts only)",
+                                      param="messages")
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}
 
 
 def render_chat(tokenizer: Tokenizer, messages: Any, options: Mapping[str, Any] | None = None) -> dict[str, Any]:

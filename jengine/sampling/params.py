@@ -34,7 +34,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted per occurrence from the logit of every generated token
     repetition_penalty: float = 1.0  # > 1 discourages tokens seen in the prompt or the output; 1 = off
     seed: int | None = None  # makes this request's sampling reproducible whatever else is batched with it
-    stop: str | tuple[str, ...] | list[str] | None = None  # stop strings (≤ 4); stored as a tuple
+    stop: str | tuple[str, ...] | list[str] | None = None  # stop strings (≤ MAX_STOP_STRINGS); stored as a tuple
     stop_token_ids: tuple[int, ...] | list[int] | None = None  # token ids that end the output; stored as a tuple
     ignore_eos: bool = False  # keep generating past the EOS token
     max_tokens: int | None = 16  # generated-token limit; None = up to the context limit (the engine resolves it)

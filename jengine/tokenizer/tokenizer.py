@@ -39,8 +39,8 @@ class NoChatTemplateError(InvalidRequestError):
 
     def __init__(self) -> None:
         super().__init__(
-            "this model has no chat template, so chat requests cannot be formatted; "
-            "start the server with --chat-template (a Jinja file or the template text)",
+            "this model has no chat template, so chat requests cannot be formatted; start the server with "
+            "--chat-template, or pass chat_template= to LLM(...) or LLM.chat (a Jinja file or the template text)",
             param="messages",
             code="no_chat_template",
         )
@@ -85,6 +85,19 @@ class Tokenizer:
     def hf_tokenizer(self) -> Any:
         """The wrapped HF tokenizer, for the rare caller that needs more than this class offers."""
         return self._hf
+
+    def __getattr__(self, name: str) -> Any:
+        """What this class does not define comes from the HF tokenizer (`tokenize`, `batch_decode`, `get_vocab`,
+        `eos_token`, ...), so code written against vLLM's `get_tokenizer()`, an HF tokenizer, runs unchanged."""
+        if name.startswith("_"):  # private names (and those looked up before __init__ ran) never delegate
+            raise AttributeError(name)
+        return getattr(self._hf, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._hf(*args, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self._hf)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; `add_special_tokens` adds what the post-processor adds (BOS for Llama-style models)."""
@@ -167,18 +180,30 @@ class Tokenizer:
 
     def apply_chat_template(
         self,
-        messages: Sequence[Message],
+        messages: Sequence[Message] | None = None,
         *,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        tokenize: bool = False,
+        conversation: Sequence[Message] | None = None,
         **template_kwargs: Any,
-    ) -> str:
-        """Render the chat template to a prompt string, in the sandbox; errors become InvalidRequestError.
+    ) -> Any:
+        """Render the chat template to a prompt string (its token ids with `tokenize=True`, as HF's), in the
+        sandbox; errors become InvalidRequestError. `conversation` is HF's name for `messages`.
 
         `template_kwargs` are extra template variables (e.g. Qwen3's `enable_thinking`). `continue_final_message`
         ends the prompt right after the last message's text, without its end-of-turn, so the model continues it
         (a prefilled assistant reply); it excludes `add_generation_prompt`."""
+        messages = conversation if messages is None else messages
+        if messages is None:
+            raise InvalidRequestError("apply_chat_template needs the messages", param="messages")
+        if "return_dict" in template_kwargs or "return_tensors" in template_kwargs:
+            raise InvalidRequestError("return_dict and return_tensors are HF tokenizer options: use "
+                                      "tokenizer.hf_tokenizer.apply_chat_template for them", param="messages")
+        if tokenize:
+            return self.encode_chat(messages, add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message, tools=tools, **template_kwargs)
         if continue_final_message and add_generation_prompt:
             raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true",
                                       param="continue_final_message")
@@ -298,14 +323,14 @@ def _resolve_chat_template(model_dir: Path, override: str | None) -> str | None:
     """The --chat-template argument, else tokenizer_config.json's template, else chat_template.jinja (HF 5)."""
     if override is not None:
         logger.info("using the chat template given by --chat-template")
-        return _read_template_argument(override)
+        return read_template_argument(override)
     template = _template_from_config(model_dir) or _template_from_file(model_dir)
     if template is None:
         logger.info("model in %s has no chat template; chat requests will be refused", model_dir)
     return template
 
 
-def _read_template_argument(value: str) -> str:
+def read_template_argument(value: str) -> str:
     """A path to a template file, or the template text itself (text holds braces or newlines; paths do not)."""
     try:
         path = Path(value).expanduser()
@@ -315,7 +340,7 @@ def _read_template_argument(value: str) -> str:
         pass
     if any(c in value for c in "{}\n"):
         return value
-    raise ConfigError(f"--chat-template {value!r} is neither an existing file nor Jinja template text")
+    raise ConfigError(f"chat template {value[:200]!r} is neither an existing file nor Jinja template text")
 
 
 def _template_from_config(model_dir: Path) -> str | None:

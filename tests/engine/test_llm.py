@@ -66,12 +66,37 @@ def test_n_and_stop_strings(tokenizer: Tokenizer) -> None:
     assert core.num_requests() == 0
 
 
-def test_chat(tokenizer: Tokenizer) -> None:
+def test_chat(tokenizer: Tokenizer, tmp_path) -> None:
     llm, _ = _llm(tokenizer)
     conversation = [{"role": "user", "content": "Hi"}]
     [one] = llm.chat(conversation, PARAMS, use_tqdm=False)
     assert one.prompt == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     assert len(llm.chat([conversation, conversation], PARAMS, use_tqdm=False)) == 2
+    parts = [{"role": "user", "content": [{"type": "text", "text": "H"}, {"type": "text", "text": "i"}]}]
+    assert llm.chat(parts, PARAMS, use_tqdm=False)[0].prompt == one.prompt.replace("Hi", "H\ni")
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0]['content'] }}!")
+    assert llm.chat(conversation, PARAMS, chat_template=str(template), use_tqdm=False)[0].prompt == "Hi!"
+
+
+def test_offline_output_stops_at_the_end_of_the_context(tokenizer: Tokenizer) -> None:
+    """As vLLM's LLM: a max_tokens reaching past max_model_len ends the output there ("length"), the other prompts
+    of the batch unaffected; a prompt with no room at all is still refused."""
+    llm, _ = _llm(tokenizer, max_model_len=24)
+    prompt = tokenizer.encode("Hello, world! How are you today?")
+    short, long_ = llm.generate([{"prompt_token_ids": prompt}, "Hi"],
+                                SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)
+    assert len(short.outputs[0].token_ids) == 24 - len(prompt) < 20 and short.outputs[0].finish_reason == "length"
+    assert len(long_.outputs[0].token_ids) == 20
+
+
+def test_offline_choices_and_params_mistakes(tokenizer: Tokenizer) -> None:
+    """Offline n goes past a server's cap (pass@k); a dict in place of SamplingParams gets a message saying so."""
+    llm, _ = _llm(tokenizer)
+    [out] = llm.generate("Hi", SamplingParams(n=40, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert len(out.outputs) == 40
+    with pytest.raises(InvalidRequestError, match="got dict"):
+        llm.generate("Hi", {"max_tokens": 2}, use_tqdm=False)  # type: ignore[arg-type]
 
 
 def test_failing_step_kills_the_llm(tokenizer: Tokenizer) -> None:

@@ -255,3 +255,16 @@ def test_continue_final_message_errors(tokenizer: Tokenizer) -> None:
     hidden = _with_template(tokenizer, "{% for m in messages %}{{ m.role }};{% endfor %}")
     with pytest.raises(InvalidRequestError, match="cannot be continued"):
         hidden.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+
+
+def test_hf_tokenizer_calls_work_on_the_wrapper(tokenizer: Tokenizer) -> None:
+    """Code written against vLLM's get_tokenizer() (an HF tokenizer) runs on jengine's: calls it does not define go
+    to the HF tokenizer; apply_chat_template takes HF's tokenize= and conversation=."""
+    hf = tokenizer.hf_tokenizer
+    assert tokenizer("Hi there")["input_ids"] == hf("Hi there")["input_ids"] and len(tokenizer) == len(hf)
+    assert tokenizer.tokenize("Hi there") == hf.tokenize("Hi there") and tokenizer.eos_token == hf.eos_token
+    assert tokenizer.batch_decode([[1, 100]]) == hf.batch_decode([[1, 100]])
+    assert tokenizer.apply_chat_template(TWO_TURNS, tokenize=True) == tokenizer.encode_chat(TWO_TURNS)
+    assert tokenizer.apply_chat_template(conversation=TWO_TURNS) == TWO_TURNS_CHATML
+    with pytest.raises(AttributeError):
+        tokenizer.no_such_method  # noqa: B018
