@@ -55,6 +55,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--process-id", type=int, default=None, help="this process's rank; 0 schedules and serves")
     group.add_argument("--chat-template", default=None, help="chat template file or text, overriding the model's")
     group.add_argument("--max-logprobs", type=int, default=20)
+    group.add_argument("--generation-config", default="auto",
+                       help="sampling defaults for unset request fields: auto = the model's generation_config.json, "
+                            "vllm = none (SamplingParams' own), or a directory holding a generation_config.json")
     group.add_argument("--compile-buckets", default="lazy", choices=["all", "lazy", "auto"])
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                        help="dispatch step N+1 before step N's tokens reach the host (default on)")
@@ -112,7 +115,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
              "max_num_queued_reqs", "block_size", "gpu_memory_utilization", "num_gpu_blocks_override",
              "enable_prefix_caching", "kv_cache_dtype", "tensor_parallel_size", "data_parallel_size",
              "enable_expert_parallel", "coordinator_address", "num_processes", "process_id", "chat_template",
-             "max_logprobs", "compile_buckets", "async_scheduling", "quantization",
+             "max_logprobs", "generation_config", "compile_buckets", "async_scheduling", "quantization",
              "lora_modules", "speculative_config", "reasoning_parser", "tool_call_parser", "enable_lora",
              "enable_auto_tool_choice")
     kwargs = {name: getattr(args, name) for name in names}

@@ -55,6 +55,9 @@ class ModelConfig:
     served_model_name: str | None = None  # name clients use; default: the model path
     chat_template: str | None = None  # file or text overriding the tokenizer's chat template
     max_logprobs: int = 20  # cap on logprobs / prompt_logprobs per request
+    # sampling defaults where a request leaves a field unset: "auto" = the model's generation_config.json, "vllm" =
+    # SamplingParams' own, or a directory holding a generation_config.json (jengine.sampling.defaults)
+    generation_config: str = "auto"
 
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")

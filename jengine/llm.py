@@ -26,6 +26,7 @@ from jengine.engine.output_processor import OutputProcessor
 from jengine.errors import EngineDeadError, InvalidRequestError
 from jengine.outputs import RequestOutput, RequestOutputKind
 from jengine.request import RequestStatus
+from jengine.sampling.defaults import load_sampling_defaults
 from jengine.sampling.params import SamplingParams
 from jengine.tokenizer import Tokenizer
 
@@ -62,6 +63,8 @@ class LLM:
         self._parts = parts
         self._core = parts.core
         self._input = InputProcessor.from_parts(parts, OFFLINE_MAX_N, stop_at_context_end=True)
+        model = parts.config.model
+        self._sampling_defaults = load_sampling_defaults(model.model, model.generation_config)
         self._output = OutputProcessor(parts.tokenizer)
         sched = parts.config.scheduler
         self._bound = sched.max_num_seqs + sched.max_num_queued_reqs
@@ -74,7 +77,7 @@ class LLM:
         """Complete every prompt; results in input order. A prompt: str, token ids, {"prompt" or "prompt_token_ids"}."""
         self._raise_if_dead()
         batch = _as_prompt_list(prompts)
-        params = _params_per_prompt(sampling_params, len(batch))
+        params = _params_per_prompt(sampling_params, len(batch), self.get_default_sampling_params())
         now = time.monotonic()
         requests = [self._input.process(p, sp, self._next_id(), arrival_time=now) for p, sp in zip(batch, params)]
         return self._run(requests, use_tqdm)
@@ -88,7 +91,7 @@ class LLM:
         a new turn; `chat_template_kwargs` are extra template variables (e.g. {"enable_thinking": False})."""
         self._raise_if_dead()
         conversations = _as_conversation_list(messages)
-        params = _params_per_prompt(sampling_params, len(conversations))
+        params = _params_per_prompt(sampling_params, len(conversations), self.get_default_sampling_params())
         now = time.monotonic()
         requests = [
             self._input.process_chat(c, sp, self._next_id(), chat_template=chat_template,
@@ -98,6 +101,11 @@ class LLM:
             for c, sp in zip(conversations, params)
         ]
         return self._run(requests, use_tqdm)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use without sampling_params: the model's generation_config.json defaults
+        (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), else SamplingParams()."""
+        return SamplingParams(**self._sampling_defaults)
 
     def get_tokenizer(self) -> Tokenizer:
         return self._parts.tokenizer
@@ -233,10 +241,10 @@ def _as_conversation_list(messages: Conversation | Sequence[Conversation]) -> li
     raise InvalidRequestError("messages must be a list of messages or a list of conversations", param="messages")
 
 
-def _params_per_prompt(params: ParamsArg, count: int) -> list[SamplingParams]:
-    """One SamplingParams for all prompts, or one per prompt (the lengths must match)."""
+def _params_per_prompt(params: ParamsArg, count: int, default: SamplingParams) -> list[SamplingParams]:
+    """One SamplingParams for all prompts, or one per prompt (the lengths must match); `default` for None."""
     if params is None:
-        return [SamplingParams()] * count
+        return [default] * count
     if isinstance(params, SamplingParams):
         return [params] * count
     if isinstance(params, (Mapping, str)):

@@ -16,6 +16,7 @@ from jengine.engine.client import EngineStats, ModelInfo
 from jengine.engine.input_processor import PromptInput
 from jengine.errors import InvalidRequestError
 from jengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jengine.sampling import defaults as generation_defaults
 from jengine.sampling.params import SamplingParams
 from jengine.tokenizer import Tokenizer
 from jengine.v1 import jengine_pb2 as pb
@@ -367,11 +368,14 @@ def model_info_to_proto(info: ModelInfo, tokenizer: Tokenizer) -> pb.GetModelInf
         if getattr(tokenizer, name) is not None:
             setattr(tok, name, getattr(tokenizer, name))
     return pb.GetModelInfoResponse(name=info.name, path=info.path, max_model_len=info.max_model_len,
-                                   vocab_size=info.vocab_size, max_logprobs=info.max_logprobs, tokenizer=tok)
+                                   vocab_size=info.vocab_size, max_logprobs=info.max_logprobs, tokenizer=tok,
+                                   sampling_defaults=info.sampling_defaults)
 
 
 def model_info_from_proto(msg: pb.GetModelInfoResponse) -> ModelInfo:
-    return ModelInfo(msg.name, msg.path, msg.max_model_len, msg.vocab_size, msg.max_logprobs)
+    kinds = {target: kind for target, kind in generation_defaults.FIELDS.values()}
+    defaults = {name: kinds.get(name, float)(value) for name, value in msg.sampling_defaults.items()}
+    return ModelInfo(msg.name, msg.path, msg.max_model_len, msg.vocab_size, msg.max_logprobs, defaults)
 
 
 def stats_to_proto(stats: EngineStats) -> pb.GetStatsResponse:

@@ -27,6 +27,7 @@ from jengine.engine.output_processor import OutputProcessor
 from jengine.errors import CapacityError, EngineDeadError, InvalidRequestError
 from jengine.outputs import RequestOutput, RequestOutputKind
 from jengine.request import RequestStatus
+from jengine.sampling.defaults import load_sampling_defaults
 from jengine.sampling.params import SamplingParams
 from jengine.tokenizer import Tokenizer
 
@@ -57,6 +58,7 @@ class AsyncEngine:
 
     def __init__(self, parts: EngineParts, *, max_n: int = 16) -> None:
         self._parts = parts
+        self._sampling_defaults = load_sampling_defaults(parts.config.model.model, parts.config.model.generation_config)
         self._input = InputProcessor.from_parts(parts, max_n)
         self._output = OutputProcessor(parts.tokenizer)
         sched = parts.config.scheduler
@@ -114,7 +116,8 @@ class AsyncEngine:
     def get_model_info(self) -> ModelInfo:
         model = self._parts.config.model
         return ModelInfo(model.served_model_name or model.model, model.model,
-                         self._parts.config.scheduler.max_model_len, self._input.vocab_size, model.max_logprobs)
+                         self._parts.config.scheduler.max_model_len, self._input.vocab_size, model.max_logprobs,
+                         dict(self._sampling_defaults))
 
     def is_healthy(self) -> bool:
         return self._dead is None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from jengine.engine.input_processor import PromptInput
 from jengine.outputs import RequestOutput
@@ -25,6 +25,8 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int  # the ids a request may use: the smaller of the tokenizer's and the model's
     max_logprobs: int
+    # SamplingParams keywords a request's unset fields take (the model's generation_config.json; may be empty)
+    sampling_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)

@@ -256,20 +256,29 @@ class TokenizerInfo(_message.Message):
     def __init__(self, vocab_size: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., all_special_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("name", "path", "max_model_len", "vocab_size", "max_logprobs", "tokenizer")
+    __slots__ = ("name", "path", "max_model_len", "vocab_size", "max_logprobs", "tokenizer", "sampling_defaults")
+    class SamplingDefaultsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     max_model_len: int
     vocab_size: int
     max_logprobs: int
     tokenizer: TokenizerInfo
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., tokenizer: _Optional[_Union[TokenizerInfo, _Mapping]] = ...) -> None: ...
+    sampling_defaults: _containers.ScalarMap[str, float]
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., tokenizer: _Optional[_Union[TokenizerInfo, _Mapping]] = ..., sampling_defaults: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

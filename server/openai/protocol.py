@@ -218,8 +218,12 @@ def _max_tokens(body: Mapping[str, Any], names: tuple[str, ...]) -> int | None:
     return None
 
 
-def _sampling_kwargs(body: Mapping[str, Any], max_tokens_names: tuple[str, ...]) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {}
+def _sampling_kwargs(body: Mapping[str, Any], max_tokens_names: tuple[str, ...],
+                     defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The request's sampling fields; those it leaves unset take the model's `defaults` (its generation config),
+    except max_tokens: its unset value stays the endpoint's (the model's max_new_tokens could overrun the context,
+    which the prompt's length, known only after the template, decides)."""
+    kwargs: dict[str, Any] = {k: v for k, v in defaults.items() if k != "max_tokens"}
     for names, kind in ((_NUMBERS, "number"), (_INTS, "int"), (_BOOLS, "bool")):
         for name in names:
             value = get_field(body, name, kind)
@@ -272,7 +276,7 @@ def parse_chat(body: Mapping[str, Any], info: ModelInfo, max_n: int = 16) -> Cha
     model = get_field(body, "model", "str")
     stream, options = _stream(body)
     prompt = {"messages": normalize_messages(body.get("messages")), **chat_template_options(body)}
-    kwargs = _sampling_kwargs(body, ("max_completion_tokens", "max_tokens"))
+    kwargs = _sampling_kwargs(body, ("max_completion_tokens", "max_tokens"), info.sampling_defaults)
     top_logprobs = _chat_logprobs(body)
     if top_logprobs is not None:
         kwargs["logprobs"] = top_logprobs
@@ -363,7 +367,7 @@ def parse_completion(body: Mapping[str, Any], info: ModelInfo, max_n: int = 16) 
     echo_only = echo and get_field(body, "max_tokens", "int") == 0
     if echo_only:  # prompt scoring: the engine samples one token, which the response leaves out
         body = {**body, "max_tokens": 1}
-    kwargs = _sampling_kwargs(body, ("max_tokens",))
+    kwargs = _sampling_kwargs(body, ("max_tokens",), info.sampling_defaults)
     if kwargs["max_tokens"] is None:
         kwargs["max_tokens"] = COMPLETION_DEFAULT_MAX_TOKENS
     logprobs = get_field(body, "logprobs", "int")
