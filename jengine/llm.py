@@ -73,10 +73,14 @@ class LLM:
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompts: PromptInput | Sequence[PromptInput], sampling_params: ParamsArg = None, *,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Complete every prompt; results in input order. A prompt: str, token ids, {"prompt" or "prompt_token_ids"}."""
+                 use_tqdm: bool = True, lora_request: None = None) -> list[RequestOutput]:
+        """Complete every prompt; results in input order. A prompt: str, token ids (a list or a 1-D array),
+        {"prompt" or "prompt_token_ids"}. `lora_request` is vLLM's: only None until LoRA serving exists."""
         self._raise_if_dead()
-        batch = _as_prompt_list(prompts)
+        if lora_request is not None:
+            raise InvalidRequestError("lora_request is not supported yet (LoRA serving is not built)",
+                                      param="lora_request")
+        batch = [_as_plain_prompt(p) for p in _as_prompt_list(_as_plain_prompt(prompts))]
         params = _params_per_prompt(sampling_params, len(batch), self.get_default_sampling_params())
         now = time.monotonic()
         requests = [self._input.process(p, sp, self._next_id(), arrival_time=now) for p, sp in zip(batch, params)]
@@ -230,6 +234,18 @@ def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[Prompt
         return list(prompts)
     raise InvalidRequestError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}",
                               param="prompt")
+
+
+def _as_plain_prompt(prompt: Any) -> Any:
+    """A 1-D array of token ids (numpy, jax) as a list; vLLM's prompt dict keys that ask for nothing dropped."""
+    if hasattr(prompt, "tolist") and getattr(prompt, "ndim", None) == 1:
+        return prompt.tolist()
+    if isinstance(prompt, Mapping) and any(prompt.get(k) is None for k in _EMPTY_PROMPT_KEYS if k in prompt):
+        return {k: v for k, v in prompt.items() if not (k in _EMPTY_PROMPT_KEYS and v is None)}
+    return prompt
+
+
+_EMPTY_PROMPT_KEYS = ("multi_modal_data", "mm_processor_kwargs", "cache_salt")
 
 
 def _as_conversation_list(messages: Conversation | Sequence[Conversation]) -> list[Conversation]:

@@ -61,6 +61,10 @@ class SamplingParams:
         """Greedy rows take the argmax and skip temperature, top-k/top-p/min-p and randomness."""
         return self.temperature < SAMPLING_EPS
 
+    def clone(self, **changes: Any) -> SamplingParams:
+        """A copy, with `changes` applied (vLLM's clone; these params are immutable, so a change is a copy)."""
+        return dataclasses.replace(self, **changes)
+
     def validate(self, vocab_size: int, max_logprobs: int = 20, max_n: int = 16) -> None:
         """Raise InvalidRequestError(param=<field>) for the first field outside vLLM's/OpenAI's ranges."""
         _check_int("n", self.n, 1, max_n)

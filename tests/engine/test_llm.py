@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from jengine.errors import ContextLengthExceededError, EngineDeadError, InvalidRequestError
@@ -43,6 +44,12 @@ def test_prompt_forms_and_one_params(tokenizer: Tokenizer) -> None:
     assert [o.outputs[0].token_ids for o in many] == [single[0].outputs[0].token_ids] * 3
     assert llm.generate(ids, PARAMS, use_tqdm=False)[0].prompt is None
     assert llm.generate([], PARAMS, use_tqdm=False) == []
+    # vLLM habits: token ids as a numpy array, prompt keys that ask for nothing, lora_request=None, clone()
+    as_vllm = llm.generate([np.array(ids), {"prompt_token_ids": ids, "multi_modal_data": None}],
+                           PARAMS.clone(max_tokens=3), use_tqdm=False, lora_request=None)
+    assert [o.outputs[0].token_ids for o in as_vllm] == [single[0].outputs[0].token_ids[:3]] * 2
+    with pytest.raises(InvalidRequestError, match="lora_request"):
+        llm.generate("Hi", PARAMS, use_tqdm=False, lora_request=object())  # type: ignore[arg-type]
 
 
 def test_a_bad_prompt_leaves_nothing_in_the_engine(tokenizer: Tokenizer) -> None:
