@@ -111,6 +111,12 @@ class LLM:
         (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), else SamplingParams()."""
         return SamplingParams(**self._sampling_defaults)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix, so the next prompts are computed in full (vLLM's name). Between
+        `generate` calls nothing holds blocks, so it succeeds; True when done."""
+        self._raise_if_dead()
+        return self._core.reset_prefix_cache()
+
     def get_tokenizer(self) -> Tokenizer:
         return self._parts.tokenizer
 

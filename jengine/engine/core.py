@@ -87,6 +87,11 @@ class EngineCore:
     def num_requests(self) -> int:
         return len(self.scheduler.requests)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's reset_prefix_cache, e.g. between benchmark runs); refused (False)
+        while a request holds blocks."""
+        return self.kv_manager.reset_prefix_cache()
+
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 

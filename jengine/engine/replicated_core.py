@@ -59,6 +59,9 @@ class ReplicatedCore:
     def num_requests(self) -> int:
         return sum(core.num_requests() for core in self.cores)
 
+    def reset_prefix_cache(self) -> bool:
+        return all([core.reset_prefix_cache() for core in self.cores])  # every replica, even after a refusal
+
     def shutdown(self) -> None:
         for core in self.cores:
             core.shutdown()

@@ -102,3 +102,16 @@ def test_generate_matches_transformers_with_logprobs(tiny_model, prompts):
         for position in range(1, len(prompt)):
             entries = out.prompt_logprobs[position]
             assert abs(entries[prompt[position]].logprob - ref[position - 1][prompt[position]]) <= 1e-3
+
+
+def test_reset_prefix_cache_makes_the_next_prompt_compute_in_full(tiny_model, prompts):
+    """A repeated prompt hits the cache; after reset_prefix_cache it is computed in full, to the same output."""
+    model_dir, _ = tiny_model
+    prompt = {"prompt_token_ids": prompts[0]}  # 30 tokens: one full 16-token block to cache
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with LLM(str(model_dir), dtype="float32", max_model_len=128) as llm:
+        first, again = (llm.generate(prompt, params, use_tqdm=False)[0] for _ in range(2))
+        assert again.num_cached_tokens >= 16 and first.num_cached_tokens == 0
+        assert llm.reset_prefix_cache()
+        after = llm.generate(prompt, params, use_tqdm=False)[0]
+        assert after.num_cached_tokens == 0 and after.outputs[0].token_ids == first.outputs[0].token_ids
