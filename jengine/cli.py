@@ -240,7 +240,8 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                        help="HF model directory (default: a tiny random-weight demo model built offline)")
     add_engine_args(serve)
-    serve.add_argument("--served-model-name", default=None, help="the name clients send as 'model'")
+    serve.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
+                       help="the name clients send as 'model'; several: the first answers, all are accepted")
     _add_server_args(serve, grpc=True)
     serve.set_defaults(compile_buckets="auto")  # a server on a GPU compiles every shape before it takes traffic
 
@@ -265,7 +266,7 @@ def _server_config(args: argparse.Namespace, grpc_port: int = 0) -> ServerConfig
                                     allow_credentials=args.allow_credentials)
 
 
-def _serve_model(args: argparse.Namespace) -> tuple[str, str | None]:
+def _serve_model(args: argparse.Namespace) -> tuple[str, str | list[str] | None]:
     """(model directory, served name): MODEL or --model, else the demo model under a name that says what it is."""
     from jengine.errors import ConfigError
     from jengine.models.demo import DEMO_SERVED_NAME, ensure_demo_model
@@ -273,9 +274,11 @@ def _serve_model(args: argparse.Namespace) -> tuple[str, str | None]:
     if args.model_tag is not None and args.model is not None and Path(args.model_tag) != args.model:
         raise ConfigError("give the model once: either as MODEL or as --model")
     model = args.model_tag or args.model
+    names = args.served_model_name
+    served = names[0] if names and len(names) == 1 else names  # several: the first answers, all are accepted
     if model is None:
-        return str(ensure_demo_model()), args.served_model_name or DEMO_SERVED_NAME
-    return str(model), args.served_model_name
+        return str(ensure_demo_model()), served or DEMO_SERVED_NAME
+    return str(model), served
 
 
 def _serve(args: argparse.Namespace) -> int:

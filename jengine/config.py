@@ -53,6 +53,7 @@ class ModelConfig:
     seed: int = 0  # engine-level randomness for requests without their own seed
     max_model_len: int | None = None  # context limit (prompt + output); default: the model's max positions
     served_model_name: str | None = None  # name clients use; default: the model path
+    served_model_aliases: tuple[str, ...] = ()  # further names requests may use (vLLM's extra served names)
     chat_template: str | None = None  # file or text overriding the tokenizer's chat template
     max_logprobs: int = 20  # cap on logprobs / prompt_logprobs per request
     # sampling defaults where a request leaves a field unset: "auto" = the model's generation_config.json, "vllm" =
@@ -121,6 +122,11 @@ class EngineConfig:
         """Builds and validates the config from flat keyword arguments (vLLM names)."""
         _refuse_unavailable(kwargs)
         _drop_no_effect(kwargs)
+        names = kwargs.get("served_model_name")
+        if isinstance(names, (list, tuple)):  # vLLM's several names: the first answers, all are accepted
+            if not names or not all(isinstance(n, str) and n for n in names):
+                raise ConfigError("served_model_name must be a name or a non-empty list of names")
+            kwargs["served_model_name"], kwargs["served_model_aliases"] = names[0], tuple(names[1:])
         if "seed" in kwargs and kwargs["seed"] is None:  # vLLM's seed=None: not reproducible from run to run
             kwargs["seed"] = secrets.randbits(63)
         parts = {}

@@ -27,6 +27,7 @@ class ModelInfo:
     max_logprobs: int
     # SamplingParams keywords a request's unset fields take (the model's generation_config.json; may be empty)
     sampling_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
+    aliases: tuple[str, ...] = ()  # further names clients may put in "model"
 
 
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)

@@ -125,11 +125,13 @@ class OpenAIRoutes:
 
     # ------------------------------------------------------------------ models and tokens
     async def list_models(self, request: web.Request) -> web.Response:
-        return json_response({"object": "list", "data": [self._model_card()]})
+        names = (self.info.name, *self.info.aliases)
+        return json_response({"object": "list", "data": [self._model_card(name) for name in names]})
 
     async def get_model(self, request: web.Request) -> web.Response:
-        self._check_model(request.match_info["model"])
-        return json_response(self._model_card())
+        name = request.match_info["model"]
+        self._check_model(name)
+        return json_response(self._model_card(name))
 
     async def tokenize(self, request: web.Request) -> web.Response:
         fields = parse_tokenize(await read_json(request, self.max_body_bytes))
@@ -151,13 +153,13 @@ class OpenAIRoutes:
         self._check_model(model)
         return json_response({"prompt": self.tokenizer.decode(tokens)})
 
-    def _model_card(self) -> dict[str, Any]:
-        return {"id": self.info.name, "object": "model", "created": self.created, "owned_by": "jengine",
+    def _model_card(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "jengine",
                 "root": self.info.name, "parent": None, "max_model_len": self.info.max_model_len}
 
     def _check_model(self, model: str | None) -> None:
-        """An absent model means the served one (vLLM's habit); any other name is a 404."""
-        if model is not None and model != self.info.name:
+        """An absent model means the served one (vLLM's habit), as does any of its names; another is a 404."""
+        if model is not None and model != self.info.name and model not in self.info.aliases:
             raise NotFoundError(f"the model {model[:100]!r} does not exist; this server serves {self.info.name!r}")
 
 

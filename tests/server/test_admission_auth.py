@@ -15,13 +15,15 @@ import pytest
 from tests.server.conftest import MODEL_NAME, Servers, ServerHandle, metric, paused_core, scrape
 
 KEY = "sk-test-0123456789"
+ALIAS = "tiny-alias"
 BURST = 200
 BOUND = 4 + 8
 
 
 @pytest.fixture(scope="module")
 def small(servers: Servers, plain_model_dir: Path) -> Iterator[ServerHandle]:
-    handle = servers.start(plain_model_dir, api_key=KEY, max_num_seqs=4, max_num_queued_reqs=8)
+    handle = servers.start(plain_model_dir, api_key=KEY, max_num_seqs=4, max_num_queued_reqs=8,
+                           served_model_name=[MODEL_NAME, ALIAS])
     yield handle
     handle.wait_idle()
 
@@ -39,6 +41,17 @@ def test_every_api_route_needs_the_key(small: ServerHandle) -> None:
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=small.url("/v1"), api_key="wrong", max_retries=0).models.list()
     assert small.client().models.list().data[0].id == MODEL_NAME
+
+
+def test_every_served_name_is_accepted_and_the_first_answers(small: ServerHandle) -> None:
+    """vLLM's several --served-model-name values: /v1/models lists each, a request may use any."""
+    client = small.client()
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME, ALIAS]
+    assert client.models.retrieve(ALIAS).id == ALIAS
+    completion = client.completions.create(model=ALIAS, prompt="Hi", max_tokens=2)
+    assert completion.model == MODEL_NAME and completion.usage.completion_tokens >= 1
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="Hi", max_tokens=2)
 
 
 def test_health_metrics_and_version_are_open(small: ServerHandle) -> None:
