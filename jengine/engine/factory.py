@@ -34,15 +34,29 @@ class EngineParts:
     config: EngineConfig  # with max_model_len resolved
 
 
+def model_context_limit(spec: ModelSpec) -> tuple[int, str]:
+    """(positions the model serves, why): max_position_embeddings, stretched by a rope scaling that exists to extend
+    it, as vLLM derives it: YaRN to original_max_position_embeddings × factor (Qwen's 32k → 131k recipe), linear
+    interpolation to max_position_embeddings × factor."""
+    rope, positions = spec.rope, spec.max_position_embeddings
+    if rope.rope_type == "yarn" and rope.original_max_position_embeddings:
+        stretched = int(rope.original_max_position_embeddings * rope.factor)
+        if stretched > positions:
+            return stretched, (f"YaRN: original_max_position_embeddings={rope.original_max_position_embeddings} × "
+                               f"factor {rope.factor:g}")
+    if rope.rope_type == "linear" and rope.factor > 1:
+        return int(positions * rope.factor), f"linear rope scaling: max_position_embeddings={positions} × {rope.factor:g}"
+    return positions, f"max_position_embeddings={positions}"
+
+
 def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
     """The user's limit, or the model's; a limit beyond the model's positions is refused, never silently cut."""
     requested = config.model.max_model_len
+    limit, source = model_context_limit(spec)
     if requested is None:
-        return spec.max_position_embeddings
-    if requested > spec.max_position_embeddings:
-        raise ConfigError(
-            f"max_model_len={requested} exceeds the model's max_position_embeddings={spec.max_position_embeddings}"
-        )
+        return limit
+    if requested > limit:
+        raise ConfigError(f"max_model_len={requested} exceeds the model's context of {limit} ({source})")
     return requested
 
 

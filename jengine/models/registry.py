@@ -43,9 +43,8 @@ def parse_rope(config: dict[str, Any]) -> RopeSpec:
         mscale=params.get("mscale"),
         mscale_all_dim=params.get("mscale_all_dim"),
         truncate=bool(params.get("truncate", True)),
-        partial_rotary_factor=float(
-            config_value(params, "partial_rotary_factor", default=config.get("partial_rotary_factor") or 1.0)
-        ),
+        # the supported families read it from the rope parameters only (HF ignores a top-level one for them)
+        partial_rotary_factor=float(config_value(params, "partial_rotary_factor", default=1.0)),
     )
 
 

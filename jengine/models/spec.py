@@ -16,7 +16,8 @@ from jengine.errors import UnsupportedModelError
 AttentionKind = Literal["full", "sliding"]
 MlpKind = Literal["dense", "moe"]
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# "dynamic" (NTK) is the default rope up to max_position_embeddings, which it is held to here
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,3 +48,21 @@ def test_the_engine_has_the_model_directorys_tokenizer(model_dir):
     with LLM(str(model_dir), dtype="float32", max_model_len=64) as llm:
         ids = llm.get_tokenizer().encode("hello world")
         assert llm.get_tokenizer().decode(ids, skip_special_tokens=True).strip() == "hello world"
+
+
+@pytest.mark.parametrize("rope, positions, limit", [
+    (None, 4096, 4096),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}, 32768, 131072),  # Qwen recipe
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}, 131072, 131072),
+    ({"type": "linear", "factor": 2.0}, 4096, 8192),
+    ({"type": "dynamic", "factor": 2.0}, 4096, 4096),  # held to the positions where it equals the default rope
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 8192}, 131072, 131072),
+])
+def test_context_limit_follows_the_rope_scaling(rope, positions, limit):
+    """As vLLM derives it: a rope scaling that exists to extend the context extends max_model_len's bound."""
+    from jengine.models.registry import spec_from_hf_config
+
+    spec = spec_from_hf_config({"architectures": ["LlamaForCausalLM"], "model_type": "llama", **COMMON,
+                                "max_position_embeddings": positions, "rope_scaling": rope})
+    assert factory.model_context_limit(spec)[0] == limit

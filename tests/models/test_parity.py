@@ -127,6 +127,23 @@ def test_parity_qwen3(build_checkpoint, prompts):
     check_parity(model_dir, model, prompts)
 
 
+def test_parity_yarn_past_max_position_embeddings(build_checkpoint, prompts):
+    """Qwen's long-context recipe: YaRN over an original 32 positions × 4, with the prompts and their continuations
+    running well past max_position_embeddings=32 (jengine's context bound becomes 128, as vLLM's)."""
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}
+    config = Qwen2Config(**{**COMMON, "max_position_embeddings": 32}, rope_parameters=rope)
+    assert max(len(p) for p in prompts) + NEW_TOKENS > 32
+    model_dir, model = build_checkpoint(config)
+    check_parity(model_dir, model, prompts)
+
+
+def test_parity_dynamic_rope(build_checkpoint, prompts):
+    """Dynamic NTK scaling (older Llama fine-tunes) is the default rope within max_position_embeddings."""
+    config = LlamaConfig(**COMMON, rope_scaling={"type": "dynamic", "factor": 2.0})
+    model_dir, model = build_checkpoint(config, spelling="checkpoint")
+    check_parity(model_dir, model, prompts)
+
+
 def test_parity_mixtral(build_checkpoint, prompts):
     """Mixtral: top-2 of 4 experts with renormalised weights, sliding window."""
     config = MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=7)

@@ -569,7 +569,7 @@ def test_transformers5_config_written_by_transformers():
 # --- refusals ---
 
 
-@pytest.mark.parametrize("rope_type", ["longrope", "dynamic"])
+@pytest.mark.parametrize("rope_type", ["longrope", "mrope"])
 @pytest.mark.parametrize("key", ["rope_type", "type"])
 def test_unsupported_rope_type_is_named(rope_type, key):
     config = {**LLAMA_2_7B, "rope_scaling": {key: rope_type, "factor": 2.0}}
