@@ -193,6 +193,25 @@ def read_config(model_dir: str | Path) -> dict[str, Any]:
     return _load_config(model_dir)
 
 
+_BASE_MODEL_PREFIX = "model."
+_WRAPPER_PREFIX = "base_model.model."  # a PEFT-wrapped model saved whole (adapters merged)
+
+
+def _canonical_names(tensors: dict[str, TensorInfo], model_dir: Path) -> dict[str, TensorInfo]:
+    """The names a causal-LM checkpoint has, as HF's loader accepts the others: a wrapper's `base_model.model.`
+    prefix dropped, and the `model.` prefix added where the weights were saved from the base model alone
+    (`embed_tokens.weight`, `layers.0...`)."""
+    if tensors and all(name.startswith(_WRAPPER_PREFIX) for name in tensors):
+        logger.info("%s: tensor names carry %r; reading them without it", model_dir, _WRAPPER_PREFIX)
+        tensors = {name[len(_WRAPPER_PREFIX):]: info for name, info in tensors.items()}
+    if "embed_tokens.weight" in tensors and not any(name.startswith(_BASE_MODEL_PREFIX) for name in tensors):
+        logger.info("%s: the weights were saved from the base model (no %r prefix); reading them with it",
+                    model_dir, _BASE_MODEL_PREFIX)
+        tensors = {(name if name.startswith("lm_head.") else _BASE_MODEL_PREFIX + name): info
+                   for name, info in tensors.items()}
+    return tensors
+
+
 def _load_config(model_dir: Path) -> dict[str, Any]:
     """Reads config.json, which every HF model directory has and without which the architecture is unknown."""
     path = model_dir / CONFIG_FILE
@@ -234,7 +253,7 @@ class CheckpointReader:
             raise CheckpointError(f"model directory not found: {self._dir}")
         self._config = _load_config(self._dir)
         files, expected = _discover_files(self._dir)
-        self._tensors = _index_tensors(files, expected)
+        self._tensors = _canonical_names(_index_tensors(files, expected), self._dir)
         self._maps: dict[Path, np.ndarray] | None = {path: self._map(path) for path in files}
         logger.debug(
             "opened %s: %d tensors in %d file(s), %d bytes",
@@ -278,6 +297,9 @@ class CheckpointReader:
         if info is None:
             close = difflib.get_close_matches(name, self._tensors, n=5, cutoff=0.5)
             hint = f"; close names: {', '.join(close)}" if close else ""
+            if name == "lm_head.weight":
+                hint += ("; config.json does not set tie_word_embeddings to true, so the LM head must be in the "
+                         "checkpoint")
             raise CheckpointError(f"tensor {name!r} not found in checkpoint {self._dir}{hint}")
         return info
 

@@ -26,7 +26,8 @@ from jengine.models.converted import converted_metadata, restore_converted, save
 from jengine.models.registry import spec_from_hf_config
 from jengine.models.spec import ModelSpec
 from jengine.models.weights import (
-    KV_SCALE_TEMPLATES, FusedSource, LeafSource, Source, is_source, kv_scale_names, parameter_sources)
+    EMBEDDING, KV_SCALE_TEMPLATES, LM_HEAD, FusedSource, LeafSource, Source, is_source, kv_scale_names,
+    parameter_sources)
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ def load_model(
     """
     spec = load_spec(model_dir)
     with CheckpointReader(model_dir) as reader:
+        spec = _tied_as_in_the_checkpoint(spec, reader)
         platform = jax.devices()[0].platform
         resolved = resolve_dtype(dtype, spec.checkpoint_dtype or checkpoint_dtype(reader), platform)
         sharding_for = _sharding_function(sharding)
@@ -100,6 +102,18 @@ def load_model(
         save_converted(converted_dir, params, {"fingerprint": fingerprint, "source": str(model_dir)})
     logger.info("loaded %s (%s) from %s in %s", spec.architecture, spec.family, model_dir, resolved.name)
     return spec, _with_kv_scales(params, spec, kv_scales, sharding_for), resolved
+
+
+def _tied_as_in_the_checkpoint(spec: ModelSpec, reader: CheckpointReader) -> ModelSpec:
+    """A config that ties the LM head to the embedding, in a checkpoint that also holds a different lm_head.weight:
+    that head is used, as HF transformers 5 does (an identical copy keeps the tie, and no second array)."""
+    if not spec.tie_word_embeddings or LM_HEAD not in reader:
+        return spec
+    if np.array_equal(reader.read(LM_HEAD), reader.read(EMBEDDING)):
+        return spec
+    logger.warning("%s: tie_word_embeddings is true but the checkpoint's lm_head.weight differs from the embedding; "
+                   "using lm_head.weight, as HF transformers does", reader.model_dir)
+    return dataclasses.replace(spec, tie_word_embeddings=False)
 
 
 # Changes whenever the parameter pytree's structure does, so older saved conversions are converted again.

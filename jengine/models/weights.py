@@ -149,6 +149,9 @@ def _moe_leaves(spec: ModelSpec, layer: int) -> dict[str, LeafSource]:
     }
 
 
+EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
 def parameter_sources(spec: ModelSpec, kv_repeat: int = 1, shards: int = 1) -> dict:
     """The full parameter pytree of `spec`, with a source at every leaf; `kv_repeat` repeats each KV head;
     `shards`: the tensor-parallel size the fused projections group their columns for."""
@@ -158,12 +161,12 @@ def parameter_sources(spec: ModelSpec, kv_repeat: int = 1, shards: int = 1) -> d
         layers.append(_attention_leaves(spec, layer, kv_repeat, shards) | mlp)
     d, vocab = spec.hidden_size, spec.vocab_size
     tree = {
-        "embed": LeafSource(np.array("model.embed_tokens.weight", dtype=object), (vocab, d), False),
+        "embed": LeafSource(np.array(EMBEDDING, dtype=object), (vocab, d), False),
         "final_norm": LeafSource(np.array("model.norm.weight", dtype=object), (d,), False),
         "layers": tuple(layers),
     }
     if not spec.tie_word_embeddings:
-        tree["lm_head"] = LeafSource(np.array("lm_head.weight", dtype=object), (vocab, d), False)
+        tree["lm_head"] = LeafSource(np.array(LM_HEAD, dtype=object), (vocab, d), False)
     return tree
 
 

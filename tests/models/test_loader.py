@@ -124,8 +124,43 @@ def test_missing_tensor_is_named(llama, tmp_path):
 def test_missing_lm_head_of_untied_model_is_named(llama, tmp_path):
     model_dir = _copy(llama[0], tmp_path / "m")
     _rewrite_weights(model_dir, lambda t: t.pop("lm_head.weight"))
-    with pytest.raises(CheckpointError, match=re.escape("lm_head.weight")):
+    with pytest.raises(CheckpointError, match=re.escape("lm_head.weight") + ".*tie_word_embeddings"):
         load_model(model_dir, progress=False)
+
+
+@pytest.mark.parametrize("rename", [
+    lambda name: name.removeprefix("model."),  # saved from the base model (LlamaModel)
+    lambda name: "base_model.model." + name,  # a PEFT-wrapped model saved whole
+])
+def test_prefix_spellings_load_the_same_weights(llama, loaded_f32, tmp_path, rename):
+    model_dir = _copy(llama[0], tmp_path / "m")
+    _rewrite_weights(model_dir, lambda t: t.update({rename(k): t.pop(k) for k in list(t)}))
+    _, params, _ = load_model(model_dir, dtype="float32", progress=False)
+    ours, reference = _leaves(params), _leaves(loaded_f32[1])
+    assert ours.keys() == reference.keys()
+    assert all(np.array_equal(np.asarray(ours[k]), np.asarray(reference[k])) for k in ours)
+
+
+def test_tied_config_with_a_different_lm_head_uses_it_as_hf_does(llama_tied, tmp_path):
+    """transformers 5 unties a checkpoint whose lm_head.weight differs from the embedding (with a warning); the
+    logits follow HF's, and an identical copy keeps the tie."""
+    model_dir = _copy(llama_tied[0], tmp_path / "m")
+    head = np.random.default_rng(0).standard_normal((TINY["vocab_size"], TINY["hidden_size"])).astype(np.float32)
+    _rewrite_weights(model_dir, lambda t: t.update({"lm_head.weight": head}))
+    spec, params, _ = load_model(model_dir, dtype="float32", progress=False)
+    assert not spec.tie_word_embeddings and np.array_equal(np.asarray(params["lm_head"]), head)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    prompt = [[5, 17, 33, 2, 90, 7]]
+    ours = SimpleGenerator(spec, params, jnp.float32, block_size=4).generate(prompt, 1, return_prompt_logits=True)
+    with torch.no_grad():
+        reference = hf(torch.tensor(prompt)).logits[0].numpy()
+    np.testing.assert_allclose(ours.prompt_logits[0], reference, atol=1e-4 * np.abs(reference).max())
+    same = _copy(llama_tied[0], tmp_path / "same")
+    _rewrite_weights(same, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].copy()}))
+    spec_same, params_same, _ = load_model(same, dtype="float32", progress=False)
+    assert spec_same.tie_word_embeddings and "lm_head" not in params_same
 
 
 def test_misshaped_tensor_names_tensor_and_both_shapes(llama, tmp_path):
