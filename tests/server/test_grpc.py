@@ -262,6 +262,9 @@ def test_deadline_exceeded_aborts_the_request(harness: GrpcHarness, monkeypatch:
     aborted: list[str] = []
     abort = core_loop.abort
     monkeypatch.setattr(core_loop, "abort", lambda ids, *args: (aborted.extend(ids), abort(ids, *args)))
+    core, step = harness.engine._parts.core, harness.engine._parts.core.step
+    # 200 steps of ≥ 10 ms outlast the 0.4 s deadline on any machine (a warm CPU runs this tiny model's in ~2 ms)
+    monkeypatch.setattr(core, "step", lambda: (time.sleep(0.01), step())[1])
     received: list[pb.GenerateResponse] = []
     call = harness.stub.Generate(request, metadata=auth(), timeout=0.4)
     error = _status(lambda: received.extend(call))
