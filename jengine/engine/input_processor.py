@@ -80,6 +80,7 @@ class InputProcessor:
         self.max_n = max_n
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model_eos_token_ids)
         self.stop_at_context_end = stop_at_context_end
+        self._warned_context_end = False
 
     @classmethod
     def from_parts(cls, parts: EngineParts, max_n: int = 16, *, stop_at_context_end: bool = False
@@ -213,8 +214,11 @@ class InputProcessor:
             return dataclasses.replace(params, max_tokens=room)
         room = limit - prompt_len
         if prompt_len + params.max_tokens > limit and self.stop_at_context_end and params.min_tokens <= room:
-            logger.warning("a prompt of %d tokens leaves %d of max_model_len %d: its output stops there, before "
-                           "max_tokens=%d (finish_reason 'length')", prompt_len, room, limit, params.max_tokens)
+            log = logger.debug if self._warned_context_end else logger.warning
+            self._warned_context_end = True  # once: a batch of such prompts is one fact, not a thousand
+            log("a prompt of %d tokens leaves %d of max_model_len %d: its output stops there, before max_tokens=%d "
+                "(finish_reason 'length'; further such prompts are not reported)", prompt_len, room, limit,
+                params.max_tokens)
             return dataclasses.replace(params, max_tokens=room)
         if prompt_len + params.max_tokens > limit:
             raise ContextLengthExceededError(
