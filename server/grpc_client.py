@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from jengine import errors
 from jengine.engine.client import EngineStats, ModelInfo
 from jengine.engine.input_processor import PromptInput
-from jengine.errors import InvalidRequestError, JengineError, NotFoundError
+from jengine.errors import InvalidRequestError, JengineError, NotFoundError, RequestTooLargeError
 from jengine.outputs import RequestOutput
 from jengine.sampling.params import SamplingParams
 from jengine.v1 import jengine_pb2 as pb
@@ -178,7 +178,10 @@ def exception_from_rpc(exc: grpc.RpcError) -> JengineError:
     code = exc.code()
     trailers = {k: v for k, v in (exc.trailing_metadata() or ()) if isinstance(v, str)}
     message = exc.details() or code.name.lower()
-    cls = _REMOTE_ERRORS.get(trailers.get(ERROR_TYPE_KEY, "")) or _class_for_status(code, trailers.get(ERROR_CODE_KEY))
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in message:
+        cls = RequestTooLargeError  # gRPC's own message-size refusal: no trailers, and a retry would fail again
+    else:
+        cls = _REMOTE_ERRORS.get(trailers.get(ERROR_TYPE_KEY, "")) or _class_for_status(code, trailers.get(ERROR_CODE_KEY))
     if cls is None:  # INTERNAL, UNKNOWN, UNIMPLEMENTED, a server-side CANCELLED: no jengine class to raise
         return JengineError(f"the remote engine failed: {code.name}: {message[:300]}")
     return _build(cls, message, trailers.get(ERROR_CODE_KEY), trailers.get(ERROR_PARAM_KEY))

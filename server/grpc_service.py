@@ -49,12 +49,15 @@ class _Gate:
     """What the interceptor and the health service share: the key and whether new calls are taken."""
 
     def __init__(self, api_key: str | None) -> None:
-        self.expected = f"Bearer {api_key}".encode() if api_key is not None else None
+        self.expected = api_key.encode() if api_key is not None else None
         self.serving = True
 
     def refusal(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> JengineError | None:
-        """The error a call must end with, or None to let it through."""
-        if self.expected is not None and not hmac.compare_digest(_authorization(metadata), self.expected):
+        """The error a call must end with, or None to let it through. The scheme is case-insensitive (RFC 7235), as
+        on the HTTP side."""
+        scheme, _, token = _authorization(metadata).partition(b" ")
+        if self.expected is not None and not (scheme.lower() == b"bearer"
+                                              and hmac.compare_digest(token.strip(), self.expected)):
             return AuthenticationError("missing or wrong API key: send metadata 'authorization: Bearer <key>'")
         if not self.serving:
             return ServiceUnavailableError("the server is draining and takes no new requests")
@@ -128,11 +131,11 @@ class EngineService(pb_grpc.EngineServicer):
             await abort_with(context, exc)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
-        return await _unary(context, lambda: self._tokenize(request))
+        return await _unary(context, lambda: self._tokenize(request), off_loop=True)
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
                          ) -> pb.DetokenizeResponse:
-        return await _unary(context, lambda: self._detokenize(request))
+        return await _unary(context, lambda: self._detokenize(request), off_loop=True)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
                            ) -> pb.GetModelInfoResponse:
@@ -195,10 +198,12 @@ async def _until(stream: AsyncIterator[RequestOutput], deadline: float | None) -
         yield output
 
 
-async def _unary(context: grpc.aio.ServicerContext, fn: Callable[[], Any]) -> Any:
-    """Run a quick host-only call (tokenizer, model info); its errors end the call through the table."""
+async def _unary(context: grpc.aio.ServicerContext, fn: Callable[[], Any], off_loop: bool = False) -> Any:
+    """Run a host-only call (tokenizer, model info); its errors end the call through the table. `off_loop`: on a
+    worker thread, for work that grows with the input (tokenizing megabytes takes seconds, which on the event loop
+    would stall every stream)."""
     try:
-        return fn()
+        return await asyncio.to_thread(fn) if off_loop else fn()
     except Exception as exc:
         await abort_with(context, exc)
 

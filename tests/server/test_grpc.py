@@ -22,7 +22,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from transformers import LlamaConfig
 
 from jengine.engine.client import EngineClient
-from jengine.errors import AuthenticationError, ContextLengthExceededError, InvalidRequestError
+from jengine.errors import (
+    AuthenticationError, ContextLengthExceededError, InvalidRequestError, RequestTooLargeError,
+)
 from jengine.outputs import RequestOutput
 from jengine.sampling.params import SamplingParams
 from jengine.tokenizer import CHATML_TEMPLATE, Tokenizer, train_tiny_tokenizer
@@ -223,6 +225,24 @@ def test_api_key_is_required_except_for_health(harness: GrpcHarness) -> None:
         assert error.code() == grpc.StatusCode.UNAUTHENTICATED
     health = health_pb2_grpc.HealthStub(harness.channel)
     assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+    lower_case = (("authorization", f"bearer {API_KEY}"),)  # the scheme is case-insensitive, as over HTTP
+    assert harness.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=lower_case).max_model_len > 0
+
+
+def test_an_oversized_message_is_request_too_large_for_the_client(harness: GrpcHarness) -> None:
+    """gRPC's own size refusal carries no jengine trailers: the client names it 413-like, never "retry later"."""
+    client = GrpcEngineClient(harness.address, api_key=API_KEY)
+
+    async def send() -> None:
+        async for _ in client.generate("a " * (3 * 2**20), SamplingParams(max_tokens=1)):
+            pass
+
+    try:
+        with pytest.raises(RequestTooLargeError):
+            asyncio.run(send())
+        assert client.get_model_info().max_model_len > 0  # still connected and serving
+    finally:
+        client.shutdown()
 
 
 def test_queue_full_is_resource_exhausted(harness: GrpcHarness) -> None:
