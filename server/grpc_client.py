@@ -40,6 +40,9 @@ logger = logging.getLogger(__name__)
 UNARY_TIMEOUT_S = 30.0  # a tokenizer or info call that takes longer means the engine is gone
 STATS_TIMEOUT_S = 2.0
 HEALTH_TIMEOUT_S = 2.0
+# Replies may be larger than gRPC's 4 MiB default (a long prompt's tokenization with token strings, its prompt
+# logprobs); requests stay under the server's own limit, which it enforces.
+CHANNEL_OPTIONS = (("grpc.max_receive_message_length", 256 * 2**20),)
 
 
 class GrpcEngineClient:
@@ -48,7 +51,7 @@ class GrpcEngineClient:
     def __init__(self, address: str, api_key: str | None = None) -> None:
         self._address = address
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {api_key}"),) if api_key else ()
-        self._sync_channel = grpc.insecure_channel(address)
+        self._sync_channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._sync_stub = pb_grpc.EngineStub(self._sync_channel)
         self._aio: tuple[asyncio.AbstractEventLoop, grpc.aio.Channel, pb_grpc.EngineStub] | None = None
         self._calls: dict[str, grpc.aio.UnaryStreamCall] = {}
@@ -145,7 +148,7 @@ class GrpcEngineClient:
         if self._aio is None or self._aio[0] is not loop:
             if self._calls:
                 raise RuntimeError("this GrpcEngineClient is streaming on another event loop")
-            channel = grpc.aio.insecure_channel(self._address)
+            channel = grpc.aio.insecure_channel(self._address, options=CHANNEL_OPTIONS)
             self._aio = (loop, channel, pb_grpc.EngineStub(channel))
         return self._aio[2]
 

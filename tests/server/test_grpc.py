@@ -241,6 +241,11 @@ def test_an_oversized_message_is_request_too_large_for_the_client(harness: GrpcH
         with pytest.raises(RequestTooLargeError):
             asyncio.run(send())
         assert client.get_model_info().max_model_len > 0  # still connected and serving
+        local = _tokenizer(harness)
+        longest = max(range(local.vocab_size), key=lambda i: len(local.convert_ids_to_tokens([i])[0].encode()))
+        entry = len(local.convert_ids_to_tokens([longest])[0].encode()) + 2  # a repeated string's bytes on the wire
+        ids = [longest] * (5 * 2**20 // entry)  # token strings over gRPC's 4 MiB default reply size
+        assert client.get_tokenizer().convert_ids_to_tokens(ids) == local.convert_ids_to_tokens(ids)
     finally:
         client.shutdown()
 
