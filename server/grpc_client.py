@@ -184,7 +184,8 @@ def exception_from_rpc(exc: grpc.RpcError) -> JengineError:
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in message:
         cls = RequestTooLargeError  # gRPC's own message-size refusal: no trailers, and a retry would fail again
     else:
-        cls = _REMOTE_ERRORS.get(trailers.get(ERROR_TYPE_KEY, "")) or _class_for_status(code, trailers.get(ERROR_CODE_KEY))
+        cls = _REMOTE_ERRORS.get(trailers.get(ERROR_TYPE_KEY, "")) \
+            or _class_for_status(code, trailers.get(ERROR_CODE_KEY))
     if cls is None:  # INTERNAL, UNKNOWN, UNIMPLEMENTED, a server-side CANCELLED: no jengine class to raise
         return JengineError(f"the remote engine failed: {code.name}: {message[:300]}")
     return _build(cls, message, trailers.get(ERROR_CODE_KEY), trailers.get(ERROR_PARAM_KEY))

@@ -45,7 +45,8 @@ def model_context_limit(spec: ModelSpec) -> tuple[int, str]:
             return stretched, (f"YaRN: original_max_position_embeddings={rope.original_max_position_embeddings} × "
                                f"factor {rope.factor:g}")
     if rope.rope_type == "linear" and rope.factor > 1:
-        return int(positions * rope.factor), f"linear rope scaling: max_position_embeddings={positions} × {rope.factor:g}"
+        return int(positions * rope.factor), (f"linear rope scaling: max_position_embeddings={positions} × "
+                                              f"{rope.factor:g}")
     return positions, f"max_position_embeddings={positions}"
 
 

@@ -3,8 +3,8 @@
 Strict on purpose: a JSON type that is not the documented one is a 400 naming the field (no "5" for 5, though 5.0 is
 5), an unknown field is a 400 (never accepted and ignored), and a known field whose feature this server lacks and that
 would change the output (`tools`, a non-text `response_format`, `suffix`, ...) is a 400 that says so. Fields that
-change nothing about the output (`user`, `metadata`, `store`, ...) are accepted. Caps (n, logprobs, stop, nesting) are enforced here
-or in `SamplingParams.validate`, which this module calls with the model's limits.
+change nothing about the output (`user`, `metadata`, `store`, ...) are accepted. Caps (n, logprobs, stop, nesting) are
+enforced here or in `SamplingParams.validate`, which this module calls with the model's limits.
 """
 
 from __future__ import annotations
