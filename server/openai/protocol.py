@@ -83,7 +83,7 @@ class CompletionRequest:
     echo: bool
     logprobs: int | None  # completions-format logprobs (top-k beside the chosen token), None = none
     priority: int
-    want_prompt_logprobs: bool  # vLLM's prompt_logprobs asked for (echo's own use of them does not show them)
+    shown_prompt_logprobs: int | None  # vLLM's prompt_logprobs as asked (echo may compute more; they are not shown)
     request_id: str | None = None  # vLLM's extra: the response id becomes cmpl-<request_id>
     echo_only: bool = False  # echo with max_tokens 0: the prompt (and its logprobs) back, nothing generated
 
@@ -97,7 +97,7 @@ class ChatRequest:
     stream_options: StreamOptions
     top_logprobs: int | None  # None: no logprobs; k: chosen token plus the k most likely
     priority: int
-    want_prompt_logprobs: bool
+    shown_prompt_logprobs: int | None
     request_id: str | None = None  # vLLM's extra: the response id becomes chatcmpl-<request_id>
 
 
@@ -281,8 +281,8 @@ def parse_chat(body: Mapping[str, Any], info: ModelInfo, max_n: int = 16) -> Cha
     if top_logprobs is not None:
         kwargs["logprobs"] = top_logprobs
     params = _build_params(kwargs, info, max_n)
-    return ChatRequest(model, prompt, params, stream, options, top_logprobs, _priority(body),
-                       params.prompt_logprobs is not None, _request_id(body))
+    return ChatRequest(model, prompt, params, stream, options, top_logprobs, _priority(body), params.prompt_logprobs,
+                       _request_id(body))
 
 
 def chat_template_options(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -371,6 +371,7 @@ def parse_completion(body: Mapping[str, Any], info: ModelInfo, max_n: int = 16) 
     if kwargs["max_tokens"] is None:
         kwargs["max_tokens"] = COMPLETION_DEFAULT_MAX_TOKENS
     logprobs = get_field(body, "logprobs", "int")
+    shown_prompt_logprobs = kwargs.get("prompt_logprobs")
     if logprobs is not None:
         if not 0 <= logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", param="logprobs")
@@ -379,7 +380,7 @@ def parse_completion(body: Mapping[str, Any], info: ModelInfo, max_n: int = 16) 
             kwargs["prompt_logprobs"] = max(kwargs.get("prompt_logprobs") or 0, logprobs)
     params = _build_params(kwargs, info, max_n)
     return CompletionRequest(model, prompts, params, stream, options, echo, logprobs, _priority(body),
-                             body.get("prompt_logprobs") is not None, _request_id(body), echo_only)
+                             shown_prompt_logprobs, _request_id(body), echo_only)
 
 
 def completion_prompts(prompt: Any) -> list[Any]:

@@ -82,7 +82,7 @@ class OpenAIRoutes:
         formatter = CompletionStreamFormatter(meta, acc, parsed, self.decoders) if parsed.stream else None
         streamed = await self._generate(request, parsed.prompts, parsed, meta, acc, formatter)
         return streamed or json_response(completion_response(
-            meta, acc, parsed.echo, parsed.logprobs, parsed.want_prompt_logprobs, self.decoders))
+            meta, acc, parsed.echo, parsed.logprobs, parsed.shown_prompt_logprobs, self.decoders))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         parsed = parse_chat(await read_json(request, self.max_body_bytes), self.info, self.max_n)
@@ -94,7 +94,7 @@ class OpenAIRoutes:
         formatter = ChatStreamFormatter(meta, acc, parsed, self.decoders) if parsed.stream else None
         streamed = await self._generate(request, [parsed.prompt], parsed, meta, acc, formatter)
         return streamed or json_response(chat_response(
-            meta, acc, parsed.top_logprobs, parsed.want_prompt_logprobs, self.decoders))
+            meta, acc, parsed.top_logprobs, parsed.shown_prompt_logprobs, self.decoders))
 
     async def _generate(self, request: web.Request, prompts: list[Any], parsed: ChatRequest | CompletionRequest,
                         meta: ResponseMeta, acc: Accumulator, formatter: StreamFormatter | None

@@ -194,11 +194,13 @@ def _chat_token(row: TokenRow, top: int) -> dict[str, Any]:
             "bytes": list(row.text.encode("utf-8")), "top_logprobs": tops}
 
 
-def prompt_logprobs_json(prompt: PromptTotals) -> list[dict[str, Any] | None]:
-    """vLLM's `prompt_logprobs` extra: per position None or {token id: {logprob, rank, decoded_token}}."""
+def prompt_logprobs_json(prompt: PromptTotals, shown: int) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs` extra: per position None or {token id: {logprob, rank, decoded_token}}: the prompt's
+    own token and the `shown` most likely (echo may have computed more)."""
     return [None if entry is None else
             {str(tid): {"logprob": _finite(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
-             for tid, lp in entry.items()} for entry in prompt.logprobs]
+             for tid, lp in entry.items() if lp.rank <= shown or tid == token}
+            for entry, token in zip(prompt.logprobs, prompt.token_ids)]
 
 
 # ---------------------------------------------------------------------------------------------------------- responses
@@ -209,7 +211,7 @@ def completion_choice(index: int, text: str, logprobs: dict[str, Any] | None, fi
 
 
 def completion_response(meta: ResponseMeta, acc: Accumulator, echo: bool, logprobs: int | None,
-                        want_prompt_logprobs: bool, decoders: Decoders) -> dict[str, Any]:
+                        shown_prompt_logprobs: int | None, decoders: Decoders) -> dict[str, Any]:
     """The whole /v1/completions answer (non-streaming)."""
     choices = []
     for index, choice in enumerate(acc.choices):
@@ -220,8 +222,8 @@ def completion_response(meta: ResponseMeta, acc: Accumulator, echo: bool, logpro
             rows = prompt_rows(prompt, decoders.token) if echo else []
             block = completion_logprobs(rows + sampled_rows(choice.token_ids, choice.logprobs, decoders.token), 0)
         item = completion_choice(index, prefix + choice.text, block, choice.finish_reason, choice.stop_reason)
-        if want_prompt_logprobs:
-            item["prompt_logprobs"] = prompt_logprobs_json(prompt)
+        if shown_prompt_logprobs is not None:
+            item["prompt_logprobs"] = prompt_logprobs_json(prompt, shown_prompt_logprobs)
         choices.append(item)
     return {**meta.head(), "choices": choices, "usage": acc.usage()}
 
@@ -231,8 +233,8 @@ def echo_text(prompt: PromptTotals, decoders: Decoders) -> str:
     return prompt.text if prompt.text is not None else decoders.ids(prompt.token_ids)
 
 
-def chat_response(meta: ResponseMeta, acc: Accumulator, top_logprobs: int | None, want_prompt_logprobs: bool,
-                  decoders: Decoders) -> dict[str, Any]:
+def chat_response(meta: ResponseMeta, acc: Accumulator, top_logprobs: int | None,
+                  shown_prompt_logprobs: int | None, decoders: Decoders) -> dict[str, Any]:
     """The whole /v1/chat/completions answer (non-streaming)."""
     choices = []
     for index, choice in enumerate(acc.choices):
@@ -243,8 +245,8 @@ def chat_response(meta: ResponseMeta, acc: Accumulator, top_logprobs: int | None
                         "logprobs": block, "finish_reason": choice.finish_reason,
                         "stop_reason": choice.stop_reason})
     body = {**meta.head(), "choices": choices, "usage": acc.usage()}
-    if want_prompt_logprobs:
-        body["prompt_logprobs"] = prompt_logprobs_json(acc.prompts[0])
+    if shown_prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs_json(acc.prompts[0], shown_prompt_logprobs)
     return body
 
 

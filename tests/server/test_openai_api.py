@@ -300,6 +300,14 @@ def test_vllm_sampling_extras(server: ServerHandle) -> None:
     prompt_logprobs = result.choices[0].model_extra["prompt_logprobs"]
     assert result.usage.completion_tokens == 6 and prompt_logprobs[0] is None
     assert len(prompt_logprobs) == result.usage.prompt_tokens and all(2 <= len(p) <= 3 for p in prompt_logprobs[1:])
+    # echo computes the prompt's logprobs with `logprobs` candidates; the prompt_logprobs field shows what it asked
+    echoed = client.completions.create(**kwargs, echo=True, logprobs=4, temperature=0,
+                                       extra_body={"prompt_logprobs": 1, "ignore_eos": True})
+    ids = server.http.post("/tokenize", json={"prompt": "Sampling extras"}).json()["tokens"]
+    shown = echoed.choices[0].model_extra["prompt_logprobs"]
+    assert all(1 <= len(p) <= 2 and str(token) in p for p, token in zip(shown[1:], ids[1:]))
+    tops = echoed.choices[0].logprobs.top_logprobs[1:len(ids)]  # keyed by text: byte tokens may share one
+    assert max(len(top) for top in tops) > 2, "echo's rows keep logprobs=4 candidates"
 
 
 def test_batch_of_prompts(server: ServerHandle, tokenizer: Tokenizer) -> None:
