@@ -26,7 +26,6 @@ from jengine.engine.output_processor import OutputProcessor
 from jengine.errors import EngineDeadError, InvalidRequestError
 from jengine.outputs import RequestOutput, RequestOutputKind
 from jengine.request import RequestStatus
-from jengine.sampling.defaults import load_sampling_defaults
 from jengine.sampling.params import SamplingParams
 from jengine.tokenizer import Tokenizer
 
@@ -63,8 +62,6 @@ class LLM:
         self._parts = parts
         self._core = parts.core
         self._input = InputProcessor.from_parts(parts, OFFLINE_MAX_N, stop_at_context_end=True)
-        model = parts.config.model
-        self._sampling_defaults = load_sampling_defaults(model.model, model.generation_config)
         self._output = OutputProcessor(parts.tokenizer)
         sched = parts.config.scheduler
         self._bound = sched.max_num_seqs + sched.max_num_queued_reqs
@@ -109,7 +106,7 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use without sampling_params: the model's generation_config.json defaults
         (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), else SamplingParams()."""
-        return SamplingParams(**self._sampling_defaults)
+        return SamplingParams(**self._parts.sampling_defaults)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt prefix, so the next prompts are computed in full (vLLM's name). Between

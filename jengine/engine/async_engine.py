@@ -27,7 +27,6 @@ from jengine.engine.output_processor import OutputProcessor
 from jengine.errors import CapacityError, EngineDeadError, InvalidRequestError
 from jengine.outputs import RequestOutput, RequestOutputKind
 from jengine.request import RequestStatus
-from jengine.sampling.defaults import load_sampling_defaults
 from jengine.sampling.params import SamplingParams
 from jengine.tokenizer import Tokenizer
 
@@ -58,7 +57,6 @@ class AsyncEngine:
 
     def __init__(self, parts: EngineParts, *, max_n: int = 16) -> None:
         self._parts = parts
-        self._sampling_defaults = load_sampling_defaults(parts.config.model.model, parts.config.model.generation_config)
         self._input = InputProcessor.from_parts(parts, max_n)
         self._output = OutputProcessor(parts.tokenizer)
         sched = parts.config.scheduler
@@ -117,7 +115,7 @@ class AsyncEngine:
         model = self._parts.config.model
         return ModelInfo(model.served_model_name or model.model, model.model,
                          self._parts.config.scheduler.max_model_len, self._input.vocab_size, model.max_logprobs,
-                         dict(self._sampling_defaults), model.served_model_aliases)
+                         dict(self._parts.sampling_defaults), model.served_model_aliases)
 
     def is_healthy(self) -> bool:
         return self._dead is None

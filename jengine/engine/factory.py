@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
+from typing import Any
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -21,6 +22,7 @@ from jengine.parallel.mesh import build_mesh, replica_devices
 from jengine.parallel.sharding import plan_layout
 from jengine.runner.kv_storage import log_plan, plan_kv_cache
 from jengine.runner.runner import ModelRunner
+from jengine.sampling.defaults import load_sampling_defaults
 from jengine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -32,6 +34,8 @@ class EngineParts:
     tokenizer: Tokenizer
     spec: ModelSpec
     config: EngineConfig  # with max_model_len resolved
+    # SamplingParams keywords for the fields a request leaves unset (jengine.sampling.defaults), read once here
+    sampling_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def model_context_limit(spec: ModelSpec) -> tuple[int, str]:
@@ -82,6 +86,8 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
     layout = plan_layout(spec, build_mesh(devices), parallel.enable_expert_parallel)
     tokenizer_dir = config.model.tokenizer or config.model.model
     Tokenizer.check_files(tokenizer_dir)  # a missing tokenizer fails before any weight is read
+    # a malformed generation_config.json fails before any weight is read, as a missing tokenizer does
+    sampling_defaults = load_sampling_defaults(config.model.model, config.model.generation_config)
     # Loading the tokenizer imports transformers (and torch, where installed): seconds that overlap the weights'.
     with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
         pending_tokenizer = pool.submit(Tokenizer.from_pretrained, tokenizer_dir, config.model.chat_template)
@@ -103,7 +109,7 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
     if parallel.num_processes > 1 and jax.process_index() == 0:  # the workers replay process 0's runner calls
         runner = PublishingRunner(runner, StepPublisher())
     core = EngineCore(config, runner, plan.num_blocks)
-    return EngineParts(core, tokenizer, spec, config)
+    return EngineParts(core, tokenizer, spec, config, sampling_defaults)
 
 
 def build_replicated_engine(config: EngineConfig) -> EngineParts:

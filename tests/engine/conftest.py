@@ -141,6 +141,7 @@ class FakeParts:
     tokenizer: Tokenizer
     spec: FakeSpec
     config: EngineConfig
+    sampling_defaults: dict = dataclasses.field(default_factory=dict)
 
 
 def make_parts(tokenizer: Tokenizer, core: FakeCore | None = None, *, max_num_seqs: int = 8,
