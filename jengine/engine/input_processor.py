@@ -243,23 +243,31 @@ def chat_text(tokenizer: Tokenizer, messages: Any, options: Mapping[str, Any] | 
     kwargs = options.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
         raise InvalidRequestError("chat_template_kwargs must be an object", param="chat_template_kwargs")
-    return tokenizer.apply_chat_template([_with_text_content(m) for m in messages], **flags, **kwargs)
+    return tokenizer.apply_chat_template([_with_text_content(m, i) for i, m in enumerate(messages)], **flags,
+                                         **kwargs)
 
 
-def _with_text_content(message: Any) -> Any:
-    """OpenAI's content parts ([{"type": "text", "text": ...}, ...]) joined by newlines, as the server does; the
+def join_text_parts(parts: Sequence[Any], where: str) -> str:
+    """OpenAI's content parts ([{"type": "text", "text": ...}, ...]) joined by newlines (the models read text only);
+    any other part is an InvalidRequestError naming `where` (e.g. "messages[2]")."""
+    texts = []
+    for part in parts:
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind != "text" or not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+            shown = kind if isinstance(kind, str) else type(part).__name__
+            raise InvalidRequestError(f"{where}.content part of type {shown[:40]!r} is not supported "
+                                      f"(text parts only)", param=f"{where}.content")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _with_text_content(message: Any, index: int) -> Any:
+    """A message whose content is a list of parts, with them joined (`join_text_parts`), as the server does; the
     template then sees a string. Other messages pass as they are (the template decides what it accepts)."""
     content = message.get("content") if isinstance(message, Mapping) else None
     if not isinstance(content, list):
         return message
-    texts = []
-    for part in content:
-        if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-            raise InvalidRequestError(f"content part of type {str(kind)[:40]!r} is not supported (text parts only)",
-                                      param="messages")
-        texts.append(part["text"])
-    return {**message, "content": "\n".join(texts)}
+    return {**message, "content": join_text_parts(content, f"messages[{index}]")}
 
 
 def render_chat(tokenizer: Tokenizer, messages: Any, options: Mapping[str, Any] | None = None) -> dict[str, Any]:

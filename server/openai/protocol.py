@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from jengine.engine.client import ModelInfo
+from jengine.engine.input_processor import join_text_parts
 from jengine.errors import InvalidRequestError
 from jengine.sampling.params import SamplingParams
 
@@ -345,15 +346,7 @@ def _content(content: Any, where: str) -> str:
     if not isinstance(content, list):
         raise InvalidRequestError(f"{where}.content must be a string or an array of text parts, got "
                                   f"{json_type(content)}", param=f"{where}.content")
-    texts = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
-            shown = kind if isinstance(kind, str) else json_type(part)
-            raise InvalidRequestError(f"{where}.content part of type {shown[:40]!r} is not supported "
-                                      f"(text parts only)", param=f"{where}.content")
-        texts.append(part["text"])
-    return "\n".join(texts)
+    return join_text_parts(content, where)
 
 
 # ---------------------------------------------------------------------------------------------------------- completions
