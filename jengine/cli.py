@@ -111,6 +111,8 @@ def _token_count(text: str) -> int:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """Flags → `EngineConfig.from_kwargs` keywords (the config refuses features that are not built yet)."""
+    from jengine.config import NO_EFFECT
+
     names = ("tokenizer", "dtype", "seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
              "max_num_queued_reqs", "block_size", "gpu_memory_utilization", "num_gpu_blocks_override",
              "enable_prefix_caching", "kv_cache_dtype", "tensor_parallel_size", "data_parallel_size",
@@ -120,12 +122,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
              "enable_auto_tool_choice")
     kwargs = {name: getattr(args, name) for name in names}
     kwargs["compilation_cache_dir"] = str(args.compilation_cache_dir) if args.compilation_cache_dir else None
-    for name in ("trust_remote_code", "enforce_eager", "disable_log_stats", "revision", "download_dir",
-                 "tokenizer_mode", "load_format", "task", "swap_space", "enable_chunked_prefill",
-                 "pipeline_parallel_size"):
+    for name in NO_EFFECT:  # vLLM's flags that change nothing here; the config checks each value
         value = getattr(args, name, None)
         if value is not None and value is not False:
-            kwargs[name] = value  # the config checks the value changes nothing
+            kwargs[name] = value
     return kwargs
 
 

@@ -29,7 +29,7 @@ def _one_of(*values: Any) -> Callable[[Any], bool]:
 
 
 _ANY_BOOL = _one_of(False, True)
-_NO_EFFECT: dict[str, tuple[Callable[[Any], bool], str]] = {
+NO_EFFECT: dict[str, tuple[Callable[[Any], bool], str]] = {
     "trust_remote_code": (_ANY_BOOL, "jengine runs its own model code, for the supported architectures only"),
     "enforce_eager": (_ANY_BOOL, "each shape is one compiled XLA program; there is no graph capture to skip"),
     "disable_log_stats": (_ANY_BOOL, "statistics go to /metrics"),
@@ -242,7 +242,7 @@ def _multi_host_from_environment(parallel: dict[str, Any]) -> dict[str, Any]:
 
 
 def _drop_no_effect(kwargs: dict[str, Any]) -> None:
-    for name, (accepted, instead) in _NO_EFFECT.items():
+    for name, (accepted, instead) in NO_EFFECT.items():
         if name in kwargs:
             value = kwargs.pop(name)
             if not accepted(value):

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jengine.engine.client import EngineStats, ModelInfo
-from jengine.engine.input_processor import PromptInput
+from jengine.engine.input_processor import CHAT_PROMPT_KEYS, PromptInput
 from jengine.errors import InvalidRequestError
 from jengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jengine.sampling import defaults as generation_defaults
@@ -123,9 +123,6 @@ def messages_from_proto(msg: pb.ChatMessages) -> list[dict[str, str]]:
     return out
 
 
-_CHAT_PROMPT_KEYS = ("messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
-
-
 def messages_to_proto(messages: Any, add_generation_prompt: Any = True, continue_final_message: Any = False,
                       chat_template_kwargs: Any = None) -> pb.ChatMessages:
     """Only what v1 carries (role, content text, name; the template options); anything else is refused, never
@@ -208,7 +205,7 @@ def fill_prompt(request: pb.GenerateRequest, prompt: PromptInput) -> str | None:
 
 def _fill_mapping(request: pb.GenerateRequest, prompt: Mapping[str, Any]) -> str | None:
     if "messages" in prompt:
-        _refuse_keys(prompt, _CHAT_PROMPT_KEYS)
+        _refuse_keys(prompt, CHAT_PROMPT_KEYS)
         request.messages.CopyFrom(messages_to_proto(
             prompt["messages"], prompt.get("add_generation_prompt", True), prompt.get("continue_final_message", False),
             prompt.get("chat_template_kwargs")))

@@ -32,7 +32,7 @@ default true), `continue_final_message` (bool) and `chat_template_kwargs` (extra
 chats in this form so that the template is rendered only after the request has been admitted."""
 
 _PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
-_CHAT_KEYS = frozenset({"messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"})
+CHAT_PROMPT_KEYS = frozenset({"messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +175,7 @@ class InputProcessor:
         return text, self._encode(text)
 
     def _from_chat(self, prompt: Mapping[str, Any]) -> tuple[str | None, list[int]]:
-        unknown = sorted(str(k) for k in prompt if k not in _CHAT_KEYS)
+        unknown = sorted(str(k) for k in prompt if k not in CHAT_PROMPT_KEYS)
         if unknown:
             raise InvalidRequestError(f"unsupported chat prompt field(s): {', '.join(unknown)[:200]}", param="prompt")
         rendered = render_chat(self.tokenizer, prompt["messages"], prompt)
