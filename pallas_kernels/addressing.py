@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 
 INT32_ELEMENTS = 2**31  # element offsets must stay below this under 32-bit addressing
@@ -43,3 +44,18 @@ def largest_addressable_count(count: int, elements_per_item: int, dtype) -> int:
     if not offsets_overflow((count * elements_per_item,), dtype):
         return count
     return INT32_ELEMENTS // elements_per_item
+
+
+def as_byte_pairs(x):
+    """A 1-byte array (a float8 cache) seen as uint16 pairs along its last axis: `[..., d] → [..., d // 2]`, byte
+    `2j` the low half of element `j`. XLA makes this a bitcast (no copy). The kernels address 1-byte caches through
+    this view: 2-byte elements never fall in the 32-bit offset window (module docstring), so a float8 cache of any
+    size is addressable."""
+    *lead, d = x.shape
+    return jax.lax.bitcast_convert_type(x.reshape(*lead, d // 2, 2), jnp.uint16)
+
+
+def from_byte_pairs(x16, dtype):
+    """The inverse of `as_byte_pairs`: `[..., d // 2]` uint16 → `[..., d]` of the 1-byte `dtype`."""
+    *lead, half = x16.shape
+    return jax.lax.bitcast_convert_type(x16, dtype).reshape(*lead, 2 * half)

@@ -473,26 +473,31 @@ def sweep(bench: Bench, kv, bs: dict[str, Batch]) -> None:
         log("  ", row)
 
 
+KV_WRITE_TOKENS = (64, 128, 256, 512, 1024, 2048)
+
+
 def kv_write(bench: Bench, kv) -> None:
-    """XLA scatter vs the Pallas write, each inside one jit writing 32 layers' worth (the cache carried and donated,
-    as in the step), for a decode-sized and a prefill-sized batch."""
+    """XLA scatter vs the Pallas write vs jengine's pick (`attention.pallas.write_kv`: the faster of the two by
+    token count), each inside one jit writing 32 layers' worth (the cache carried and donated, as in the step), over
+    decode- to prefill-sized batches: the crossover the pick uses. `kv_write_t64_vs_scatter` = scatter ÷ the pick."""
+    from jengine.attention.pallas import write_kv as jengine_write
+
     rng = np.random.default_rng(5)
-    for tokens in (64, 2048) if not INTERPRET else (16,):
+    for tokens in KV_WRITE_TOKENS if not INTERPRET else (16,):
         slots = rng.choice(NUM_PAGES * BLOCK, tokens, replace=False).astype(np.int32)
         slots[-3:] = NUM_PAGES * BLOCK  # padding
         k = jax.random.normal(jax.random.key(tokens), (tokens, KV_HEADS, HEAD_DIM), DTYPE)
         v = k * 2
-        outs = {}
-        variants = [("scatter", kv_write_reference.write_kv), ("pallas", kv_write_kernel.write_kv)]
-        if tokens <= 64:
-            variants.append(("pallas_tpp1", functools.partial(kv_write_kernel.write_kv, tokens_per_program=1)))
-        for name, write in variants:
+        variants = {"scatter": kv_write_reference.write_kv, "pallas": kv_write_kernel.write_kv,
+                    "jengine": functools.partial(jengine_write, interpret=INTERPRET)}
+        t, outs = {}, {}
+        for name, write in variants.items():
+            if INTERPRET and name == "pallas":
+                write = functools.partial(write, interpret=True)
+
             def layers32(cache, k, v, slots, write=write):
                 return jax.lax.fori_loop(0, 32, lambda i, c: write(c, i % LAYERS, slots, k, v), cache)
 
-            if INTERPRET:
-                write = functools.partial(write, interpret=True)
-                layers32 = functools.partial(layers32, write=write)
             fn = jax.jit(layers32, donate_argnums=(0,))
             state = {"cache": jnp.copy(kv)}
 
@@ -500,11 +505,14 @@ def kv_write(bench: Bench, kv) -> None:
                 state["cache"] = fn(state["cache"], k, v, slots)
                 return state["cache"]
 
-            bench.metric(f"kv_write_{name}_t{tokens}_x32_us", timeit(call, runs=bench.args.runs) * 1e6)
+            t[name] = timeit(call, runs=bench.args.runs)
+            bench.metric(f"kv_write_{name}_t{tokens}_x32_us", t[name] * 1e6)
             outs[name] = state["cache"]
         same = all(bool(jnp.array_equal(outs["scatter"], o)) for o in outs.values())
         bench.checks[f"kv_write_t{tokens}"] = {"ok": same}
         log(f"  check kv_write_t{tokens} equal={same}")
+        bench.ratios[f"kv_write_t{tokens}_vs_scatter"] = t["scatter"] / t["jengine"]
+        bench.ratios[f"kv_write_t{tokens}_pallas_vs_scatter"] = t["scatter"] / t["pallas"]
         del outs
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -538,7 +546,10 @@ def rel_l2(out, ref) -> float:
 def fp8_decode(bench: Bench, kv, bs: dict[str, Batch]) -> None:
     """float8 against bf16 pages at both decode shapes: checked against the reference on the dequantized cache and
     against the bf16 kernel, then timed side by side (shipped tuning, and the float8 candidates)."""
-    kv8, scales = addressable_fp8_cache(*fp8_cache(kv))
+    kv8, scales = fp8_cache(kv)
+    fp8_window_check(bench, kv8, scales, bs["decode_b64_ctx4k"])
+    kv8, scales = large_fp8_cache(kv8, scales)
+    bench.metric("fp8_pool_gib", kv8.nbytes / 2**30)
     tuning = decode_tuning_of(bench)
     jobs = {}
     for name in DECODE_SHAPES:
@@ -576,14 +587,21 @@ def fp8_decode(bench: Bench, kv, bs: dict[str, Batch]) -> None:
         bench.metric(f"fp8_best_candidate_{name}_us", t[f"fp8{best}/{name}"] * 1e6)
 
 
-def addressable_fp8_cache(kv8, scales):
-    """The float8 cache in a form the kernels can address: a 1-byte cache of (2, 4] GiB overflows the Triton
-    lowering's 32-bit offsets (`pallas_kernels/addressing.py`; the kernels refuse it), so such a cache gets its
-    layers twice (over 4 GiB: 64-bit offsets). The layer read keeps the same data and scales."""
-    if not offsets_overflow(kv8.shape, kv8.dtype):
-        return kv8, scales
-    log(f"  float8 cache of {kv8.nbytes / 2**30:.2f} GiB lies in the 32-bit offset window: layers doubled")
+def large_fp8_cache(kv8, scales):
+    """The float8 cache with its layers twice: over 4 GiB (the issue's pool size; the kernels' 64-bit offsets),
+    the layer read keeping the same data and scales."""
     return jnp.concatenate([kv8, kv8], axis=0), jnp.concatenate([scales, scales], axis=0)
+
+
+def fp8_window_check(bench: Bench, kv8, scales, b: Batch) -> None:
+    """A float8 cache of (2, 4] GiB, the window where 1-byte elements overflow 32-bit offsets (addressing.py): the
+    kernel reads it through its byte-pair view, checked against the reference on the same cache."""
+    if not offsets_overflow(kv8.shape, kv8.dtype):
+        log(f"  float8 cache of {kv8.nbytes / 2**30:.2f} GiB is outside the window: no window check")
+        return
+    out = ours(b)(*b.args(kv8), scales)
+    bench.check(f"fp8_window_{kv8.nbytes / 2**30:.2f}GiB_vs_reference", out, reference(b)(*b.args(kv8), kv_scales=scales),
+                2e-2)
 
 
 PEER_RATIOS = {"cudnn": "cudnn_contiguous", "flash": "flash_contiguous", "jax_cudnn": "jax_cudnn_contiguous"}

@@ -43,8 +43,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.addressing import UnsupportedShapeError, check_addressable
-from pallas_kernels.kv_quant import KVScales, check_kv_scales
+from pallas_kernels.addressing import UnsupportedShapeError, as_byte_pairs
+from pallas_kernels.kv_quant import FP8_DTYPE, KVScales, check_kv_scales
 from pallas_kernels.ragged_paged_attention.tuning import KernelConfig, SplitConfig, Tuning, default_tuning
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -80,6 +80,7 @@ class _Geometry:
     head_dim: int
     block_size: int
     quantized: bool  # float8 cache: per-(layer, KV head) scales are read and applied
+    q_dtype: jnp.dtype
 
     @property
     def group(self) -> int:
@@ -88,6 +89,11 @@ class _Geometry:
     @property
     def group_pad(self) -> int:
         return 1 << max(self.group - 1, 0).bit_length()
+
+    @property
+    def parts(self) -> int:
+        """Column parts of every head_dim-wide tile: 2 (even, odd columns) for a float8 cache read as byte pairs."""
+        return 2 if self.quantized else 1
 
 
 def _tokens_per_tile(geo: _Geometry, cfg: KernelConfig) -> int:
@@ -135,8 +141,9 @@ class _KVSource:
     block_size: int
 
     def load(self, start, block_n: int, masked: bool, dtype):
-        """K and V `[block_n, head_dim]` for positions `start + arange(block_n)`: each row is found through the
-        block table (page = position // block_size) and read at `[layer, page, offset, 0|1, head, :]`."""
+        """K and V for positions `start + arange(block_n)`, each a tuple of column parts `[block_n, head_dim //
+        parts]`: each row is found through the block table (page = position // block_size) and read at `[layer,
+        page, offset, 0|1, head, :]`. A float8 cache comes as uint16 byte pairs and is unpacked here."""
         pos = start + jnp.arange(block_n, dtype=jnp.int32)
         shift = self.block_size.bit_length() - 1
         page_idx, offset = pos >> shift, (pos & (self.block_size - 1))[:, None]
@@ -145,13 +152,44 @@ class _KVSource:
             ok = pos < self.kv_hi
             page = pltr.load(self.bt_ref.at[self.seq, page_idx], mask=ok, other=0)[:, None]
             ok2 = jnp.broadcast_to(ok[:, None], (block_n, cols.shape[1]))
-            k = pltr.load(self.kv_ref.at[self.layer, page, offset, 0, self.head, cols], mask=ok2, other=0.0)
-            v = pltr.load(self.kv_ref.at[self.layer, page, offset, 1, self.head, cols], mask=ok2, other=0.0)
+            k = pltr.load(self.kv_ref.at[self.layer, page, offset, 0, self.head, cols], mask=ok2, other=0)
+            v = pltr.load(self.kv_ref.at[self.layer, page, offset, 1, self.head, cols], mask=ok2, other=0)
         else:
             page = self.bt_ref[self.seq, page_idx][:, None]
             k = self.kv_ref[self.layer, page, offset, 0, self.head, cols]
             v = self.kv_ref[self.layer, page, offset, 1, self.head, cols]
-        return pos, k.astype(dtype), v.astype(dtype)
+        if self.kv_ref.dtype == jnp.uint16:
+            return pos, _unpack_fp8_pairs(k, dtype), _unpack_fp8_pairs(v, dtype)
+        return pos, (k.astype(dtype),), (v.astype(dtype),)
+
+
+def _unpack_fp8_pairs(x16, dtype):
+    """uint16 byte pairs → (even columns, odd columns) as `dtype`, times `_fp8_bias(dtype)` for 16-bit `dtype`.
+
+    Why pairs: the P·V product reads V along its rows, so the tile is transposed on its way to the tensor cores;
+    Triton transposes 16-bit tiles with `ldmatrix` but 8-bit ones byte by byte through shared memory. Unpacked in
+    registers, both halves are ordinary 16-bit operands. Why bits: an e4m3 byte `s eeee mmm` placed as the sign, the
+    low exponent bits and the top mantissa bits of a bf16 (f16) is exactly the e4m3 value × 2^-120 (× 2^-8),
+    subnormals included, for a few integer operations per element instead of two conversions; the factor joins the
+    dequantization scales (`_head_scales`). Exact either way: every e4m3 value is a bf16 and an f16 value."""
+    shift = _FP8_PLACEMENT.get(jnp.dtype(dtype))
+    if shift is None:  # float32 queries (interpret mode): plain conversion
+        lo = lax.bitcast_convert_type((x16 & 0xFF).astype(jnp.uint8), FP8_DTYPE)
+        hi = lax.bitcast_convert_type((x16 >> 8).astype(jnp.uint8), FP8_DTYPE)
+        return lo.astype(dtype), hi.astype(dtype)
+    lo = ((x16 & 0x80) << 8) | ((x16 & 0x7F) << shift)
+    hi = (x16 & 0x8000) | ((x16 >> (8 - shift)) & (0x7F << shift))
+    return lax.bitcast_convert_type(lo, dtype), lax.bitcast_convert_type(hi, dtype)
+
+
+# 16-bit query dtype → (left shift of the e4m3 exponent+mantissa bits, log2 of the factor that placement divides by)
+_FP8_PLACEMENT = {jnp.dtype(jnp.bfloat16): 4, jnp.dtype(jnp.float16): 7}
+_FP8_BIAS_LOG2 = {jnp.dtype(jnp.bfloat16): 120, jnp.dtype(jnp.float16): 8}
+
+
+def _fp8_bias(dtype) -> float:
+    """What `_unpack_fp8_pairs` values must be multiplied by to be the stored e4m3 values."""
+    return float(2.0 ** _FP8_BIAS_LOG2.get(jnp.dtype(dtype), 0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,8 +201,9 @@ class _Scores:
     precision: lax.Precision | None
 
     def __call__(self, q, k, k_scale=1.0):
-        """`k_scale`: the float8 cache's dequantization scale of K (a traced scalar), or the Python 1.0."""
-        s = pltr.dot(q, k, trans_b=True, precision=self.precision)
+        """`q`, `k`: tuples of matching column parts (their dot products add up to q·kᵀ). `k_scale`: the float8
+        cache's dequantization scale of K (a traced scalar), or the Python 1.0."""
+        s = sum(pltr.dot(qp, kp, trans_b=True, precision=self.precision) for qp, kp in zip(q, k))
         if self.soft_cap:
             return jnp.tanh(s * (k_scale * (self.scale / self.soft_cap))) * (self.soft_cap * _LOG2E)
         return s * (k_scale * (self.scale * _LOG2E))
@@ -172,9 +211,10 @@ class _Scores:
 
 def _attend(q, q_pos, src: _KVSource, lo, hi, first_pos, last_pos, window, *, block_n: int, scores: _Scores,
             k_scale=1.0):
-    """Online softmax of the query tile `q [block_m, d]` (rows at positions `q_pos`) over KV positions `[lo, hi)`.
+    """Online softmax of the query tile `q` (column parts of `[block_m, d]`, rows at positions `q_pos`) over KV
+    positions `[lo, hi)`.
 
-    Returns (acc, m, l): unnormalised output, running max and sum, base 2. The tiles every row sees in full (between
+    Returns (acc, m, l): unnormalised output (column parts like `q`), running max and sum, base 2. The tiles every row sees in full (between
     the window edge and the first row's position) skip the mask; the edge tiles on either side apply it.
     """
     t0, t1 = lo // block_n, _cdiv(hi, block_n)
@@ -185,7 +225,7 @@ def _attend(q, q_pos, src: _KVSource, lo, hi, first_pos, last_pos, window, *, bl
     def step(masked: bool):
         def body(j, carry):
             acc, m, l = carry
-            pos, k, v = src.load(j * block_n, block_n, masked, q.dtype)
+            pos, k, v = src.load(j * block_n, block_n, masked, q[0].dtype)
             s = scores(q, k, k_scale)
             if masked:
                 visible = pos[None, :] <= q_pos[:, None]
@@ -195,14 +235,15 @@ def _attend(q, q_pos, src: _KVSource, lo, hi, first_pos, last_pos, window, *, bl
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s - m_new[:, None])
             l = l * alpha + jnp.sum(p, axis=1)
-            pv = pltr.dot(p.astype(v.dtype), v, precision=scores.precision)
-            return acc * alpha[:, None] + pv, m_new, l
+            p = p.astype(v[0].dtype)
+            acc = tuple(a * alpha[:, None] + pltr.dot(p, vp, precision=scores.precision) for a, vp in zip(acc, v))
+            return acc, m_new, l
 
         return body
 
-    block_m, head_dim = q.shape
+    block_m = q[0].shape[0]
     carry = (
-        jnp.zeros((block_m, head_dim), jnp.float32),
+        tuple(jnp.zeros(qp.shape, jnp.float32) for qp in q),
         jnp.full((block_m,), _M_INIT, jnp.float32),
         jnp.zeros((block_m,), jnp.float32),
     )
@@ -215,9 +256,10 @@ def _finish(acc, m, l, v_scale=1.0):
     """Normalised output (times V's dequantization scale) and base-2 log-sum-exp; rows that saw nothing give 0
     and -inf."""
     seen = l > 0
-    out = acc / jnp.where(seen, l, 1.0)[:, None]
+    inv = 1.0 / jnp.where(seen, l, 1.0)
     if not isinstance(v_scale, float):
-        out = out * v_scale
+        inv = inv * v_scale
+    out = tuple(a * inv[:, None] for a in acc)
     return out, jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
@@ -227,7 +269,8 @@ def _head_scales(scales_ref, layer, head, geo: _Geometry):
     if not geo.quantized:
         return 1.0, 1.0
     base = layer * (2 * geo.kv_heads) + head
-    return scales_ref[base], scales_ref[base + geo.kv_heads]
+    bias = _fp8_bias(geo.q_dtype)
+    return scales_ref[base] * bias, scales_ref[base + geo.kv_heads] * bias
 
 
 def _query_rows(block_m: int, group: int, group_pad: int):
@@ -237,23 +280,28 @@ def _query_rows(block_m: int, group: int, group_pad: int):
     return rows >> shift, rows & (group_pad - 1)
 
 
-def _cols(head_dim: int):
-    """Column index `[1, head_dim]`. Every ref access indexes all axes with arrays or scalars (no slices): the one
-    form that both the Triton lowering and interpret mode accept for gathers."""
-    return jnp.arange(head_dim, dtype=jnp.int32)[None, :]
+def _cols(head_dim: int, parts: int = 1, part: int = 0):
+    """Column index `[1, head_dim // parts]` of column part `part` (columns `part`, `part + parts`, ...). Every ref
+    access indexes all axes with arrays or scalars (no slices): the one form that both the Triton lowering and
+    interpret mode accept for gathers."""
+    return jnp.arange(head_dim // parts, dtype=jnp.int32)[None, :] * parts + part
 
 
-def _load_q(q_ref, tok, head, valid):
-    cols = _cols(q_ref.shape[-1])
-    mask = jnp.broadcast_to(valid[:, None], (tok.shape[0], cols.shape[1]))
-    return pltr.load(q_ref.at[tok[:, None], head[:, None], cols], mask=mask, other=0)
+def _load_q(q_ref, tok, head, valid, parts: int):
+    d = q_ref.shape[-1]
+    mask = jnp.broadcast_to(valid[:, None], (tok.shape[0], d // parts))
+    return tuple(pltr.load(q_ref.at[tok[:, None], head[:, None], _cols(d, parts, i)], mask=mask, other=0)
+                 for i in range(parts))
 
 
 def _store_rows(o_ref, tok, head, valid, value):
-    """Masked row store; masked rows point past the end (interpret mode writes them as no-ops only there)."""
+    """Masked row store of column parts; masked rows point past the end (interpret mode writes them as no-ops only
+    there)."""
     tok = jnp.where(valid, tok, o_ref.shape[0])
-    mask = jnp.broadcast_to(valid[:, None], value.shape)
-    pltr.store(o_ref.at[tok[:, None], head[:, None], _cols(value.shape[1])], value, mask=mask)
+    mask = jnp.broadcast_to(valid[:, None], value[0].shape)
+    for i, part in enumerate(value):
+        cols = _cols(o_ref.shape[-1], len(value), i)
+        pltr.store(o_ref.at[tok[:, None], head[:, None], cols], part.astype(o_ref.dtype), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -280,15 +328,16 @@ def _decode_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, q_ref, kv_r
         valid = (t < q_len) & (g < geo.group)
         tok = jnp.where(valid, q_start + t, 0)
         head = jnp.where(valid, h * geo.group + g, 0)
-        q = _load_q(q_ref, tok, head, valid)
+        q = _load_q(q_ref, tok, head, valid, geo.parts)
         src = _KVSource(kv_ref, bt_ref, b, layer_ref[0], h, hi, geo.block_size)
         k_scale, v_scale = _head_scales(scales_ref, layer_ref[0], h, geo)
         acc, m, l = _attend(q, first_pos + t, src, my_lo, my_hi, first_pos, last_pos, window,
                             block_n=cfg.block_n, scores=scores, k_scale=k_scale)
         out, lse = _finish(acc, m, l, v_scale)
         rows = jnp.where(valid, jnp.arange(cfg.block_m, dtype=jnp.int32), cfg.block_m)[:, None]
-        cols = _cols(geo.head_dim)
-        pltr.store(o_ref.at[b, h, s, rows, cols], out, mask=jnp.broadcast_to(valid[:, None], out.shape))
+        for i, part in enumerate(out):
+            cols = _cols(geo.head_dim, geo.parts, i)
+            pltr.store(o_ref.at[b, h, s, rows, cols], part, mask=jnp.broadcast_to(valid[:, None], part.shape))
         pltr.store(lse_ref.at[b, h, s, rows[:, 0]], lse, mask=valid)
 
 
@@ -325,7 +374,7 @@ def _merge_kernel(window_ref, qsl_ref, lens_ref, o_part_ref, lse_part_ref, out_i
         out = acc / jnp.where(den > 0, den, 1.0)[:, None]
         tok = q_start + t
         head = jnp.where(valid, h * geo.group + g, 0)
-        _store_rows(out_ref, tok, head, valid, out.astype(out_ref.dtype))
+        _store_rows(out_ref, tok, head, valid, (out,))
 
 
 def _prefill_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, tile_seq_ref, tile_q0_ref, q_ref, kv_ref,
@@ -348,20 +397,20 @@ def _prefill_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, tile_seq_r
         last_pos = first_pos + n_tok - 1
         valid = (t < n_tok) & (g < geo.group)
         tok = jnp.where(valid, q_start + q0 + t, 0)
-        q = _load_q(q_ref, tok, head, valid)
+        q = _load_q(q_ref, tok, head, valid, geo.parts)
         lo, hi = _visible_range(first_pos, last_pos, window, cfg.block_n)
         src = _KVSource(kv_ref, bt_ref, b, layer_ref[0], h, hi, geo.block_size)
         k_scale, v_scale = _head_scales(scales_ref, layer_ref[0], h, geo)
         acc, m, l = _attend(q, first_pos + t, src, lo, hi, first_pos, last_pos, window,
                             block_n=cfg.block_n, scores=scores, k_scale=k_scale)
         out, _ = _finish(acc, m, l, v_scale)
-        _store_rows(o_ref, tok, head, valid, out.astype(o_ref.dtype))
+        _store_rows(o_ref, tok, head, valid, out)
 
     @pl.when(b >= geo.num_seqs)
     def _():
         tok = q0 + t
         valid = (tok < geo.num_tokens) & (g < geo.group)
-        _store_rows(o_ref, tok, head, valid, jnp.zeros((cfg.block_m, geo.head_dim), o_ref.dtype))
+        _store_rows(o_ref, tok, head, valid, (jnp.zeros((cfg.block_m, geo.head_dim), o_ref.dtype),))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -449,11 +498,12 @@ def ragged_paged_attention_impl(
     _, _, block_size, _, kv_heads, _ = kv_cache.shape
     check_supported(head_dim=head_dim, block_size=block_size, num_q_heads=q_heads, num_kv_heads=kv_heads)
     check_kv_scales(kv_cache.shape, kv_cache.dtype, kv_scales)
-    if not interpret:
-        check_addressable(kv_cache.shape, kv_cache.dtype)
     quantized = kv_scales is not None
+    if quantized:
+        kv_cache = as_byte_pairs(kv_cache)  # 2-byte elements: addressable at any size (addressing.py)
     scales = kv_scales.astype(jnp.float32).reshape(-1) if quantized else jnp.ones((1,), jnp.float32)
-    geo = _Geometry(num_tokens, seq_lens.shape[0], q_heads, kv_heads, head_dim, block_size, quantized)
+    geo = _Geometry(num_tokens, seq_lens.shape[0], q_heads, kv_heads, head_dim, block_size, quantized,
+                    jnp.dtype(q.dtype))
     tuning = tuning or default_tuning(head_dim, geo.group)
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     scores = _Scores(float(scale), float(soft_cap) if soft_cap else None, precision)
