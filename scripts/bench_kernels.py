@@ -312,8 +312,7 @@ PREFILL_CANDIDATES = [(128, 128, 8, 2), (128, 128, 8, 3)]
 
 def decode_tuning(c) -> Tuning:
     base = default_tuning(HEAD_DIM, Q_HEADS // KV_HEADS)
-    prefetch = bool(c[5]) if len(c) > 5 else False
-    return Tuning(KernelConfig(base.decode.block_m, c[0], c[1], c[2], prefetch), base.prefill, SplitConfig(c[3], c[4]))
+    return Tuning(KernelConfig(base.decode.block_m, c[0], c[1], c[2]), base.prefill, SplitConfig(c[3], c[4]))
 
 
 def with_prefill(tuning: Tuning, c) -> Tuning:

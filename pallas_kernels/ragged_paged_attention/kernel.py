@@ -143,16 +143,6 @@ class _KVSource:
         """K and V for positions `start + arange(block_n)`, each a tuple of column parts `[block_n, head_dim //
         parts]`: each row is found through the block table (page = position // block_size) and read at `[layer,
         page, offset, 0|1, head, :]`. A float8 cache comes as uint16 byte pairs and is unpacked here."""
-        pos, k, v = self.load_raw(start, block_n, masked)
-        return (pos, *self.convert(k, v, dtype))
-
-    def convert(self, k, v, dtype):
-        """Raw tiles (as stored, or as byte pairs) → column parts in `dtype`."""
-        if self.kv_ref.dtype == jnp.uint16:
-            return _unpack_fp8_pairs(k, dtype), _unpack_fp8_pairs(v, dtype)
-        return (k.astype(dtype),), (v.astype(dtype),)
-
-    def load_raw(self, start, block_n: int, masked: bool):
         pos = start + jnp.arange(block_n, dtype=jnp.int32)
         shift = self.block_size.bit_length() - 1
         page_idx, offset = pos >> shift, (pos & (self.block_size - 1))[:, None]
@@ -167,7 +157,9 @@ class _KVSource:
             page = self.bt_ref[self.seq, page_idx][:, None]
             k = self.kv_ref[self.layer, page, offset, 0, self.head, cols]
             v = self.kv_ref[self.layer, page, offset, 1, self.head, cols]
-        return pos, k, v
+        if self.kv_ref.dtype == jnp.uint16:
+            return pos, _unpack_fp8_pairs(k, dtype), _unpack_fp8_pairs(v, dtype)
+        return pos, (k.astype(dtype),), (v.astype(dtype),)
 
 
 def _unpack_fp8_pairs(x16, dtype):
@@ -199,38 +191,34 @@ class _Scores:
 
 
 def _attend(q, q_pos, src: _KVSource, lo, hi, first_pos, last_pos, window, *, block_n: int, scores: _Scores,
-            k_scale=1.0, prefetch: bool = False):
+            k_scale=1.0):
     """Online softmax of the query tile `q` (column parts of `[block_m, d]`, rows at positions `q_pos`) over KV
     positions `[lo, hi)`.
 
-    Returns (acc, m, l): unnormalised output (column parts like `q`), running max and sum, base 2. The tiles every
-    row sees in full (between the window edge and the first row's position) skip the mask; the edge tiles on either
-    side apply it. `prefetch`: the unmasked loop loads tile j + 1 while it computes tile j (`_prefetched`).
+    Returns (acc, m, l): unnormalised output (column parts like `q`), running max and sum, base 2. The tiles every row sees in full (between
+    the window edge and the first row's position) skip the mask; the edge tiles on either side apply it.
     """
     t0, t1 = lo // block_n, _cdiv(hi, block_n)
     full_lo = jnp.where(window > 0, last_pos - window + 1, 0)
     u0 = jnp.clip(_cdiv(full_lo, block_n), t0, t1)
     u1 = jnp.clip((first_pos + 1) // block_n, u0, t1)
 
-    def update(carry, pos, k, v, masked: bool):
-        acc, m, l = carry
-        s = scores(q, k, k_scale)
-        if masked:
-            visible = pos[None, :] <= q_pos[:, None]
-            visible &= (window <= 0) | (pos[None, :] > q_pos[:, None] - window)
-            s = jnp.where(visible, s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - m_new[:, None])
-        l = l * alpha + jnp.sum(p, axis=1)
-        p = p.astype(v[0].dtype)
-        acc = tuple(a * alpha[:, None] + pltr.dot(p, vp, precision=scores.precision) for a, vp in zip(acc, v))
-        return acc, m_new, l
-
     def step(masked: bool):
         def body(j, carry):
+            acc, m, l = carry
             pos, k, v = src.load(j * block_n, block_n, masked, q[0].dtype)
-            return update(carry, pos, k, v, masked)
+            s = scores(q, k, k_scale)
+            if masked:
+                visible = pos[None, :] <= q_pos[:, None]
+                visible &= (window <= 0) | (pos[None, :] > q_pos[:, None] - window)
+                s = jnp.where(visible, s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - m_new[:, None])
+            l = l * alpha + jnp.sum(p, axis=1)
+            p = p.astype(v[0].dtype)
+            acc = tuple(a * alpha[:, None] + pltr.dot(p, vp, precision=scores.precision) for a, vp in zip(acc, v))
+            return acc, m_new, l
 
         return body
 
@@ -241,29 +229,8 @@ def _attend(q, q_pos, src: _KVSource, lo, hi, first_pos, last_pos, window, *, bl
         jnp.zeros((block_m,), jnp.float32),
     )
     carry = lax.fori_loop(t0, u0, step(True), carry)
-    if prefetch:
-        carry = _prefetched(src, u0, u1, block_n, q[0].dtype, lambda c, pos, k, v: update(c, pos, k, v, False), carry)
-    else:
-        carry = lax.fori_loop(u0, u1, step(False), carry)
+    carry = lax.fori_loop(u0, u1, step(False), carry)
     return lax.fori_loop(u1, t1, step(True), carry)
-
-
-def _prefetched(src: _KVSource, u0, u1, block_n: int, dtype, update, carry):
-    """The unmasked tiles `[u0, u1)` with the next tile's loads issued before this tile's math, its raw K/V carried
-    in registers. Why by hand: Triton's software pipeliner waits for every outstanding copy at the top of each
-    iteration when the addresses come from a block table (`cp.async.wait_group 0` in the PTX), which leaves the
-    load latency of each tile exposed. The first load is masked (the range may be empty); the last iteration
-    reloads its own tile (in bounds, never used)."""
-    _, k0, v0 = src.load_raw(u0 * block_n, block_n, masked=True)
-
-    def body(j, c):
-        inner, k_raw, v_raw = c
-        _, k_next, v_next = src.load_raw(jnp.minimum(j + 1, u1 - 1) * block_n, block_n, masked=False)
-        k, v = src.convert(k_raw, v_raw, dtype)
-        pos = j * block_n + jnp.arange(block_n, dtype=jnp.int32)
-        return update(inner, pos, k, v), k_next, v_next
-
-    return lax.fori_loop(u0, u1, body, (carry, k0, v0))[0]
 
 
 def _finish(acc, m, l, v_scale=1.0):
@@ -345,7 +312,7 @@ def _decode_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, q_ref, kv_r
         src = _KVSource(kv_ref, bt_ref, b, layer_ref[0], h, hi, geo.block_size)
         k_scale, v_scale = _head_scales(scales_ref, layer_ref[0], h, geo)
         acc, m, l = _attend(q, first_pos + t, src, my_lo, my_hi, first_pos, last_pos, window,
-                            block_n=cfg.block_n, scores=scores, k_scale=k_scale, prefetch=cfg.prefetch)
+                            block_n=cfg.block_n, scores=scores, k_scale=k_scale)
         out, lse = _finish(acc, m, l, v_scale)
         rows = jnp.where(valid, jnp.arange(cfg.block_m, dtype=jnp.int32), cfg.block_m)[:, None]
         for i, part in enumerate(out):
@@ -415,7 +382,7 @@ def _prefill_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, tile_seq_r
         src = _KVSource(kv_ref, bt_ref, b, layer_ref[0], h, hi, geo.block_size)
         k_scale, v_scale = _head_scales(scales_ref, layer_ref[0], h, geo)
         acc, m, l = _attend(q, first_pos + t, src, lo, hi, first_pos, last_pos, window,
-                            block_n=cfg.block_n, scores=scores, k_scale=k_scale, prefetch=cfg.prefetch)
+                            block_n=cfg.block_n, scores=scores, k_scale=k_scale)
         out, _ = _finish(acc, m, l, v_scale)
         _store_rows(o_ref, tok, head, valid, out)
 

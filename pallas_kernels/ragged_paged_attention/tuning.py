@@ -18,7 +18,6 @@ class KernelConfig:
     block_n: int  # KV positions per inner-loop step
     num_warps: int
     num_stages: int  # Triton software-pipelining depth of the KV loop
-    prefetch: bool = False  # load the next KV tile into registers while computing this one (kernel._prefetched)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,13 +31,6 @@ SMALL_SPLITS = Tuning(
     split=SplitConfig(split_tokens=16, max_splits=4),
 )
 
-# Register prefetch of the next KV tile in both kernels, over splits of several tiles.
-PREFETCH = Tuning(
-    decode=KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, prefetch=True),
-    prefill=KernelConfig(block_m=32, block_n=16, num_warps=4, num_stages=1, prefetch=True),
-    split=SplitConfig(split_tokens=64, max_splits=4),
-)
-
 # The bucket the fixed-shape tests share (one compile): GQA 4, float32, d=64, pages of 16.
 FIXED = Bucket(q_heads=8, kv_heads=2)
 
@@ -49,7 +42,6 @@ CONFIGS = {
                           None, None),
     "g8-f32-bs16-cap-small-tiles": (Bucket(q_heads=8, kv_heads=1), 5.0, SMALL_SPLITS),
     "g3-bf16-bs64": (Bucket(q_heads=6, kv_heads=2, block_size=64, width=3, dtype=jnp.bfloat16), None, None),
-    "g4-bf16-prefetch": (Bucket(q_heads=8, kv_heads=2, dtype=jnp.bfloat16), None, PREFETCH),
 }
 
 
