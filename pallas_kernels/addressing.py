@@ -4,7 +4,9 @@ jax 0.11.2's Triton lowering offsets into an array in elements, with 32-bit inte
 than 4 GiB (`_compute_offsets_from_indices` in `jax/_src/pallas/triton/lowering.py`). A 1-byte array (a float8
 KV cache) of more than 2^31 elements but at most 4 GiB therefore gets element offsets beyond int32: its upper part
 is read, and written, at negative offsets, outside the array. Arrays of 2-byte or wider elements never fall in that
-window (4 GiB of them is at most 2^31 elements), and arrays over 4 GiB get 64-bit offsets.
+window (4 GiB of them is at most 2^31 elements), and arrays over 4 GiB get 64-bit offsets. The attention kernel
+therefore reads a float8 cache through `as_byte_pairs` (uint16 elements); the write kernel still refuses a float8
+cache in the window, and jengine writes such a cache with the XLA scatter.
 """
 
 from __future__ import annotations
@@ -36,14 +38,6 @@ def check_addressable(shape: tuple[int, ...], dtype) -> None:
             f"a {jnp.dtype(dtype).name} array of {nbytes / 2**30:.2f} GiB per device lies in the window (2 GiB, "
             f"4 GiB] where Pallas' Triton lowering overflows its 32-bit element offsets; size it outside"
         )
-
-
-def largest_addressable_count(count: int, elements_per_item: int, dtype) -> int:
-    """The largest number ≤ `count` of items (e.g. KV blocks of `elements_per_item` elements) whose array the
-    kernels address correctly: `count` itself, or as many as keep the array within 2^31 elements."""
-    if not offsets_overflow((count * elements_per_item,), dtype):
-        return count
-    return INT32_ELEMENTS // elements_per_item
 
 
 def as_byte_pairs(x):

@@ -7,18 +7,21 @@ batch 8 × context 32k, a 4096-token causal prefill, and a mixed step of 60 deco
 
 Ratios (names from the issue):
   decode_b64_ctx4k_bw_fraction   K+V bytes read / decode time, over the copy rate (read+write bytes / copy time);
-                                 higher is better, target >= 0.90
+                                 higher is better, target >= 0.93
   decode_b8_ctx32k_bw_fraction   the same at batch 8 × 32k
   decode_b64_ctx4k_vs_bundled    the bundled Pallas paged_attention time / our decode time; higher is better
   mixed_step_vs_sum              mixed-step time / (60 decodes alone + the chunk alone); lower is better, target <= 1.15
   fp8_vs_bf16_decode_speedup     bf16-cache decode time / float8-cache decode time, batch 64 × 4k, both with the
-                                 shipped tuning; higher is better, target >= 1.6 (also _b8_ctx32k)
+                                 shipped tuning, the float8 pool over 4 GiB; higher is better, target >= 1.7 (also _b8_ctx32k)
   decode_b64_ctx4k_vs_cudnn_contiguous   torch SDPA cuDNN time on a contiguous bf16 cache / our (paged, bf16) decode
-                                 time; higher is better, target >= 0.9 (also _vs_flash_, _b8_ctx32k_, _vs_jax_cudnn_)
+                                 time; higher is better, target >= 1.0 (also _vs_flash_, _b8_ctx32k_, _vs_jax_cudnn_)
   prefill_4k_vs_mgpu_f16         bundled Mosaic GPU attention (f16, contiguous) time / our paged bf16 prefill time,
                                  4096-token causal; higher is better
   prefill_4k_vs_matmul_rate      our causal prefill TFLOP/s / the measured bf16 matmul TFLOP/s (8192³)
-Metric prefill_4k_causal_tflops: 2·S²·d·q_heads (causal half of 4·S²·d per head) / time; target >= 400.
+Metric prefill_4k_causal_tflops: 2·S²·d·q_heads (causal half of 4·S²·d per head) / time; target >= 450.
+  kv_write_t64_vs_scatter        XLA scatter time / jengine's K/V write (attention.pallas.write_kv) at 64 tokens,
+                                 32 layers; higher is better, target >= 1.0 (also _t128 ... _t2048, and
+                                 _pallas_vs_scatter for the Pallas kernel alone)
 
 Timing: every function is compiled first and the GPU warmed (compile gaps inside timing once made decode read 1.6×
 slow), then two interleaved passes, each `--runs` runs of n back-to-back calls (n sized to ~50 ms) with one
@@ -306,7 +309,7 @@ PREFILL_SWEEP = [  # (block_m, block_n, num_warps, num_stages)
 
 # The final run picks the shipped defaults among these (each checked against the reference in the same run):
 # decode (block_n, num_warps, num_stages, split_tokens, max_splits), prefill (block_m, block_n, num_warps, num_stages).
-DECODE_CANDIDATES = [(32, 2, 4, 256, 32), (64, 2, 3, 256, 32), (16, 2, 4, 256, 32)]
+DECODE_CANDIDATES = [(64, 4, 2, 512, 16), (64, 2, 3, 256, 32), (64, 4, 3, 512, 16)]
 PREFILL_CANDIDATES = [(128, 128, 8, 2), (128, 128, 8, 3)]
 
 
@@ -490,7 +493,7 @@ def kv_write(bench: Bench, kv) -> None:
         v = k * 2
         variants = {"scatter": kv_write_reference.write_kv, "pallas": kv_write_kernel.write_kv,
                     "jengine": functools.partial(jengine_write, interpret=INTERPRET)}
-        t, outs = {}, {}
+        jobs, states = {}, {}
         for name, write in variants.items():
             if INTERPRET and name == "pallas":
                 write = functools.partial(write, interpret=True)
@@ -505,22 +508,24 @@ def kv_write(bench: Bench, kv) -> None:
                 state["cache"] = fn(state["cache"], k, v, slots)
                 return state["cache"]
 
-            t[name] = timeit(call, runs=bench.args.runs)
+            jobs[name], states[name] = (call, ()), state
+        t = time_jobs(jobs, runs=bench.args.runs)
+        for name in variants:
             bench.metric(f"kv_write_{name}_t{tokens}_x32_us", t[name] * 1e6)
-            outs[name] = state["cache"]
+        outs = {name: state["cache"] for name, state in states.items()}
         same = all(bool(jnp.array_equal(outs["scatter"], o)) for o in outs.values())
         bench.checks[f"kv_write_t{tokens}"] = {"ok": same}
         log(f"  check kv_write_t{tokens} equal={same}")
         bench.ratios[f"kv_write_t{tokens}_vs_scatter"] = t["scatter"] / t["jengine"]
         bench.ratios[f"kv_write_t{tokens}_pallas_vs_scatter"] = t["scatter"] / t["pallas"]
-        del outs
+        del outs, states, jobs
 
 # ---------------------------------------------------------------------------------------------------------------
 # float8 cache, peers, prefill anchors (groups fp8, peers, prefill)
 
 # Decode tunings (block_n, num_warps, num_stages, split_tokens, max_splits) also timed on the float8 cache: half the
 # bytes per position may want longer tiles. The ratio uses the shipped tuning; these go to the details file.
-FP8_CANDIDATES = [(64, 2, 3, 256, 32), (128, 2, 3, 256, 32), (64, 4, 3, 512, 16), (128, 4, 3, 512, 16)]
+FP8_CANDIDATES = [(64, 4, 2, 512, 16), (64, 4, 3, 512, 16), (128, 4, 2, 512, 16), (64, 4, 3, 1024, 8)]
 # e4m3's own rounding (3 mantissa bits, 2.6 % RMS per value) puts the decode output ~3.8 % (L2) from bf16's on
 # standard-normal data (tests/kernels/test_fp8_kv.py); a broken scale or cast is far beyond this bound.
 FP8_VS_BF16_L2_TOL = 5e-2
@@ -550,7 +555,7 @@ def fp8_decode(bench: Bench, kv, bs: dict[str, Batch]) -> None:
     fp8_window_check(bench, kv8, scales, bs["decode_b64_ctx4k"])
     kv8, scales = large_fp8_cache(kv8, scales)
     bench.metric("fp8_pool_gib", kv8.nbytes / 2**30)
-    tuning = decode_tuning_of(bench)
+    tuning = None  # each cache with its shipped tuning (tuning.default_tuning)
     jobs = {}
     for name in DECODE_SHAPES:
         b = bs[name]

@@ -32,7 +32,8 @@ from jengine.attention.kv_cache import QuantizedKV, partition_spec, parts
 
 logger = logging.getLogger(__name__)
 
-KV_WRITE_KERNEL_MIN_TOKENS = 512
+# Measured (32 layers): the scatter is faster at 1024 tokens (636 vs 746 µs), the kernel at 2048 (726 vs 1155 µs).
+KV_WRITE_KERNEL_MIN_TOKENS = 2048
 
 
 def supports(*, head_dim: int, block_size: int, num_q_heads: int, num_kv_heads: int, dtype,
