@@ -18,10 +18,12 @@ serve both: a 128-row query tile wastes 97 % of its tensor-core work on a decode
     query heads of one KV head, the loop over its visible KV split into masked edges and an unmasked middle.
 The prefill launch is skipped when `max_query_len` (static) shows that every request fits the decode kernel.
 
-float8 cache (`kv_scales` given, see `pallas_kernels.kv_quant`): K/V tiles are loaded as e4m3 (half the bytes of
-bf16) and cast to the query dtype in registers (exact: every e4m3 value is a bf16 value). The per-(layer, KV head)
-scales are scalars for a whole program, so they are applied where they cost nothing: K's scale joins the softmax
-scale that multiplies the scores, V's scale multiplies the finished output rows.
+float8 cache (`kv_scales` given, see `pallas_kernels.kv_quant`): the cache is read through its uint16 byte-pair view
+(`addressing.as_byte_pairs`: addressable at any size, where single bytes overflow the lowering's 32-bit offsets in
+(2, 4] GiB), half the bytes of bf16, and each pair is unpacked in registers into the even and odd columns
+(`_unpack_fp8_pairs`), so every tile is split into two column parts and each dot product into two. The per-(layer,
+KV head) scales are scalars for a whole program, so they are applied where they cost nothing: K's scale joins the
+softmax scale that multiplies the scores, V's scale multiplies the finished output rows.
 
 Backend: `pl.pallas_call` lowers through Triton on GPU, which jax 0.11.2 marks deprecated (a warning at lowering)
 but runs correctly on the H200; a Mosaic GPU (`plgpu.kernel`) port is the way to more prefill throughput.
@@ -195,8 +197,9 @@ def _attend(q, q_pos, src: _KVSource, lo, hi, first_pos, last_pos, window, *, bl
     """Online softmax of the query tile `q` (column parts of `[block_m, d]`, rows at positions `q_pos`) over KV
     positions `[lo, hi)`.
 
-    Returns (acc, m, l): unnormalised output (column parts like `q`), running max and sum, base 2. The tiles every row sees in full (between
-    the window edge and the first row's position) skip the mask; the edge tiles on either side apply it.
+    Returns (acc, m, l): unnormalised output (column parts like `q`), running max and sum, base 2. The tiles every
+    row sees in full (between the window edge and the first row's position) skip the mask; the edge tiles on either
+    side apply it.
     """
     t0, t1 = lo // block_n, _cdiv(hi, block_n)
     full_lo = jnp.where(window > 0, last_pos - window + 1, 0)
@@ -520,8 +523,7 @@ def ragged_paged_attention(
     positions (traced: it may differ per scanned layer); `soft_cap` applies `cap * tanh(s / cap)` to the scaled
     logits; `max_query_len` is the static bound on new tokens per request (a bucket). Rows of padding tokens (after
     `query_start_loc[-1]`) are zeros. Raises `UnsupportedShapeError` for head dims or block sizes the kernel does
-    not handle and, outside interpret mode, for a cache its 32-bit offsets cannot address (`addressing.py`);
-    ValueError for missing or misshaped scales.
+    not handle; ValueError for missing or misshaped scales.
     """
     return ragged_paged_attention_impl(
         q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale=scale, sliding_window=sliding_window,

@@ -43,7 +43,8 @@ def _next_pow2(n: int) -> int:
 
 def default_tuning(head_dim: int, group: int, quantized: bool = False) -> Tuning:
     """The table: chosen on an H200 for Llama-3-8B-like shapes (32 q / 8 kv heads, d=128, bf16) by
-    `scripts/bench_kernels.py` (sweep in `h200_sweep.json`); other shapes inherit it. `group` (query heads per KV
+    `scripts/bench_kernels.py` (sweeps in `h200_sweep.json` and benchmarks/results/2026-12-01-decode_probes.json);
+    other shapes inherit it. `group` (query heads per KV
     head) sets the query rows: a decode tile packs all heads of one KV head; `quantized`: a float8 cache.
 
     Why these (H200, 2026-12-01, benchmarks/results/2026-12-01-kernels.json): decode is bound by the latency of

@@ -68,7 +68,7 @@ IN_WINDOW_FP8_CACHE = S((32, 4800, 16, 2, 4, 128), jnp.float8_e4m3fn)  # 2.34 Gi
 
 
 def test_attention_reads_a_float8_cache_in_the_window_through_byte_pairs():
-    """A float8 cache of (2, 4] GiB lowers (its uint16 view has fewer than 2^31 elements), where it used to be refused."""
+    """A float8 cache of (2, 4] GiB lowers (its uint16 view has under 2^31 elements); it used to be refused."""
     scales = S((32, 2, 4), jnp.float32)
     attend = functools.partial(attention.ragged_paged_attention, scale=0.1, max_query_len=1)
     text = _lower(lambda q, kv, s, layer, qsl, lens, bt: attend(q, kv, layer, qsl, lens, bt, kv_scales=s),
