@@ -157,10 +157,10 @@ class LLM:
                 return
             request = pending.popleft()
             self._output.add(request.request_id, request.prompt, request.prompt_token_ids, request.params,
-                             request.child_ids, request.children[0][0].arrival_time,
+                             request.child_ids, request.children[0].arrival_time,
                              output_kind=RequestOutputKind.FINAL_ONLY)
-            for child, index in request.children:
-                self._core.add_request(child, index, enforce_queue_bound=False)
+            for child in request.children:
+                self._core.add_request(child, enforce_queue_bound=False)
             added.append(request)
 
     def _step(self) -> list[EngineCoreOutput]:

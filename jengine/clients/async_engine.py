@@ -188,7 +188,7 @@ class AsyncEngine:
         child_ids = processed.child_ids
         stream = _Stream(processed.request_id, child_ids, asyncio.Queue())
         self._output.add(processed.request_id, processed.prompt, processed.prompt_token_ids, processed.params,
-                         child_ids, processed.children[0][0].arrival_time, output_kind=RequestOutputKind.DELTA)
+                         child_ids, processed.children[0].arrival_time, output_kind=RequestOutputKind.DELTA)
         self._streams[processed.request_id] = stream
         self._live_children.update(child_ids)
         self._core_loop.add(processed.children)

@@ -69,7 +69,7 @@ def make_scheduler(num_blocks=64, max_num_seqs=8, budget=32, max_model_len=128, 
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                              max_num_queued_reqs=queued, max_model_len=max_model_len)
     kv = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=prefix)
-    return Scheduler(config, kv, BLOCK), kv
+    return Scheduler(config, kv), kv
 
 
 def request(rid: str, prompt: list[int], max_tokens: int = 5, priority: int = 0, **params) -> Request:
