@@ -173,6 +173,14 @@ def test_queue_bound_refuses_one_more():
         scheduler.add_request(request("one-more", [1, 2]))
 
 
+def test_each_request_brings_its_choice_index_and_gets_an_engine_counter():
+    scheduler, _ = make_scheduler()
+    for index, rid in enumerate(["a", "b"]):
+        scheduler.add_request(Request(rid, [1, 2, 3], SamplingParams(max_tokens=2), choice_index=index + 1))
+    new = scheduler.schedule().new_requests
+    assert [(n.request_id, n.choice_index, n.request_counter) for n in new] == [("a", 1, 0), ("b", 2, 1)]
+
+
 def test_abort_frees_blocks_of_running_and_waiting_requests():
     scheduler, kv = make_scheduler(max_num_seqs=1)
     runner = FakeRunner()
