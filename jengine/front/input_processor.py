@@ -92,28 +92,14 @@ class InputProcessor:
             stop_at_context_end=stop_at_context_end,
         )
 
-    def process(
-        self,
-        prompt: PromptInput,
-        params: SamplingParams,
-        request_id: str,
-        *,
-        priority: int = 0,
-        arrival_time: float,
-    ) -> ProcessedRequest:
+    def process(self, prompt: PromptInput, params: SamplingParams, request_id: str, *, priority: int = 0,
+                arrival_time: float) -> ProcessedRequest:
         """Validate everything, tokenize, resolve max_tokens and fan out into `params.n` core requests."""
         self.check_params(params)
         return self.prepare(prompt, params, request_id, priority=priority, arrival_time=arrival_time)
 
-    def prepare(
-        self,
-        prompt: PromptInput,
-        params: SamplingParams,
-        request_id: str,
-        *,
-        priority: int = 0,
-        arrival_time: float,
-    ) -> ProcessedRequest:
+    def prepare(self, prompt: PromptInput, params: SamplingParams, request_id: str, *, priority: int = 0,
+                arrival_time: float) -> ProcessedRequest:
         """`process` for params that passed `check_params` (a caller that checks them before admission)."""
         _check_int_field("priority", priority)
         text, ids = self.tokenize(prompt)

@@ -9,10 +9,9 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from datetime import datetime
 from functools import cached_property, partial
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from jengine.errors import CheckpointError, ConfigError, InvalidRequestError
 from jengine.tokenizer.byte_level import FastDecoding
