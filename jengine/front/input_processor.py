@@ -196,7 +196,8 @@ class InputProcessor:
                 )
 
     def _resolve_lengths(self, prompt_len: int, params: SamplingParams) -> SamplingParams:
-        """Check the prompt fits with room to generate; max_tokens=None becomes what is left of the context."""
+        """Check the prompt fits with room to generate, and resolve max_tokens (the one place it becomes a number):
+        None becomes what is left of the context; offline, so does a number past it (servers refuse that)."""
         limit = self.max_model_len
         if prompt_len >= limit:
             raise ContextLengthExceededError(
