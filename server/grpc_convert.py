@@ -79,6 +79,9 @@ def _wire_int(name: str, value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise InvalidRequestError(f"{name} must be an integer, got {type(value).__name__}", param=name)
     if name == "seed":  # the engine uses seeds modulo 2**64: a uint64 seed travels as the same bits in an int64
+        if not -_SEED_MODULUS // 2 <= value < _SEED_MODULUS:  # no 64 bits carry it: refused, as the engine does
+            raise InvalidRequestError(f"seed must be [{-_SEED_MODULUS // 2}, {_SEED_MODULUS - 1}], got {value}",
+                                      param="seed")
         value %= _SEED_MODULUS
         return value - _SEED_MODULUS if value > _INT64_MAX else value
     if not -(2**31) <= value < 2**31:
