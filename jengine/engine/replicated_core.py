@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from jengine.cache.hashing import update_block_hashes
+from jengine.cache.hashing import hash_blocks
 from jengine.cache.prefix_index import PrefixIndex
 from jengine.engine.core import EngineCore, EngineCoreOutput
 from jengine.request import Request, RequestStatus
@@ -25,11 +25,10 @@ class ReplicatedCore:
         self._indexes = [PrefixIndex(core.kv_manager.num_blocks) for core in self.cores]
         self._owner: dict[str, int] = {}  # request id → replica, until the request finishes
 
-    def add_request(self, request: Request, choice_index: int = 0, *, enforce_queue_bound: bool = True) -> None:
-        update_block_hashes(request, self.block_size)  # the scheduler computes the same hashes again (idempotent)
-        hashes = list(request.block_hashes)
+    def add_request(self, request: Request, *, enforce_queue_bound: bool = True) -> None:
+        hashes = hash_blocks(request.all_token_ids, self.block_size, cache_salt=request.cache_salt)
         replica = self._choose(hashes)
-        self.cores[replica].add_request(request, choice_index, enforce_queue_bound=enforce_queue_bound)
+        self.cores[replica].add_request(request, enforce_queue_bound=enforce_queue_bound)
         self._indexes[replica].remember(hashes)
         self._owner[request.request_id] = replica
 
