@@ -70,7 +70,7 @@ def test_a_shared_header_spreads_and_long_system_prompts_stay_where_cached(build
     systems = [rng.integers(3, vocab, size=65 * BLOCK).tolist() for _ in range(2)]
     params = SamplingParams(temperature=0, max_tokens=1)
     kwargs = dict(dtype="float32", max_model_len=1152, block_size=BLOCK, max_num_seqs=8, max_num_queued_reqs=8,
-                  max_num_batched_tokens=512)  # 8 + 8: 16 requests in flight
+                  max_num_batched_tokens=512, compile_buckets="all")  # 8 + 8: 16 requests in flight
 
     with LLM(str(model_dir), data_parallel_size=2, **kwargs) as two:
         cores = two._core.cores
