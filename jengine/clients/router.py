@@ -4,7 +4,7 @@ Each request goes where `jengine.engine.routing` ranks it (the rule `LLM(data_pa
 replica already holding the longest leading run of its prompt's KV blocks while that replica's load stays within a
 bound of the least loaded one's, otherwise (and on ties) to the least loaded one; so a shared system prompt is
 prefilled once per replica rather than once per request, and a chat template's shared header does not pull every
-chat onto one replica. The blocks are named by the KV manager's own sha256 chain (`update_block_hashes` over the ids
+chat onto one replica. The blocks are named by the KV manager's own sha256 chain (`hash_blocks` over the ids
 the engine will see: the front's tokenizer, chats rendered by the input processor), and the router remembers what it
 sent each replica in a bounded LRU index: its approximate view of that replica's prefix cache.
 
@@ -24,7 +24,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
-from jengine.cache.hashing import update_block_hashes
+from jengine.cache.hashing import hash_blocks
 from jengine.cache.prefix_index import PrefixIndex
 from jengine.clients.protocol import EngineClient, ModelInfo
 from jengine.engine.routing import ReplicaAffinity
@@ -32,7 +32,6 @@ from jengine.engine.stats import EngineStats
 from jengine.front.input_processor import InputProcessor, PromptInput
 from jengine.errors import CapacityError, ConfigError, EngineDeadError, InvalidRequestError, ServiceUnavailableError
 from jengine.outputs import RequestOutput
-from jengine.request import Request
 from jengine.sampling.params import SamplingParams
 from jengine.tokenizer import Tokenizer
 
@@ -132,7 +131,7 @@ class Router:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._owners:
             raise InvalidRequestError(f"request id {request_id[:100]!r} is already in use", param="request_id")
-        forward, hashes = self._prepare(prompt, params)
+        forward, hashes = self._prepare(prompt)
         replica, stream, first = await self._open(forward, params, request_id, priority, hashes)
         try:
             yield first
@@ -200,13 +199,11 @@ class Router:
         return None if replica is None else replica.position
 
     # ------------------------------------------------------------------ routing
-    def _prepare(self, prompt: PromptInput, params: SamplingParams) -> tuple[PromptInput, list[bytes]]:
+    def _prepare(self, prompt: PromptInput) -> tuple[PromptInput, list[bytes]]:
         """(what to send: the ids with their text, so the replica does not tokenize again; the block hashes)."""
         text, ids = self._front().processor.tokenize(prompt)
         forward: PromptInput = ids if text is None else {"prompt": text, "prompt_token_ids": ids}
-        probe = Request("router-probe", ids, params)  # hashed exactly as the KV manager hashes a new request
-        update_block_hashes(probe, self.block_size)
-        return forward, probe.block_hashes
+        return forward, hash_blocks(ids, self.block_size)  # the chain the KV manager computes for these tokens
 
     def _ranked(self, hashes: Sequence[bytes]) -> list[_Replica]:
         """Healthy replicas, best first, by the shared routing rule."""

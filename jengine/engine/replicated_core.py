@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from jengine.cache.hashing import update_block_hashes
+from jengine.cache.hashing import hash_blocks
 from jengine.engine.core import EngineCore, EngineCoreOutput
 from jengine.engine.routing import ReplicaAffinity
 from jengine.errors import CapacityError
@@ -27,13 +27,12 @@ class ReplicatedCore:
         self._affinity = ReplicaAffinity([core.kv_manager.num_blocks for core in self.cores])
         self._owner: dict[str, int] = {}  # request id → replica, until the request finishes
 
-    def add_request(self, request: Request, choice_index: int = 0, *, enforce_queue_bound: bool = True) -> None:
-        update_block_hashes(request, self.block_size)  # the scheduler computes the same hashes again (idempotent)
-        hashes = list(request.block_hashes)
+    def add_request(self, request: Request, *, enforce_queue_bound: bool = True) -> None:
+        hashes = hash_blocks(request.all_token_ids, self.block_size, cache_salt=request.cache_salt)
         refusals: list[CapacityError] = []
         for replica in self._affinity.rank(hashes, [core.num_requests() for core in self.cores]):
             try:
-                self.cores[replica].add_request(request, choice_index, enforce_queue_bound=enforce_queue_bound)
+                self.cores[replica].add_request(request, enforce_queue_bound=enforce_queue_bound)
             except CapacityError as exc:  # full: the next best replica may take it
                 refusals.append(exc)
                 continue
