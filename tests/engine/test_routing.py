@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import collections
+import types
+from typing import Any
 
 import pytest
 
+from jengine.engine.replicated_core import ReplicatedCore
 from jengine.engine.routing import Candidate, ReplicaAffinity, affinity_slack, rank
+from jengine.errors import CapacityError
 
 
 def test_equal_runs_tie_and_go_to_the_least_loaded_then_the_one_chosen_longest_ago() -> None:
@@ -74,3 +78,35 @@ def test_affinity_remembers_what_it_sent() -> None:
     assert affinity.rank([b"x", b"y"], [3, 0]) == [0, 1]  # its run, within the bound
     assert affinity.rank([b"other"], [0, 0]) == [1, 0]  # a tie: the one chosen longest ago
     assert affinity.rank([b"x"], [0, 0], available=[False, True]) == [1]
+
+
+class _FullAfter:
+    """A core that holds at most `capacity` requests (what ReplicatedCore reads of an EngineCore)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.added: list[str] = []
+        self.kv_manager = types.SimpleNamespace(num_blocks=64)
+
+    def num_requests(self) -> int:
+        return len(self.added)
+
+    def add_request(self, request: Any, *, enforce_queue_bound: bool = True) -> None:
+        if enforce_queue_bound and len(self.added) >= self.capacity:
+            raise CapacityError("full")
+        self.added.append(request.request_id)
+
+
+def test_the_replicated_core_hands_a_request_to_the_next_replica_when_full() -> None:
+    cores = [_FullAfter(1), _FullAfter(2)]
+    replicated = ReplicatedCore(cores, block_size=4)  # type: ignore[arg-type]
+
+    def add(request_id: str) -> None:
+        replicated.add_request(types.SimpleNamespace(request_id=request_id, all_token_ids=list(range(9)),
+                                                     cache_salt=None))  # type: ignore[arg-type]
+
+    for request_id in ("a", "b", "c"):  # one prompt: its replica first, the other once that one is full
+        add(request_id)
+    assert (cores[0].added, cores[1].added) == (["a"], ["b", "c"])
+    with pytest.raises(CapacityError):
+        add("d")
