@@ -17,7 +17,7 @@ from transformers import LlamaConfig
 
 from jengine import LLM, SamplingParams
 from jengine.config import EngineConfig
-from jengine.parallel.distributed import decode_step, encode_step
+from jengine.scheduler.codec import decode_step, encode_step
 from jengine.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from tests.conftest import COMMON
 from tests.server.test_lifecycle import free_port
