@@ -21,8 +21,8 @@ from tqdm.auto import tqdm
 
 from jengine.config import EngineConfig
 from jengine.engine.core import EngineCoreOutput
-from jengine.engine.input_processor import InputProcessor, ProcessedRequest, PromptInput
-from jengine.engine.output_processor import OutputProcessor
+from jengine.front.input_processor import InputProcessor, ProcessedRequest, PromptInput
+from jengine.front.output_processor import OutputProcessor
 from jengine.errors import EngineDeadError, InvalidRequestError
 from jengine.outputs import RequestOutput, RequestOutputKind
 from jengine.request import RequestStatus
@@ -32,7 +32,7 @@ from jengine.tokenizer import Tokenizer
 OFFLINE_MAX_N = 1024  # choices per prompt offline (pass@k wants many); servers keep their own, smaller cap
 
 if TYPE_CHECKING:
-    from jengine.engine.factory import EngineParts
+    from jengine.factory import EngineParts
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class LLM:
 
     def __init__(self, model: str, **engine_args: Any) -> None:
         """Every engine flag is a keyword of the same name (`max_model_len=`, `max_num_seqs=`, `dtype=`, ...)."""
-        from jengine.engine.factory import build_engine, build_replicated_engine  # imports jax: only here
+        from jengine.factory import build_engine, build_replicated_engine  # imports jax: only here
 
         config = EngineConfig.from_kwargs(model, **engine_args)
         build = build_replicated_engine if config.parallel.data_parallel_size > 1 else build_engine

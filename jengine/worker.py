@@ -12,7 +12,7 @@ import logging
 import jax
 
 from jengine.config import EngineConfig
-from jengine.engine.factory import build_engine
+from jengine.factory import build_engine
 from jengine.parallel.step_feed import StepSubscriber
 from jengine.runner.multi_process import replay
 

@@ -12,8 +12,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jengine.engine.client import EngineStats, ModelInfo
-from jengine.engine.input_processor import CHAT_PROMPT_KEYS, PromptInput
+from jengine.clients.protocol import ModelInfo
+from jengine.engine.stats import EngineStats
+from jengine.front.input_processor import CHAT_PROMPT_KEYS, PromptInput
 from jengine.errors import InvalidRequestError
 from jengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jengine.sampling import defaults as generation_defaults

@@ -14,8 +14,8 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from jengine.engine.client import ModelInfo
-from jengine.engine.input_processor import join_text_parts
+from jengine.clients.protocol import ModelInfo
+from jengine.front.input_processor import join_text_parts
 from jengine.errors import InvalidRequestError
 from jengine.sampling.params import SamplingParams
 

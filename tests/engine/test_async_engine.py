@@ -8,8 +8,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from jengine.engine.async_engine import AsyncEngine
-from jengine.engine.client import EngineClient
+from jengine.clients.async_engine import AsyncEngine
+from jengine.clients.protocol import EngineClient
 from jengine.errors import CapacityError, EngineDeadError, InvalidRequestError
 from jengine.outputs import RequestOutput
 from jengine.request import RequestStatus

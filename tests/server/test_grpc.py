@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from transformers import LlamaConfig
 
-from jengine.engine.client import EngineClient
+from jengine.clients.protocol import EngineClient
 from jengine.errors import (
     AuthenticationError, ContextLengthExceededError, InvalidRequestError, RequestTooLargeError,
 )

@@ -21,7 +21,7 @@ from jengine.tokenizer import Tokenizer
 from jengine.tokenizer.tokenizer import read_template_argument
 
 if TYPE_CHECKING:
-    from jengine.engine.factory import EngineParts
+    from jengine.factory import EngineParts
 
 logger = logging.getLogger(__name__)
 

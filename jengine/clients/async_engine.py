@@ -19,11 +19,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from jengine.config import EngineConfig
-from jengine.engine.client import EngineStats, ModelInfo
+from jengine.clients.protocol import ModelInfo
+from jengine.engine.stats import EngineStats
 from jengine.engine.core import EngineCore, EngineCoreOutput
 from jengine.engine.core_loop import CoreLoop, StatsReader
-from jengine.engine.input_processor import InputProcessor, ProcessedRequest, PromptInput
-from jengine.engine.output_processor import OutputProcessor
+from jengine.front.input_processor import InputProcessor, ProcessedRequest, PromptInput
+from jengine.front.output_processor import OutputProcessor
 from jengine.errors import CapacityError, EngineDeadError, InvalidRequestError
 from jengine.outputs import RequestOutput, RequestOutputKind
 from jengine.request import RequestStatus
@@ -31,7 +32,7 @@ from jengine.sampling.params import SamplingParams
 from jengine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from jengine.engine.factory import EngineParts
+    from jengine.factory import EngineParts
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class AsyncEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
         """Build the model, cache and core (minutes for a large model), then start the loop."""
-        from jengine.engine.factory import build_engine  # imports jax: only when an engine is really built
+        from jengine.factory import build_engine  # imports jax: only when an engine is really built
 
         return cls(build_engine(config))
 
