@@ -18,9 +18,9 @@ from jengine.models.loader import load_model, load_spec
 from jengine.models.spec import ModelSpec
 from jengine.parallel.distributed import agree_across_processes
 from jengine.parallel.distributed import initialize as initialize_processes
-from jengine.parallel.step_feed import StepPublisher
 from jengine.parallel.mesh import build_mesh, replica_devices
 from jengine.parallel.sharding import plan_layout
+from jengine.parallel.step_feed import StepPublisher
 from jengine.runner.kv_storage import log_plan, plan_kv_cache
 from jengine.runner.multi_process import PublishingRunner
 from jengine.runner.protocol import StepRunner
