@@ -5,7 +5,9 @@ The runner calls `step(params, state, batch)`: `params` the weights, `state` the
 one typed pytree built on the host). What selects a compiled variant is a static field of the batch (the attention
 query bound, the sampler's flags, the prompt-logprob width) or a shape; a new per-row input (a LoRA slot, a grammar
 bitmask, draft tokens) is a new field there, never another argument. The model, the backend and the expert mesh are
-one static, hashable `StepModel`, so engines built one after another in one process share compiled steps.
+one static, hashable `StepModel`, so engines built one after another in one process share compiled steps. The
+per-step pytrees are not frozen: several are built per step, and a frozen dataclass's __init__ (object.__setattr__
+per field) costs several times more; nothing changes them after they are built.
 
 The token feed: `row_tokens` holds, per persistent-batch row, the token that row sampled last. The sampler writes it
 and the next step's forward reads it wherever the host passed a pending placeholder (`input_batch.pending_token_id`),
@@ -43,7 +45,7 @@ class StepModel:
 
 
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class StepState:
     """The device state each step takes and replaces (the forward donates it: the cache is updated in place)."""
 
@@ -52,7 +54,7 @@ class StepState:
 
 
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class ModelInputs:
     """The forward's part of a step: ragged tokens, their attention metadata and the rows whose logits count."""
 
@@ -65,7 +67,7 @@ class ModelInputs:
 
 
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class StepBatch:
     """One step's inputs. The forward and the sampler are separate programs and each sees only its part, so model
     shapes and sampling options compile independently (their counts add instead of multiplying)."""
@@ -76,7 +78,7 @@ class StepBatch:
 
 
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class StepOutput:
     sampled: SamplerOutput
     prompt_logprobs: SamplerOutput | None  # at `ModelInputs.prompt_rows`, when asked
