@@ -39,8 +39,8 @@ from jengine.config import EngineConfig  # noqa: E402
 from jengine.engine.core import EngineCore  # noqa: E402
 from jengine.factory import build_engine  # noqa: E402
 from jengine.request import Request  # noqa: E402
-from jengine.sampling.params import SamplingParams  # noqa: E402
 from jengine.runner.step import StepOutput  # noqa: E402
+from jengine.sampling.params import SamplingParams  # noqa: E402
 from jengine.sampling.sampler import SamplerOutput  # noqa: E402
 from jengine.scheduler.scheduler import Scheduler  # noqa: E402
 from jengine.config import SchedulerConfig  # noqa: E402
