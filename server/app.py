@@ -30,8 +30,9 @@ from jengine.errors import (
 )
 from server import cors
 from server.errors import openai_error_body
-from server.http_limits import JsonErrorRunner, error_response, header_block_bytes, headers_too_large
+from server.http_limits import KEEPALIVE_SECONDS, JsonErrorRunner, error_response, header_block_bytes, headers_too_large
 from server.openai.routes import OpenAIRoutes, json_response
+from server.request_work import RequestWork
 
 logger = logging.getLogger(__name__)
 
@@ -54,13 +55,14 @@ class ServerState:
     engine: EngineClient  # the client as given (tests read AsyncEngine's state through it)
     config: ServerConfig
     metrics: EngineMetrics
+    work: RequestWork  # the bounded pool for parsing, tokenizing and encoding, off the event loop
     draining: bool = False
     in_flight: int = 0  # API requests being handled now (what a drain waits for)
 
     @classmethod
     def create(cls, engine: EngineClient, config: ServerConfig) -> ServerState:
         metrics = EngineMetrics(engine, engine.get_model_info().name)
-        return cls(MeteredEngineClient(engine, metrics), engine, config, metrics)
+        return cls(MeteredEngineClient(engine, metrics), engine, config, metrics, RequestWork())
 
 
 STATE = web.AppKey("jengine_state", ServerState)
@@ -78,7 +80,7 @@ def build_app(state: ServerState) -> web.Application:
                           client_max_size=config.max_body_bytes)
     cors.install(app, cors_policy)
     app[STATE] = state
-    OpenAIRoutes(state.client, fingerprint=f"fp_jengine_{version()}", max_n=state.config.max_n,
+    OpenAIRoutes(state.client, state.work, fingerprint=f"fp_jengine_{version()}", max_n=state.config.max_n,
                  max_body_bytes=state.config.max_body_bytes, request_timeout=state.config.request_timeout
                  ).register(app)
     app.router.add_get("/health", _health)
@@ -136,7 +138,9 @@ async def _auth_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 def _authorized(request: web.Request, key: str) -> bool:
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+    # aiohttp keeps undecodable header bytes as surrogates: they compare (unequal) instead of failing to encode
+    sent = token.strip().encode("utf-8", "surrogateescape")
+    return scheme.lower() == "bearer" and hmac.compare_digest(sent, key.encode())
 
 
 @web.middleware
@@ -202,13 +206,14 @@ class RunningServer:
         if self.grpc_server is not None:
             await self.grpc_server.stop(0)
         await self.runner.cleanup()
+        self.state.work.close()
 
 
 async def start_server(state: ServerState, *, with_grpc: bool = False) -> RunningServer:
     """Bind the HTTP app (and the gRPC service, if asked and available) on the current loop."""
     config = state.config
     runner = JsonErrorRunner(build_app(state), max_header_bytes=config.max_header_bytes, handler_cancellation=True,
-                             access_log=None, shutdown_timeout=1.0)
+                             access_log=None, shutdown_timeout=1.0, keepalive_timeout=KEEPALIVE_SECONDS)
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
     server = RunningServer(state, runner)
@@ -228,7 +233,8 @@ async def _start_grpc(state: ServerState) -> Any:
         logger.warning("gRPC service not available (%s); serving HTTP only", exc)
         return None
     config = state.config
-    grpc_server = await start_grpc_server(state.client, config.host, config.grpc_port, config.api_key)
+    grpc_server = await start_grpc_server(state.client, config.host, config.grpc_port, config.api_key,
+                                          work=state.work)
     logger.info("gRPC service on %s:%d", config.host, config.grpc_port)
     return grpc_server
 

@@ -28,6 +28,8 @@ class ModelInfo:
     # SamplingParams keywords a request's unset fields take (the model's generation_config.json; may be empty)
     sampling_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
     aliases: tuple[str, ...] = ()  # further names clients may put in "model"
+    # core requests (choices) the engine holds at once, running or queued; 0 where unknown (a remote engine)
+    max_in_flight: int = 0
 
 
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)

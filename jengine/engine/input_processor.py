@@ -18,7 +18,7 @@ from jengine.errors import ContextLengthExceededError, InvalidRequestError
 from jengine.request import Request
 from jengine.sampling.params import SamplingParams
 from jengine.tokenizer import Tokenizer
-from jengine.tokenizer.tokenizer import read_template_argument
+from jengine.tokenizer.tokenizer import check_template_kwargs, read_template_argument
 
 if TYPE_CHECKING:
     from jengine.engine.factory import EngineParts
@@ -243,6 +243,7 @@ def chat_text(tokenizer: Tokenizer, messages: Any, options: Mapping[str, Any] | 
     kwargs = options.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
         raise InvalidRequestError("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    check_template_kwargs(kwargs)
     return tokenizer.apply_chat_template([_with_text_content(m, i) for i, m in enumerate(messages)], **flags,
                                          **kwargs)
 

@@ -34,6 +34,22 @@ MAX_ERROR_CHARS = 300
 Message = Mapping[str, Any]
 
 
+TEMPLATE_ARGUMENTS = frozenset({
+    "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message", "tokenize",
+    "return_dict", "return_tensors", "chat_template", "raise_exception", "strftime_now",
+})
+"""Names extra template variables may not take: the renderer's own arguments and the sandbox's helpers."""
+
+
+def check_template_kwargs(kwargs: Mapping[str, Any]) -> None:
+    """Refuse extra template variables that would collide with or replace the renderer's own (a `tools` there would
+    slip past a server's refusal of tools; `add_generation_prompt` would clash with the flag)."""
+    taken = sorted(name for name in kwargs if name in TEMPLATE_ARGUMENTS)
+    if taken:
+        raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(taken)}: the renderer sets it",
+                                  param="chat_template_kwargs")
+
+
 class NoChatTemplateError(InvalidRequestError):
     """A chat request for a model that ships no chat template; the server must be given one, never a guessed format."""
 
