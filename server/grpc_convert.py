@@ -368,14 +368,15 @@ def model_info_to_proto(info: ModelInfo, tokenizer: Tokenizer) -> pb.GetModelInf
             setattr(tok, name, getattr(tokenizer, name))
     return pb.GetModelInfoResponse(name=info.name, path=info.path, max_model_len=info.max_model_len,
                                    vocab_size=info.vocab_size, max_logprobs=info.max_logprobs, tokenizer=tok,
-                                   sampling_defaults=info.sampling_defaults, aliases=info.aliases)
+                                   sampling_defaults=info.sampling_defaults, aliases=info.aliases,
+                                   max_in_flight=info.max_in_flight)
 
 
 def model_info_from_proto(msg: pb.GetModelInfoResponse) -> ModelInfo:
     kinds = {target: kind for target, kind in generation_defaults.FIELDS.values()}
     defaults = {name: kinds.get(name, float)(value) for name, value in msg.sampling_defaults.items()}
     return ModelInfo(msg.name, msg.path, msg.max_model_len, msg.vocab_size, msg.max_logprobs, defaults,
-                     tuple(msg.aliases))
+                     tuple(msg.aliases), msg.max_in_flight)
 
 
 def stats_to_proto(stats: EngineStats) -> pb.GetStatsResponse:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +29,7 @@ from jengine.tokenizer import Tokenizer
 T = TypeVar("T")
 
 MAX_WORKERS = 4  # threads for request work; more would only queue on the GIL
+JSON_PIECES_PER_JOIN = 16_384
 MAX_PROMPT_LOGPROB_ENTRIES = 131_072
 """Cap on n × prompt tokens × (prompt_logprobs + 1), summed over a request's prompts: the logprob entries its response
 holds (each about 70 bytes of JSON). vLLM caps prompt_logprobs at 20; n fans that out again, which without a bound made
@@ -52,6 +54,22 @@ class RequestWork:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def encode_json(payload: Any) -> bytes:
+    """`payload` as compact UTF-8 JSON, by the json module's pure-Python encoder: it yields piece by piece, so the
+    thread running it hands the GIL back every few milliseconds, where the C encoder holds it for the whole call
+    (a quarter of a second for 2M token ids, all of it a stall of the event loop)."""
+    encoder = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    pieces: list[str] = []
+    joined: list[bytes] = []
+    for piece in encoder.iterencode(payload):
+        pieces.append(piece)
+        if len(pieces) == JSON_PIECES_PER_JOIN:  # one join of millions of pieces would hold the GIL for long too
+            joined.append("".join(pieces).encode("utf-8"))
+            pieces.clear()
+    joined.append("".join(pieces).encode("utf-8"))
+    return b"".join(joined)
+
+
 def prepare_prompts(tokenizer: Tokenizer, info: ModelInfo, prompts: Sequence[Any], params: SamplingParams
                     ) -> list[dict[str, Any]]:
     """Each prompt as `{"prompt": text (when there is one), "prompt_token_ids": ids}`, chats rendered; a prompt that
@@ -68,17 +86,21 @@ def prepare_prompt(tokenizer: Tokenizer, info: ModelInfo, prompt: Any) -> dict[s
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("the prompt is empty", param="prompt")
-        prepared = {"prompt": prompt, "prompt_token_ids": tokenizer.encode(prompt)}
-    elif isinstance(prompt, Mapping) and "messages" in prompt:
+        return {"prompt": prompt, "prompt_token_ids": _fitting_ids(tokenizer, info, prompt, True)}
+    if isinstance(prompt, Mapping) and "messages" in prompt:
         options = {k: v for k, v in prompt.items() if k != "messages"}
-        text = chat_text(tokenizer, prompt["messages"], options)
-        prepared = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
-    elif isinstance(prompt, Mapping):
-        prepared = dict(prompt)
-    else:
-        prepared = {"prompt_token_ids": prompt}
+        text = chat_text(tokenizer, prompt["messages"], options)  # the template holds BOS: no special tokens added
+        return {"prompt": text, "prompt_token_ids": _fitting_ids(tokenizer, info, text, False)}
+    prepared = dict(prompt) if isinstance(prompt, Mapping) else {"prompt_token_ids": prompt}
     check_fits(len(prepared.get("prompt_token_ids") or ()), info.max_model_len)
     return prepared
+
+
+def _fitting_ids(tokenizer: Tokenizer, info: ModelInfo, text: str, add_special_tokens: bool) -> list[int]:
+    count, ids = tokenizer.count_tokens(text, info.max_model_len, add_special_tokens)
+    check_fits(count, info.max_model_len)
+    assert ids is not None  # a count under the limit comes with its ids
+    return ids
 
 
 def check_admissible(info: ModelInfo, num_prompts: int, n: int) -> None:

@@ -35,7 +35,7 @@ from server.openai.protocol import (
 from server.openai.streams import RequestStreams
 from server.openai.translate import DONE, Accumulator, Decoders, ResponseMeta, chat_response, completion_response, \
     dumps, sse
-from server.request_work import RequestWork, prepare_prompts
+from server.request_work import RequestWork, encode_json, prepare_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class OpenAIRoutes:
 
     async def _encoded(self, build: Callable[..., Any], *args: Any) -> web.Response:
         """A whole response built and encoded on the work pool (with echo and logprobs it can be megabytes)."""
-        return encoded_json_response(await self.work.run(lambda: dumps(build(*args))))
+        return encoded_json_response(await self.work.run(lambda: encode_json(build(*args))))
 
     async def _generate(self, request: web.Request, prompts: list[Any], parsed: ChatRequest | CompletionRequest,
                         meta: ResponseMeta, acc: Accumulator, formatter: StreamFormatter | None
@@ -179,7 +179,7 @@ class OpenAIRoutes:
         payload: dict[str, Any] = {"count": len(ids), "max_model_len": self.info.max_model_len, "tokens": ids}
         if fields["return_token_strs"]:
             payload["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
-        return dumps(payload)
+        return encode_json(payload)
 
     async def detokenize(self, request: web.Request) -> web.Response:
         raw = await read_body(request, self.max_body_bytes)
@@ -188,7 +188,7 @@ class OpenAIRoutes:
     def _detokenize(self, raw: bytes) -> bytes:
         model, tokens = parse_detokenize(parse_json_body(raw), self.info.vocab_size)
         self._check_model(model)
-        return dumps({"prompt": self.tokenizer.decode(tokens)})
+        return encode_json({"prompt": self.tokenizer.decode(tokens)})
 
     def _model_card(self, name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": self.created, "owned_by": "jengine",
