@@ -66,6 +66,7 @@ class ServerState:
 
 
 STATE = web.AppKey("jengine_state", ServerState)
+ROUTES = web.AppKey("jengine_openai_routes", OpenAIRoutes)
 
 
 # ---------------------------------------------------------------------------------------------------------- app
@@ -80,9 +81,10 @@ def build_app(state: ServerState) -> web.Application:
                           client_max_size=config.max_body_bytes)
     cors.install(app, cors_policy)
     app[STATE] = state
-    OpenAIRoutes(state.client, state.work, fingerprint=f"fp_jengine_{version()}", max_n=state.config.max_n,
-                 max_body_bytes=state.config.max_body_bytes, request_timeout=state.config.request_timeout
-                 ).register(app)
+    app[ROUTES] = OpenAIRoutes(state.client, state.work, fingerprint=f"fp_jengine_{version()}",
+                               max_n=state.config.max_n, max_body_bytes=state.config.max_body_bytes,
+                               request_timeout=state.config.request_timeout)
+    app[ROUTES].register(app)
     app.router.add_get("/health", _health)
     app.router.add_route("*", "/ping", _health)  # vLLM's (SageMaker's) liveness route, GET or POST
     app.router.add_get("/version", _version)
@@ -198,6 +200,7 @@ class RunningServer:
             await asyncio.sleep(0.02)
         if self.state.in_flight:
             logger.warning("drain timeout: closing %d unfinished request(s)", self.state.in_flight)
+            await self.runner.app[ROUTES].cut_streams()
         if grpc_stop is not None:
             await grpc_stop
 

@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from jengine.engine.client import EngineClient
 from jengine.engine.input_processor import chat_text
@@ -61,7 +62,7 @@ async def read_body(request: web.Request, max_bytes: int) -> bytes:
     except web.HTTPRequestEntityTooLarge:
         raise RequestTooLargeError(f"the request body is over the limit of {max_bytes} bytes "
                                    f"(after decompression)") from None
-    except HttpProcessingError:  # e.g. Content-Encoding: gzip on bytes that are not gzip
+    except (HttpProcessingError, RequestPayloadError):  # e.g. Content-Encoding: gzip on bytes that are not gzip
         raise InvalidRequestError("the request body does not decode as its Content-Encoding says") from None
 
 
@@ -79,6 +80,7 @@ class OpenAIRoutes:
         self.max_n = max_n
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
+        self._streaming: set[asyncio.Task[Any]] = set()  # handlers writing an SSE stream now (what a drain cuts)
         tokenizer = self.tokenizer
         self.decoders = Decoders(lambda t: tokenizer.decode([t], skip_special_tokens=False), tokenizer.decode)
 
@@ -141,8 +143,23 @@ class OpenAIRoutes:
                     return None
         except TimeoutError as exc:
             raise self._timed_out(exc) from None
-        async with streams:
-            return await _stream(request, streams, formatter, deadline, self._timed_out)
+        task = asyncio.current_task()
+        assert task is not None
+        self._streaming.add(task)
+        try:
+            async with streams:
+                return await _stream(request, streams, formatter, deadline, self._timed_out)
+        finally:
+            self._streaming.discard(task)
+
+    async def cut_streams(self, grace: float = 1.0) -> None:
+        """End every stream still being written (the drain timeout passed): each sends its final error chunk and
+        `[DONE]` within `grace` seconds, before the connections close."""
+        tasks = list(self._streaming)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=grace)
 
     def _timed_out(self, exc: TimeoutError) -> DeadlineExceededError:
         """The client's error for a passed deadline (an engine's own deadline error is kept as it is)."""

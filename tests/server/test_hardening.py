@@ -3,6 +3,7 @@ clear 4xx with the OpenAI error body (or a well-formed SSE ending), and the serv
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import socket
@@ -17,7 +18,7 @@ import pytest
 from jengine.config import EngineConfig, ServerConfig
 from jengine.engine.async_engine import AsyncEngine
 from server.http_limits import KEEPALIVE_SECONDS
-from tests.server.conftest import ENGINE_KWARGS, MODEL_NAME, ServerHandle, Servers, ServerThread
+from tests.server.conftest import ENGINE_KWARGS, MODEL_NAME, ServerHandle, Servers, ServerThread, paused_core
 
 C, H = "/v1/completions", "/v1/chat/completions"
 USER = [{"role": "user", "content": "Hi"}]
@@ -142,24 +143,26 @@ def test_idle_and_slow_header_connections_are_closed_after_the_keepalive(server:
     assert results == {"idle": True, "trickle": True}
 
 
-def test_a_stream_cut_by_the_server_closing_ends_with_an_error_chunk_and_done(chat_model_dir: Path) -> None:
+def test_a_stream_cut_at_the_drain_timeout_ends_with_an_error_chunk_and_done(chat_model_dir: Path) -> None:
     config = EngineConfig.from_kwargs(str(chat_model_dir), served_model_name=MODEL_NAME, **ENGINE_KWARGS)
     thread = ServerThread(AsyncEngine.from_config(config), ServerConfig(host="127.0.0.1", port=0, grpc_port=0))
     handle = thread.start()
     payloads: list[str] = []
-    stopper = threading.Thread(target=thread.stop)
+    drain = None
     try:
         body = {"prompt": "Hello", "max_tokens": 240, "ignore_eos": True, "stream": True}
-        with httpx.Client(base_url=handle.base_url, timeout=60) as http, http.stream("POST", C, json=body) as response:
+        with httpx.Client(base_url=handle.base_url, timeout=30) as http, http.stream("POST", C, json=body) as response, \
+                paused_core(thread.engine):
             assert response.status_code == 200
             for line in response.iter_lines():
                 if line.startswith("data: "):
                     payloads.append(line[6:])
-                if len(payloads) == 3:  # under way: now the server closes (what the drain timeout ends in)
-                    stopper.start()
+                if payloads and drain is None:  # held mid-stream; the drain times out on it
+                    drain = asyncio.run_coroutine_threadsafe(thread._server.drain(0.2), thread.loop)
+        assert drain is not None
+        drain.result(10)
     finally:
-        stopper.join(30) if stopper.ident is not None else thread.stop()
+        thread.stop()
     assert payloads[-1] == "[DONE]", payloads[-3:]
     last = json.loads(payloads[-2])
     assert last["choices"][0]["finish_reason"] == "error" and last["error"]["type"] == "service_unavailable_error"
-    assert len(payloads) < 240
