@@ -31,12 +31,13 @@ from jengine.errors import (
 from server import cors
 from server.errors import openai_error_body
 from server.http_limits import KEEPALIVE_SECONDS, JsonErrorRunner, error_response, header_block_bytes, headers_too_large
+from server.openai.openapi import openapi_document
 from server.openai.routes import OpenAIRoutes, json_response
 from server.request_work import RequestWork
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version", "/openapi.json"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -89,6 +90,7 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_route("*", "/ping", _health)  # vLLM's (SageMaker's) liveness route, GET or POST
     app.router.add_get("/version", _version)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/openapi.json", _openapi)
     return app
 
 
@@ -171,6 +173,10 @@ async def _health(request: web.Request) -> web.Response:
 
 async def _version(request: web.Request) -> web.Response:
     return json_response({"version": version()})
+
+
+async def _openapi(request: web.Request) -> web.Response:
+    return json_response(openapi_document(version()))
 
 
 async def _metrics(request: web.Request) -> web.Response:

@@ -29,17 +29,18 @@ ROLES = frozenset({"system", "developer", "user", "assistant"})
 _MESSAGE_KEYS = frozenset({"role", "content", "name"})
 
 # Accepted and without effect on the output.
-_HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+HARMLESS_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
                        "safety_identifier"})
 # Typed fields passed straight into SamplingParams (OpenAI's, then vLLM's extras).
-_NUMBERS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p", "repetition_penalty")
-_INTS = ("n", "seed", "top_k", "min_tokens", "prompt_logprobs")
-_BOOLS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+NUMBER_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p", "repetition_penalty")
+INT_FIELDS = ("n", "seed", "top_k", "min_tokens", "prompt_logprobs")
+BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
           "detokenize")
-_SAMPLING = frozenset(_NUMBERS + _INTS + _BOOLS + ("stop", "stop_token_ids", "logit_bias", "max_tokens"))
-_COMMON = _SAMPLING | _HARMLESS | {"model", "stream", "stream_options", "priority", "request_id"}
-_CHAT_TEMPLATE = frozenset({"add_generation_prompt", "continue_final_message", "chat_template_kwargs"})
-CHAT_FIELDS = _COMMON | _CHAT_TEMPLATE | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+_SAMPLING = frozenset(NUMBER_FIELDS + INT_FIELDS + BOOL_FIELDS
+                      + ("stop", "stop_token_ids", "logit_bias", "max_tokens"))
+_COMMON = _SAMPLING | HARMLESS_FIELDS | {"model", "stream", "stream_options", "priority", "request_id"}
+CHAT_TEMPLATE_FIELDS = frozenset({"add_generation_prompt", "continue_final_message", "chat_template_kwargs"})
+CHAT_FIELDS = _COMMON | CHAT_TEMPLATE_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo"}
 
 
@@ -178,7 +179,7 @@ def _sampling_kwargs(body: Mapping[str, Any], max_tokens_names: tuple[str, ...],
     except max_tokens: its unset value stays the endpoint's (the model's max_new_tokens could overrun the context,
     which the prompt's length, known only after the template, decides)."""
     kwargs: dict[str, Any] = {k: v for k, v in defaults.items() if k != "max_tokens"}
-    for names, kind in ((_NUMBERS, "number"), (_INTS, "int"), (_BOOLS, "bool")):
+    for names, kind in ((NUMBER_FIELDS, "number"), (INT_FIELDS, "int"), (BOOL_FIELDS, "bool")):
         for name in names:
             value = get_field(body, name, kind)
             if value is not None:
@@ -368,7 +369,7 @@ def parse_tokenize(body: Mapping[str, Any]) -> dict[str, Any]:
     """vLLM's /tokenize: {"prompt"} or {"messages"}; → the checked fields (text or messages, options)."""
     chat = "messages" in body
     allowed = {"model", "add_special_tokens", "return_token_strs"} | (
-        {"messages"} | _CHAT_TEMPLATE if chat else {"prompt"})
+        {"messages"} | CHAT_TEMPLATE_FIELDS if chat else {"prompt"})
     check_fields(body, frozenset(allowed))
     out: dict[str, Any] = {
         "model": get_field(body, "model", "str"),
