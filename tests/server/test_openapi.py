@@ -11,13 +11,12 @@ import time
 from typing import Any
 
 import pytest
+import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
+from schemathesis.generation import GenerationMode
 
 from tests.server.conftest import ServerHandle
-
-schemathesis = pytest.importorskip("schemathesis")
-from schemathesis.generation import GenerationMode  # noqa: E402
 
 EXAMPLES = 6  # per operation and mode
 BUDGET_S = 45.0  # the whole run, on the 2-core CI machine
