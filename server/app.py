@@ -1,6 +1,6 @@
 """The serving process: the OpenAI HTTP app and the gRPC service over one `EngineClient`, and their lifecycle.
 
-`/health` (and its alias `/ping`), `/metrics` and `/version` are open; every other route needs the API key when one
+`/health` (and its alias `/ping`), `/metrics`, `/version` and `/openapi.json` are open; every other route needs the API key when one
 is set (Bearer, compared in constant time). SIGTERM (or SIGINT) drains: /health turns 503 at once, new requests get
 503, in-flight requests finish up to `drain_timeout`, then connections close (aborting whatever is left), the engine
 stops and the process exits 0. Every error leaves as OpenAI error JSON through the one table in `server/errors.py`.
