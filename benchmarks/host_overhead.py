@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 from jengine.cache.kv_cache_manager import KVCacheManager  # noqa: E402
 from jengine.config import EngineConfig  # noqa: E402
 from jengine.engine.core import EngineCore  # noqa: E402
-from jengine.engine.factory import build_engine  # noqa: E402
+from jengine.factory import build_engine  # noqa: E402
 from jengine.request import Request  # noqa: E402
 from jengine.sampling.params import SamplingParams  # noqa: E402
 from jengine.sampling.sampler import SamplerOutput  # noqa: E402
@@ -146,7 +146,7 @@ def kv_waste(num_requests: int, block_size: int, max_model_len: int, seed: int) 
     config = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192, max_num_queued_reqs=num_requests,
                              max_model_len=max_model_len)
     kv = KVCacheManager(20000, block_size, enable_prefix_caching=True)
-    scheduler = Scheduler(config, kv, block_size)
+    scheduler = Scheduler(config, kv)
     for i, (p, o) in enumerate(zip(prompt_lens, output_lens, strict=True)):
         prompt = rng.integers(3, 30000, size=int(p)).tolist()
         scheduler.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=int(o), ignore_eos=True)))

@@ -20,11 +20,11 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from jengine.engine.client import ModelInfo
-from jengine.engine.input_processor import chat_text
+from jengine.clients.protocol import ModelInfo
 from jengine.errors import ContextLengthExceededError, InvalidRequestError
 from jengine.sampling.params import SamplingParams
 from jengine.tokenizer import Tokenizer
+from jengine.tokenizer.chat import chat_text
 
 T = TypeVar("T")
 

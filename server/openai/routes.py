@@ -20,12 +20,12 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from jengine.engine.client import EngineClient
-from jengine.engine.input_processor import chat_text
+from jengine.clients.protocol import EngineClient
 from jengine.errors import (
     DeadlineExceededError, InvalidRequestError, JengineError, NotFoundError, RequestTooLargeError,
     ServiceUnavailableError,
 )
+from jengine.tokenizer.chat import chat_text
 from jengine.tokenizer import NoChatTemplateError
 from server.errors import openai_error_body
 from server.json_body import parse_json_body

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from jengine.config import EngineConfig, ServerConfig
-from jengine.engine.async_engine import AsyncEngine
+from jengine.clients.async_engine import AsyncEngine
 from server.http_limits import KEEPALIVE_SECONDS
 from tests.server.conftest import ENGINE_KWARGS, MODEL_NAME, ServerHandle, Servers, ServerThread, paused_core
 
