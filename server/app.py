@@ -99,7 +99,10 @@ async def _errors_middleware(request: web.Request, handler: Handler) -> web.Stre
     try:
         return await handler(request)
     except JengineError as exc:
-        return error_response(exc)
+        response = error_response(exc)
+        if not request.content.is_eof():  # refused before the body was read whole (or it did not decode): the
+            response.force_close()  # connection's next bytes are no request, so it closes
+        return response
     except web.HTTPException as exc:  # aiohttp's own: no route, wrong method, body over client_max_size
         if exc.status < 400:
             raise

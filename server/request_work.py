@@ -71,11 +71,13 @@ def encode_json(payload: Any) -> bytes:
 
 
 def prepare_prompts(tokenizer: Tokenizer, info: ModelInfo, prompts: Sequence[Any], params: SamplingParams
-                    ) -> list[dict[str, Any]]:
+                    ) -> list[Any]:
     """Each prompt as `{"prompt": text (when there is one), "prompt_token_ids": ids}`, chats rendered; a prompt that
     cannot fit the context, or a request whose prompt logprobs would be unbounded work, is refused here. Run on the
-    pool: this is the tokenizing."""
+    pool: this is the tokenizing. Over a remote engine's tokenizer the prompts pass as they are."""
     check_admissible(info, len(prompts), params.n)
+    if not hasattr(tokenizer, "count_tokens"):  # a remote engine's tokenizer: that engine prepares them off its loop
+        return list(prompts)
     prepared = [prepare_prompt(tokenizer, info, prompt) for prompt in prompts]
     check_prompt_logprob_work(params, [len(p["prompt_token_ids"]) for p in prepared])
     return prepared
