@@ -20,6 +20,7 @@ from jengine.cache.kv_cache_manager import KVCacheManager
 from jengine.config import EngineConfig
 from jengine.engine.stats import StepTokenCounts
 from jengine.request import Request, RequestStatus
+from jengine.runner.protocol import StepRunner
 from jengine.scheduler.output import RunnerOutput, SchedulerOutput, TokenLogprobs
 from jengine.scheduler.scheduler import Scheduler, SchedulerStats
 
@@ -44,7 +45,7 @@ class EngineCoreOutput:
 class EngineCore:
     """Single-threaded: callers (the core loop thread, or `LLM`) own it exclusively."""
 
-    def __init__(self, config: EngineConfig, runner, num_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, runner: StepRunner, num_blocks: int) -> None:
         self.config = config
         self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
@@ -131,8 +132,7 @@ class EngineCore:
         ]
 
     def shutdown(self) -> None:
-        stop_workers = getattr(self.runner, "stop_workers", None)  # several processes: the workers end too
-        if stop_workers is not None:
-            stop_workers()
+        if self.runner is not None:  # a second shutdown finds nothing left to stop
+            self.runner.shutdown()  # several processes: the workers end too
         self.runner = None
         self._in_flight = None

@@ -109,7 +109,8 @@ def expected_tokens(prompt: list[int], n: int) -> list[int]:
 
 
 def test_scheduler_does_not_import_jax():
-    code = "import sys, jengine.scheduler.scheduler; assert 'jax' not in sys.modules, 'jax imported'"
+    code = ("import sys, jengine.scheduler.scheduler, jengine.scheduler.codec; "
+            "assert 'jax' not in sys.modules, 'jax imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
