@@ -1,6 +1,6 @@
 """The serving process: the OpenAI HTTP app and the gRPC service over one `EngineClient`, and their lifecycle.
 
-`/health` (and its alias `/ping`), `/metrics` and `/version` are open; every other route needs the API key when one
+`/health` (and its alias `/ping`), `/metrics`, `/version` and `/openapi.json` are open; every other route needs the API key when one
 is set (Bearer, compared in constant time). SIGTERM (or SIGINT) drains: /health turns 503 at once, new requests get
 503, in-flight requests finish up to `drain_timeout`, then connections close (aborting whatever is left), the engine
 stops and the process exits 0. Every error leaves as OpenAI error JSON through the one table in `server/errors.py`.
@@ -30,12 +30,14 @@ from jengine.errors import (
 )
 from server import cors
 from server.errors import openai_error_body
-from server.http_limits import JsonErrorRunner, error_response, header_block_bytes, headers_too_large
+from server.http_limits import KEEPALIVE_SECONDS, JsonErrorRunner, error_response, header_block_bytes, headers_too_large
+from server.openai.openapi import openapi_document
 from server.openai.routes import OpenAIRoutes, json_response
+from server.request_work import RequestWork
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version", "/openapi.json"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -54,16 +56,18 @@ class ServerState:
     engine: EngineClient  # the client as given (tests read AsyncEngine's state through it)
     config: ServerConfig
     metrics: EngineMetrics
+    work: RequestWork  # the bounded pool for parsing, tokenizing and encoding, off the event loop
     draining: bool = False
     in_flight: int = 0  # API requests being handled now (what a drain waits for)
 
     @classmethod
     def create(cls, engine: EngineClient, config: ServerConfig) -> ServerState:
         metrics = EngineMetrics(engine, engine.get_model_info().name)
-        return cls(MeteredEngineClient(engine, metrics), engine, config, metrics)
+        return cls(MeteredEngineClient(engine, metrics), engine, config, metrics, RequestWork())
 
 
 STATE = web.AppKey("jengine_state", ServerState)
+ROUTES = web.AppKey("jengine_openai_routes", OpenAIRoutes)
 
 
 # ---------------------------------------------------------------------------------------------------------- app
@@ -78,13 +82,15 @@ def build_app(state: ServerState) -> web.Application:
                           client_max_size=config.max_body_bytes)
     cors.install(app, cors_policy)
     app[STATE] = state
-    OpenAIRoutes(state.client, fingerprint=f"fp_jengine_{version()}", max_n=state.config.max_n,
-                 max_body_bytes=state.config.max_body_bytes, request_timeout=state.config.request_timeout
-                 ).register(app)
+    app[ROUTES] = OpenAIRoutes(state.client, state.work, fingerprint=f"fp_jengine_{version()}",
+                               max_n=state.config.max_n, max_body_bytes=state.config.max_body_bytes,
+                               request_timeout=state.config.request_timeout)
+    app[ROUTES].register(app)
     app.router.add_get("/health", _health)
     app.router.add_route("*", "/ping", _health)  # vLLM's (SageMaker's) liveness route, GET or POST
     app.router.add_get("/version", _version)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/openapi.json", _openapi)
     return app
 
 
@@ -93,7 +99,10 @@ async def _errors_middleware(request: web.Request, handler: Handler) -> web.Stre
     try:
         return await handler(request)
     except JengineError as exc:
-        return error_response(exc)
+        response = error_response(exc)
+        if not request.content.is_eof():  # refused before the body was read whole (or it did not decode): the
+            response.force_close()  # connection's next bytes are no request, so it closes
+        return response
     except web.HTTPException as exc:  # aiohttp's own: no route, wrong method, body over client_max_size
         if exc.status < 400:
             raise
@@ -136,7 +145,9 @@ async def _auth_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 def _authorized(request: web.Request, key: str) -> bool:
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+    # aiohttp keeps undecodable header bytes as surrogates: they compare (unequal) instead of failing to encode
+    sent = token.strip().encode("utf-8", "surrogateescape")
+    return scheme.lower() == "bearer" and hmac.compare_digest(sent, key.encode())
 
 
 @web.middleware
@@ -167,6 +178,10 @@ async def _version(request: web.Request) -> web.Response:
     return json_response({"version": version()})
 
 
+async def _openapi(request: web.Request) -> web.Response:
+    return json_response(openapi_document(version()))
+
+
 async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=request.app[STATE].metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -194,6 +209,7 @@ class RunningServer:
             await asyncio.sleep(0.02)
         if self.state.in_flight:
             logger.warning("drain timeout: closing %d unfinished request(s)", self.state.in_flight)
+            await self.runner.app[ROUTES].cut_streams()
         if grpc_stop is not None:
             await grpc_stop
 
@@ -202,13 +218,14 @@ class RunningServer:
         if self.grpc_server is not None:
             await self.grpc_server.stop(0)
         await self.runner.cleanup()
+        self.state.work.close()
 
 
 async def start_server(state: ServerState, *, with_grpc: bool = False) -> RunningServer:
     """Bind the HTTP app (and the gRPC service, if asked and available) on the current loop."""
     config = state.config
     runner = JsonErrorRunner(build_app(state), max_header_bytes=config.max_header_bytes, handler_cancellation=True,
-                             access_log=None, shutdown_timeout=1.0)
+                             access_log=None, shutdown_timeout=1.0, keepalive_timeout=KEEPALIVE_SECONDS)
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
     server = RunningServer(state, runner)
@@ -228,7 +245,8 @@ async def _start_grpc(state: ServerState) -> Any:
         logger.warning("gRPC service not available (%s); serving HTTP only", exc)
         return None
     config = state.config
-    grpc_server = await start_grpc_server(state.client, config.host, config.grpc_port, config.api_key)
+    grpc_server = await start_grpc_server(state.client, config.host, config.grpc_port, config.api_key,
+                                          work=state.work)
     logger.info("gRPC service on %s:%d", config.host, config.grpc_port)
     return grpc_server
 

@@ -23,6 +23,8 @@ from jengine.sampling.params import SamplingParams
 from jengine.tokenizer import Tokenizer
 from jengine.tokenizer.chat import CHAT_PROMPT_KEYS, chat_options, check_messages
 from jengine.v1 import jengine_pb2 as pb
+from server.json_body import parse_json_object
+from server.openai.protocol import ROLES
 
 # SamplingParams fields by how they travel. Optional fields are sent only when not None (or, for those whose default
 # is not the zero value, always set on the Python side); plain ones always (zero is their default).
@@ -121,7 +123,10 @@ def _wire_map(value: Any) -> Mapping[Any, Any]:
 def messages_from_proto(msg: pb.ChatMessages) -> list[dict[str, str]]:
     """Chat messages as the chat template reads them."""
     out = []
-    for m in msg.messages:
+    for i, m in enumerate(msg.messages):
+        if m.role not in ROLES:  # the roles the HTTP API takes, no others
+            raise InvalidRequestError(f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}",
+                                      param=f"messages[{i}].role")
         message = {"role": m.role, "content": m.content}
         if m.HasField("name"):
             message["name"] = m.name
@@ -156,11 +161,8 @@ def chat_options_from_proto(msg: pb.ChatMessages) -> dict[str, Any]:
         "continue_final_message": msg.continue_final_message,
     }
     if msg.chat_template_kwargs_json:
-        try:
-            options["chat_template_kwargs"] = json.loads(msg.chat_template_kwargs_json)
-        except json.JSONDecodeError:
-            raise InvalidRequestError("chat_template_kwargs_json is not valid JSON",
-                                      param="chat_template_kwargs") from None
+        options["chat_template_kwargs"] = parse_json_object(msg.chat_template_kwargs_json, "chat_template_kwargs_json",
+                                                            param="chat_template_kwargs")
     return options
 
 
@@ -368,14 +370,15 @@ def model_info_to_proto(info: ModelInfo, tokenizer: Tokenizer) -> pb.GetModelInf
             setattr(tok, name, getattr(tokenizer, name))
     return pb.GetModelInfoResponse(name=info.name, path=info.path, max_model_len=info.max_model_len,
                                    vocab_size=info.vocab_size, max_logprobs=info.max_logprobs, tokenizer=tok,
-                                   sampling_defaults=info.sampling_defaults, aliases=info.aliases)
+                                   sampling_defaults=info.sampling_defaults, aliases=info.aliases,
+                                   max_in_flight=info.max_in_flight)
 
 
 def model_info_from_proto(msg: pb.GetModelInfoResponse) -> ModelInfo:
     kinds = {target: kind for target, kind in generation_defaults.FIELDS.values()}
     defaults = {name: kinds.get(name, float)(value) for name, value in msg.sampling_defaults.items()}
     return ModelInfo(msg.name, msg.path, msg.max_model_len, msg.vocab_size, msg.max_logprobs, defaults,
-                     tuple(msg.aliases))
+                     tuple(msg.aliases), msg.max_in_flight)
 
 
 def stats_to_proto(stats: EngineStats) -> pb.GetStatsResponse:

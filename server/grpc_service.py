@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -35,6 +36,7 @@ from server.grpc_convert import (
     OutputEncoder, chat_options_from_proto, messages_from_proto, model_info_to_proto, prompt_from_request,
     sampling_from_proto, stats_to_proto,
 )
+from server.request_work import RequestWork, prepare_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +83,43 @@ class _GateInterceptor(grpc.aio.ServerInterceptor):
                                 details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         service = details.method.lstrip("/").rpartition("/")[0]
         error = None if service in OPEN_SERVICES else self._gate.refusal(details.invocation_metadata)
-        if error is None:
-            return await continuation(details)
-        return _refusing_handler(await continuation(details), error)
+        handler = await continuation(details)
+        if error is not None:
+            return _refusing_handler(handler, error)
+        return _decoding_checked(handler) if service == SERVICE_NAME and handler is not None else handler
+
+
+_UNDECODABLE = object()
+
+
+def _decoding_checked(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """The same handler, except that a request message that does not decode ends the call with INVALID_ARGUMENT
+    (gRPC's own answer, UNKNOWN, would tell the client nothing)."""
+    decode = handler.request_deserializer
+
+    def lenient(raw: bytes) -> Any:
+        try:
+            return decode(raw)
+        except DecodeError:
+            return _UNDECODABLE
+
+    async def check(request: Any, context: grpc.aio.ServicerContext) -> None:
+        if request is _UNDECODABLE:
+            await abort_with(context, InvalidRequestError("the request message is not a valid protobuf message"))
+
+    if handler.response_streaming:
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            await check(request, context)
+            async for item in handler.unary_stream(request, context):
+                yield item
+
+        return grpc.unary_stream_rpc_method_handler(stream, lenient, handler.response_serializer)
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await check(request, context)
+        return await handler.unary_unary(request, context)
+
+    return grpc.unary_unary_rpc_method_handler(unary, lenient, handler.response_serializer)
 
 
 def _refusing_handler(handler: grpc.RpcMethodHandler | None, error: JengineError) -> grpc.RpcMethodHandler:
@@ -111,8 +147,9 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> N
 class EngineService(pb_grpc.EngineServicer):
     """The four methods of jengine.v1.Engine; every engine interaction goes through the EngineClient protocol."""
 
-    def __init__(self, client: EngineClient) -> None:
+    def __init__(self, client: EngineClient, work: RequestWork) -> None:
         self._client = client
+        self._work = work  # tokenizing and chat rendering run there, off the event loop
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.GenerateResponse]:
@@ -121,6 +158,8 @@ class EngineService(pb_grpc.EngineServicer):
             _refuse_unsupported(request)
             params = sampling_from_proto(request.sampling)
             prompt = prompt_from_request(request)
+            [prompt] = await self._work.run(prepare_prompts, self._client.get_tokenizer(),
+                                            self._client.get_model_info(), [prompt], params)
             encoder = OutputEncoder(params)
             stream = self._client.generate(prompt, params, request.request_id or uuid.uuid4().hex,
                                            priority=request.priority)
@@ -131,11 +170,11 @@ class EngineService(pb_grpc.EngineServicer):
             await abort_with(context, exc)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
-        return await _unary(context, lambda: self._tokenize(request), off_loop=True)
+        return await _unary(context, lambda: self._work.run(self._tokenize, request))
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
                          ) -> pb.DetokenizeResponse:
-        return await _unary(context, lambda: self._detokenize(request), off_loop=True)
+        return await _unary(context, lambda: self._work.run(self._detokenize, request))
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
                            ) -> pb.GetModelInfoResponse:
@@ -198,12 +237,12 @@ async def _until(stream: AsyncIterator[RequestOutput], deadline: float | None) -
         yield output
 
 
-async def _unary(context: grpc.aio.ServicerContext, fn: Callable[[], Any], off_loop: bool = False) -> Any:
-    """Run a host-only call (tokenizer, model info); its errors end the call through the table. `off_loop`: on a
-    worker thread, for work that grows with the input (tokenizing megabytes takes seconds, which on the event loop
-    would stall every stream)."""
+async def _unary(context: grpc.aio.ServicerContext, fn: Callable[[], Any]) -> Any:
+    """Run a host-only call (tokenizer, model info; a coroutine for work handed to the work pool); its errors end the
+    call through the table."""
     try:
-        return await asyncio.to_thread(fn) if off_loop else fn()
+        result = fn()
+        return await result if asyncio.iscoroutine(result) else result
     except Exception as exc:
         await abort_with(context, exc)
 
@@ -290,12 +329,13 @@ class JengineGrpcServer(grpc.aio.Server):
         return await self._server.wait_for_termination(timeout)
 
 
-async def start_grpc_server(client: EngineClient, host: str, port: int, api_key: str | None = None
-                            ) -> JengineGrpcServer:
-    """Serve jengine.v1.Engine, health and reflection on host:port (0 = a free port, see `.port`); started."""
+async def start_grpc_server(client: EngineClient, host: str, port: int, api_key: str | None = None, *,
+                            work: RequestWork | None = None) -> JengineGrpcServer:
+    """Serve jengine.v1.Engine, health and reflection on host:port (0 = a free port, see `.port`); started.
+    `work`: the pool for tokenizing (the HTTP app's, when both serve; else one of its own)."""
     gate = _Gate(api_key)
     server = grpc.aio.server(interceptors=[_GateInterceptor(gate)])
-    pb_grpc.add_EngineServicer_to_server(EngineService(client), server)
+    pb_grpc.add_EngineServicer_to_server(EngineService(client, work or RequestWork()), server)
     health_servicer = _Health(gate, client)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -21,6 +21,10 @@ from server.openai.routes import json_response
 logger = logging.getLogger(__name__)
 
 MAX_HEADER_FIELDS = 128  # aiohttp's default count, stated here so the 431 message can name it
+KEEPALIVE_SECONDS = 5.0
+"""An idle connection closes after this long (uvicorn's default, which vLLM serves with; aiohttp's is an hour). The
+same timer runs from the connection's start and from the end of each response until a request's head is complete,
+so it is the header-read timeout too: a client trickling header bytes is closed after it."""
 
 
 def parser_limits(max_header_bytes: int) -> dict[str, int]:

@@ -29,6 +29,8 @@ class ModelInfo:
     # SamplingParams keywords a request's unset fields take (the model's generation_config.json; may be empty)
     sampling_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
     aliases: tuple[str, ...] = ()  # further names clients may put in "model"
+    # core requests (choices) the engine holds at once, running or queued; 0 where unknown (a remote engine)
+    max_in_flight: int = 0
 
 
 @runtime_checkable

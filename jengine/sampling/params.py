@@ -117,7 +117,8 @@ def _token_key(key: Any) -> int | None:
         return None
     if isinstance(key, int):
         return key
-    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+    digits = key.strip().lstrip("-") if isinstance(key, str) else ""
+    if digits.isascii() and digits.isdigit() and len(digits) <= 20:  # "²" is a digit to isdigit, not to int
         return int(key)
     return None
 

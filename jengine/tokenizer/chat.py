@@ -61,10 +61,22 @@ def check_continuation(add_generation_prompt: bool, continue_final_message: bool
                                   "both be true)", param="continue_final_message")
 
 
+TEMPLATE_ARGUMENTS = frozenset({
+    "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message", "tokenize",
+    "return_dict", "return_tensors", "chat_template", "raise_exception", "strftime_now",
+})
+"""Names extra template variables may not take: the renderer's own arguments and the sandbox's helpers."""
+
+
 def check_template_kwargs(kwargs: Any) -> None:
-    """Extra template variables: an object with string keys."""
+    """Extra template variables: an object with string keys, none of them the renderer's own (a `tools` there
+    would slip past a server's refusal of tools; `add_generation_prompt` would clash with the flag)."""
     if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
         raise InvalidRequestError("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    taken = sorted(name for name in kwargs if name in TEMPLATE_ARGUMENTS)
+    if taken:
+        raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(taken)}: the renderer sets it",
+                                  param="chat_template_kwargs")
 
 
 def chat_options(options: Mapping[str, Any] | None) -> tuple[dict[str, bool], dict[str, Any]]:

@@ -23,6 +23,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tekken.js
 """A directory holding none of these has no tokenizer (tokenizer_config.json alone names a class, not a vocabulary)."""
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+COUNT_PIECE_CHARS = 65_536  # `count_tokens` counts long texts in pieces of this many characters
 
 __all__ = ["CHAT_TEMPLATE_FILE", "TOKENIZER_FILES", "NoChatTemplateError", "Tokenizer", "read_template_argument"]
 
@@ -83,6 +84,22 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; `add_special_tokens` adds what the post-processor adds (BOS for Llama-style models)."""
         return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def count_tokens(self, text: str, limit: int, add_special_tokens: bool = True) -> tuple[int, list[int] | None]:
+        """How many tokens `text` has, and their ids (`encode`'s) when fewer than `limit`, else None.
+
+        A text far over the limit (a few MB pasted into a request) is counted piece by piece in the Rust batch path,
+        which releases the GIL, without ever holding millions of ids (building or freeing them holds the GIL for
+        a quarter of a second); that count is within a few tokens per piece, and is only trusted when it is over
+        twice the limit. Anything nearer the limit is encoded exactly."""
+        if self._backend is not None and len(text) > COUNT_PIECE_CHARS:
+            encode = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)
+            pieces = range(0, len(text), COUNT_PIECE_CHARS)
+            count = sum(len(encode([text[i:i + COUNT_PIECE_CHARS]], add_special_tokens=False)[0]) for i in pieces)
+            if count >= 2 * limit:
+                return count, None
+        ids = self.encode(text, add_special_tokens=add_special_tokens)
+        return len(ids), ids if len(ids) < limit else None
 
     def decode(
         self,

@@ -256,7 +256,7 @@ class TokenizerInfo(_message.Message):
     def __init__(self, vocab_size: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., all_special_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("name", "path", "max_model_len", "vocab_size", "max_logprobs", "tokenizer", "sampling_defaults", "aliases")
+    __slots__ = ("name", "path", "max_model_len", "vocab_size", "max_logprobs", "tokenizer", "sampling_defaults", "aliases", "max_in_flight")
     class SamplingDefaultsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +272,7 @@ class GetModelInfoResponse(_message.Message):
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
+    MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     max_model_len: int
@@ -280,7 +281,8 @@ class GetModelInfoResponse(_message.Message):
     tokenizer: TokenizerInfo
     sampling_defaults: _containers.ScalarMap[str, float]
     aliases: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., tokenizer: _Optional[_Union[TokenizerInfo, _Mapping]] = ..., sampling_defaults: _Optional[_Mapping[str, float]] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...
+    max_in_flight: int
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., tokenizer: _Optional[_Union[TokenizerInfo, _Mapping]] = ..., sampling_defaults: _Optional[_Mapping[str, float]] = ..., aliases: _Optional[_Iterable[str]] = ..., max_in_flight: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

@@ -20,26 +20,28 @@ from jengine.errors import InvalidRequestError
 from jengine.sampling.defaults import Api, max_tokens_when_unset
 from jengine.sampling.params import SamplingParams
 from jengine.tokenizer.chat import check_continuation, join_text_parts
+from server.json_body import json_type
 
-MAX_JSON_DEPTH = 32
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs cap; the engine's --max-logprobs may lower it
 MAX_PROMPTS = 1024  # prompts in one /v1/completions batch (each also needs its own engine slots)
 MAX_REQUEST_ID_CHARS = 256
-_ROLES = frozenset({"system", "developer", "user", "assistant"})
+MAX_TOKEN_ID_ENTRIES = 1024  # stop_token_ids and logit_bias: every step checks them, so they stay small
+ROLES = frozenset({"system", "developer", "user", "assistant"})
 _MESSAGE_KEYS = frozenset({"role", "content", "name"})
 
 # Accepted and without effect on the output.
-_HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
-                       "safety_identifier"})
+HARMLESS_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
+                             "prompt_cache_key", "safety_identifier"})
 # Typed fields passed straight into SamplingParams (OpenAI's, then vLLM's extras).
-_NUMBERS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p", "repetition_penalty")
-_INTS = ("n", "seed", "top_k", "min_tokens", "prompt_logprobs")
-_BOOLS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+NUMBER_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p", "repetition_penalty")
+INT_FIELDS = ("n", "seed", "top_k", "min_tokens", "prompt_logprobs")
+BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
           "detokenize")
-_SAMPLING = frozenset(_NUMBERS + _INTS + _BOOLS + ("stop", "stop_token_ids", "logit_bias", "max_tokens"))
-_COMMON = _SAMPLING | _HARMLESS | {"model", "stream", "stream_options", "priority", "request_id"}
-_CHAT_TEMPLATE = frozenset({"add_generation_prompt", "continue_final_message", "chat_template_kwargs"})
-CHAT_FIELDS = _COMMON | _CHAT_TEMPLATE | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+_SAMPLING = frozenset(NUMBER_FIELDS + INT_FIELDS + BOOL_FIELDS
+                      + ("stop", "stop_token_ids", "logit_bias", "max_tokens"))
+_COMMON = _SAMPLING | HARMLESS_FIELDS | {"model", "stream", "stream_options", "priority", "request_id"}
+CHAT_TEMPLATE_FIELDS = frozenset({"add_generation_prompt", "continue_final_message", "chat_template_kwargs"})
+CHAT_FIELDS = _COMMON | CHAT_TEMPLATE_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo"}
 
 
@@ -101,54 +103,6 @@ class ChatRequest:
     priority: int
     shown_prompt_logprobs: int | None
     request_id: str | None = None  # vLLM's extra: the response id becomes chatcmpl-<request_id>
-
-
-# ---------------------------------------------------------------------------------------------------------- JSON
-def parse_json_body(raw: bytes) -> dict[str, Any]:
-    """A JSON object from a request body; anything else (bad UTF-8 or JSON, NaN, too deep, not an object) is a 400."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise InvalidRequestError("the request body is not valid UTF-8", param=None) from None
-    try:
-        body = json.loads(text, parse_constant=_reject_constant)
-    except InvalidRequestError:
-        raise
-    except RecursionError:
-        raise InvalidRequestError(f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels") from None
-    except json.JSONDecodeError as exc:
-        raise InvalidRequestError(f"the request body is not valid JSON ({exc.msg} at line {exc.lineno} "
-                                  f"column {exc.colno})") from None
-    if not isinstance(body, dict):
-        raise InvalidRequestError(f"the request body must be a JSON object, got {json_type(body)}")
-    check_depth(body)
-    return body
-
-
-def _reject_constant(name: str) -> Any:
-    raise InvalidRequestError(f"{name} is not a JSON number")
-
-
-def check_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> None:
-    """Iterative (no recursion to exhaust): the deepest container must sit at most `limit` levels down."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if depth > limit:
-            raise InvalidRequestError(f"the JSON body is nested deeper than {limit} levels")
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-
-
-def json_type(value: Any) -> str:
-    """JSON's name for a value's type, for messages."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, (int, float)):
-        return "number"
-    return {str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)
 
 
 # ---------------------------------------------------------------------------------------------------------- fields
@@ -225,14 +179,16 @@ def _sampling_kwargs(body: Mapping[str, Any], max_tokens_names: tuple[str, ...],
     """The request's sampling fields; those it leaves unset take the model's `defaults` (its generation config),
     except max_tokens: unset, it is the endpoint's (`max_tokens_when_unset`)."""
     kwargs: dict[str, Any] = {k: v for k, v in defaults.items() if k != "max_tokens"}
-    for names, kind in ((_NUMBERS, "number"), (_INTS, "int"), (_BOOLS, "bool")):
+    for names, kind in ((NUMBER_FIELDS, "number"), (INT_FIELDS, "int"), (BOOL_FIELDS, "bool")):
         for name in names:
             value = get_field(body, name, kind)
             if value is not None:
                 kwargs[name] = value
     kwargs["stop"] = _stop(body)
-    kwargs["stop_token_ids"] = _int_list(body, "stop_token_ids")
+    kwargs["stop_token_ids"] = _int_list(body, "stop_token_ids", MAX_TOKEN_ID_ENTRIES)
     bias = get_field(body, "logit_bias", "object")
+    if bias is not None and len(bias) > MAX_TOKEN_ID_ENTRIES:
+        raise InvalidRequestError(f"logit_bias takes at most {MAX_TOKEN_ID_ENTRIES} tokens", param="logit_bias")
     kwargs["logit_bias"] = bias or None
     requested = _max_tokens(body, max_tokens_names)
     kwargs["max_tokens"] = max_tokens_when_unset(defaults, api) if requested is None else requested
@@ -246,8 +202,10 @@ def _stop(body: Mapping[str, Any]) -> str | list[str] | None:
     raise InvalidRequestError(f"stop must be a string or an array of strings, got {json_type(stop)}", param="stop")
 
 
-def _int_list(body: Mapping[str, Any], name: str) -> list[int] | None:
+def _int_list(body: Mapping[str, Any], name: str, max_len: int | None = None) -> list[int] | None:
     values = get_field(body, name, "list")
+    if values is not None and max_len is not None and len(values) > max_len:
+        raise InvalidRequestError(f"{name} takes at most {max_len} token ids, got {len(values)}", param=name)
     if values is not None and not all(_KINDS["int"][0](v) for v in values):
         raise InvalidRequestError(f"{name} must be an array of integers", param=name)
     return values
@@ -333,8 +291,8 @@ def _message(message: Any, i: int) -> dict[str, str]:
             raise InvalidRequestError(f"{where}.{str(key)[:40]} is not supported by this server (no tool use)",
                                       param=f"{where}.{str(key)[:40]}")
     role = message.get("role")
-    if role not in _ROLES:
-        raise InvalidRequestError(f"{where}.role must be one of {', '.join(sorted(_ROLES))}", param=f"{where}.role")
+    if role not in ROLES:
+        raise InvalidRequestError(f"{where}.role must be one of {', '.join(sorted(ROLES))}", param=f"{where}.role")
     out = {"role": role, "content": _content(message.get("content"), where)}
     name = get_field(message, "name", "str")
     if name is not None:
@@ -412,7 +370,7 @@ def parse_tokenize(body: Mapping[str, Any]) -> dict[str, Any]:
     """vLLM's /tokenize: {"prompt"} or {"messages"}; → the checked fields (text or messages, options)."""
     chat = "messages" in body
     allowed = {"model", "add_special_tokens", "return_token_strs"} | (
-        {"messages"} | _CHAT_TEMPLATE if chat else {"prompt"})
+        {"messages"} | CHAT_TEMPLATE_FIELDS if chat else {"prompt"})
     check_fields(body, frozenset(allowed))
     out: dict[str, Any] = {
         "model": get_field(body, "model", "str"),

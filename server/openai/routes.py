@@ -9,6 +9,7 @@ the response has started, a final error chunk after.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -16,17 +17,26 @@ from typing import Any
 
 from aiohttp import web
 
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
+
 from jengine.clients.protocol import EngineClient
+from jengine.errors import (
+    DeadlineExceededError, InvalidRequestError, JengineError, NotFoundError, RequestTooLargeError,
+    ServiceUnavailableError,
+)
 from jengine.tokenizer.chat import chat_text
-from jengine.errors import DeadlineExceededError, JengineError, NotFoundError, RequestTooLargeError
 from jengine.tokenizer import NoChatTemplateError
+from server.errors import openai_error_body
+from server.json_body import parse_json_body
 from server.openai.chunks import ChatStreamFormatter, CompletionStreamFormatter, StreamFormatter
 from server.openai.protocol import (
-    ChatRequest, CompletionRequest, parse_chat, parse_completion, parse_detokenize, parse_json_body, parse_tokenize,
+    ChatRequest, CompletionRequest, parse_chat, parse_completion, parse_detokenize, parse_tokenize,
 )
 from server.openai.streams import RequestStreams
 from server.openai.translate import DONE, Accumulator, Decoders, ResponseMeta, chat_response, completion_response, \
     dumps, sse
+from server.request_work import RequestWork, encode_json, prepare_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -35,26 +45,34 @@ SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Contro
 
 
 def json_response(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(body=dumps(payload), status=status, headers=headers, content_type="application/json")
+    return encoded_json_response(dumps(payload), status, headers)
 
 
-async def read_json(request: web.Request, max_bytes: int) -> dict[str, Any]:
-    """The body as a JSON object; a declared or actual size over `max_bytes` is a 413 before parsing."""
+def encoded_json_response(body: bytes, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=body, status=status, headers=headers, content_type="application/json")
+
+
+async def read_body(request: web.Request, max_bytes: int) -> bytes:
+    """The body as sent (decompressed); a declared or actual size over `max_bytes` is a 413, a body that does not
+    decode as its Content-Encoding says a 400."""
     if request.content_length is not None and request.content_length > max_bytes:
         raise RequestTooLargeError(f"the request body is {request.content_length} bytes; the limit is {max_bytes}")
     try:
-        raw = await request.read()
+        return await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise RequestTooLargeError(f"the request body is over the limit of {max_bytes} bytes") from None
-    return parse_json_body(raw)
+        raise RequestTooLargeError(f"the request body is over the limit of {max_bytes} bytes "
+                                   f"(after decompression)") from None
+    except (HttpProcessingError, RequestPayloadError):  # e.g. Content-Encoding: gzip on bytes that are not gzip
+        raise InvalidRequestError("the request body does not decode as its Content-Encoding says") from None
 
 
 class OpenAIRoutes:
     """Handlers bound to one client; the model's limits are read once (they do not change while serving)."""
 
-    def __init__(self, client: EngineClient, *, fingerprint: str, max_n: int, max_body_bytes: int,
-                 request_timeout: float | None = None) -> None:
+    def __init__(self, client: EngineClient, work: RequestWork, *, fingerprint: str, max_n: int,
+                 max_body_bytes: int, request_timeout: float | None = None) -> None:
         self.client = client
+        self.work = work  # parsing, tokenizing and response encoding run there, off the event loop
         self.request_timeout = request_timeout  # seconds per generation request; None: no limit
         self.info = client.get_model_info()
         self.tokenizer = client.get_tokenizer()
@@ -62,6 +80,7 @@ class OpenAIRoutes:
         self.max_n = max_n
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
+        self._streaming: set[asyncio.Task[Any]] = set()  # handlers writing an SSE stream now (what a drain cuts)
         tokenizer = self.tokenizer
         self.decoders = Decoders(lambda t: tokenizer.decode([t], skip_special_tokens=False), tokenizer.decode)
 
@@ -75,26 +94,37 @@ class OpenAIRoutes:
 
     # ------------------------------------------------------------------ generation
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        parsed = parse_completion(await read_json(request, self.max_body_bytes), self.info, self.max_n)
+        parsed = await self._parse(request, parse_completion)
         self._check_model(parsed.model)
+        prompts = await self.work.run(prepare_prompts, self.tokenizer, self.info, parsed.prompts, parsed.params)
         meta = ResponseMeta.new("completion", self.info.name, self.fingerprint, parsed.request_id)
         acc = Accumulator(len(parsed.prompts), parsed.params.n, drop_generated=parsed.echo_only)
         formatter = CompletionStreamFormatter(meta, acc, parsed, self.decoders) if parsed.stream else None
-        streamed = await self._generate(request, parsed.prompts, parsed, meta, acc, formatter)
-        return streamed or json_response(completion_response(
-            meta, acc, parsed.echo, parsed.logprobs, parsed.shown_prompt_logprobs, self.decoders))
+        streamed = await self._generate(request, prompts, parsed, meta, acc, formatter)
+        return streamed or await self._encoded(completion_response, meta, acc, parsed.echo, parsed.logprobs,
+                                               parsed.shown_prompt_logprobs, self.decoders)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        parsed = parse_chat(await read_json(request, self.max_body_bytes), self.info, self.max_n)
+        parsed = await self._parse(request, parse_chat)
         self._check_model(parsed.model)
         if not self.tokenizer.has_chat_template:
-            raise NoChatTemplateError()  # before admission: the engine would only refuse it after tokenising
+            raise NoChatTemplateError()  # before any template work
+        prompts = await self.work.run(prepare_prompts, self.tokenizer, self.info, [parsed.prompt], parsed.params)
         meta = ResponseMeta.new("chat", self.info.name, self.fingerprint, parsed.request_id)
         acc = Accumulator(1, parsed.params.n)
         formatter = ChatStreamFormatter(meta, acc, parsed, self.decoders) if parsed.stream else None
-        streamed = await self._generate(request, [parsed.prompt], parsed, meta, acc, formatter)
-        return streamed or json_response(chat_response(
-            meta, acc, parsed.top_logprobs, parsed.shown_prompt_logprobs, self.decoders))
+        streamed = await self._generate(request, prompts, parsed, meta, acc, formatter)
+        return streamed or await self._encoded(chat_response, meta, acc, parsed.top_logprobs,
+                                               parsed.shown_prompt_logprobs, self.decoders)
+
+    async def _parse(self, request: web.Request, parse: Callable[..., Any]) -> Any:
+        """The body read, then decoded and checked by `parse` on the work pool (a 4 MB body takes a while)."""
+        raw = await read_body(request, self.max_body_bytes)
+        return await self.work.run(lambda: parse(parse_json_body(raw), self.info, self.max_n))
+
+    async def _encoded(self, build: Callable[..., Any], *args: Any) -> web.Response:
+        """A whole response built and encoded on the work pool (with echo and logprobs it can be megabytes)."""
+        return encoded_json_response(await self.work.run(lambda: encode_json(build(*args))))
 
     async def _generate(self, request: web.Request, prompts: list[Any], parsed: ChatRequest | CompletionRequest,
                         meta: ResponseMeta, acc: Accumulator, formatter: StreamFormatter | None
@@ -113,8 +143,23 @@ class OpenAIRoutes:
                     return None
         except TimeoutError as exc:
             raise self._timed_out(exc) from None
-        async with streams:
-            return await _stream(request, streams, formatter, deadline, self._timed_out)
+        task = asyncio.current_task()
+        assert task is not None
+        self._streaming.add(task)
+        try:
+            async with streams:
+                return await _stream(request, streams, formatter, deadline, self._timed_out)
+        finally:
+            self._streaming.discard(task)
+
+    async def cut_streams(self, grace: float = 1.0) -> None:
+        """End every stream still being written (the drain timeout passed): each sends its final error chunk and
+        `[DONE]` within `grace` seconds, before the connections close."""
+        tasks = list(self._streaming)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=grace)
 
     def _timed_out(self, exc: TimeoutError) -> DeadlineExceededError:
         """The client's error for a passed deadline (an engine's own deadline error is kept as it is)."""
@@ -134,7 +179,12 @@ class OpenAIRoutes:
         return json_response(self._model_card(name))
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        fields = parse_tokenize(await read_json(request, self.max_body_bytes))
+        raw = await read_body(request, self.max_body_bytes)
+        return encoded_json_response(await self.work.run(self._tokenize, raw))
+
+    def _tokenize(self, raw: bytes) -> bytes:
+        """/tokenize's whole work (on the work pool): parse, render, encode, and the response JSON."""
+        fields = parse_tokenize(parse_json_body(raw))
         self._check_model(fields["model"])
         if "messages" in fields:
             if not self.tokenizer.has_chat_template:
@@ -146,12 +196,16 @@ class OpenAIRoutes:
         payload: dict[str, Any] = {"count": len(ids), "max_model_len": self.info.max_model_len, "tokens": ids}
         if fields["return_token_strs"]:
             payload["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
-        return json_response(payload)
+        return encode_json(payload)
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        model, tokens = parse_detokenize(await read_json(request, self.max_body_bytes), self.info.vocab_size)
+        raw = await read_body(request, self.max_body_bytes)
+        return encoded_json_response(await self.work.run(self._detokenize, raw))
+
+    def _detokenize(self, raw: bytes) -> bytes:
+        model, tokens = parse_detokenize(parse_json_body(raw), self.info.vocab_size)
         self._check_model(model)
-        return json_response({"prompt": self.tokenizer.decode(tokens)})
+        return encode_json({"prompt": self.tokenizer.decode(tokens)})
 
     def _model_card(self, name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": self.created, "owned_by": "jengine",
@@ -177,18 +231,36 @@ async def _stream(request: web.Request, streams: RequestStreams, formatter: Stre
     except ConnectionError:
         logger.debug("client went away mid-stream")
         return response
+    except asyncio.CancelledError:  # the server closes (drain timeout) or the client left: end the stream properly
+        await _end(response, _error_tail(formatter, ServiceUnavailableError(
+            "the server closed this stream before it finished (it is shutting down); retry on another replica")))
+        raise
     except Exception as exc:
         if isinstance(exc, TimeoutError):
             exc = timed_out(exc)
         logger.warning("stream %s failed after it started: %s", formatter.meta.id, type(exc).__name__,
                        exc_info=not isinstance(exc, JengineError))
-        tail = sse(formatter.error_chunk(exc)) + DONE
+        tail = _error_tail(formatter, exc)
+    await _end(response, tail)
+    return response
+
+
+def _error_tail(formatter: StreamFormatter, exc: BaseException) -> bytes:
+    """The final error chunk and `[DONE]`; should the chunk itself not encode, the error alone (ASCII-escaped), so a
+    stream whose headers went out never ends in anything but SSE."""
+    try:
+        return sse(formatter.error_chunk(exc)) + DONE
+    except Exception:
+        logger.exception("the error chunk of stream %s does not encode", formatter.meta.id)
+        return b"data: " + json.dumps(openai_error_body(exc)).encode("ascii") + b"\n\n" + DONE
+
+
+async def _end(response: web.StreamResponse, tail: bytes) -> None:
     try:
         await response.write(tail)
         await response.write_eof()
-    except ConnectionError:
+    except (ConnectionError, RuntimeError):  # the client is gone, or the transport already closed
         pass
-    return response
 
 
 async def _write_chunks(response: web.StreamResponse, streams: RequestStreams, formatter: StreamFormatter) -> None:

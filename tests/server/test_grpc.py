@@ -426,3 +426,30 @@ def test_openai_shim_runs_over_grpc_engine_client(harness: GrpcHarness, servers)
                                                   logprobs=2, echo=True)
     assert len(completion.choices[0].logprobs.tokens) == len(_tokenizer(harness).encode("Hello")) + 4
     assert harness.wait_idle()
+
+
+# ------------------------------------------------------------------------------------------------- hostile input
+
+USER_HI = pb.ChatMessage(role="user", content="hi")
+
+
+@pytest.mark.parametrize("chat", [
+    pb.ChatMessages(messages=[pb.ChatMessage(role="evil", content="hi")]),  # HTTP refuses this role too
+    pb.ChatMessages(messages=[USER_HI], chat_template_kwargs_json="[" * 100_000 + "]" * 100_000),
+    pb.ChatMessages(messages=[USER_HI], chat_template_kwargs_json='{"x": ' + "9" * 5000 + "}"),
+    pb.ChatMessages(messages=[USER_HI], chat_template_kwargs_json='{"add_generation_prompt": false}'),
+    pb.ChatMessages(messages=[USER_HI], chat_template_kwargs_json='{"tools": [{"type": "function"}]}'),
+], ids=["role", "deep-kwargs", "huge-number", "colliding-kwarg", "tools-kwarg"])
+def test_bad_chat_input_is_invalid_argument(harness: GrpcHarness, chat: pb.ChatMessages) -> None:
+    error = _status(lambda: _generate(harness, messages=chat, sampling=GREEDY))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+
+
+def test_an_undecodable_message_is_invalid_argument(harness: GrpcHarness) -> None:
+    generate = harness.channel.unary_stream("/jengine.v1.Engine/Generate")  # raw bytes, no serializer
+    error = _status(lambda: list(generate(b"\xff\xff\xff\xff", metadata=auth(), timeout=10)))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "protobuf" in error.details()
+    tokenize = harness.channel.unary_unary("/jengine.v1.Engine/Tokenize")
+    assert _status(lambda: tokenize(b"\x0a\xff", metadata=auth(), timeout=10)).code() == \
+        grpc.StatusCode.INVALID_ARGUMENT
+    assert _generate(harness, text="Hello", sampling=GREEDY)  # still serving
