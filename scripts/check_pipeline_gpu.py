@@ -28,6 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from jengine import LLM, SamplingParams  # noqa: E402
 from jengine.models.demo import build_random_llama  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_bench_common import replay_seconds  # noqa: E402
+
 LLAMA3_8B_LAYER = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                        head_dim=128, max_position_embeddings=4096)
 REPLAY_CALLS, REPLAY_RUNS = 10, 5
@@ -68,28 +71,18 @@ class Recorder:
 
 def device_seconds(llm: LLM, recorder: Recorder, run_step) -> float:
     """Median time of the jitted decode step replayed on its recorded inputs (the cache fed from call to call)."""
-    import jax
-
     runner = llm._core.runner
     args, kwargs = recorder.decode_args
     args = list(args)
     args[1] = runner.state  # the recorded state was donated; the current one has the same shapes
 
-    def call() -> None:
+    def call() -> Any:
         args[1], _ = run_step(*args, **kwargs)
+        return args[1]
 
-    for _ in range(3):
-        call()
-    jax.block_until_ready(args[1])
-    times = []
-    for _ in range(REPLAY_RUNS):
-        start = time.perf_counter()
-        for _ in range(REPLAY_CALLS):
-            call()
-        jax.block_until_ready(args[1])
-        times.append((time.perf_counter() - start) / REPLAY_CALLS)
+    seconds = replay_seconds(call, warmup=3, runs=REPLAY_RUNS, calls=REPLAY_CALLS)
     runner.state = args[1]
-    return statistics.median(times)
+    return seconds
 
 
 def run(model_dir: Path, prompts: list[list[int]], args: argparse.Namespace, pipelined: bool) -> dict[str, Any]:

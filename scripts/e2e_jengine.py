@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from e2e_workload import Request, fixed_prompts
-from gpu_bench_common import copy_bandwidth, jax_device_name, log, matmul_rate, versions
+from gpu_bench_common import copy_bandwidth, jax_device_name, log, matmul_rate, replay_seconds, versions
 
 REPLAY_AT = 8  # replay at the 8th eligible step: compiled and warm by then
 REPLAY_CALLS, REPLAY_RUNS = 10, 3
@@ -74,8 +74,6 @@ class StepRecorder:
 
     def _replay(self, run_step: Callable, args: tuple, kwargs: dict) -> Any:
         """Times the runner's step on these inputs, then makes the real call (with the cache the replays left)."""
-        import jax
-
         args = list(args)  # (params, state, batch): each call donates the state and returns the next one
 
         def call() -> Any:
@@ -83,17 +81,7 @@ class StepRecorder:
             args[1] = out[0]
             return out
 
-        for _ in range(2):
-            call()
-        jax.block_until_ready(args[1])
-        times = []
-        for _ in range(REPLAY_RUNS):
-            start = time.perf_counter()
-            for _ in range(REPLAY_CALLS):
-                call()
-            jax.block_until_ready(args[1])
-            times.append((time.perf_counter() - start) / REPLAY_CALLS)
-        self.replay_seconds = statistics.median(times)
+        self.replay_seconds = replay_seconds(lambda: call()[0], warmup=2, runs=REPLAY_RUNS, calls=REPLAY_CALLS)
         self._replayed_at = len(self.steps)  # this step is appended next
         return run_step(*args, **kwargs)
 

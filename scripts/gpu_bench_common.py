@@ -44,6 +44,24 @@ def timeit(fn: Callable, *args: Any, runs: int = 5, target_s: float = 0.05, min_
     return statistics.median(times)
 
 
+def replay_seconds(call: Callable[[], Any], *, warmup: int, runs: int, calls: int) -> float:
+    """Median seconds per call of a stateful `call` (it feeds its own donated state along and returns what to wait
+    on): `warmup` calls, then `runs` runs of `calls` back-to-back calls with one synchronisation per run."""
+    import jax
+
+    for _ in range(warmup):
+        out = call()
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = call()
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times)
+
+
 def copy_bandwidth(num_elements: int = 1 << 30, runs: int = 5, min_calls: int = 5) -> tuple[float, float]:
     """(seconds per copy, bytes/s) of a bf16 device-to-device copy, bytes read + written (2 GiB copied by default)."""
     import jax

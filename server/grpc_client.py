@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
@@ -22,7 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jengine import errors
-from jengine.clients.protocol import ModelInfo
+from jengine.clients.protocol import ModelInfo, request_identity
 from jengine.engine.stats import EngineStats
 from jengine.front.input_processor import PromptInput
 from jengine.errors import InvalidRequestError, JengineError, NotFoundError, RequestTooLargeError
@@ -70,11 +69,8 @@ class GrpcEngineClient:
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the remote request's deltas; leaving early (or `abort`) cancels the call, aborting it remotely."""
-        params = sampling_params or SamplingParams()
-        request_id = request_id or uuid.uuid4().hex
+        params, request_id = request_identity(sampling_params, request_id, self._calls)
         request, prompt_text = _generate_request(prompt, params, request_id, priority)
-        if request_id in self._calls:
-            raise InvalidRequestError(f"request id {request_id[:100]!r} is already in use", param="request_id")
         call = self._stub().Generate(request, metadata=self._metadata)
         self._calls[request_id] = call
         decoder = OutputDecoder(params, prompt_text)

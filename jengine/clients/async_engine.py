@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from jengine.config import EngineConfig
-from jengine.clients.protocol import ModelInfo
+from jengine.clients.protocol import ModelInfo, request_in_use
 from jengine.engine.stats import EngineStats
 from jengine.engine.core import EngineCore, EngineCoreOutput
 from jengine.engine.core_loop import CoreLoop, StatsReader
@@ -181,8 +181,7 @@ class AsyncEngine:
 
     def _check_unique(self, processed: ProcessedRequest) -> None:
         if processed.request_id in self._streams or not self._live_children.isdisjoint(processed.child_ids):
-            raise InvalidRequestError(f"request id {processed.request_id[:100]!r} is already in use",
-                                      param="request_id")
+            raise request_in_use(processed.request_id)
 
     def _submit(self, processed: ProcessedRequest) -> _Stream:
         child_ids = processed.child_ids

@@ -7,8 +7,11 @@ so the OpenAI shim runs unchanged over either. Errors cross it as the `jengine.e
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Container
 from typing import Any, Protocol, runtime_checkable
+
+from jengine.errors import InvalidRequestError
 
 from jengine.engine.stats import EngineStats
 from jengine.front.input_processor import PromptInput
@@ -74,3 +77,17 @@ class EngineClient(Protocol):
 
     def shutdown(self) -> None:
         ...
+
+
+def request_in_use(request_id: str) -> InvalidRequestError:
+    """The error for a request id that another live request of the same client holds."""
+    return InvalidRequestError(f"request id {request_id[:100]!r} is already in use", param="request_id")
+
+
+def request_identity(sampling_params: SamplingParams | None, request_id: str | None,
+                     in_use: Container[str]) -> tuple[SamplingParams, str]:
+    """A request's parameters (the defaults when none) and its id (a fresh one when none); an id in use is refused."""
+    request_id = request_id or uuid.uuid4().hex
+    if request_id in in_use:
+        raise request_in_use(request_id)
+    return sampling_params or SamplingParams(), request_id

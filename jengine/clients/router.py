@@ -20,17 +20,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
 from jengine.cache.hashing import hash_blocks
 from jengine.cache.prefix_index import PrefixIndex
-from jengine.clients.protocol import EngineClient, ModelInfo
+from jengine.clients.protocol import EngineClient, ModelInfo, request_identity
 from jengine.engine.routing import ReplicaAffinity
 from jengine.engine.stats import EngineStats
 from jengine.front.input_processor import InputProcessor, PromptInput
-from jengine.errors import CapacityError, ConfigError, EngineDeadError, InvalidRequestError, ServiceUnavailableError
+from jengine.errors import CapacityError, ConfigError, EngineDeadError, ServiceUnavailableError
 from jengine.outputs import RequestOutput
 from jengine.sampling.params import SamplingParams
 from jengine.tokenizer import Tokenizer
@@ -127,10 +126,7 @@ class Router:
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Tokenize, route, and stream the chosen replica's outputs; leaving early aborts it there."""
-        params = sampling_params or SamplingParams()
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self._owners:
-            raise InvalidRequestError(f"request id {request_id[:100]!r} is already in use", param="request_id")
+        params, request_id = request_identity(sampling_params, request_id, self._owners)
         forward, hashes = self._prepare(prompt)
         replica, stream, first = await self._open(forward, params, request_id, priority, hashes)
         try:
