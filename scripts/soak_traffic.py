@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 
 OUTCOMES = ("ok", "refused", "cancelled", "errored")
-WORDS = ("the", "engine", "streams", "tokens", "über", "naïve", "日本", "cache", "block", "prefill", "decode", "🙂",
-         "quick", "brown", "fox", "jumps", "lazy", "dog", "serve", "batch")
+WORDS = ("the", "engine", "streams", "tokens", "über", "naïve", "日本", "cache", "block", "prefill", "decode",
+         "🙂", "quick", "brown", "fox", "jumps", "lazy", "dog", "serve", "batch")
 
 
 @dataclasses.dataclass
