@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 from jengine.cache.kv_cache_manager import KVCacheManager  # noqa: E402
 from jengine.config import EngineConfig  # noqa: E402
 from jengine.engine.core import EngineCore  # noqa: E402
-from jengine.engine.factory import build_engine  # noqa: E402
+from jengine.factory import build_engine  # noqa: E402
 from jengine.request import Request  # noqa: E402
 from jengine.sampling.params import SamplingParams  # noqa: E402
 from jengine.sampling.sampler import SamplerOutput  # noqa: E402

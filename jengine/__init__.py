@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from jengine.config import EngineConfig
-    from jengine.engine.async_engine import AsyncEngine
+    from jengine.clients.async_engine import AsyncEngine
     from jengine.llm import LLM
     from jengine.outputs import CompletionOutput, Logprob, RequestOutput
     from jengine.sampling.params import SamplingParams
 
 _LAZY = {
     "LLM": "jengine.llm",
-    "AsyncEngine": "jengine.engine.async_engine",
+    "AsyncEngine": "jengine.clients.async_engine",
     "SamplingParams": "jengine.sampling.params",
     "EngineConfig": "jengine.config",
     "RequestOutput": "jengine.outputs",

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from jengine.config import EngineConfig, ServerConfig
-    from jengine.engine.client import EngineClient
+    from jengine.clients.protocol import EngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -299,8 +299,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _serving_engine(config: EngineConfig) -> EngineClient:
     """One in-process engine, or `data_parallel_size` of them behind the prefix-aware router."""
-    from jengine.engine.async_engine import AsyncEngine
-    from jengine.engine.router import Router
+    from jengine.clients.async_engine import AsyncEngine
+    from jengine.clients.router import Router
 
     if config.parallel.data_parallel_size > 1:
         return Router.from_config(config)
@@ -325,7 +325,7 @@ def _openai(args: argparse.Namespace) -> int:
             from server.grpc_client import GrpcEngineClient
         except ImportError as exc:
             raise ConfigError(f"the gRPC engine client is not available in this build ({exc})") from None
-        from jengine.engine.router import Router
+        from jengine.clients.router import Router
 
         clients = [GrpcEngineClient(address, api_key=args.engine_api_key) for address in args.engine]
         if len(clients) == 1:

@@ -21,18 +21,19 @@ from tqdm.auto import tqdm
 
 from jengine.config import EngineConfig
 from jengine.engine.core import EngineCoreOutput
-from jengine.engine.input_processor import InputProcessor, ProcessedRequest, PromptInput
-from jengine.engine.output_processor import OutputProcessor
+from jengine.front.front import EngineFront
+from jengine.front.input_processor import ProcessedRequest, PromptInput
 from jengine.errors import EngineDeadError, InvalidRequestError
 from jengine.outputs import RequestOutput, RequestOutputKind
-from jengine.request import RequestStatus
+from jengine.request import Request, RequestStatus
+from jengine.sampling.defaults import max_tokens_when_unset
 from jengine.sampling.params import SamplingParams
 from jengine.tokenizer import Tokenizer
 
 OFFLINE_MAX_N = 1024  # choices per prompt offline (pass@k wants many); servers keep their own, smaller cap
 
 if TYPE_CHECKING:
-    from jengine.engine.factory import EngineParts
+    from jengine.factory import EngineParts
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class LLM:
 
     def __init__(self, model: str, **engine_args: Any) -> None:
         """Every engine flag is a keyword of the same name (`max_model_len=`, `max_num_seqs=`, `dtype=`, ...)."""
-        from jengine.engine.factory import build_engine, build_replicated_engine  # imports jax: only here
+        from jengine.factory import build_engine, build_replicated_engine  # imports jax: only here
 
         config = EngineConfig.from_kwargs(model, **engine_args)
         build = build_replicated_engine if config.parallel.data_parallel_size > 1 else build_engine
@@ -61,8 +62,8 @@ class LLM:
     def _setup(self, parts: EngineParts) -> None:
         self._parts = parts
         self._core = parts.core
-        self._input = InputProcessor.from_parts(parts, OFFLINE_MAX_N, stop_at_context_end=True)
-        self._output = OutputProcessor(parts.tokenizer)
+        self._front = EngineFront.from_parts(parts, OFFLINE_MAX_N, RequestOutputKind.FINAL_ONLY,
+                                             stop_at_context_end=True)
         sched = parts.config.scheduler
         self._bound = sched.max_num_seqs + sched.max_num_queued_reqs
         self._ids = itertools.count()
@@ -80,7 +81,7 @@ class LLM:
         batch = [_as_plain_prompt(p) for p in _as_prompt_list(_as_plain_prompt(prompts))]
         params = _params_per_prompt(sampling_params, len(batch), self.get_default_sampling_params())
         now = time.monotonic()
-        requests = [self._input.process(p, sp, self._next_id(), arrival_time=now) for p, sp in zip(batch, params)]
+        requests = [self._front.process(p, sp, self._next_id(), arrival_time=now) for p, sp in zip(batch, params)]
         return self._run(requests, use_tqdm)
 
     def chat(self, messages: Conversation | Sequence[Conversation], sampling_params: ParamsArg = None, *,
@@ -95,7 +96,7 @@ class LLM:
         params = _params_per_prompt(sampling_params, len(conversations), self.get_default_sampling_params())
         now = time.monotonic()
         requests = [
-            self._input.process_chat(c, sp, self._next_id(), chat_template=chat_template,
+            self._front.process_chat(c, sp, self._next_id(), chat_template=chat_template,
                                      add_generation_prompt=add_generation_prompt,
                                      continue_final_message=continue_final_message,
                                      chat_template_kwargs=chat_template_kwargs, arrival_time=now)
@@ -106,7 +107,8 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use without sampling_params: the model's generation_config.json defaults
         (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), else SamplingParams()."""
-        return SamplingParams(**self._parts.sampling_defaults)
+        defaults = self._parts.sampling_defaults
+        return SamplingParams(**{**defaults, "max_tokens": max_tokens_when_unset(defaults, "offline")})
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt prefix, so the next prompts are computed in full (vLLM's name). Between
@@ -156,12 +158,13 @@ class LLM:
             if held and held + len(pending[0].children) > self._bound:
                 return
             request = pending.popleft()
-            self._output.add(request.request_id, request.prompt, request.prompt_token_ids, request.params,
-                             request.child_ids, request.children[0][0].arrival_time,
-                             output_kind=RequestOutputKind.FINAL_ONLY)
-            for child, index in request.children:
-                self._core.add_request(child, index, enforce_queue_bound=False)
+            self._front.submit(request, self._enter_core)
             added.append(request)
+
+    def _enter_core(self, children: list[tuple[Request, int]]) -> None:
+        """Into the core past its own queue bound: `_feed` keeps this call's total under it."""
+        for child, index in children:
+            self._core.add_request(child, index, enforce_queue_bound=False)
 
     def _step(self) -> list[EngineCoreOutput]:
         """One core step; a failing core leaves the engine in an unknown state, so the LLM is dead afterwards."""
@@ -174,12 +177,12 @@ class LLM:
     def _collect(self, core_outputs: list[EngineCoreOutput], results: dict[str, RequestOutput],
                  progress: _Progress) -> None:
         """Outputs → finished results; stop-string hits are stopped in the core (their outputs are then ignored)."""
-        processed = self._output.process(core_outputs)
-        if processed.requests_to_abort:
-            self._output.process(self._core.abort(processed.requests_to_abort, RequestStatus.FINISHED_STOPPED))
-        for output in processed.request_outputs:
+        for output in self._front.collect(core_outputs, self._stop_in_core):
             results[output.request_id] = output
             progress.finished(output)
+
+    def _stop_in_core(self, child_ids: list[str]) -> list[EngineCoreOutput]:
+        return self._core.abort(child_ids, RequestStatus.FINISHED_STOPPED)
 
     def _check_progress(self, pending: collections.deque[ProcessedRequest], results: dict[str, RequestOutput],
                         total: int) -> None:
@@ -191,7 +194,7 @@ class LLM:
         """Abort this call's unfinished requests so the engine is clean for the next call (e.g. after Ctrl-C)."""
         if self._dead is not None:
             return
-        child_ids = [cid for r in requests for cid in self._output.remove(r.request_id)]
+        child_ids = [cid for r in requests for cid in self._front.remove(r.request_id)]
         self._core.abort(child_ids, RequestStatus.FINISHED_ABORTED)
 
     def _next_id(self) -> str:

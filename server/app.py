@@ -22,8 +22,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from jengine.config import ServerConfig
-from jengine.engine.client import EngineClient
-from jengine.engine.metrics import EngineMetrics, MeteredEngineClient
+from jengine.clients.protocol import EngineClient
+from server.metrics import EngineMetrics, MeteredEngineClient
 from jengine.errors import (
     AuthenticationError, EngineDeadError, InvalidRequestError, JengineError, NotFoundError, RequestTooLargeError,
     ServiceUnavailableError,

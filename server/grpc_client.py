@@ -22,8 +22,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jengine import errors
-from jengine.engine.client import EngineStats, ModelInfo
-from jengine.engine.input_processor import PromptInput
+from jengine.clients.protocol import ModelInfo
+from jengine.engine.stats import EngineStats
+from jengine.front.input_processor import PromptInput
 from jengine.errors import InvalidRequestError, JengineError, NotFoundError, RequestTooLargeError
 from jengine.outputs import RequestOutput
 from jengine.sampling.params import SamplingParams

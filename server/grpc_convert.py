@@ -12,13 +12,16 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jengine.engine.client import EngineStats, ModelInfo
-from jengine.engine.input_processor import CHAT_PROMPT_KEYS, PromptInput
+from jengine.clients.protocol import ModelInfo
+from jengine.engine.stats import EngineStats
+from jengine.front.input_processor import PromptInput
 from jengine.errors import InvalidRequestError
 from jengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jengine.sampling import defaults as generation_defaults
+from jengine.sampling.defaults import max_tokens_when_unset
 from jengine.sampling.params import SamplingParams
 from jengine.tokenizer import Tokenizer
+from jengine.tokenizer.chat import CHAT_PROMPT_KEYS, chat_options, check_messages
 from jengine.v1 import jengine_pb2 as pb
 
 # SamplingParams fields by how they travel. Optional fields are sent only when not None (or, for those whose default
@@ -36,14 +39,14 @@ _INT64_MAX = 2**63 - 1
 # ------------------------------------------------------------------------------------------------- SamplingParams
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
-    """Unset optional fields take SamplingParams' defaults, except max_tokens: unset means "what the context leaves",
-    as over HTTP. Validation is the engine's (one code path for every front end)."""
+    """Unset optional fields take SamplingParams' defaults, except max_tokens (`max_tokens_when_unset`: what the
+    context leaves, as for HTTP chats). Validation is the engine's (one code path for every front end)."""
     kwargs: dict[str, Any] = {}
     for name in (*INT_FIELDS, *FLOAT_FIELDS, *BOOL_FIELDS):
         if _has_presence(msg, name) and not msg.HasField(name):
             continue
         kwargs[name] = getattr(msg, name)
-    kwargs.setdefault("max_tokens", None)
+    kwargs.setdefault("max_tokens", max_tokens_when_unset({}, "grpc"))
     for name in LIST_FIELDS:
         kwargs[name] = list(getattr(msg, name)) or None
     kwargs["logit_bias"] = dict(msg.logit_bias) or None
@@ -76,6 +79,9 @@ def _wire_int(name: str, value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise InvalidRequestError(f"{name} must be an integer, got {type(value).__name__}", param=name)
     if name == "seed":  # the engine uses seeds modulo 2**64: a uint64 seed travels as the same bits in an int64
+        if not -_SEED_MODULUS // 2 <= value < _SEED_MODULUS:  # no 64 bits carry it: refused, as the engine does
+            raise InvalidRequestError(f"seed must be [{-_SEED_MODULUS // 2}, {_SEED_MODULUS - 1}], got {value}",
+                                      param="seed")
         value %= _SEED_MODULUS
         return value - _SEED_MODULUS if value > _INT64_MAX else value
     if not -(2**31) <= value < 2**31:
@@ -127,16 +133,12 @@ def messages_to_proto(messages: Any, add_generation_prompt: Any = True, continue
                       chat_template_kwargs: Any = None) -> pb.ChatMessages:
     """Only what v1 carries (role, content text, name; the template options); anything else is refused, never
     dropped. Template kwargs travel as a JSON object."""
-    if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
-        raise InvalidRequestError("messages must be a non-empty list of messages", param="messages")
-    for name, value in (("add_generation_prompt", add_generation_prompt),
-                        ("continue_final_message", continue_final_message)):
-        if not isinstance(value, bool):
-            raise InvalidRequestError(f"{name} must be a boolean", param=name)
-    msg = pb.ChatMessages(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
+    check_messages(messages)
+    flags, _ = chat_options({"add_generation_prompt": add_generation_prompt,
+                             "continue_final_message": continue_final_message,
+                             "chat_template_kwargs": chat_template_kwargs})
+    msg = pb.ChatMessages(**flags)
     if chat_template_kwargs:
-        if not isinstance(chat_template_kwargs, Mapping):
-            raise InvalidRequestError("chat_template_kwargs must be an object", param="chat_template_kwargs")
         try:
             msg.chat_template_kwargs_json = json.dumps(dict(chat_template_kwargs))
         except (TypeError, ValueError) as exc:

@@ -22,8 +22,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from jengine.engine.client import EngineClient
-from jengine.engine.input_processor import chat_text
+from jengine.clients.protocol import EngineClient
+from jengine.tokenizer.chat import chat_text
 from jengine.errors import (
     AuthenticationError, DeadlineExceededError, InvalidRequestError, JengineError, ServiceUnavailableError,
 )

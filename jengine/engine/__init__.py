@@ -1,1 +1,2 @@
-"""The engine: the core step (schedule → run → update), its thread, and the front ends' request/output handling."""
+"""The engine core: the step (schedule → run → update), its thread, and its statistics. Token ids only: nothing here
+imports the tokenizer, jinja2, HF tokenizers or transformers."""

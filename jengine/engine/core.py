@@ -11,7 +11,6 @@ engine's; what N+1 computes for a request that N finished is discarded.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import logging
 import time
@@ -19,7 +18,7 @@ from typing import Any
 
 from jengine.cache.kv_cache_manager import KVCacheManager
 from jengine.config import EngineConfig
-from jengine.engine.client import ITERATION_TOKEN_BUCKETS
+from jengine.engine.stats import StepTokenCounts
 from jengine.request import Request, RequestStatus
 from jengine.scheduler.output import RunnerOutput, SchedulerOutput, TokenLogprobs
 from jengine.scheduler.scheduler import Scheduler, SchedulerStats
@@ -40,18 +39,6 @@ class EngineCoreOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     timestamp: float
     first_scheduled_time: float | None = None  # on a request's first output only: when it was first scheduled
-
-
-class StepTokenCounts:
-    """Cumulative histogram of the tokens each executed step computed (prefill chunks and decodes together)."""
-
-    def __init__(self) -> None:
-        self.counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)  # per bucket, the last one above every bound
-        self.total_tokens = 0
-
-    def add(self, num_tokens: int) -> None:
-        self.counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, num_tokens)] += 1
-        self.total_tokens += num_tokens
 
 
 class EngineCore:

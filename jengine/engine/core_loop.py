@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
-from jengine.engine.client import EngineStats
+from jengine.engine.stats import EngineStats
 from jengine.engine.core import EngineCoreOutput
 from jengine.request import Request, RequestStatus
 

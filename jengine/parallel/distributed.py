@@ -211,7 +211,7 @@ def run_worker(runner, subscriber: StepSubscriber | None = None) -> int:
 
 def serve_worker(config) -> int:
     """`jengine serve` on a process other than 0: build the same engine, then replay process 0's steps."""
-    from jengine.engine.factory import build_engine  # imports the model code: only in a real worker
+    from jengine.factory import build_engine  # imports the model code: only in a real worker
 
     parts = build_engine(config)
     logger.info("worker process %d ready; following process 0", jax.process_index())

@@ -4,7 +4,8 @@ Instruct models ship their recommended sampling (Llama 3: temperature 0.6, top_p
 0.8, top_k 20, repetition_penalty 1.05). They apply wherever a request leaves the field unset: `LLM.generate` without
 SamplingParams (`LLM.get_default_sampling_params()`), and OpenAI requests that omit the field; a field the request
 sets always wins. `max_new_tokens` becomes the default max_tokens of offline generation (a server keeps its own:
-only after the chat template is it known whether the model's number fits the context).
+only after the chat template is it known whether the model's number fits the context): `max_tokens_when_unset` is
+the one rule, and the front (`InputProcessor`) the one place that turns "until the context ends" into a number.
 `generation_config="vllm"` ignores the file (SamplingParams' own defaults); any other value names a directory holding
 a generation_config.json.
 """
@@ -14,8 +15,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from jengine.errors import CheckpointError, ConfigError
 
@@ -28,6 +30,18 @@ FIELDS: dict[str, tuple[str, type]] = {
     "max_new_tokens": ("max_tokens", int),
 }
 IGNORE = "vllm"  # vLLM's name for "SamplingParams' own defaults"
+LEGACY_MAX_TOKENS = 16  # SamplingParams' and /v1/completions' default: vLLM's and OpenAI's legacy value
+
+Api = Literal["offline", "completions", "chat", "grpc"]
+
+
+def max_tokens_when_unset(defaults: Mapping[str, Any], api: Api) -> int | None:
+    """The max_tokens of a request that sets none, by the API it came through: offline (`LLM`), the model's
+    max_new_tokens, else 16; /v1/completions, 16; /v1/chat/completions and gRPC, None: what the context leaves after
+    the prompt, which the front resolves once the prompt (its chat template rendered) is tokenized."""
+    if api == "offline":
+        return defaults.get("max_tokens", LEGACY_MAX_TOKENS)
+    return LEGACY_MAX_TOKENS if api == "completions" else None
 
 
 def load_sampling_defaults(model_dir: str | Path, source: str = "auto") -> dict[str, Any]:

@@ -1,8 +1,7 @@
-"""The engine's tokenizer: a HF tokenizer loaded from a local model directory, plus sandboxed chat templates.
+"""The engine's tokenizer: a HF tokenizer loaded from a local model directory, plus its chat template.
 
-Text enters and leaves the engine here only. The HF tokenizer does the encoding; chat templates are rendered by our own
-Jinja sandbox rather than by `transformers`, so what a template may touch is decided in this file, a template that
-fails becomes a clean 400, and a model without a template fails loudly instead of getting an invented format.
+Text enters and leaves the engine here only. The HF tokenizer does the encoding; the chat template is found here (the
+`--chat-template` argument, tokenizer_config.json, chat_template.jinja) and rendered by `jengine.tokenizer.chat`.
 """
 
 from __future__ import annotations
@@ -10,18 +9,13 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from datetime import datetime
 from functools import cached_property, partial
 from pathlib import Path
-from typing import Any, NoReturn
-
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.sandbox
+from typing import Any
 
 from jengine.errors import CheckpointError, ConfigError, InvalidRequestError
 from jengine.tokenizer.byte_level import FastDecoding
+from jengine.tokenizer.chat import ChatTemplate, Message, NoChatTemplateError, short
 
 logger = logging.getLogger(__name__)
 
@@ -29,21 +23,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tekken.js
 """A directory holding none of these has no tokenizer (tokenizer_config.json alone names a class, not a vocabulary)."""
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
-MAX_ERROR_CHARS = 300
 
-Message = Mapping[str, Any]
-
-
-class NoChatTemplateError(InvalidRequestError):
-    """A chat request for a model that ships no chat template; the server must be given one, never a guessed format."""
-
-    def __init__(self) -> None:
-        super().__init__(
-            "this model has no chat template, so chat requests cannot be formatted; start the server with "
-            "--chat-template, or pass chat_template= to LLM(...) or LLM.chat (a Jinja file or the template text)",
-            param="messages",
-            code="no_chat_template",
-        )
+__all__ = ["CHAT_TEMPLATE_FILE", "TOKENIZER_FILES", "NoChatTemplateError", "Tokenizer", "read_template_argument"]
 
 
 class Tokenizer:
@@ -62,7 +43,7 @@ class Tokenizer:
         # (it matters: the detokenizer decodes every request's window every step).
         self._backend = getattr(hf_tokenizer, "backend_tokenizer", None) if getattr(hf_tokenizer, "is_fast", False) \
             else None
-        self._chat_template = chat_template
+        self._chat = ChatTemplate(chat_template)
         self._extra_eos = frozenset(int(i) for i in extra_eos_token_ids)
 
     @classmethod
@@ -171,12 +152,12 @@ class Tokenizer:
     @property
     def chat_template(self) -> str | None:
         """The chat template source in use, or None."""
-        return self._chat_template
+        return self._chat.source
 
     @property
     def has_chat_template(self) -> bool:
         """Whether chat requests can be formatted for this model."""
-        return self._chat_template is not None
+        return self._chat.source is not None
 
     def apply_chat_template(
         self,
@@ -189,12 +170,10 @@ class Tokenizer:
         conversation: Sequence[Message] | None = None,
         **template_kwargs: Any,
     ) -> Any:
-        """Render the chat template to a prompt string (its token ids with `tokenize=True`, as HF's), in the
-        sandbox; errors become InvalidRequestError. `conversation` is HF's name for `messages`.
-
-        `template_kwargs` are extra template variables (e.g. Qwen3's `enable_thinking`). `continue_final_message`
-        ends the prompt right after the last message's text, without its end-of-turn, so the model continues it
-        (a prefilled assistant reply); it excludes `add_generation_prompt`."""
+        """Render the chat template to a prompt string (its token ids with `tokenize=True`), as HF's call does, in
+        the sandbox of `jengine.tokenizer.chat`; errors become InvalidRequestError. `conversation` is HF's name for
+        `messages`; `template_kwargs` are extra template variables (e.g. Qwen3's `enable_thinking`);
+        `continue_final_message` (it excludes `add_generation_prompt`) ends the prompt inside the last message."""
         messages = conversation if messages is None else messages
         if messages is None:
             raise InvalidRequestError("apply_chat_template needs the messages", param="messages")
@@ -204,18 +183,9 @@ class Tokenizer:
         if tokenize:
             return self.encode_chat(messages, add_generation_prompt=add_generation_prompt,
                                     continue_final_message=continue_final_message, tools=tools, **template_kwargs)
-        if continue_final_message and add_generation_prompt:
-            raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true",
-                                      param="continue_final_message")
-        context = {
-            **self._special_token_strings(),
-            **template_kwargs,
-            "messages": messages,
-            "tools": tools,
-            "add_generation_prompt": add_generation_prompt,
-        }
-        text = _render(self._template, context)
-        return _cut_after_final_message(text, messages) if continue_final_message else text
+        return self._chat.render(messages, {**self._special_token_strings(), **template_kwargs}, tools=tools,
+                                 add_generation_prompt=add_generation_prompt,
+                                 continue_final_message=continue_final_message)
 
     def encode_chat(
         self,
@@ -238,23 +208,10 @@ class Tokenizer:
         """Built on first use: a byte-level table takes a pass over the vocabulary."""
         return FastDecoding(self._backend)
 
-    @cached_property
-    def _template(self) -> jinja2.Template:
-        """The compiled template, built once per tokenizer on first use."""
-        if self._chat_template is None:
-            raise NoChatTemplateError()
-        try:
-            return _compile(self._chat_template)
-        except jinja2.TemplateSyntaxError as exc:
-            raise InvalidRequestError(f"the chat template is not valid Jinja: {_short(exc)}", param="messages") from exc
-
     def _check_template(self, *, explicit: bool) -> None:
         """Compile at load: a broken --chat-template stops start-up; a broken model template is logged and refused."""
-        if self._chat_template is None:
-            return
-        try:
-            _compile(self._chat_template)
-        except jinja2.TemplateSyntaxError as exc:
+        exc = self._chat.compile_errors()
+        if exc is not None:
             if explicit:
                 raise ConfigError(f"--chat-template is not valid Jinja (line {exc.lineno}): {exc.message}") from exc
             logger.warning("the model's chat template is not valid Jinja; chat requests will fail: %s", exc.message)
@@ -279,7 +236,7 @@ def _load_hf_tokenizer(model_dir: Path) -> Any:
             str(model_dir), local_files_only=True, trust_remote_code=False
         )
     except Exception as exc:  # transformers raises many types here; all mean "this checkpoint is unusable"
-        raise CheckpointError(f"cannot load the tokenizer in {model_dir}: {_short(exc)}") from exc
+        raise CheckpointError(f"cannot load the tokenizer in {model_dir}: {short(exc)}") from exc
 
 
 def _check_tokenizer_files(model_dir: Path) -> None:
@@ -298,7 +255,7 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"cannot read {path}: {_short(exc)}") from exc
+        raise CheckpointError(f"cannot read {path}: {short(exc)}") from exc
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} does not hold a JSON object")
     return data
@@ -357,103 +314,3 @@ def _template_from_file(model_dir: Path) -> str | None:
     """chat_template.jinja, where transformers 5 saves the template."""
     path = model_dir / CHAT_TEMPLATE_FILE
     return path.read_text(encoding="utf-8") if path.is_file() else None
-
-
-class _GenerationTagExtension(jinja2.ext.Extension):
-    """Accept HF's `{% generation %}...{% endgeneration %}` (marks assistant tokens for training); render the body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> list[jinja2.nodes.Node]:
-        """Drop the tag, keep what it encloses."""
-        next(parser.stream)
-        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-
-class _StrictSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
-    """HF's sandbox, except that touching an unsafe attribute fails at once.
-
-    Jinja's sandbox returns an undefined value that only fails when used, so `{{ f.__globals__ }}` renders as "";
-    a template that probes internals is refused instead.
-    """
-
-    def unsafe_undefined(self, obj: Any, attribute: str) -> NoReturn:
-        """Raise the SecurityError the sandbox would raise later."""
-        kind = type(obj).__name__
-        raise jinja2.exceptions.SecurityError(f"access to attribute {attribute!r} of {kind!r} object is unsafe.")
-
-
-def _make_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
-    """The sandbox HF renders templates in (same options, filters and globals), so templates behave the same."""
-    env = _StrictSandbox(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[jinja2.ext.loopcontrols, _GenerationTagExtension],
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
-
-
-def _compile(source: str) -> jinja2.Template:
-    """Compile in a fresh sandbox (raises jinja2.TemplateSyntaxError; callers decide whose fault that is)."""
-    return _make_environment().from_string(source)
-
-
-def _cut_after_final_message(text: str, messages: Sequence[Message]) -> str:
-    """`text` up to the end of the last message's content (its trailing whitespace kept where the template kept
-    it): what follows it is the template's end-of-turn, which would stop the model continuing the message."""
-    final = messages[-1].get("content") if messages and isinstance(messages[-1], Mapping) else None
-    core = final.strip() if isinstance(final, str) else ""
-    if not core:
-        raise InvalidRequestError("continue_final_message needs a final message with text to continue",
-                                  param="continue_final_message")
-    start = text.rfind(core)
-    if start < 0:
-        raise InvalidRequestError("the chat template does not show the final message's text as it is, so it "
-                                  "cannot be continued", param="continue_final_message")
-    end = start + len(core)
-    trailing = final[len(final.rstrip()):]
-    return text[: end + len(trailing)] if text.startswith(trailing, end) else text[:end]
-
-
-def _render(template: jinja2.Template, context: dict[str, Any]) -> str:
-    """Render; anything the template raises becomes a short InvalidRequestError (no stack, no paths)."""
-    try:
-        return template.render(**context)
-    except InvalidRequestError:
-        raise
-    except jinja2.exceptions.SecurityError as exc:
-        raise InvalidRequestError(f"the chat template did something unsafe: {_short(exc)}", param="messages") from exc
-    except Exception as exc:  # a template is a program: it can raise anything Python can
-        message = f"the chat template failed to render: {type(exc).__name__}: {_short(exc)}"
-        raise InvalidRequestError(message, param="messages") from exc
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    """HF's `tojson`: plain json.dumps (Jinja's own escapes HTML and ignores indent-style arguments templates pass)."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _raise_exception(message: str) -> NoReturn:
-    """Templates call this to refuse a conversation (e.g. roles out of order); the message goes back to the client."""
-    raise InvalidRequestError(str(message), param="messages")
-
-
-def _strftime_now(format: str) -> str:
-    """Templates that print today's date (Llama-3.1) call this."""
-    return datetime.now().strftime(format)
-
-
-def _short(exc: BaseException) -> str:
-    """One line of an exception for a client or a log: type name for bare errors, clipped to a few hundred chars."""
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
-

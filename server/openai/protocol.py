@@ -4,7 +4,8 @@ Strict on purpose: a JSON type that is not the documented one is a 400 naming th
 5), an unknown field is a 400 (never accepted and ignored), and a known field whose feature this server lacks and that
 would change the output (`tools`, a non-text `response_format`, `suffix`, ...) is a 400 that says so. Fields that
 change nothing about the output (`user`, `metadata`, `store`, ...) are accepted. Caps (n, logprobs, stop, nesting) are
-enforced here or in `SamplingParams.validate`, which this module calls with the model's limits.
+enforced here (the server's own: n, logprobs) or by the engine's front, which validates SamplingParams once for every
+front end, before admission.
 """
 
 from __future__ import annotations
@@ -14,16 +15,16 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from jengine.engine.client import ModelInfo
-from jengine.engine.input_processor import join_text_parts
+from jengine.clients.protocol import ModelInfo
 from jengine.errors import InvalidRequestError
+from jengine.sampling.defaults import Api, max_tokens_when_unset
 from jengine.sampling.params import SamplingParams
+from jengine.tokenizer.chat import check_continuation, join_text_parts
 
 MAX_JSON_DEPTH = 32
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs cap; the engine's --max-logprobs may lower it
 MAX_PROMPTS = 1024  # prompts in one /v1/completions batch (each also needs its own engine slots)
 MAX_REQUEST_ID_CHARS = 256
-COMPLETION_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens: vLLM's and OpenAI's legacy default
 _ROLES = frozenset({"system", "developer", "user", "assistant"})
 _MESSAGE_KEYS = frozenset({"role", "content", "name"})
 
@@ -208,7 +209,7 @@ def _stream(body: Mapping[str, Any]) -> tuple[bool, StreamOptions]:
 
 
 def _max_tokens(body: Mapping[str, Any], names: tuple[str, ...]) -> int | None:
-    """The first of `names` present (max_completion_tokens wins over the older max_tokens); None = rest of context."""
+    """The first of `names` present (max_completion_tokens wins over the older max_tokens); None when none is."""
     for name in names:
         value = get_field(body, name, "int")
         if value is not None:
@@ -219,11 +220,10 @@ def _max_tokens(body: Mapping[str, Any], names: tuple[str, ...]) -> int | None:
     return None
 
 
-def _sampling_kwargs(body: Mapping[str, Any], max_tokens_names: tuple[str, ...],
-                     defaults: Mapping[str, Any]) -> dict[str, Any]:
+def _sampling_kwargs(body: Mapping[str, Any], max_tokens_names: tuple[str, ...], defaults: Mapping[str, Any],
+                     api: Api) -> dict[str, Any]:
     """The request's sampling fields; those it leaves unset take the model's `defaults` (its generation config),
-    except max_tokens: its unset value stays the endpoint's (the model's max_new_tokens could overrun the context,
-    which the prompt's length, known only after the template, decides)."""
+    except max_tokens: unset, it is the endpoint's (`max_tokens_when_unset`)."""
     kwargs: dict[str, Any] = {k: v for k, v in defaults.items() if k != "max_tokens"}
     for names, kind in ((_NUMBERS, "number"), (_INTS, "int"), (_BOOLS, "bool")):
         for name in names:
@@ -234,7 +234,8 @@ def _sampling_kwargs(body: Mapping[str, Any], max_tokens_names: tuple[str, ...],
     kwargs["stop_token_ids"] = _int_list(body, "stop_token_ids")
     bias = get_field(body, "logit_bias", "object")
     kwargs["logit_bias"] = bias or None
-    kwargs["max_tokens"] = _max_tokens(body, max_tokens_names)
+    requested = _max_tokens(body, max_tokens_names)
+    kwargs["max_tokens"] = max_tokens_when_unset(defaults, api) if requested is None else requested
     return kwargs
 
 
@@ -252,11 +253,15 @@ def _int_list(body: Mapping[str, Any], name: str) -> list[int] | None:
     return values
 
 
-def _build_params(kwargs: dict[str, Any], info: ModelInfo, max_n: int) -> SamplingParams:
-    """SamplingParams checked against the model's vocabulary and the caps (one 400 naming the first bad field)."""
-    params = SamplingParams(**kwargs)
-    params.validate(info.vocab_size, min(MAX_LOGPROBS, info.max_logprobs), max_n)
-    return params
+def _build_params(kwargs: dict[str, Any], max_n: int) -> SamplingParams:
+    """SamplingParams under this server's own caps, checked here because the response is shaped by them before the
+    engine answers: n (up to `max_n`) and prompt_logprobs (OpenAI's 20). Every range is the engine's check, made
+    once, before admission, whatever the front end."""
+    for name, low, high in (("n", 1, max_n), ("prompt_logprobs", 0, MAX_LOGPROBS)):
+        value = kwargs.get(name)
+        if value is not None and value > high:
+            raise InvalidRequestError(f"{name} must be [{low}, {high}], got {value}", param=name)
+    return SamplingParams(**kwargs)
 
 
 def _priority(body: Mapping[str, Any]) -> int:
@@ -277,11 +282,11 @@ def parse_chat(body: Mapping[str, Any], info: ModelInfo, max_n: int = 16) -> Cha
     model = get_field(body, "model", "str")
     stream, options = _stream(body)
     prompt = {"messages": normalize_messages(body.get("messages")), **chat_template_options(body)}
-    kwargs = _sampling_kwargs(body, ("max_completion_tokens", "max_tokens"), info.sampling_defaults)
+    kwargs = _sampling_kwargs(body, ("max_completion_tokens", "max_tokens"), info.sampling_defaults, "chat")
     top_logprobs = _chat_logprobs(body)
     if top_logprobs is not None:
         kwargs["logprobs"] = top_logprobs
-    params = _build_params(kwargs, info, max_n)
+    params = _build_params(kwargs, max_n)
     return ChatRequest(model, prompt, params, stream, options, top_logprobs, _priority(body), params.prompt_logprobs,
                        _request_id(body))
 
@@ -292,9 +297,7 @@ def chat_template_options(body: Mapping[str, Any]) -> dict[str, Any]:
     `chat_template_kwargs` (extra template variables, e.g. {"enable_thinking": false})."""
     options: dict[str, Any] = {"add_generation_prompt": get_field(body, "add_generation_prompt", "bool", True)}
     if get_field(body, "continue_final_message", "bool", False):
-        if options["add_generation_prompt"]:
-            raise InvalidRequestError("continue_final_message needs add_generation_prompt set to false",
-                                      param="continue_final_message")
+        check_continuation(options["add_generation_prompt"], True)  # early: the 400 before admission
         options["continue_final_message"] = True
     template_kwargs = get_field(body, "chat_template_kwargs", "object")
     if template_kwargs:
@@ -360,9 +363,7 @@ def parse_completion(body: Mapping[str, Any], info: ModelInfo, max_n: int = 16) 
     echo_only = echo and get_field(body, "max_tokens", "int") == 0
     if echo_only:  # prompt scoring: the engine samples one token, which the response leaves out
         body = {**body, "max_tokens": 1}
-    kwargs = _sampling_kwargs(body, ("max_tokens",), info.sampling_defaults)
-    if kwargs["max_tokens"] is None:
-        kwargs["max_tokens"] = COMPLETION_DEFAULT_MAX_TOKENS
+    kwargs = _sampling_kwargs(body, ("max_tokens",), info.sampling_defaults, "completions")
     logprobs = get_field(body, "logprobs", "int")
     shown_prompt_logprobs = kwargs.get("prompt_logprobs")
     if logprobs is not None:
@@ -371,7 +372,7 @@ def parse_completion(body: Mapping[str, Any], info: ModelInfo, max_n: int = 16) 
         kwargs["logprobs"] = logprobs
         if echo:  # echoed prompt tokens carry their logprobs too
             kwargs["prompt_logprobs"] = max(kwargs.get("prompt_logprobs") or 0, logprobs)
-    params = _build_params(kwargs, info, max_n)
+    params = _build_params(kwargs, max_n)
     return CompletionRequest(model, prompts, params, stream, options, echo, logprobs, _priority(body),
                              shown_prompt_logprobs, _request_id(body), echo_only)
 

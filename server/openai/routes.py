@@ -16,8 +16,8 @@ from typing import Any
 
 from aiohttp import web
 
-from jengine.engine.client import EngineClient
-from jengine.engine.input_processor import chat_text
+from jengine.clients.protocol import EngineClient
+from jengine.tokenizer.chat import chat_text
 from jengine.errors import DeadlineExceededError, JengineError, NotFoundError, RequestTooLargeError
 from jengine.tokenizer import NoChatTemplateError
 from server.openai.chunks import ChatStreamFormatter, CompletionStreamFormatter, StreamFormatter

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
 from typing import Any
 
-from jengine.engine.client import EngineClient
+from jengine.clients.protocol import EngineClient
 from jengine.outputs import RequestOutput
 from jengine.sampling.params import SamplingParams
 

@@ -8,8 +8,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from jengine.engine.async_engine import AsyncEngine
-from jengine.engine.client import EngineClient
+from jengine.clients.async_engine import AsyncEngine
+from jengine.clients.protocol import EngineClient
 from jengine.errors import CapacityError, EngineDeadError, InvalidRequestError
 from jengine.outputs import RequestOutput
 from jengine.request import RequestStatus
@@ -131,6 +131,26 @@ def test_n_counts_against_the_bound(make_engine: Callable[..., tuple[AsyncEngine
             await _collect(engine, "x", SamplingParams(n=2))
         with pytest.raises(InvalidRequestError):
             await _collect(engine, "x", SamplingParams(n=4))  # could never fit
+        first.cancel()
+
+    asyncio.run(run())
+
+
+def test_bad_parameters_are_refused_before_admission(make_engine: Callable[..., tuple[AsyncEngine, FakeCore]]
+                                                    ) -> None:
+    """Parameters are checked before any slot is taken: a full engine still answers a bad request with the field's
+    400 (not a 429 to retry), and the request costs no slot."""
+    engine, core = make_engine(max_num_seqs=1, max_num_queued_reqs=0)
+    core.paused.set()
+
+    async def run() -> None:
+        gen = engine.generate("Hello", GREEDY)
+        first = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.01)
+        assert engine.num_in_flight == 1
+        with pytest.raises(InvalidRequestError) as info:
+            await _collect(engine, "x", SamplingParams(temperature=-1.0))
+        assert info.value.param == "temperature" and engine.num_in_flight == 1
         first.cancel()
 
     asyncio.run(run())

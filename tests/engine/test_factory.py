@@ -9,7 +9,7 @@ import pytest
 from transformers import LlamaConfig
 
 from jengine import LLM
-from jengine.engine import factory
+from jengine import factory
 from jengine.errors import CheckpointError
 from jengine.tokenizer.tokenizer import TOKENIZER_FILES
 from tests.conftest import COMMON

@@ -10,7 +10,7 @@ import pytest
 from transformers import LlamaConfig
 
 from jengine import LLM, SamplingParams
-from jengine.engine.client import ModelInfo
+from jengine.clients.protocol import ModelInfo
 from jengine.errors import CheckpointError, ConfigError
 from jengine.sampling.defaults import load_sampling_defaults
 from server.grpc_convert import model_info_from_proto, model_info_to_proto

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jengine.engine.input_processor import InputProcessor
+from jengine.front.input_processor import InputProcessor
 from jengine.errors import ContextLengthExceededError, InvalidRequestError
 from jengine.sampling.params import SamplingParams
 from jengine.tokenizer import Tokenizer

@@ -144,5 +144,5 @@ def test_shutdown_and_context_manager(tokenizer: Tokenizer) -> None:
 
 def test_import_jengine_does_not_import_jax() -> None:
     code = ("import sys, jengine; from jengine import LLM, SamplingParams, EngineConfig, RequestOutput, "
-            "CompletionOutput; import jengine.engine.async_engine; assert 'jax' not in sys.modules, 'jax imported'")
+            "CompletionOutput; import jengine.clients.async_engine; assert 'jax' not in sys.modules, 'jax imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from jengine.engine.core import EngineCoreOutput
-from jengine.engine.output_processor import OutputProcessor, ProcessedOutputs, find_stop_string
+from jengine.front.output_processor import OutputProcessor, ProcessedOutputs, find_stop_string
 from jengine.outputs import Logprob, RequestOutput, RequestOutputKind
 from jengine.sampling.params import SamplingParams
 from jengine.scheduler.output import TokenLogprobs

@@ -17,7 +17,7 @@ from transformers import LlamaConfig
 
 from jengine import LLM, SamplingParams
 from jengine.config import EngineConfig
-from jengine.engine.factory import build_engine
+from jengine.factory import build_engine
 from jengine.outputs import RequestOutput
 from jengine.request import Request
 from jengine.runner.input_batch import pending_token_id

@@ -12,7 +12,7 @@ import pytest
 from transformers import LlamaConfig
 
 from jengine import LLM, SamplingParams
-from jengine.engine.client import ITERATION_TOKEN_BUCKETS
+from jengine.engine.stats import ITERATION_TOKEN_BUCKETS
 from tests.conftest import COMMON, fresh_seed
 from tests.engine.test_invariance import assert_nothing_leaked
 

@@ -18,10 +18,11 @@ import pytest
 from transformers import LlamaConfig
 
 from jengine.config import EngineConfig
-from jengine.engine.async_engine import AsyncEngine
-from jengine.engine.client import EngineClient, EngineStats
+from jengine.clients.async_engine import AsyncEngine
+from jengine.clients.protocol import EngineClient
+from jengine.engine.stats import EngineStats
 from jengine.cache.prefix_index import PrefixIndex
-from jengine.engine.router import Router
+from jengine.clients.router import Router
 from jengine.errors import CapacityError, ConfigError, EngineDeadError, InvalidRequestError
 from jengine.outputs import RequestOutput
 from jengine.request import RequestStatus

@@ -23,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import LlamaConfig
 
 from jengine.config import EngineConfig, ServerConfig
-from jengine.engine.async_engine import AsyncEngine
-from jengine.engine.client import EngineClient
+from jengine.clients.async_engine import AsyncEngine
+from jengine.clients.protocol import EngineClient
 from jengine.tokenizer import CHATML_TEMPLATE, train_tiny_tokenizer
 from server.app import RunningServer, ServerState, start_server
 from tests.conftest import COMMON, TOKENIZER_VOCAB

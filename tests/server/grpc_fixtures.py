@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import grpc
 
 from jengine.config import EngineConfig
-from jengine.engine.async_engine import AsyncEngine
+from jengine.clients.async_engine import AsyncEngine
 from jengine.outputs import RequestOutput
 from jengine.sampling.params import SamplingParams
 from jengine.v1 import jengine_pb2_grpc as pb_grpc

@@ -18,8 +18,8 @@ import pytest
 
 from jengine.cli import build_parser, main
 from jengine.config import EngineConfig
-from jengine.engine.async_engine import AsyncEngine
-from jengine.engine.router import Router
+from jengine.clients.async_engine import AsyncEngine
+from jengine.clients.router import Router
 from jengine.sampling.params import SamplingParams
 from server.grpc_client import GrpcEngineClient
 from server.grpc_service import start_grpc_server

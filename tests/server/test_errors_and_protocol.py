@@ -8,7 +8,7 @@ import asyncio
 import grpc
 import pytest
 
-from jengine.engine.client import ModelInfo
+from jengine.clients.protocol import ModelInfo
 from jengine.errors import (
     AuthenticationError, CapacityError, ContextLengthExceededError, DeadlineExceededError, EngineDeadError,
     InvalidRequestError, NotFoundError, RequestTooLargeError, ServiceUnavailableError,

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from transformers import LlamaConfig
 
-from jengine.engine.client import EngineClient
+from jengine.clients.protocol import EngineClient
 from jengine.errors import (
     AuthenticationError, ContextLengthExceededError, InvalidRequestError, RequestTooLargeError,
 )
@@ -112,6 +112,9 @@ def test_sampling_fields_mirror_sampling_params() -> None:
     with pytest.raises(InvalidRequestError) as info:
         grpc_convert.sampling_to_proto(SamplingParams(max_tokens=2**40))
     assert info.value.param == "max_tokens"
+    for seed in (2**64, -(2**63) - 1):  # no 64 bits carry it: the engine's refusal, not a silently wrapped seed
+        with pytest.raises(InvalidRequestError, match=r"seed must be \[") as info:
+            grpc_convert.sampling_to_proto(SamplingParams(seed=seed))
 
 
 # ------------------------------------------------------------------------------------------------- Generate

@@ -20,7 +20,8 @@ import openai
 import pytest
 
 from jengine.cli import _serve_model, build_parser, main
-from jengine.engine.client import EngineStats, ModelInfo
+from jengine.clients.protocol import ModelInfo
+from jengine.engine.stats import EngineStats
 from jengine.errors import EngineDeadError
 from jengine.models.demo import DEMO_MAX_POSITIONS, DEMO_SERVED_NAME
 from jengine.outputs import CompletionOutput, RequestOutput

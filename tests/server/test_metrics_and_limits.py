@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from jengine.config import EngineConfig
-from jengine.engine.async_engine import AsyncEngine
+from jengine.clients.async_engine import AsyncEngine
 from tests.server.conftest import (
     ENGINE_KWARGS, MODEL_NAME, ServerHandle, Servers, metric, paused_core, scrape, wait_for,
 )

@@ -25,8 +25,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from jengine.engine.client import ITERATION_TOKEN_BUCKETS, EngineClient, EngineStats, ModelInfo
-from jengine.engine.input_processor import PromptInput
+from jengine.clients.protocol import EngineClient, ModelInfo
+from jengine.engine.stats import ITERATION_TOKEN_BUCKETS, EngineStats
+from jengine.front.input_processor import PromptInput
 from jengine.errors import CapacityError
 from jengine.outputs import RequestOutput
 from jengine.sampling.params import SamplingParams

@@ -1,8 +1,9 @@
 """`AsyncEngine`: the in-process `EngineClient` that servers stream from.
 
-A request's path: admission (a slot reserved synchronously, before any tokenising, so a burst can never overfill the
-engine) → `InputProcessor` → the core loop thread → core outputs handed back to the event loop with
-`call_soon_threadsafe` → `OutputProcessor` → the request's own asyncio queue → the caller's `async for`.
+A request's path: its parameters checked and its slots reserved synchronously (before any tokenising, so a burst can
+never overfill the engine) → `EngineFront` (tokenize, fan out, track) → the core loop thread → core outputs handed
+back to the event loop with `call_soon_threadsafe` → `EngineFront.collect` → the request's own asyncio queue → the
+caller's `async for`.
 A caller that stops iterating (client gone, task cancelled) aborts its request in the core. If the core loop dies,
 every waiting caller gets `EngineDeadError` and so does every new call: never a silent hang with /health at 200.
 """
@@ -19,11 +20,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from jengine.config import EngineConfig
-from jengine.engine.client import EngineStats, ModelInfo
+from jengine.clients.protocol import ModelInfo
+from jengine.engine.stats import EngineStats
 from jengine.engine.core import EngineCore, EngineCoreOutput
 from jengine.engine.core_loop import CoreLoop, StatsReader
-from jengine.engine.input_processor import InputProcessor, ProcessedRequest, PromptInput
-from jengine.engine.output_processor import OutputProcessor
+from jengine.front.front import EngineFront
+from jengine.front.input_processor import ProcessedRequest, PromptInput
 from jengine.errors import CapacityError, EngineDeadError, InvalidRequestError
 from jengine.outputs import RequestOutput, RequestOutputKind
 from jengine.request import RequestStatus
@@ -31,7 +33,7 @@ from jengine.sampling.params import SamplingParams
 from jengine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from jengine.engine.factory import EngineParts
+    from jengine.factory import EngineParts
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +59,7 @@ class AsyncEngine:
 
     def __init__(self, parts: EngineParts, *, max_n: int = 16) -> None:
         self._parts = parts
-        self._input = InputProcessor.from_parts(parts, max_n)
-        self._output = OutputProcessor(parts.tokenizer)
+        self._front = EngineFront.from_parts(parts, max_n, RequestOutputKind.DELTA)
         sched = parts.config.scheduler
         self._bound = sched.max_num_seqs + sched.max_num_queued_reqs
         self._reserved = 0  # core requests (choices) admitted and not yet reported finished by the core
@@ -75,7 +76,7 @@ class AsyncEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
         """Build the model, cache and core (minutes for a large model), then start the loop."""
-        from jengine.engine.factory import build_engine  # imports jax: only when an engine is really built
+        from jengine.factory import build_engine  # imports jax: only when an engine is really built
 
         return cls(build_engine(config))
 
@@ -114,7 +115,7 @@ class AsyncEngine:
     def get_model_info(self) -> ModelInfo:
         model = self._parts.config.model
         return ModelInfo(model.served_model_name or model.model, model.model,
-                         self._parts.config.scheduler.max_model_len, self._input.vocab_size, model.max_logprobs,
+                         self._parts.config.scheduler.max_model_len, self._front.vocab_size, model.max_logprobs,
                          dict(self._parts.sampling_defaults), model.served_model_aliases)
 
     def is_healthy(self) -> bool:
@@ -150,13 +151,14 @@ class AsyncEngine:
     # ------------------------------------------------------------------ admission
     def _admit(self, prompt: PromptInput, params: SamplingParams, request_id: str | None,
                priority: int) -> _Stream:
-        """Reserve slots first (atomic: no await before the increment), then validate and tokenize."""
+        """Check the parameters, reserve slots (atomic: no await before the increment), then tokenize."""
         with self._lock:
             self._raise_if_dead()
+            self._front.check(params)  # a bad request is a 400 even when the engine is full
             self._bind_loop()
-            slots = self._reserve(params)
+            slots = self._reserve(params.n)
         try:
-            processed = self._input.process(prompt, params, request_id or uuid.uuid4().hex, priority=priority,
+            processed = self._front.prepare(prompt, params, request_id or uuid.uuid4().hex, priority=priority,
                                             arrival_time=time.monotonic())
             with self._lock:
                 self._raise_if_dead()
@@ -168,9 +170,8 @@ class AsyncEngine:
                     self._reserved -= slots
             raise
 
-    def _reserve(self, params: SamplingParams) -> int:
-        """Take `n` slots or refuse at once; n is read leniently here, validated by the input processor."""
-        n = params.n if isinstance(params.n, int) and 1 <= params.n <= self._input.max_n else 1
+    def _reserve(self, n: int) -> int:
+        """Take `n` slots (a checked n) or refuse at once."""
         if n > self._bound:
             raise InvalidRequestError(f"n={n} is more than this engine holds at once ({self._bound})", param="n")
         if self._reserved + n > self._bound:
@@ -186,11 +187,9 @@ class AsyncEngine:
     def _submit(self, processed: ProcessedRequest) -> _Stream:
         child_ids = processed.child_ids
         stream = _Stream(processed.request_id, child_ids, asyncio.Queue())
-        self._output.add(processed.request_id, processed.prompt, processed.prompt_token_ids, processed.params,
-                         child_ids, processed.children[0][0].arrival_time, output_kind=RequestOutputKind.DELTA)
         self._streams[processed.request_id] = stream
         self._live_children.update(child_ids)
-        self._core_loop.add(processed.children)
+        self._front.submit(processed, self._core_loop.add)
         return stream
 
     def _detach(self, stream: _Stream) -> None:
@@ -228,15 +227,16 @@ class AsyncEngine:
                 return
             try:
                 self._release_finished(outputs)
-                processed = self._output.process(outputs)
-                self._core_loop.abort(processed.requests_to_abort, RequestStatus.FINISHED_STOPPED)
-                for request_output in processed.request_outputs:
+                for request_output in self._front.collect(outputs, self._stop_in_core):
                     self._deliver(request_output)
             except Exception as exc:  # a bug on our side of the queue: every request would hang, so fail them
                 logger.exception("output processing failed")
                 self._dead = _dead_error("output processing failed", exc)
                 self._core_loop.shutdown(timeout=0)
                 self._fail_all()
+
+    def _stop_in_core(self, child_ids: list[str]) -> None:
+        self._core_loop.abort(child_ids, RequestStatus.FINISHED_STOPPED)
 
     def _release_finished(self, outputs: list[EngineCoreOutput]) -> None:
         """A slot is free once the core reports its request finished (aborts included): the bound stays exact."""
@@ -270,7 +270,7 @@ class AsyncEngine:
             for stream in streams:
                 stream.done = True
                 stream.queue.put_nowait(_copy_dead(self._dead))
-            self._output = OutputProcessor(self._parts.tokenizer)
+            self._front.reset()
             self._live_children.clear()
             self._reserved = 0
 

@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING
 
 from jengine.cache.hashing import update_block_hashes
 from jengine.cache.prefix_index import PrefixIndex
-from jengine.engine.client import EngineClient, EngineStats, ModelInfo
-from jengine.engine.input_processor import InputProcessor, PromptInput
+from jengine.clients.protocol import EngineClient, ModelInfo
+from jengine.engine.stats import EngineStats
+from jengine.front.input_processor import InputProcessor, PromptInput
 from jengine.errors import CapacityError, ConfigError, EngineDeadError, InvalidRequestError, ServiceUnavailableError
 from jengine.outputs import RequestOutput
 from jengine.request import Request
@@ -101,8 +102,8 @@ class Router:
     def from_config(cls, config: EngineConfig) -> Router:
         """`data_parallel_size` in-process replicas, replica i on devices [i*tp, (i+1)*tp), each an `AsyncEngine`
         with its own core thread. Refused before any weight is loaded when the devices do not suffice."""
-        from jengine.engine.async_engine import AsyncEngine  # imports jax: only when engines are really built
-        from jengine.engine.factory import build_engine
+        from jengine.clients.async_engine import AsyncEngine  # imports jax: only when engines are really built
+        from jengine.factory import build_engine
         from jengine.parallel.mesh import replica_devices
 
         parallel = config.parallel

@@ -18,10 +18,11 @@ from jengine.errors import ContextLengthExceededError, InvalidRequestError
 from jengine.request import Request
 from jengine.sampling.params import SamplingParams
 from jengine.tokenizer import Tokenizer
+from jengine.tokenizer.chat import CHAT_PROMPT_KEYS, render_chat
 from jengine.tokenizer.tokenizer import read_template_argument
 
 if TYPE_CHECKING:
-    from jengine.engine.factory import EngineParts
+    from jengine.factory import EngineParts
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,6 @@ default true), `continue_final_message` (bool) and `chat_template_kwargs` (extra
 chats in this form so that the template is rendered only after the request has been admitted."""
 
 _PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
-CHAT_PROMPT_KEYS = frozenset({"messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,17 +92,15 @@ class InputProcessor:
             stop_at_context_end=stop_at_context_end,
         )
 
-    def process(
-        self,
-        prompt: PromptInput,
-        params: SamplingParams,
-        request_id: str,
-        *,
-        priority: int = 0,
-        arrival_time: float,
-    ) -> ProcessedRequest:
+    def process(self, prompt: PromptInput, params: SamplingParams, request_id: str, *, priority: int = 0,
+                arrival_time: float) -> ProcessedRequest:
         """Validate everything, tokenize, resolve max_tokens and fan out into `params.n` core requests."""
-        self._check_params(params)
+        self.check_params(params)
+        return self.prepare(prompt, params, request_id, priority=priority, arrival_time=arrival_time)
+
+    def prepare(self, prompt: PromptInput, params: SamplingParams, request_id: str, *, priority: int = 0,
+                arrival_time: float) -> ProcessedRequest:
+        """`process` for params that passed `check_params` (a caller that checks them before admission)."""
         _check_int_field("priority", priority)
         text, ids = self.tokenize(prompt)
         self._check_token_ids(ids)
@@ -127,17 +125,18 @@ class InputProcessor:
         arrival_time: float,
     ) -> ProcessedRequest:
         """Render the chat template (sandboxed), then process the result as token ids with the rendered text."""
-        self._check_params(params)  # before rendering: a bad request costs no template work
+        self.check_params(params)  # before rendering: a bad request costs no template work
         tokenizer = self.tokenizer
         if chat_template is not None:  # a file, or the template text, as LLM(chat_template=) takes it
             tokenizer = Tokenizer(tokenizer.hf_tokenizer, chat_template=read_template_argument(chat_template))
         options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
                    "chat_template_kwargs": chat_template_kwargs}
         prompt = render_chat(tokenizer, messages, options)
-        return self.process(prompt, params, request_id, priority=priority, arrival_time=arrival_time)
+        return self.prepare(prompt, params, request_id, priority=priority, arrival_time=arrival_time)
 
-    def _check_params(self, params: SamplingParams) -> None:
-        """Field ranges (SamplingParams.validate), plus combinations this engine refuses rather than ignores."""
+    def check_params(self, params: SamplingParams) -> None:
+        """The one validation of a request's SamplingParams, whoever sent it: field ranges (SamplingParams.validate)
+        against this model's limits, plus combinations this engine refuses rather than ignores."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         params.validate(self.vocab_size, self.max_logprobs, self.max_n)
@@ -197,7 +196,8 @@ class InputProcessor:
                 )
 
     def _resolve_lengths(self, prompt_len: int, params: SamplingParams) -> SamplingParams:
-        """Check the prompt fits with room to generate; max_tokens=None becomes what is left of the context."""
+        """Check the prompt fits with room to generate, and resolve max_tokens (the one place it becomes a number):
+        None becomes what is left of the context; offline, so does a number past it (servers refuse that)."""
         limit = self.max_model_len
         if prompt_len >= limit:
             raise ContextLengthExceededError(
@@ -226,55 +226,6 @@ class InputProcessor:
                 f"{prompt_len + params.max_tokens} is over max_model_len {limit}", param="max_tokens",
             )
         return params
-
-
-def chat_text(tokenizer: Tokenizer, messages: Any, options: Mapping[str, Any] | None = None) -> str:
-    """The chat rendered by its template in the sandbox. `options`: a chat prompt dict's rendering keys
-    (`add_generation_prompt`, default true; `continue_final_message`; `chat_template_kwargs`), type-checked here.
-    Raises NoChatTemplateError for a model without a template."""
-    if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
-        raise InvalidRequestError("messages must be a non-empty list of messages", param="messages")
-    options = options or {}
-    flags = {"add_generation_prompt": options.get("add_generation_prompt", True),
-             "continue_final_message": options.get("continue_final_message", False)}
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise InvalidRequestError(f"{name} must be a boolean", param=name)
-    kwargs = options.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
-        raise InvalidRequestError("chat_template_kwargs must be an object", param="chat_template_kwargs")
-    return tokenizer.apply_chat_template([_with_text_content(m, i) for i, m in enumerate(messages)], **flags,
-                                         **kwargs)
-
-
-def join_text_parts(parts: Sequence[Any], where: str) -> str:
-    """OpenAI's content parts ([{"type": "text", "text": ...}, ...]) joined by newlines (the models read text only);
-    any other part is an InvalidRequestError naming `where` (e.g. "messages[2]")."""
-    texts = []
-    for part in parts:
-        kind = part.get("type") if isinstance(part, Mapping) else None
-        if kind != "text" or not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
-            shown = kind if isinstance(kind, str) else type(part).__name__
-            raise InvalidRequestError(f"{where}.content part of type {shown[:40]!r} is not supported "
-                                      f"(text parts only)", param=f"{where}.content")
-        texts.append(part["text"])
-    return "\n".join(texts)
-
-
-def _with_text_content(message: Any, index: int) -> Any:
-    """A message whose content is a list of parts, with them joined (`join_text_parts`), as the server does; the
-    template then sees a string. Other messages pass as they are (the template decides what it accepts)."""
-    content = message.get("content") if isinstance(message, Mapping) else None
-    if not isinstance(content, list):
-        return message
-    return {**message, "content": join_text_parts(content, f"messages[{index}]")}
-
-
-def render_chat(tokenizer: Tokenizer, messages: Any, options: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """`{"prompt": text, "prompt_token_ids": ids}` of a chat (`chat_text`), encoded without added special tokens
-    (the template already holds BOS)."""
-    text = chat_text(tokenizer, messages, options)
-    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
 
 def _check_int_field(name: str, value: Any) -> None:

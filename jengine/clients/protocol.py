@@ -10,7 +10,8 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any, Protocol, runtime_checkable
 
-from jengine.engine.input_processor import PromptInput
+from jengine.engine.stats import EngineStats
+from jengine.front.input_processor import PromptInput
 from jengine.outputs import RequestOutput
 from jengine.sampling.params import SamplingParams
 from jengine.tokenizer import Tokenizer
@@ -28,31 +29,6 @@ class ModelInfo:
     # SamplingParams keywords a request's unset fields take (the model's generation_config.json; may be empty)
     sampling_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
     aliases: tuple[str, ...] = ()  # further names clients may put in "model"
-
-
-ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-"""Upper bounds of the tokens-per-engine-step histogram (vLLM's `iteration_tokens_total` buckets)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the engine's state, published by the core thread after each step (safe to read anywhere).
-
-    Gauges and cumulative counters with vLLM's meanings; servers turn them into Prometheus metrics at scrape time.
-    """
-
-    num_running: int = 0  # requests (choices) in the running batch
-    num_waiting: int = 0  # admitted, waiting for their first (or a resumed) scheduling
-    kv_cache_usage: float = 0.0  # fraction of KV blocks held by requests, 0..1 (cached free blocks are free)
-    num_preemptions: int = 0  # cumulative
-    prefix_cache_queries: int = 0  # cumulative prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0  # cumulative of those served from it
-    num_gpu_blocks: int = 0  # size of the KV pool in blocks (0 where unknown)
-    block_size: int = 0  # tokens per KV block (0 where unknown)
-    # Engine steps by tokens computed in the step: one count per bucket of ITERATION_TOKEN_BUCKETS plus one above the
-    # last (not cumulative); () where the engine does not report them (a remote engine over gRPC).
-    step_token_counts: tuple[int, ...] = ()
-    step_tokens_sum: int = 0  # cumulative tokens of those steps
 
 
 @runtime_checkable
