@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from jengine.engine.async_engine import AsyncEngine
+from jengine.clients.async_engine import AsyncEngine
 
 
 class InjectedFault(RuntimeError):

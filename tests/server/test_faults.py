@@ -19,7 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jengine.config import EngineConfig, ServerConfig
-from jengine.engine.async_engine import AsyncEngine
+from jengine.clients.async_engine import AsyncEngine
 from jengine.v1 import jengine_pb2 as pb
 from jengine.v1 import jengine_pb2_grpc as pb_grpc
 from server.grpc_service import start_grpc_server
