@@ -13,11 +13,13 @@ import collections
 import dataclasses
 import json
 import random
-from collections.abc import Awaitable, Callable
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
 
+_LINE_END = re.compile(r"\r\n|\r|\n")
 OUTCOMES = ("ok", "refused", "cancelled", "errored")
 WORDS = ("the", "engine", "streams", "tokens", "über", "naïve", "日本", "cache", "block", "prefill", "decode",
          "🙂", "quick", "brown", "fox", "jumps", "lazy", "dog", "serve", "batch")
@@ -80,12 +82,24 @@ def by_status(status: int, body: bytes, *, bad_input: bool = False) -> tuple[str
     return "errored", f"status {status}: {body[:200]!r}"
 
 
+async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """Lines as SSE splits them: at \\n, \\r\\n or \\r only. (httpx's aiter_lines splits like str.splitlines, also at
+    U+2028, U+0085 and the like, which a model's text holds raw inside a JSON string.)"""
+    buffer = ""
+    async for text in response.aiter_text():
+        *lines, buffer = _LINE_END.split(buffer + text)
+        for line in lines:
+            yield line
+    if buffer:
+        yield buffer
+
+
 async def read_stream(response: httpx.Response, stop_after: int | None = None) -> tuple[str, str]:
     """Reads SSE events; closes early after `stop_after` data chunks (a client disconnecting mid-stream)."""
     if response.status_code != 200:
         return by_status(response.status_code, await response.aread())
     chunks, finished, done = 0, False, False
-    async for line in response.aiter_lines():
+    async for line in sse_lines(response):
         if not line.startswith("data: "):
             continue
         if line == "data: [DONE]":
