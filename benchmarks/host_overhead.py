@@ -39,6 +39,7 @@ from jengine.config import EngineConfig  # noqa: E402
 from jengine.engine.core import EngineCore  # noqa: E402
 from jengine.factory import build_engine  # noqa: E402
 from jengine.request import Request  # noqa: E402
+from jengine.runner.step import StepOutput  # noqa: E402
 from jengine.sampling.params import SamplingParams  # noqa: E402
 from jengine.sampling.sampler import SamplerOutput  # noqa: E402
 from jengine.scheduler.scheduler import Scheduler  # noqa: E402
@@ -87,11 +88,10 @@ def fake_step(vocab: int, device: SimulatedDevice | None = None):
     """Stands in for the jitted model step: one token per row, at once or from the simulated device."""
     rng = np.random.default_rng(0)
 
-    def step(params, kv_cache, row_tokens, token_ids, md, logits_rows, sample_rows, sampling, prompt_rows,
-             prompt_targets, num_prompt_logprobs):
-        tokens = rng.integers(3, vocab, size=len(logits_rows)).astype(np.int32)
+    def step(params, state, batch):
+        tokens = rng.integers(3, vocab, size=len(batch.sample_rows)).astype(np.int32)
         ready_at = device.launch() if device is not None else 0.0
-        return SamplerOutput(DeviceTokens(tokens, ready_at), None, None, None), None, kv_cache, row_tokens
+        return state, StepOutput(SamplerOutput(DeviceTokens(tokens, ready_at), None, None, None), None)
 
     return step
 
@@ -146,7 +146,7 @@ def kv_waste(num_requests: int, block_size: int, max_model_len: int, seed: int) 
     config = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192, max_num_queued_reqs=num_requests,
                              max_model_len=max_model_len)
     kv = KVCacheManager(20000, block_size, enable_prefix_caching=True)
-    scheduler = Scheduler(config, kv, block_size)
+    scheduler = Scheduler(config, kv)
     for i, (p, o) in enumerate(zip(prompt_lens, output_lens, strict=True)):
         prompt = rng.integers(3, 30000, size=int(p)).tolist()
         scheduler.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=int(o), ignore_eos=True)))

@@ -290,7 +290,7 @@ def _serve(args: argparse.Namespace) -> int:
     model, served_name = _serve_model(args)
     engine_config = EngineConfig.from_kwargs(model, served_model_name=served_name, **engine_kwargs(args))
     if engine_config.parallel.num_processes > 1 and engine_config.parallel.process_id:
-        from jengine.parallel.distributed import serve_worker
+        from jengine.worker import serve_worker
 
         return serve_worker(engine_config)  # no API here: process 0 serves, this one runs the same steps
     engine = _serving_engine(engine_config)

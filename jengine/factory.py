@@ -16,11 +16,14 @@ from jengine.engine.core import EngineCore
 from jengine.errors import ConfigError
 from jengine.models.loader import load_model, load_spec
 from jengine.models.spec import ModelSpec
-from jengine.parallel.distributed import PublishingRunner, StepPublisher, agree_across_processes
+from jengine.parallel.distributed import agree_across_processes
 from jengine.parallel.distributed import initialize as initialize_processes
 from jengine.parallel.mesh import build_mesh, replica_devices
 from jengine.parallel.sharding import plan_layout
+from jengine.parallel.step_feed import StepPublisher
 from jengine.runner.kv_storage import log_plan, plan_kv_cache
+from jengine.runner.multi_process import PublishingRunner
+from jengine.runner.protocol import StepRunner
 from jengine.runner.runner import ModelRunner
 from jengine.sampling.defaults import load_sampling_defaults
 from jengine.tokenizer import Tokenizer
@@ -105,7 +108,7 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
     log_plan(plan, config.scheduler.max_model_len)
     backend = select_backend(device.platform, config.runner.attention_backend, head_dim=spec.head_dim,
                              mesh=layout.mesh)
-    runner = ModelRunner(spec, params, dtype, config, plan, backend, layout)
+    runner: StepRunner = ModelRunner(spec, params, dtype, config, plan, backend, layout)
     if parallel.num_processes > 1 and jax.process_index() == 0:  # the workers replay process 0's runner calls
         runner = PublishingRunner(runner, StepPublisher())
     core = EngineCore(config, runner, plan.num_blocks)

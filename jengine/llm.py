@@ -161,10 +161,10 @@ class LLM:
             self._front.submit(request, self._enter_core)
             added.append(request)
 
-    def _enter_core(self, children: list[tuple[Request, int]]) -> None:
+    def _enter_core(self, children: list[Request]) -> None:
         """Into the core past its own queue bound: `_feed` keeps this call's total under it."""
-        for child, index in children:
-            self._core.add_request(child, index, enforce_queue_bound=False)
+        for child in children:
+            self._core.add_request(child, enforce_queue_bound=False)
 
     def _step(self) -> list[EngineCoreOutput]:
         """One core step; a failing core leaves the engine in an unknown state, so the LLM is dead afterwards."""

@@ -4,13 +4,16 @@ jax 0.11.2's Triton lowering offsets into an array in elements, with 32-bit inte
 than 4 GiB (`_compute_offsets_from_indices` in `jax/_src/pallas/triton/lowering.py`). A 1-byte array (a float8
 KV cache) of more than 2^31 elements but at most 4 GiB therefore gets element offsets beyond int32: its upper part
 is read, and written, at negative offsets, outside the array. Arrays of 2-byte or wider elements never fall in that
-window (4 GiB of them is at most 2^31 elements), and arrays over 4 GiB get 64-bit offsets.
+window (4 GiB of them is at most 2^31 elements), and arrays over 4 GiB get 64-bit offsets. The attention kernel
+therefore reads a float8 cache through `as_byte_pairs` (uint16 elements); the write kernel still refuses a float8
+cache in the window, and jengine writes such a cache with the XLA scatter.
 """
 
 from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 
 INT32_ELEMENTS = 2**31  # element offsets must stay below this under 32-bit addressing
@@ -37,9 +40,16 @@ def check_addressable(shape: tuple[int, ...], dtype) -> None:
         )
 
 
-def largest_addressable_count(count: int, elements_per_item: int, dtype) -> int:
-    """The largest number ≤ `count` of items (e.g. KV blocks of `elements_per_item` elements) whose array the
-    kernels address correctly: `count` itself, or as many as keep the array within 2^31 elements."""
-    if not offsets_overflow((count * elements_per_item,), dtype):
-        return count
-    return INT32_ELEMENTS // elements_per_item
+def as_byte_pairs(x):
+    """A 1-byte array (a float8 cache) seen as uint16 pairs along its last axis: `[..., d] → [..., d // 2]`, byte
+    `2j` the low half of element `j`. XLA makes this a bitcast (no copy). The kernels address 1-byte caches through
+    this view: 2-byte elements never fall in the 32-bit offset window (module docstring), so a float8 cache of any
+    size is addressable."""
+    *lead, d = x.shape
+    return jax.lax.bitcast_convert_type(x.reshape(*lead, d // 2, 2), jnp.uint16)
+
+
+def from_byte_pairs(x16, dtype):
+    """The inverse of `as_byte_pairs`: `[..., d // 2]` uint16 → `[..., d]` of the 1-byte `dtype`."""
+    *lead, half = x16.shape
+    return jax.lax.bitcast_convert_type(x16, dtype).reshape(*lead, 2 * half)

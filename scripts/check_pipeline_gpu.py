@@ -73,11 +73,10 @@ def device_seconds(llm: LLM, recorder: Recorder, run_step) -> float:
     runner = llm._core.runner
     args, kwargs = recorder.decode_args
     args = list(args)
-    args[1] = runner.kv_cache  # the recorded cache was donated; the current one has the same shape
+    args[1] = runner.state  # the recorded state was donated; the current one has the same shapes
 
     def call() -> None:
-        out = run_step(*args, **kwargs)
-        args[1] = out[2]
+        args[1], _ = run_step(*args, **kwargs)
 
     for _ in range(3):
         call()
@@ -89,7 +88,7 @@ def device_seconds(llm: LLM, recorder: Recorder, run_step) -> float:
             call()
         jax.block_until_ready(args[1])
         times.append((time.perf_counter() - start) / REPLAY_CALLS)
-    runner.kv_cache = args[1]
+    runner.state = args[1]
     return statistics.median(times)
 
 

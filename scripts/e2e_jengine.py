@@ -76,24 +76,22 @@ class StepRecorder:
         """Times the runner's step on these inputs, then makes the real call (with the cache the replays left)."""
         import jax
 
-        kv = self.core.runner.kv_cache
-        index = next(i for i, a in enumerate(args) if a is kv)
-        args = list(args)
+        args = list(args)  # (params, state, batch): each call donates the state and returns the next one
 
         def call() -> Any:
             out = run_step(*args, **kwargs)
-            args[index] = next(o for o in out if getattr(o, "shape", None) == kv.shape and o.dtype == kv.dtype)
+            args[1] = out[0]
             return out
 
         for _ in range(2):
             call()
-        jax.block_until_ready(args[index])
+        jax.block_until_ready(args[1])
         times = []
         for _ in range(REPLAY_RUNS):
             start = time.perf_counter()
             for _ in range(REPLAY_CALLS):
                 call()
-            jax.block_until_ready(args[index])
+            jax.block_until_ready(args[1])
             times.append((time.perf_counter() - start) / REPLAY_CALLS)
         self.replay_seconds = statistics.median(times)
         self._replayed_at = len(self.steps)  # this step is appended next

@@ -1,23 +1,29 @@
 """Prometheus metrics with vLLM's names and meanings (`jengine:` prefix), one registry per server instance.
 
-Two sources, so the core thread does no metric work beyond publishing one snapshot per step:
+Every engine-level series carries the label `engine="0"`..`"N-1"` (the data-parallel router's replicas in order; a
+single engine is `engine="0"`), as vLLM labels its engines; there is no unlabelled total beside them (a PromQL `sum()`
+makes it, and both would double-count). Two sources, so the core thread does no metric work beyond publishing one
+snapshot per step:
 - gauges and the core's cumulative counters (running, waiting, KV usage, preemptions, prefix-cache tokens) are read at
-  scrape time from `EngineClient.stats()`, the snapshot the core publishes after each step; so is the tokens-per-step
-  histogram, as the cumulative bucket counts the core keeps;
+  scrape time from each engine's stats (`EngineClient.stats()`, a router's `replica_stats()`), the snapshot a core
+  publishes after each step; so is the tokens-per-step histogram, as the cumulative bucket counts the core keeps;
 - per-request figures (tokens, TTFT, inter-token latency, end-to-end latency, finish reasons) are recorded by
   `MeteredEngineClient`, an `EngineClient` that wraps another and watches the outputs pass. `jengine serve` hands the
   wrapped client to both front ends, so HTTP and gRPC traffic is counted alike. The phase times (queue, prefill,
   decode) come from the core's own timestamps on the outputs; a client whose outputs carry none (a remote engine over
-  gRPC) records no phase samples rather than estimates.
+  gRPC) records no phase samples rather than estimates. A request's engine is the one holding it at its first output
+  (`Router.owner`).
+`admission_rejections` is the server's own series (a request refused at admission has no engine), without the label.
 No global registry: several servers can live in one process (tests do).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing
 from typing import Any
 
@@ -26,6 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from jengine.clients.protocol import EngineClient, ModelInfo
+from jengine.clients.router import Router
 from jengine.engine.stats import ITERATION_TOKEN_BUCKETS, EngineStats
 from jengine.front.input_processor import PromptInput
 from jengine.errors import CapacityError
@@ -36,6 +43,7 @@ from jengine.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 PREFIX = "jengine:"
+ENGINE_LABEL = "engine"  # on every engine-level series: "0".."N-1" (vLLM's label); a PromQL sum() adds them up
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
@@ -45,94 +53,146 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
-class _EngineStatsCollector(Collector):
-    """Turns `client.stats()` into gauges and counters when Prometheus scrapes."""
+@dataclasses.dataclass(frozen=True)
+class EngineSources:
+    """The engines behind a served client, as the metrics see them: engine "0".."N-1", in replica order."""
 
-    def __init__(self, client: EngineClient, model_name: str) -> None:
-        self._client = client
+    count: int
+    snapshots: Callable[[], list[EngineStats]]  # each engine's latest published stats
+    serving: Callable[[str], int | None]  # the engine holding a request (asked at its first output)
+
+    @classmethod
+    def of(cls, client: EngineClient) -> EngineSources:
+        """A router's replicas; any other client is one engine, engine "0"."""
+        if isinstance(client, Router):
+            return cls(len(client.replicas), client.replica_stats, client.owner)
+        return cls(1, lambda: [client.stats()], lambda _request_id: 0)
+
+
+class _EngineStatsCollector(Collector):
+    """Turns each engine's stats snapshot into gauges and counters, one sample per engine, when Prometheus scrapes."""
+
+    def __init__(self, sources: EngineSources, model_name: str) -> None:
+        self._sources = sources
         self._model = model_name
 
     def collect(self) -> Iterator[Metric]:
         try:
-            stats = self._client.stats()
+            snapshots = self._sources.snapshots()
         except Exception:  # a remote engine that cannot answer now: serve the request-level metrics anyway
             logger.warning("engine stats unavailable for /metrics", exc_info=True)
             return
-        yield from self._gauges(stats)
-        yield from self._counters(stats)
-        yield from self._iteration_tokens(stats)
+        yield from self._gauges(snapshots)
+        yield from self._counters(snapshots)
+        yield from self._iteration_tokens(snapshots)
 
-    def _gauges(self, stats: EngineStats) -> Iterator[Metric]:
-        for name, doc, value in (
-            ("num_requests_running", "Requests in the running batch.", stats.num_running),
-            ("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
-            ("kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", stats.kv_cache_usage),
+    def _gauges(self, snapshots: list[EngineStats]) -> Iterator[Metric]:
+        for name, doc, read in (
+            ("num_requests_running", "Requests in the running batch.", lambda s: s.num_running),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", lambda s: s.num_waiting),
+            ("kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", lambda s: s.kv_cache_usage),
         ):
-            yield self._family(GaugeMetricFamily, name, doc, value)
+            yield self._family(GaugeMetricFamily, name, doc, [read(s) for s in snapshots])
         info = GaugeMetricFamily(PREFIX + "cache_config_info", "Information of the KV cache.",
-                                 labels=["block_size", "num_gpu_blocks", "model_name"])
-        info.add_metric([str(stats.block_size), str(stats.num_gpu_blocks), self._model], 1.0)
+                                 labels=["block_size", "num_gpu_blocks", "model_name", ENGINE_LABEL])
+        for engine, stats in enumerate(snapshots):
+            info.add_metric([str(stats.block_size), str(stats.num_gpu_blocks), self._model, str(engine)], 1.0)
         yield info
 
-    def _counters(self, stats: EngineStats) -> Iterator[Metric]:
-        for name, doc, value in (
-            ("num_preemptions", "Cumulative number of preemptions.", stats.num_preemptions),
-            ("prefix_cache_queries", "Prefix-cache queries, in tokens.", stats.prefix_cache_queries),
-            ("prefix_cache_hits", "Prefix-cache hits, in tokens.", stats.prefix_cache_hits),
+    def _counters(self, snapshots: list[EngineStats]) -> Iterator[Metric]:
+        for name, doc, read in (
+            ("num_preemptions", "Cumulative number of preemptions.", lambda s: s.num_preemptions),
+            ("prefix_cache_queries", "Prefix-cache queries, in tokens.", lambda s: s.prefix_cache_queries),
+            ("prefix_cache_hits", "Prefix-cache hits, in tokens.", lambda s: s.prefix_cache_hits),
         ):
-            yield self._family(CounterMetricFamily, name, doc, value)
+            yield self._family(CounterMetricFamily, name, doc, [read(s) for s in snapshots])
 
-    def _iteration_tokens(self, stats: EngineStats) -> Iterator[Metric]:
-        """The core's per-step token histogram (nothing when the engine does not report one)."""
-        if not stats.step_token_counts:
+    def _iteration_tokens(self, snapshots: list[EngineStats]) -> Iterator[Metric]:
+        """Each core's per-step token histogram (nothing for an engine that does not report one)."""
+        reported = [(engine, s) for engine, s in enumerate(snapshots) if s.step_token_counts]
+        if not reported:
             return
-        cumulative = list(itertools.accumulate(stats.step_token_counts))
-        buckets = [(str(float(bound)), count) for bound, count in zip(ITERATION_TOKEN_BUCKETS, cumulative)]
         family = HistogramMetricFamily(PREFIX + "iteration_tokens_total", "Tokens computed per engine step.",
-                                       labels=["model_name"])
-        family.add_metric([self._model], buckets + [("+Inf", cumulative[-1])], sum_value=stats.step_tokens_sum)
+                                       labels=["model_name", ENGINE_LABEL])
+        for engine, stats in reported:
+            cumulative = list(itertools.accumulate(stats.step_token_counts))
+            buckets = [(str(float(bound)), count) for bound, count in zip(ITERATION_TOKEN_BUCKETS, cumulative)]
+            family.add_metric([self._model, str(engine)], buckets + [("+Inf", cumulative[-1])],
+                              sum_value=stats.step_tokens_sum)
         yield family
 
-    def _family(self, cls: type, name: str, doc: str, value: float) -> Metric:
-        family = cls(PREFIX + name, doc, labels=["model_name"])
-        family.add_metric([self._model], value)
+    def _family(self, cls: type, name: str, doc: str, values: list[float]) -> Metric:
+        family = cls(PREFIX + name, doc, labels=["model_name", ENGINE_LABEL])
+        for engine, value in enumerate(values):
+            family.add_metric([self._model, str(engine)], value)
         return family
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineSeries:
+    """One engine's request-level series: the registry's families bound to its `model_name` and `engine` labels."""
+
+    model_name: str
+    engine: str
+    success: Any  # the family, still labelled by finish reason
+    prompt_tokens: Any
+    generation_tokens: Any
+    ttft: Any
+    itl: Any
+    e2e: Any
+    queue_time: Any
+    prefill_time: Any
+    decode_time: Any
+    request_prompt_tokens: Any
+    request_generation_tokens: Any
+
+    def record_finish(self, finish_reason: str) -> None:
+        self.success.labels(self.model_name, self.engine, finish_reason).inc()
+
+
+_COUNTERS = (("prompt_tokens", "prompt_tokens", "Prefill tokens processed."),
+             ("generation_tokens", "generation_tokens", "Generation tokens processed."))
+_HISTOGRAMS = (  # (EngineSeries field, metric name, help, buckets)
+    ("ttft", "time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS),
+    ("itl", "inter_token_latency_seconds", "Time between successive output tokens.", ITL_BUCKETS),
+    ("e2e", "e2e_request_latency_seconds", "End-to-end request latency.", E2E_BUCKETS),
+    ("queue_time", "request_queue_time_seconds", "Time from arrival to first scheduling.", E2E_BUCKETS),
+    ("prefill_time", "request_prefill_time_seconds", "Time from first scheduling to first token.", E2E_BUCKETS),
+    ("decode_time", "request_decode_time_seconds", "Time from first token to last token.", E2E_BUCKETS),
+    ("request_prompt_tokens", "request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS),
+    ("request_generation_tokens", "request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS),
+)
+
+
 class EngineMetrics:
-    """The registry of one server, with the request-level metrics recorded by `MeteredEngineClient`."""
+    """The registry of one server: per-engine series (request-level ones recorded by `MeteredEngineClient`, the
+    rest read from the engines' stats) and the front's admission rejections."""
 
     def __init__(self, client: EngineClient, model_name: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
-        labels = ["model_name"]
+        self._sources = EngineSources.of(client)
+        labels = ["model_name", ENGINE_LABEL]
+        families: dict[str, Any] = {
+            field: Counter(PREFIX + name, doc, labels, registry=self.registry) for field, name, doc in _COUNTERS}
+        families.update({field: Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
+                         for field, name, doc, buckets in _HISTOGRAMS})
+        success = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
+                          labels + ["finished_reason"], registry=self.registry)
+        self.engines = [
+            EngineSeries(model_name, str(engine), success,
+                         **{field: family.labels(model_name, str(engine)) for field, family in families.items()})
+            for engine in range(self._sources.count)
+        ]
+        # The server's admission, before any engine holds the request (a router refuses once all replicas did).
+        self._rejections = Counter(PREFIX + "admission_rejections", "Requests refused at admission, by reason.",
+                                   ["model_name", "reason"], registry=self.registry)
+        self.registry.register(_EngineStatsCollector(self._sources, model_name))
 
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(PREFIX + name, doc, labels + list(extra), registry=self.registry)
-
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
-
-        self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed.").labels(model_name)
-        self.generation_tokens = counter("generation_tokens", "Generation tokens processed.").labels(model_name)
-        self._success = counter("request_success", "Finished requests, by finish reason.", ("finished_reason",))
-        self._rejections = counter("admission_rejections", "Requests refused at admission, by reason.", ("reason",))
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between successive output tokens.", ITL_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.", E2E_BUCKETS)
-        self.queue_time = histogram("request_queue_time_seconds", "Time from arrival to first scheduling.",
-                                    E2E_BUCKETS)
-        self.prefill_time = histogram("request_prefill_time_seconds", "Time from first scheduling to first token.",
-                                      E2E_BUCKETS)
-        self.decode_time = histogram("request_decode_time_seconds", "Time from first token to last token.",
-                                     E2E_BUCKETS)
-        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
-        self.request_generation_tokens = histogram("request_generation_tokens", "Generated tokens per request.",
-                                                   TOKEN_BUCKETS)
-        self.registry.register(_EngineStatsCollector(client, model_name))
-
-    def record_finish(self, finish_reason: str) -> None:
-        self._success.labels(self.model_name, finish_reason).inc()
+    def series_for(self, request_id: str) -> EngineSeries:
+        """The series of the engine serving `request_id` (engine 0 where the client cannot tell)."""
+        engine = self._sources.serving(request_id)
+        return self.engines[engine if engine is not None else 0]
 
     def record_rejection(self, reason: str) -> None:
         self._rejections.labels(self.model_name, reason).inc()
@@ -143,65 +203,64 @@ class EngineMetrics:
 
 
 class _RequestTracker:
-    """Per-request bookkeeping between outputs: which choices finished, when the previous token arrived."""
+    """Per-request bookkeeping between outputs: the engine serving it, which choices finished, when the previous
+    token arrived."""
 
     def __init__(self, metrics: EngineMetrics, n: int) -> None:
         self._metrics = metrics
         self._n = n
+        self._series: EngineSeries | None = None  # known at the first output, once an engine holds the request
         self._finished: set[int] = set()
         self._num_generated = 0
-        self._num_prompt: int | None = None
+        self._num_prompt = 0
         self._last_token_at: float | None = None
         # This process's clock, at the call (admission follows at once): a remote engine's times are not comparable.
         self._arrival = time.monotonic()
 
     def observe(self, output: RequestOutput) -> None:
         now = time.monotonic()
-        if self._num_prompt is None:
+        series = self._series
+        if series is None:
+            series = self._series = self._metrics.series_for(output.request_id)
             self._num_prompt = len(output.prompt_token_ids)
-            self._metrics.prompt_tokens.inc(self._num_prompt)
+            series.prompt_tokens.inc(self._num_prompt)
         new_tokens = sum(len(c.token_ids) for c in output.outputs)
         if new_tokens:
-            self._observe_tokens(new_tokens, now)
+            self._observe_tokens(series, new_tokens, now)
         for choice in output.outputs:
             if choice.finish_reason is not None and choice.index not in self._finished:
                 self._finished.add(choice.index)
-                self._metrics.record_finish(choice.finish_reason)
+                series.record_finish(choice.finish_reason)
         if output.finished:
-            self._observe_end(output, now)
+            self._observe_end(series, output, now)
 
-    def _observe_tokens(self, new_tokens: int, now: float) -> None:
-        self._metrics.generation_tokens.inc(new_tokens)
+    def _observe_tokens(self, series: EngineSeries, new_tokens: int, now: float) -> None:
+        series.generation_tokens.inc(new_tokens)
         if self._last_token_at is None:
-            self._metrics.ttft.observe(max(0.0, now - self._arrival))
+            series.ttft.observe(max(0.0, now - self._arrival))
         else:
-            self._metrics.itl.observe(now - self._last_token_at)
+            series.itl.observe(now - self._last_token_at)
         self._last_token_at = now
         self._num_generated += new_tokens
 
-    def _observe_end(self, output: RequestOutput, now: float) -> None:
-        self._metrics.e2e.observe(max(0.0, now - self._arrival))
-        self._metrics.request_prompt_tokens.observe(self._num_prompt or 0)
-        self._metrics.request_generation_tokens.observe(self._num_generated)
-        self._observe_phases(output)
-
-    def _observe_phases(self, output: RequestOutput) -> None:
-        """Queue, prefill and decode times on the engine's clock, each where the engine reported both ends."""
-        times = output.metrics
+    def _observe_end(self, series: EngineSeries, output: RequestOutput, now: float) -> None:
+        series.e2e.observe(max(0.0, now - self._arrival))
+        series.request_prompt_tokens.observe(self._num_prompt)
+        series.request_generation_tokens.observe(self._num_generated)
+        times = output.metrics  # queue, prefill and decode on the engine's clock, where it reported both ends
         if times is None or times.first_scheduled_time is None:
             return  # never scheduled, or an engine that reports no scheduling times: no sample beats a guess
-        for histogram, value in ((self._metrics.queue_time, times.queue_time),
-                                 (self._metrics.prefill_time, times.prefill_time),
-                                 (self._metrics.decode_time, times.decode_time)):
+        for histogram, value in ((series.queue_time, times.queue_time), (series.prefill_time, times.prefill_time),
+                                 (series.decode_time, times.decode_time)):
             if value is not None:
                 histogram.observe(max(0.0, value))
 
     def close(self, reason: str = "abort") -> None:
         """The stream ended early (caller gone: "abort"; engine failure: "error"): unfinished choices count so."""
-        if self._num_prompt is None:
+        if self._series is None:
             return  # never admitted (or failed before any output): not a request the engine served
         for _ in range(self._n - len(self._finished)):
-            self._metrics.record_finish(reason)
+            self._series.record_finish(reason)
         self._finished = set(range(self._n))
 
 

@@ -5,11 +5,12 @@ the whole flattened batch. Shapes the kernel does not handle (head_dim other tha
 16..128) fall back to the reference path at trace time, with one log line, so a model never fails to run. A float8
 cache (`kv_cache.QuantizedKV`) hands its per-(layer, KV head) scales to both kernels.
 
-K/V write: both paths are exact and in place; `scripts/bench_kernels.py` times them inside one jit writing 32 layers
-(H200, 2026-11-29, benchmarks/results/2026-11-29-kernels.json): at 64 tokens the XLA scatter is faster (469 vs
-699 µs per 32 layers, most of it loop overhead), at 2048 tokens the kernel is (719 vs 1176 µs). So buckets of at
-least `KV_WRITE_KERNEL_MIN_TOKENS` tokens use the kernel and smaller ones the scatter (the crossover lies somewhere
-between the two sizes measured); the choice depends on the static bucket only, and both write the same bytes.
+K/V write (`write_kv`): both paths are exact and in place and write the same bytes; `scripts/bench_kernels.py` times
+them inside one jit writing 32 layers at 64 to 2048 tokens (H200, benchmarks/results/2026-12-01-kernels.json). The
+XLA scatter is faster at small buckets, the kernel at large ones, so buckets of at least
+`KV_WRITE_KERNEL_MIN_TOKENS` tokens use the kernel and smaller ones the scatter: the choice depends on the static
+bucket only. A float8 cache the write kernel's 32-bit offsets cannot address (`pallas_kernels/addressing.py`) takes
+the scatter at every size; the attention kernel reads such a cache through its byte-pair view.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from pallas_kernels.addressing import check_addressable
+from pallas_kernels.addressing import offsets_overflow
 from pallas_kernels.kv_write import write_kv as pallas_write_kv
+from pallas_kernels.kv_write.reference import write_kv as scatter_write_kv
 from pallas_kernels.ragged_paged_attention import UnsupportedShapeError, check_supported, ragged_paged_attention
 
 from jengine.attention import reference
@@ -31,23 +33,20 @@ from jengine.attention.kv_cache import QuantizedKV, partition_spec, parts
 
 logger = logging.getLogger(__name__)
 
-KV_WRITE_KERNEL_MIN_TOKENS = 512
+# Measured (32 layers): the scatter is faster at 1024 tokens (636 vs 746 µs), the kernel at 2048 (726 vs 1155 µs).
+KV_WRITE_KERNEL_MIN_TOKENS = 2048
 
 
-def supports(*, head_dim: int, block_size: int, num_q_heads: int, num_kv_heads: int, dtype, cache_dtype=None,
-             cache_shape: tuple[int, ...] | None = None, interpret: bool = False) -> bool:
+def supports(*, head_dim: int, block_size: int, num_q_heads: int, num_kv_heads: int, dtype,
+             interpret: bool = False) -> bool:
     """Whether the kernels handle these shapes and dtypes (logged when not, with the reason). Refused on the GPU,
-    where interpret mode runs them exactly: float32 (the tiles are sized for 16-bit data; a float32 Llama-8B step
-    failed on the H200, benchmarks/results/2026-11-29-multigpu.json) and a per-device cache the Triton lowering's
-    32-bit offsets cannot address (a float8 cache of (2, 4] GiB: `pallas_kernels/addressing.py`; the planner sizes
-    caches outside that window, and the NaN the H200 gave in benchmarks/results/2026-11-29-kernels-fp8.json came
-    from a 2.03 GiB float8 cache)."""
+    where interpret mode runs it exactly: float32 (the tiles are sized for 16-bit data; a float32 Llama-8B step
+    failed on the H200, benchmarks/results/2026-11-29-multigpu.json). Caches of every size and dtype are
+    addressable (a float8 one through its byte-pair view, `pallas_kernels/addressing.py`)."""
     try:
         check_supported(head_dim=head_dim, block_size=block_size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads)
         if jnp.dtype(dtype) == jnp.float32 and not interpret:
             raise UnsupportedShapeError("the kernels run 16-bit models on the GPU, not float32")
-        if cache_shape is not None and cache_dtype is not None and not interpret:
-            check_addressable(cache_shape, cache_dtype)
     except UnsupportedShapeError as e:
         logger.warning("pallas_gpu attention cannot run this model (%s); using the reference path", e)
         return False
@@ -77,12 +76,11 @@ class PallasGpuBackend:
 
     def _local(self, q, k, v, kv_cache, layer, md, *, scale, sliding_window, soft_cap):
         _, _, block_size, _, kv_heads, head_dim = kv_cache.shape
-        kv = parts(kv_cache)[0]
         if not supports(head_dim=head_dim, block_size=block_size, num_q_heads=q.shape[1], num_kv_heads=kv_heads,
-                        dtype=q.dtype, cache_dtype=kv.dtype, cache_shape=kv.shape, interpret=self.interpret):
+                        dtype=q.dtype, interpret=self.interpret):
             return _reference(q, k, v, kv_cache, layer, md, scale=scale, sliding_window=sliding_window,
                               soft_cap=soft_cap)
-        kv_cache = self._write(kv_cache, layer, md.slot_mapping, k, v)
+        kv_cache = write_kv(kv_cache, layer, md.slot_mapping, k, v, interpret=self.interpret)
         kv, kv_scales = parts(kv_cache)
         out = ragged_paged_attention(
             q, kv, layer, md.query_start_loc, md.seq_lens, md.block_tables, kv_scales=kv_scales, scale=float(scale),
@@ -91,12 +89,17 @@ class PallasGpuBackend:
         )
         return out, kv_cache
 
-    def _write(self, kv_cache, layer, slot_mapping, k, v):
-        if k.shape[0] < KV_WRITE_KERNEL_MIN_TOKENS:
-            return reference.write_kv(kv_cache, layer, slot_mapping, k, v)
-        kv, kv_scales = parts(kv_cache)
-        kv = pallas_write_kv(kv, layer, slot_mapping, k, v, kv_scales=kv_scales, interpret=self.interpret)
-        return kv if kv_scales is None else QuantizedKV(kv, kv_scales)
+
+
+def write_kv(kv_cache, layer, slot_mapping, k, v, *, interpret: bool = False):
+    """This step's K/V into the cache by the faster path for the static token count (module docstring). The scatter
+    is the one `scripts/bench_kernels.py` times (jengine's reference write measured 4-16 % slower than it)."""
+    kv, kv_scales = parts(kv_cache)
+    if k.shape[0] < KV_WRITE_KERNEL_MIN_TOKENS or (offsets_overflow(kv.shape, kv.dtype) and not interpret):
+        kv = scatter_write_kv(kv, layer, slot_mapping, k, v, kv_scales=kv_scales)
+    else:
+        kv = pallas_write_kv(kv, layer, slot_mapping, k, v, kv_scales=kv_scales, interpret=interpret)
+    return kv if kv_scales is None else QuantizedKV(kv, kv_scales)
 
 
 def _reference(q, k, v, kv_cache, layer, md, *, scale, sliding_window, soft_cap):

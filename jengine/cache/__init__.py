@@ -4,7 +4,7 @@ Never imports jax: the scheduler runs it on the host, and the runner alone owns 
 """
 
 from jengine.cache.block_pool import BlockPool
-from jengine.cache.hashing import hash_block, request_extra_keys, update_block_hashes
+from jengine.cache.hashing import hash_block, hash_blocks
 from jengine.cache.kv_cache_manager import KVCacheManager, PrefixCacheStats
 
 __all__ = [
@@ -12,6 +12,5 @@ __all__ = [
     "KVCacheManager",
     "PrefixCacheStats",
     "hash_block",
-    "request_extra_keys",
-    "update_block_hashes",
+    "hash_blocks",
 ]

@@ -11,10 +11,6 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from jengine.request import Request
 
 # The parent of a sequence's first block; versioned so a change of encoding can never match old hashes.
 ROOT_HASH: bytes = hashlib.sha256(b"jengine/block-hash/v1").digest()
@@ -34,26 +30,18 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: Seque
     return digest.digest()
 
 
-def request_extra_keys(request: Request) -> tuple[str, ...]:
-    """What besides the tokens decides whether two requests may share K/V (tagged, so keys never collide)."""
-    if request.cache_salt is None:
-        return ()
-    return (f"salt={request.cache_salt}",)
+def hash_blocks(token_ids: Sequence[int], block_size: int, *, cache_salt: str | None = None,
+                known: Sequence[bytes] = ()) -> list[bytes]:
+    """The hashes of the full blocks of `token_ids` after the `known` leading ones, in order.
 
-
-def update_block_hashes(request: Request, block_size: int) -> None:
-    """Append to `request.block_hashes` the hash of every full block of `all_token_ids` not hashed yet.
-
-    Idempotent and incremental: the work is O(new full blocks), so it can be called every step. A partial last
-    block is never hashed: its content will still change.
+    `known` are the hashes an earlier call returned for a prefix of these tokens (with the same salt), so a growing
+    sequence is hashed once per block: the chain continues from the last known hash. A partial last block is never
+    hashed (its content will still change). Pure: the request's owner, the router and the replicas all call this.
     """
-    hashes = request.block_hashes
-    num_full_blocks = request.num_tokens // block_size
-    if len(hashes) >= num_full_blocks:
-        return
-    extra_keys = request_extra_keys(request)
-    tokens = request.all_token_ids
-    parent = hashes[-1] if hashes else None
-    for index in range(len(hashes), num_full_blocks):
-        parent = hash_block(parent, tokens[index * block_size:(index + 1) * block_size], extra_keys)
+    extra_keys = () if cache_salt is None else (f"salt={cache_salt}",)  # tagged, so keys never collide
+    parent = known[-1] if known else None
+    hashes = []
+    for start in range(len(known) * block_size, len(token_ids) // block_size * block_size, block_size):
+        parent = hash_block(parent, token_ids[start:start + block_size], extra_keys)
         hashes.append(parent)
+    return hashes

@@ -2,8 +2,8 @@
 
 The scheduler asks two questions here: "how much of this request is already cached?" (`get_computed_blocks`) and
 "can this request grow by N tokens?" (`allocate_slots`, which either allocates or changes nothing). The manager
-reads a request's tokens and counters and appends to its `block_hashes`; it never moves `num_computed_tokens`,
-which stays the scheduler's to advance.
+reads a request's tokens and counters and keeps its `block_hashes` current (the one place that extends them); it
+never moves `num_computed_tokens`, which stays the scheduler's to advance.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 
 from jengine.cache.block_pool import BlockPool
-from jengine.cache.hashing import update_block_hashes
+from jengine.cache.hashing import hash_blocks
 from jengine.request import Request
 
 
@@ -37,6 +37,17 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclasses.dataclass(slots=True)
+class _BlockTable:
+    """One request's blocks and what the manager knows of them: the only per-request state it keeps."""
+
+    block_ids: list[int]
+    # Leading blocks already offered to the hash map: caching work is O(new full blocks).
+    num_cached: int
+    # Tokens the blocks hold with nothing to allocate and no block newly full (see `has_room`).
+    room: int = -1
+
+
 class KVCacheManager:
     """Owns each request's list of block ids; the pool below owns reference counts and the hash map."""
 
@@ -46,11 +57,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
-        self._blocks: dict[str, list[int]] = {}
-        # Leading blocks of each request already offered to the hash map: caching work is O(new full blocks).
-        self._num_cached_blocks: dict[str, int] = {}
-        # Tokens each request can hold with nothing to allocate and no block newly full (see `has_room`).
-        self._room: dict[str, int] = {}
+        self._tables: dict[str, _BlockTable] = {}  # request id → its block table, while it holds blocks
         self._stats = PrefixCacheStats()
 
     @property
@@ -73,7 +80,8 @@ class KVCacheManager:
 
     def block_ids(self, request_id: str) -> list[int]:
         """A copy of the request's block table ([] for a request holding none)."""
-        return list(self._blocks.get(request_id, ()))
+        table = self._tables.get(request_id)
+        return [] if table is None else list(table.block_ids)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """The longest cached run of the request's leading full blocks, and the number of tokens it covers.
@@ -84,10 +92,9 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return [], 0
-        update_block_hashes(request, self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size
         blocks: list[int] = []
-        for block_hash in request.block_hashes[:max_blocks]:
+        for block_hash in self._block_hashes(request)[:max_blocks]:
             block = self.block_pool.lookup(block_hash)
             if block is None:
                 break
@@ -97,7 +104,8 @@ class KVCacheManager:
     def has_room(self, request: Request, num_new_tokens: int) -> bool:
         """Whether `num_new_tokens` more fit the request's blocks with nothing to allocate and no block newly full:
         then `allocate_slots` would return [] and change nothing, so the scheduler skips it (the common decode)."""
-        return request.num_computed_tokens + num_new_tokens <= self._room.get(request.request_id, -1)
+        table = self._tables.get(request.request_id)
+        return table is not None and request.num_computed_tokens + num_new_tokens <= table.room
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: Sequence[int] = ()) -> list[int] | None:
@@ -107,31 +115,29 @@ class KVCacheManager:
         `computed_blocks` (from `get_computed_blocks`) are only accepted on a request's first allocation, where they
         head its block table. Afterwards the blocks made full by tokens computed once this step runs are cached.
         """
-        blocks = self._blocks.get(request.request_id)
-        assert not computed_blocks or blocks is None, "computed blocks are only taken on a request's first allocation"
+        table = self._tables.get(request.request_id)
+        assert not computed_blocks or table is None, "computed blocks are only taken on a request's first allocation"
         num_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
-        held = len(blocks) if blocks is not None else len(computed_blocks)
-        if blocks is not None and self.has_room(request, num_new_tokens):
+        if table is not None and request.num_computed_tokens + num_new_tokens <= table.room:
             return []  # the common decode step: room in the last block, no block newly full
+        held = len(table.block_ids) if table is not None else len(computed_blocks)
         num_new_blocks = max(0, _cdiv(num_tokens, self.block_size) - held)
         if num_new_blocks and num_new_blocks > self._num_allocatable(computed_blocks):
             return None
-        if blocks is None:
-            blocks = self._start(request, computed_blocks)
+        if table is None:
+            table = self._start(request, computed_blocks)
         new_blocks = self.block_pool.allocate(num_new_blocks) if num_new_blocks else []  # [] when only caching
-        blocks.extend(new_blocks)
-        self._cache_full_blocks(request, blocks, num_tokens)
-        self._room[request.request_id] = self._tokens_in_place(request.request_id)
+        table.block_ids.extend(new_blocks)
+        self._cache_full_blocks(request, table, num_tokens)
+        table.room = self._tokens_in_place(table)
         return new_blocks
 
     def free(self, request: Request) -> None:
         """Release all the request's blocks (finish, abort, preemption); its cached full blocks stay findable
         until evicted. A request holding no blocks is fine (an abort before scheduling)."""
-        blocks = self._blocks.pop(request.request_id, None)
-        self._num_cached_blocks.pop(request.request_id, None)
-        self._room.pop(request.request_id, None)
-        if blocks:
-            self.block_pool.free(blocks)
+        table = self._tables.pop(request.request_id, None)
+        if table is not None and table.block_ids:
+            self.block_pool.free(table.block_ids)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes (e.g. after a weight update); False while any request holds blocks."""
@@ -145,7 +151,8 @@ class KVCacheManager:
         """
         allocated = unfilled = 0
         for request in requests:
-            slots = len(self._blocks.get(request.request_id, ())) * self.block_size
+            table = self._tables.get(request.request_id)
+            slots = 0 if table is None else len(table.block_ids) * self.block_size
             allocated += slots
             unfilled += slots - min(slots, request.num_tokens)
         return allocated, unfilled
@@ -154,18 +161,18 @@ class KVCacheManager:
         """Assert the pool is consistent and each block's reference count equals the block tables holding it."""
         self.block_pool.check_invariants()
         holders = [0] * self.num_blocks
-        for blocks in self._blocks.values():
-            for block in blocks:
+        for table in self._tables.values():
+            for block in table.block_ids:
                 holders[block] += 1
         for block, count in enumerate(holders):
             assert self.block_pool.ref_count(block) == count, f"block {block}: ref count vs {count} holders"
 
-    def _tokens_in_place(self, request_id: str) -> int:
+    def _tokens_in_place(self, table: _BlockTable) -> int:
         """How many tokens fit the request's blocks before one more must be allocated or a block becomes full
         (and must be offered to the hash map): the bound of allocate_slots' no-op case."""
-        limit = len(self._blocks[request_id]) * self.block_size
+        limit = len(table.block_ids) * self.block_size
         if self.enable_prefix_caching:
-            limit = min(limit, (self._num_cached_blocks[request_id] + 1) * self.block_size - 1)
+            limit = min(limit, (table.num_cached + 1) * self.block_size - 1)
         return limit
 
     def _num_allocatable(self, computed_blocks: Sequence[int]) -> int:
@@ -176,17 +183,15 @@ class KVCacheManager:
         evictable_hits = sum(self.block_pool.ref_count(block) == 0 for block in computed_blocks)
         return self.block_pool.num_free_blocks - evictable_hits
 
-    def _start(self, request: Request, computed_blocks: Sequence[int]) -> list[int]:
+    def _start(self, request: Request, computed_blocks: Sequence[int]) -> _BlockTable:
         """First allocation of a scheduling: take the hit's references and count the lookup in the stats."""
         self.block_pool.touch(computed_blocks)
-        blocks = list(computed_blocks)
-        self._blocks[request.request_id] = blocks
-        self._num_cached_blocks[request.request_id] = len(blocks)
+        table = self._tables[request.request_id] = _BlockTable(list(computed_blocks), len(computed_blocks))
         if self.enable_prefix_caching:
-            self._stats = self._stats.record(request.num_tokens, len(blocks) * self.block_size)
-        return blocks
+            self._stats = self._stats.record(request.num_tokens, len(computed_blocks) * self.block_size)
+        return table
 
-    def _cache_full_blocks(self, request: Request, blocks: list[int], num_tokens: int) -> None:
+    def _cache_full_blocks(self, request: Request, table: _BlockTable, num_tokens: int) -> None:
         """Offer the hash map every block full of tokens computed by the end of this step, and no other.
 
         A full block whose tokens are known but not yet computed (a chunked prefill's later blocks) must wait: a
@@ -194,9 +199,15 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return
-        update_block_hashes(request, self.block_size)
-        num_cached = self._num_cached_blocks[request.request_id]
-        num_full = min(num_tokens // self.block_size, len(request.block_hashes), len(blocks))
-        for index in range(num_cached, num_full):
-            self.block_pool.cache_block(blocks[index], request.block_hashes[index])
-        self._num_cached_blocks[request.request_id] = max(num_cached, num_full)
+        hashes, blocks = self._block_hashes(request), table.block_ids
+        num_full = min(num_tokens // self.block_size, len(hashes), len(blocks))
+        for index in range(table.num_cached, num_full):
+            self.block_pool.cache_block(blocks[index], hashes[index])
+        table.num_cached = max(table.num_cached, num_full)
+
+    def _block_hashes(self, request: Request) -> list[bytes]:
+        """The request's block hashes, first extended over any block of its known tokens that became full."""
+        hashes, tokens = request.block_hashes, request.all_token_ids
+        if len(tokens) >= (len(hashes) + 1) * self.block_size:
+            hashes += hash_blocks(tokens, self.block_size, cache_salt=request.cache_salt, known=hashes)
+        return hashes

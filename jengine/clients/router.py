@@ -1,8 +1,10 @@
 """`Router`: one `EngineClient` over N engine replicas serving the same model (data parallelism).
 
-Each request goes to the replica that already holds the longest leading run of its prompt's KV blocks, so a shared
-system prompt is prefilled once per replica rather than once per request; with no such replica (or a tie) it goes to
-the least loaded one. The blocks are named by the KV manager's own sha256 chain (`update_block_hashes` over the ids
+Each request goes where `jengine.engine.routing` ranks it (the rule `LLM(data_parallel_size=N)` follows too): to the
+replica already holding the longest leading run of its prompt's KV blocks while that replica's load stays within a
+bound of the least loaded one's, otherwise (and on ties) to the least loaded one; so a shared system prompt is
+prefilled once per replica rather than once per request, and a chat template's shared header does not pull every
+chat onto one replica. The blocks are named by the KV manager's own sha256 chain (`hash_blocks` over the ids
 the engine will see: the front's tokenizer, chats rendered by the input processor), and the router remembers what it
 sent each replica in a bounded LRU index: its approximate view of that replica's prefix cache.
 
@@ -22,14 +24,14 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
-from jengine.cache.hashing import update_block_hashes
+from jengine.cache.hashing import hash_blocks
 from jengine.cache.prefix_index import PrefixIndex
 from jengine.clients.protocol import EngineClient, ModelInfo
+from jengine.engine.routing import ReplicaAffinity
 from jengine.engine.stats import EngineStats
 from jengine.front.input_processor import InputProcessor, PromptInput
 from jengine.errors import CapacityError, ConfigError, EngineDeadError, InvalidRequestError, ServiceUnavailableError
 from jengine.outputs import RequestOutput
-from jengine.request import Request
 from jengine.sampling.params import SamplingParams
 from jengine.tokenizer import Tokenizer
 
@@ -49,11 +51,9 @@ class _Replica:
     position: int
     client: EngineClient
     processor: InputProcessor  # the replica's tokenizer with the input processor's prompt handling
-    index: PrefixIndex
     stats: EngineStats
     healthy: bool = True
     in_flight: int = 0  # core requests (choices) the router sent and has not seen end
-    last_pick: int = -1  # when it was last chosen: ties go to the one chosen longest ago
 
     @property
     def load(self) -> int:
@@ -85,13 +85,10 @@ class Router:
         self._model_info = _agreed_model_info(replicas)
         stats = [client.stats() for client in replicas]
         self.block_size = _agreed_block_size(stats, block_size)
-        self._replicas = [
-            _Replica(i, client, _prompt_processor(client, self._model_info),
-                     PrefixIndex(index_blocks or s.num_gpu_blocks or DEFAULT_INDEX_BLOCKS), s)
-            for i, (client, s) in enumerate(zip(replicas, stats, strict=True))
-        ]
+        self._replicas = [_Replica(i, client, _prompt_processor(client, self._model_info), s)
+                          for i, (client, s) in enumerate(zip(replicas, stats, strict=True))]
+        self._affinity = ReplicaAffinity([index_blocks or s.num_gpu_blocks or DEFAULT_INDEX_BLOCKS for s in stats])
         self._owners: dict[str, _Replica] = {}
-        self._picks = 0
         self.refresh()
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll, args=(poll_interval_s,), name="jengine-router", daemon=True)
@@ -134,7 +131,7 @@ class Router:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._owners:
             raise InvalidRequestError(f"request id {request_id[:100]!r} is already in use", param="request_id")
-        forward, hashes = self._prepare(prompt, params)
+        forward, hashes = self._prepare(prompt)
         replica, stream, first = await self._open(forward, params, request_id, priority, hashes)
         try:
             yield first
@@ -194,7 +191,7 @@ class Router:
     @property
     def prefix_indexes(self) -> list[PrefixIndex]:
         """The router's view of each replica's prefix cache, in replica order."""
-        return [replica.index for replica in self._replicas]
+        return list(self._affinity.indexes)
 
     def owner(self, request_id: str) -> int | None:
         """The position of the replica serving `request_id`, or None."""
@@ -202,20 +199,18 @@ class Router:
         return None if replica is None else replica.position
 
     # ------------------------------------------------------------------ routing
-    def _prepare(self, prompt: PromptInput, params: SamplingParams) -> tuple[PromptInput, list[bytes]]:
+    def _prepare(self, prompt: PromptInput) -> tuple[PromptInput, list[bytes]]:
         """(what to send: the ids with their text, so the replica does not tokenize again; the block hashes)."""
         text, ids = self._front().processor.tokenize(prompt)
         forward: PromptInput = ids if text is None else {"prompt": text, "prompt_token_ids": ids}
-        probe = Request("router-probe", ids, params)  # hashed exactly as the KV manager hashes a new request
-        update_block_hashes(probe, self.block_size)
-        return forward, probe.block_hashes
+        return forward, hash_blocks(ids, self.block_size)  # the chain the KV manager computes for these tokens
 
     def _ranked(self, hashes: Sequence[bytes]) -> list[_Replica]:
-        """Healthy replicas, best first: longest remembered prefix, then least loaded, then least recently chosen."""
-        healthy = [replica for replica in self._replicas if replica.healthy]
-        if not healthy:
+        """Healthy replicas, best first, by the shared routing rule."""
+        order = self._affinity.rank(hashes, [r.load for r in self._replicas], [r.healthy for r in self._replicas])
+        if not order:
             raise EngineDeadError("no engine replica is healthy")
-        return sorted(healthy, key=lambda r: (-r.index.match(hashes), r.load, r.last_pick))
+        return [self._replicas[position] for position in order]
 
     async def _open(self, prompt: PromptInput, params: SamplingParams, request_id: str, priority: int,
                     hashes: list[bytes]) -> tuple[_Replica, AsyncIterator[RequestOutput], RequestOutput]:
@@ -242,9 +237,7 @@ class Router:
     def _assign(self, request_id: str, replica: _Replica, params: SamplingParams, hashes: list[bytes]) -> None:
         self._owners[request_id] = replica
         replica.in_flight += _num_choices(params)
-        replica.index.remember(hashes)
-        replica.last_pick = self._picks
-        self._picks += 1
+        self._affinity.chose(replica.position, hashes)
 
     def _release(self, request_id: str, replica: _Replica, params: SamplingParams) -> None:
         if self._owners.get(request_id) is replica:

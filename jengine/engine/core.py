@@ -20,6 +20,7 @@ from jengine.cache.kv_cache_manager import KVCacheManager
 from jengine.config import EngineConfig
 from jengine.engine.stats import StepTokenCounts
 from jengine.request import Request, RequestStatus
+from jengine.runner.protocol import StepRunner
 from jengine.scheduler.output import RunnerOutput, SchedulerOutput, TokenLogprobs
 from jengine.scheduler.scheduler import Scheduler, SchedulerStats
 
@@ -44,28 +45,27 @@ class EngineCoreOutput:
 class EngineCore:
     """Single-threaded: callers (the core loop thread, or `LLM`) own it exclusively."""
 
-    def __init__(self, config: EngineConfig, runner, num_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, runner: StepRunner, num_blocks: int) -> None:
         self.config = config
         self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.runner = runner
         self.num_steps = 0
         self.pipelined = config.runner.async_scheduling
         self._in_flight: tuple[SchedulerOutput, Any] | None = None  # dispatched, tokens not fetched (pipelined)
         self._landed: list[EngineCoreOutput] = []  # outputs of a step applied early, returned by the next step()
-        self._first_scheduled: dict[str, float] = {}  # scheduled, first output not built yet → first scheduling time
         self.step_tokens = StepTokenCounts()
 
-    def add_request(self, request: Request, choice_index: int = 0, *, enforce_queue_bound: bool = True) -> None:
+    def add_request(self, request: Request, *, enforce_queue_bound: bool = True) -> None:
         if self._in_flight is not None and request.request_id in self._in_flight[0].num_scheduled_tokens:
             self._land_in_flight()  # an earlier request of this id is in the step in flight: its outputs go first
-        self.scheduler.add_request(request, choice_index, enforce_queue_bound=enforce_queue_bound)
+        self.scheduler.add_request(request, enforce_queue_bound=enforce_queue_bound)
 
     def abort(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
               ) -> list[EngineCoreOutput]:
         now = time.monotonic()
         return [EngineCoreOutput(r.request_id, [], [], None, status.finish_reason, r.num_cached_prompt_tokens, now,
-                                 self._first_scheduled.pop(r.request_id, None))
+                                 r.report_first_scheduled_time())
                 for r in self.scheduler.finish_requests(request_ids, status)]
 
     def has_unfinished(self) -> bool:
@@ -109,8 +109,9 @@ class EngineCore:
         if sched.new_requests:
             now, requests = time.monotonic(), self.scheduler.requests
             for new in sched.new_requests:
-                if requests[new.request_id].num_preemptions == 0:
-                    self._first_scheduled.setdefault(new.request_id, now)
+                request = requests[new.request_id]
+                if request.num_preemptions == 0 and request.first_scheduled_time is None:
+                    request.first_scheduled_time = now
         return sched
 
     def _land_in_flight(self) -> None:
@@ -122,17 +123,16 @@ class EngineCore:
         updates = self.scheduler.update_from_output(sched, runner_out)
         self.num_steps += 1
         self.step_tokens.add(sched.total_num_scheduled_tokens)
-        now, first_scheduled = time.monotonic(), self._first_scheduled
+        now = time.monotonic()
         return [
             EngineCoreOutput(u.request.request_id, u.new_token_ids, u.logprobs, u.prompt_logprobs,
                              u.request.status.finish_reason if u.finished else None,
-                             u.request.num_cached_prompt_tokens, now, first_scheduled.pop(u.request.request_id, None))
+                             u.request.num_cached_prompt_tokens, now, u.request.report_first_scheduled_time())
             for u in updates
         ]
 
     def shutdown(self) -> None:
-        stop_workers = getattr(self.runner, "stop_workers", None)  # several processes: the workers end too
-        if stop_workers is not None:
-            stop_workers()
+        if self.runner is not None:  # a second shutdown finds nothing left to stop
+            self.runner.shutdown()  # several processes: the workers end too
         self.runner = None
         self._in_flight = None

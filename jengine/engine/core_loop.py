@@ -30,7 +30,7 @@ StatsReader = Callable[[], EngineStats]
 class CoreLike(Protocol):
     """What the loop needs of `EngineCore` (tests pass a fake with the same methods)."""
 
-    def add_request(self, request: Request, choice_index: int = 0, *, enforce_queue_bound: bool = True) -> None: ...
+    def add_request(self, request: Request, *, enforce_queue_bound: bool = True) -> None: ...
     def abort(self, request_ids: list[str], status: RequestStatus = ...) -> list[EngineCoreOutput]: ...
     def step(self) -> list[EngineCoreOutput]: ...
     def has_unfinished(self) -> bool: ...
@@ -39,7 +39,7 @@ class CoreLike(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class _Add:
-    children: list[tuple[Request, int]]
+    children: list[Request]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +78,7 @@ class CoreLoop:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
-    def add(self, children: list[tuple[Request, int]]) -> None:
+    def add(self, children: list[Request]) -> None:
         """Queue requests for the core (the caller has admitted them; the core's own bound is not applied)."""
         self._commands.put(_Add(children))
 
@@ -137,8 +137,8 @@ class CoreLoop:
             if isinstance(command, _Stop):
                 return outputs, False
             if isinstance(command, _Add):
-                for request, index in command.children:
-                    self._core.add_request(request, index, enforce_queue_bound=False)
+                for request in command.children:
+                    self._core.add_request(request, enforce_queue_bound=False)
             else:
                 outputs.extend(self._core.abort(command.request_ids, command.status))
         return outputs, True

@@ -2,17 +2,19 @@
 
 `LLM(..., data_parallel_size=N)` builds N engine cores on disjoint device groups and steps them all from one thread:
 each core's step only dispatches device work and fetches the step before it, so the replicas' devices compute side
-by side. A request goes to the replica that was already sent its prompt's leading blocks (the KV manager's own block
-hashes), otherwise to the one holding the fewest requests — the serving router's rule, without its threads.
+by side. A request goes where the serving router would send it (`jengine.engine.routing`: the replica already sent
+its prompt's leading blocks, the KV manager's own block hashes, while its load stays within the bound; otherwise the
+one holding the fewest requests), without the router's threads; a full replica hands it to the next one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from jengine.cache.hashing import update_block_hashes
-from jengine.cache.prefix_index import PrefixIndex
+from jengine.cache.hashing import hash_blocks
 from jengine.engine.core import EngineCore, EngineCoreOutput
+from jengine.engine.routing import ReplicaAffinity
+from jengine.errors import CapacityError
 from jengine.request import Request, RequestStatus
 
 
@@ -22,21 +24,22 @@ class ReplicatedCore:
     def __init__(self, cores: Sequence[EngineCore], block_size: int) -> None:
         self.cores = list(cores)
         self.block_size = block_size
-        self._indexes = [PrefixIndex(core.kv_manager.num_blocks) for core in self.cores]
+        self._affinity = ReplicaAffinity([core.kv_manager.num_blocks for core in self.cores])
         self._owner: dict[str, int] = {}  # request id → replica, until the request finishes
 
-    def add_request(self, request: Request, choice_index: int = 0, *, enforce_queue_bound: bool = True) -> None:
-        update_block_hashes(request, self.block_size)  # the scheduler computes the same hashes again (idempotent)
-        hashes = list(request.block_hashes)
-        replica = self._choose(hashes)
-        self.cores[replica].add_request(request, choice_index, enforce_queue_bound=enforce_queue_bound)
-        self._indexes[replica].remember(hashes)
-        self._owner[request.request_id] = replica
-
-    def _choose(self, hashes: list[bytes]) -> int:
-        """Longest remembered prefix first, then the fewest requests held, then the lowest index."""
-        return min(range(len(self.cores)),
-                   key=lambda i: (-self._indexes[i].match(hashes), self.cores[i].num_requests(), i))
+    def add_request(self, request: Request, *, enforce_queue_bound: bool = True) -> None:
+        hashes = hash_blocks(request.all_token_ids, self.block_size, cache_salt=request.cache_salt)
+        refusals: list[CapacityError] = []
+        for replica in self._affinity.rank(hashes, [core.num_requests() for core in self.cores]):
+            try:
+                self.cores[replica].add_request(request, enforce_queue_bound=enforce_queue_bound)
+            except CapacityError as exc:  # full: the next best replica may take it
+                refusals.append(exc)
+                continue
+            self._affinity.chose(replica, hashes)
+            self._owner[request.request_id] = replica
+            return
+        raise refusals[0]
 
     def abort(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
               ) -> list[EngineCoreOutput]:

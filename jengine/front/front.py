@@ -21,8 +21,8 @@ from jengine.sampling.params import SamplingParams
 if TYPE_CHECKING:
     from jengine.factory import EngineParts
 
-EnterCore = Callable[[list[tuple[Request, int]]], None]
-"""Puts a request's choices (core request, choice index) into the core."""
+EnterCore = Callable[[list[Request]], None]
+"""Puts a request's choices (one core request each, carrying its choice index) into the core."""
 StopInCore = Callable[[list[str]], Sequence[EngineCoreOutput] | None]
 """Stops these core requests in the core as FINISHED_STOPPED; returns what the core reports for them now, if it does."""
 
@@ -72,7 +72,7 @@ class EngineFront:
     def submit(self, request: ProcessedRequest, enter: EnterCore) -> None:
         """Track the request's outputs, then put its choices into the core with `enter`."""
         self._output.add(request.request_id, request.prompt, request.prompt_token_ids, request.params,
-                         request.child_ids, request.children[0][0].arrival_time, output_kind=self._output_kind)
+                         request.child_ids, request.children[0].arrival_time, output_kind=self._output_kind)
         enter(request.children)
 
     # ------------------------------------------------------------------ outputs out

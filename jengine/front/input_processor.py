@@ -43,12 +43,12 @@ class ProcessedRequest:
     prompt: str | None  # the text (rendered chat template for chats); None when only token ids were given
     prompt_token_ids: list[int]
     params: SamplingParams  # max_tokens resolved
-    children: list[tuple[Request, int]]  # (core request, choice index); one per n
+    children: list[Request]  # one core request per choice (of n), in choice order
 
     @property
     def child_ids(self) -> list[str]:
         """Core request ids in choice order."""
-        return [request.request_id for request, _ in self.children]
+        return [request.request_id for request in self.children]
 
 
 def child_request_ids(request_id: str, n: int) -> list[str]:
@@ -106,7 +106,7 @@ class InputProcessor:
         self._check_token_ids(ids)
         resolved = self._resolve_lengths(len(ids), params)
         children = [
-            (Request(child_id, list(ids), resolved, self.eos_token_ids, arrival_time, priority), index)
+            Request(child_id, list(ids), resolved, self.eos_token_ids, arrival_time, priority, choice_index=index)
             for index, child_id in enumerate(child_request_ids(request_id, params.n))
         ]
         return ProcessedRequest(request_id, text, ids, resolved, children)

@@ -6,16 +6,19 @@ small); JAX's persistent compilation cache makes restarts cheap. `"lazy"` compil
 
 The buckets are first compiled ahead of time on several threads (XLA compiles without holding the GIL; a
 32-layer 8B model takes seconds per bucket on a GPU host); the warm-up runs that follow find them compiled.
+This module plans the shapes and drives the compiles; the runner owns the step, its state and its padding inputs
+(`ModelRunner.warm_up`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import jax
 import numpy as np
@@ -23,9 +26,7 @@ from tqdm.auto import tqdm
 
 from jengine.attention.metadata import AttentionMetadata
 from jengine.runner.buckets import StepBuckets
-from jengine.runner.step import num_compiled_shapes
-from jengine.sampling.metadata import SamplingRowTable
-from jengine.sampling.params import SamplingParams
+from jengine.runner.step import StepBatch, num_compiled_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -62,49 +63,40 @@ def padding_inputs(shape: StepShape, num_slots: int) -> tuple[np.ndarray, Attent
     return np.zeros(shape.tokens, np.int32), md, np.zeros(shape.seqs, np.int32)
 
 
-def warm_up(runner, shapes: list[StepShape], progress: bool = True) -> int:
-    """Compiles the step for `shapes` (greedy and sampling variants of the sampler); returns the compile count."""
-    calls = [_padding_step_inputs(runner, shape, sampled) for shape in shapes for sampled in (0, 1)]
-    workers = min(MAX_COMPILE_THREADS, os.cpu_count() or 1)
-    precompiled = workers > 1 and len(calls) > 1
-    if precompiled:
-        start, lowering, compiling = time.perf_counter(), 0.0, 0.0
-        with ThreadPoolExecutor(workers) as pool, tqdm(total=len(calls), desc="Compiling step buckets",
-                                                       disable=not progress) as bar:
-            compile_one = functools.partial(_compile, runner)
-            for lower_s, compile_s in pool.map(compile_one, calls):
-                lowering, compiling = lowering + lower_s, compiling + compile_s
-                bar.update()
-        logger.info("compiled %d step variants on %d threads in %.1f s (summed over threads: tracing and lowering "
-                    "%.1f s, XLA compile or cache load %.1f s)", len(calls), workers, time.perf_counter() - start,
-                    lowering, compiling)
+def warm_up(compile_one: Callable[[StepBatch], tuple[float, float]], run_one: Callable[[StepBatch], Any],
+            batches: Sequence[StepBatch], num_shapes: int, progress: bool = True) -> int:
+    """Compiles the step for `batches` ahead of time on threads (`compile_one`), then runs each once (`run_one`,
+    which returns what to wait for); returns how many step programs the runs compiled."""
+    precompiled = _precompile(compile_one, batches, progress)
     before, start = num_compiled_shapes(), time.perf_counter()
-    for inputs in tqdm(calls, desc="Warming up step buckets" if precompiled else "Compiling step buckets",
-                       disable=not progress):
-        _, _, runner.kv_cache, runner.row_tokens = runner._step(runner.params, runner.kv_cache, runner.row_tokens,
-                                                                *inputs, num_prompt_logprobs=0)
+    pending = None
+    for batch in tqdm(batches, desc="Warming up step buckets" if precompiled else "Compiling step buckets",
+                      disable=not progress):
+        pending = run_one(batch)
     # The runs are dispatched asynchronously: wait for them here, or the first request would wait for them all.
-    jax.block_until_ready((runner.kv_cache, runner.row_tokens))
+    jax.block_until_ready(pending)
     compiled = num_compiled_shapes() - before
-    logger.info("%d step variants ready for %d shape buckets (warm-up runs %.1f s)", compiled, len(shapes),
+    logger.info("%d step variants ready for %d shape buckets (warm-up runs %.1f s)", compiled, num_shapes,
                 time.perf_counter() - start)
     return compiled
 
 
-def _compile(runner, inputs: tuple) -> tuple[float, float]:
-    return runner._compile_step(runner.params, runner.kv_cache, runner.row_tokens, *inputs, num_prompt_logprobs=0)
-
-
-def _padding_step_inputs(runner, shape: StepShape, num_sampled: int) -> tuple:
-    """The step's inputs after its state (params, cache, row tokens) for a padding-only step of `shape` that samples
-    `num_sampled` rows (0: the greedy variant)."""
-    table = SamplingRowTable(1)
-    table.set_row(0, SamplingParams(temperature=1.0), 0, 0, ())
-    token_ids, md, rows = padding_inputs(shape, runner.batch.num_slots)
-    nowhere = np.full(shape.seqs, runner.row_tokens.shape[0], np.int32)  # samples recorded in no row
-    sampled_rows = np.zeros(num_sampled, np.int64)
-    sampling = table.build(sampled_rows, np.zeros(num_sampled, np.int64), None, shape.seqs)
-    return token_ids, md, rows, nowhere, sampling, None, None
+def _precompile(compile_one: Callable[[StepBatch], tuple[float, float]], batches: Sequence[StepBatch],
+                progress: bool) -> bool:
+    """Compiles every batch's programs on a thread pool (nothing runs); False where one thread would do it all."""
+    workers = min(MAX_COMPILE_THREADS, os.cpu_count() or 1)
+    if workers <= 1 or len(batches) <= 1:
+        return False
+    start, lowering, compiling = time.perf_counter(), 0.0, 0.0
+    with ThreadPoolExecutor(workers) as pool, tqdm(total=len(batches), desc="Compiling step buckets",
+                                                   disable=not progress) as bar:
+        for lower_s, compile_s in pool.map(compile_one, batches):
+            lowering, compiling = lowering + lower_s, compiling + compile_s
+            bar.update()
+    logger.info("compiled %d step variants on %d threads in %.1f s (summed over threads: tracing and lowering "
+                "%.1f s, XLA compile or cache load %.1f s)", len(batches), workers, time.perf_counter() - start,
+                lowering, compiling)
+    return True
 
 
 class RecompileGuard:
@@ -116,7 +108,7 @@ class RecompileGuard:
     def arm(self) -> None:
         self._count = num_compiled_shapes()
 
-    def check(self, describe) -> None:
+    def check(self, describe: Callable[[], str]) -> None:
         if self._count is None:
             return
         count = num_compiled_shapes()

@@ -4,8 +4,8 @@ The pool size follows vLLM's rule on devices that report memory: `gpu_memory_uti
 what the weights already use and an activation reserve for the largest step. Where the device reports no memory (the
 CPU) the pool holds `max_num_seqs × max_model_len` tokens, capped at 2 GiB. `num_gpu_blocks_override` is exact.
 Blocks are counted in the cache's own element type: `kv_cache_dtype="fp8"` stores 1 byte per element, so twice as
-many blocks fit as in bfloat16, except that a GPU's float8 cache of (2, 4] GiB per device is shrunk to 2 GiB (the
-kernels' 32-bit offsets cannot address the rest).
+many blocks fit as in bfloat16, at any size (the GPU kernels address a float8 cache through a 2-byte view:
+`pallas_kernels/addressing.py`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-
-from pallas_kernels.addressing import largest_addressable_count
 
 from jengine.attention import kv_cache
 from jengine.config import CacheConfig, SchedulerConfig
@@ -79,24 +77,7 @@ def plan_kv_cache(spec: ModelSpec, cache: CacheConfig, sched: SchedulerConfig, d
             f"blocks fit; raise gpu_memory_utilization or lower max_model_len"
         )
     source = f"gpu_memory_utilization={cache.gpu_memory_utilization}"
-    if getattr(device, "platform", None) == "gpu":
-        blocks, source = _addressable_by_kernels(int(blocks), min_blocks, per_block // kv_shards, kv_dtype, source)
     return KVPlan(int(blocks), cache.block_size, per_block, source, kv_dtype)
-
-
-def _addressable_by_kernels(blocks: int, min_blocks: int, local_bytes_per_block: int, kv_dtype,
-                            source: str) -> tuple[int, str]:
-    """Fewer blocks where the GPU kernels could not address the per-device cache (a float8 cache of (2, 4] GiB
-    overflows the Triton lowering's 32-bit offsets; `pallas_kernels/addressing.py`): shrinking to 2 GiB keeps the
-    kernels, where the whole cache would fall back to the slower reference attention. Not below one request of
-    max_model_len (`min_blocks`): then the reference attention serves the full pool."""
-    elements_per_block = local_bytes_per_block // jnp.dtype(kv_dtype).itemsize
-    fitting = largest_addressable_count(blocks, elements_per_block, kv_dtype)
-    if fitting == blocks or fitting < min_blocks:
-        return blocks, source
-    logger.warning("KV cache: %d blocks instead of %d, so the GPU kernels can address the %s cache (32-bit offsets)",
-                   fitting, blocks, jnp.dtype(kv_dtype).name)
-    return fitting, f"{source}, shrunk to 2^31 elements per device for the kernels' 32-bit offsets"
 
 
 def log_plan(plan: KVPlan, max_model_len: int) -> None:

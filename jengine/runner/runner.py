@@ -3,28 +3,33 @@
 Host bookkeeping here (persistent batch, padded inputs, sampling metadata); the math in the jitted step. One
 device→host copy per step brings the sampled tokens (and logprobs when asked) back. `execute` is `dispatch` (launch
 the step, wait for nothing) then `fetch` (that copy); a pipelined engine dispatches the next step in between, whose
-inputs take the pending tokens from the device (see `step.py`).
+inputs take the pending tokens from the device (see `step.py`). Each dispatch builds one `StepBatch` and calls
+`step(params, state, batch)`; start-up compilation (`warm_up`) runs the same call on padding-only batches.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any
 
 import jax
 import numpy as np
 
 from jengine.attention.backend import AttentionBackend
+from jengine.attention.kv_cache import KVCache
 from jengine.config import EngineConfig
 from jengine.models.spec import ModelSpec
 from jengine.parallel.sharding import ParallelLayout
 from jengine.runner.buckets import StepBuckets, pick, powers_of_two
 from jengine.runner.input_batch import InputBatch, StepInputs
 from jengine.runner.kv_storage import KVPlan, allocate
-from jengine.runner.compile import RecompileGuard, pinned_shapes, warm_up
-from jengine.runner.step import build_step, build_step_compiler
-from jengine.sampling.metadata import SamplingRowTable
-from jengine.sampling.sampler import SamplerOutput
+from jengine.runner import compile as compiling
+from jengine.runner.compile import RecompileGuard, StepShape, padding_inputs, pinned_shapes
+from jengine.runner.step import (ModelInputs, StepBatch, StepModel, StepOutput, StepState, build_step,
+                                 build_step_compiler)
+from jengine.sampling.metadata import SamplingMetadata, SamplingRowTable
+from jengine.sampling.params import SamplingParams
 from jengine.scheduler.output import RunnerOutput, SchedulerOutput, TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -47,13 +52,14 @@ class InFlightStep:
     Holds no reference to the rows' requests, which may leave the batch before it is fetched."""
 
     inputs: StepInputs
-    sampled: SamplerOutput
-    prompt_out: SamplerOutput | None
+    out: StepOutput
     prompt_plan: list[PromptLogprobRequest]
     logprobs_wanted: np.ndarray | None  # per scheduled request (-1: none) when the step returns logprobs
 
 
 class ModelRunner:
+    """A `StepRunner` over this process's devices; the jitted step is `step(params, state, batch)`."""
+
     def __init__(self, spec: ModelSpec, params: dict, dtype, config: EngineConfig, plan: KVPlan,
                  backend: AttentionBackend, layout: ParallelLayout) -> None:
         """`params` are already placed as `layout` says; the KV cache is allocated here with its sharding."""
@@ -64,21 +70,26 @@ class ModelRunner:
         max_blocks = -(-sched.max_model_len // plan.block_size)
         self.buckets = StepBuckets.build(sched.max_num_batched_tokens, sched.max_num_seqs, max_blocks)
         self.layout = layout
-        self.kv_cache = allocate(spec, plan, layout.kv_cache_sharding)
         mode = config.runner.compile_buckets
         pin = mode == "all" or (mode == "auto" and backend.name != "reference")
         self.batch = InputBatch(sched.max_num_seqs, sched.max_model_len, plan.block_size,
                                 plan.num_blocks * plan.block_size, self.buckets, pin_shapes=pin)
         self.backend = backend
         self.sampling_rows = SamplingRowTable(sched.max_num_seqs, engine_seed=config.model.seed)
-        self.row_tokens = jax.device_put(np.zeros(sched.max_num_seqs, np.int32), layout.replicated)  # the feed
-        expert_mesh = layout.mesh if layout.expert_parallel else None
-        self._step = build_step(spec, backend, expert_mesh)
-        self._compile_step = build_step_compiler(spec, backend, expert_mesh)
+        self.state = StepState(allocate(spec, plan, layout.kv_cache_sharding),
+                               jax.device_put(np.zeros(sched.max_num_seqs, np.int32), layout.replicated))
+        model = StepModel(spec, backend, layout.mesh if layout.expert_parallel else None)
+        self._step = build_step(model)
+        self._compile_step = build_step_compiler(model)
         self.recompile_guard = RecompileGuard()
         if pin:
-            warm_up(self, pinned_shapes(self.buckets))
+            self.warm_up(pinned_shapes(self.buckets))
             self.recompile_guard.arm()
+
+    @property
+    def kv_cache(self) -> KVCache:
+        """The paged KV cache (or its fp8 `QuantizedKV`), as the last dispatched step left it."""
+        return self.state.kv_cache
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """One step, serially: launch it and wait for its tokens."""
@@ -97,22 +108,47 @@ class ModelRunner:
         inputs = self.batch.prepare(sched)
         sampling = self._sampling_metadata(inputs)
         prompt_plan, prompt_rows, prompt_targets, prompt_k = self._prompt_logprob_rows(inputs)
-        sampled, prompt_out, self.kv_cache, self.row_tokens = self._step(
-            self.params, self.kv_cache, self.row_tokens, inputs.token_ids, inputs.metadata, inputs.logits_rows,
-            self._sample_rows(inputs), sampling, prompt_rows, prompt_targets, num_prompt_logprobs=prompt_k,
-        )
+        model = ModelInputs(inputs.token_ids, inputs.metadata, inputs.logits_rows, prompt_rows, prompt_targets,
+                            prompt_k)
+        self.state, out = self._step(self.params, self.state, StepBatch(model, sampling, self._sample_rows(inputs)))
         self.recompile_guard.check(lambda: f"tokens={len(inputs.token_ids)} seqs={len(inputs.logits_rows)} "
                                            f"blocks={inputs.metadata.block_tables.shape[1]} "
                                            f"query_len={inputs.metadata.max_query_len}")
-        _start_copy_to_host((sampled, prompt_out))
+        _start_copy_to_host(out)
         self.batch.reserve_sampled(inputs.rows[inputs.samples])
         wanted = self.sampling_rows.logprobs[inputs.rows] if sampling.max_num_logprobs else None
-        return InFlightStep(inputs, sampled, prompt_out, prompt_plan, wanted)
+        return InFlightStep(inputs, out, prompt_plan, wanted)
 
     def fetch(self, step: InFlightStep) -> RunnerOutput:
         """Waits for a dispatched step's outputs (one device→host copy) and records its tokens in the batch."""
-        sampled, prompt_out = jax.device_get((step.sampled, step.prompt_out))
-        return self._runner_output(step, sampled, prompt_out)
+        out = jax.device_get(step.out)
+        return self._runner_output(step, out.sampled, out.prompt_logprobs)
+
+    def shutdown(self) -> None:
+        """Nothing runs beside this process's steps: the device arrays go with the runner."""
+
+    # ------------------------------------------------------------------ start-up compilation
+    def warm_up(self, shapes: list[StepShape], progress: bool = True) -> int:
+        """Compiles the step for `shapes` (greedy and sampling variants of the sampler) by running padding-only
+        steps; returns the compile count."""
+        batches = [self.padding_batch(shape, sampled) for shape in shapes for sampled in (0, 1)]
+
+        def compile_one(batch: StepBatch) -> tuple[float, float]:
+            return self._compile_step(self.params, self.state, batch)
+
+        def run_one(batch: StepBatch) -> StepState:
+            self.state, _ = self._step(self.params, self.state, batch)
+            return self.state
+
+        return compiling.warm_up(compile_one, run_one, batches, len(shapes), progress)
+
+    def padding_batch(self, shape: StepShape, num_sampled: int) -> StepBatch:
+        """A padding-only step of `shape` that samples `num_sampled` rows (0: the greedy variant) and records
+        nothing in any row."""
+        token_ids, md, logits_rows = padding_inputs(shape, self.batch.num_slots)
+        nowhere = np.full(shape.seqs, len(self.batch.num_tokens), np.int32)
+        return StepBatch(ModelInputs(token_ids, md, logits_rows, None, None), _padding_sampling(shape, num_sampled),
+                         nowhere)
 
     def _sample_rows(self, inputs: StepInputs) -> np.ndarray:
         """The batch row that records each padded row's sample; out of range (dropped) where it does not count."""
@@ -122,7 +158,7 @@ class ModelRunner:
         return out
 
     # ------------------------------------------------------------------ sampling inputs
-    def _sampling_metadata(self, inputs: StepInputs):
+    def _sampling_metadata(self, inputs: StepInputs) -> SamplingMetadata:
         rows = inputs.rows
         num_prompt = self.batch.num_prompt[rows]
         steps = self.batch.num_tokens[rows] - num_prompt
@@ -133,7 +169,8 @@ class ModelRunner:
 
         return self.sampling_rows.build(rows, steps, histories, len(inputs.logits_rows))
 
-    def _prompt_logprob_rows(self, inputs: StepInputs):
+    def _prompt_logprob_rows(self, inputs: StepInputs
+                             ) -> tuple[list[PromptLogprobRequest], np.ndarray | None, np.ndarray | None, int]:
         """Flattened rows whose logits give the next prompt token's logprob, for requests that asked."""
         wanted = self.batch.num_prompt_logprobs[inputs.rows]
         num_prompt = self.batch.num_prompt[inputs.rows]
@@ -198,7 +235,15 @@ class ModelRunner:
         return result
 
 
-def _start_copy_to_host(tree) -> None:
+def _padding_sampling(shape: StepShape, num_sampled: int) -> SamplingMetadata:
+    """Sampling metadata of `shape.seqs` rows, the first `num_sampled` of them at temperature 1."""
+    table = SamplingRowTable(1)
+    table.set_row(0, SamplingParams(temperature=1.0), 0, 0, ())
+    sampled_rows = np.zeros(num_sampled, np.int64)
+    return table.build(sampled_rows, np.zeros(num_sampled, np.int64), None, shape.seqs)
+
+
+def _start_copy_to_host(tree: Any) -> None:
     """Starts the device→host copy of every array in `tree` now, so that the later `device_get` only waits."""
     for leaf in jax.tree_util.tree_leaves(tree):
         leaf.copy_to_host_async()

@@ -16,14 +16,14 @@ from jengine.attention.metadata import AttentionMetadata, build_metadata
 from jengine.errors import InvalidRequestError
 from jengine.layers.attention import allocate_kv_cache
 from jengine.models.spec import ModelSpec
-from jengine.runner.step import forward_step
+from jengine.runner.step import ModelInputs, StepModel, StepState, forward_step
 
 
-def _step(spec: ModelSpec, backend: AttentionBackend, params, kv_cache, token_ids, md: AttentionMetadata, rows):
-    """The engine's own jitted forward: float32 logits at `rows`, the cache donated."""
-    logits, _, kv_cache = forward_step(spec, backend, params, kv_cache, token_ids, md, rows, None, None,
-                                       num_prompt_logprobs=0)
-    return logits, kv_cache
+def _step(model: StepModel, params, kv_cache, token_ids, md: AttentionMetadata, rows):
+    """The engine's own jitted forward (no token feed): float32 logits at `rows`, the cache donated."""
+    inputs = ModelInputs(token_ids, md, rows, None, None)
+    logits, _, state = forward_step(model, params, StepState(kv_cache, None), inputs)
+    return logits, state.kv_cache
 
 
 @dataclasses.dataclass
@@ -41,7 +41,7 @@ class SimpleGenerator:
     ) -> None:
         self.spec, self.params, self.dtype = spec, params, dtype
         self.block_size = block_size
-        self.backend = backend or ReferenceBackend()
+        self.model = StepModel(spec, backend or ReferenceBackend())
 
     def generate(
         self, prompts: list[list[int]], max_new_tokens: int, *, stop_token_ids: tuple[int, ...] = (),
@@ -64,7 +64,7 @@ class SimpleGenerator:
         tokens = np.concatenate([np.asarray(p, np.int32) for p in prompts])
         ends = np.cumsum(lens) - 1
         rows = np.arange(len(tokens)) if return_prompt_logits else ends
-        logits, kv_cache = _step(self.spec, self.backend, self.params, kv_cache, tokens, md, rows)
+        logits, kv_cache = _step(self.model, self.params, kv_cache, tokens, md, rows)
         logits = np.asarray(logits)
         prompt_logits = np.split(logits, np.cumsum(lens)[:-1]) if return_prompt_logits else None
         last = logits[ends] if return_prompt_logits else logits
@@ -84,7 +84,7 @@ class SimpleGenerator:
             md = build_metadata([1] * len(prompts), lens, tables, block_size=bs, num_slots=num_slots,
                                 blocks_per_seq_padded=blocks_per_seq, max_query_len=1)
             rows = np.arange(len(prompts))
-            last, kv_cache = _step(self.spec, self.backend, self.params, kv_cache, next_tokens.astype(np.int32), md,
+            last, kv_cache = _step(self.model, self.params, kv_cache, next_tokens.astype(np.int32), md,
                                    rows)
             last = np.asarray(last)
             step_logits.append(last)

@@ -1,8 +1,13 @@
 """The jitted step: model forward over the ragged batch, logits at the sampling rows, prompt logprobs, the sampler.
 
-The spec and the backend are static (hashable) arguments, so engines built one after another in one process share
-compiled steps; the KV cache is donated so XLA updates it in place. One call per engine step, few arguments: the
-parameters and the cache are two pytrees.
+The runner calls `step(params, state, batch)`: `params` the weights, `state` the device state a step replaces
+(`StepState`: the KV cache, updated in place, and the token feed), `batch` everything about this step (`StepBatch`,
+one typed pytree built on the host). What selects a compiled variant is a static field of the batch (the attention
+query bound, the sampler's flags, the prompt-logprob width) or a shape; a new per-row input (a LoRA slot, a grammar
+bitmask, draft tokens) is a new field there, never another argument. The model, the backend and the expert mesh are
+one static, hashable `StepModel`, so engines built one after another in one process share compiled steps. The
+per-step pytrees are not frozen: several are built per step, and a frozen dataclass's __init__ (object.__setattr__
+per field) costs several times more; nothing changes them after they are built.
 
 The token feed: `row_tokens` holds, per persistent-batch row, the token that row sampled last. The sampler writes it
 and the next step's forward reads it wherever the host passed a pending placeholder (`input_batch.pending_token_id`),
@@ -14,12 +19,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Int
+from jaxtyping import Array, Float, Int
 
 from jengine.attention.backend import AttentionBackend
+from jengine.attention.kv_cache import KVCache
 from jengine.attention.metadata import AttentionMetadata
 from jengine.models.decoder import compute_logits, forward
 from jengine.models.spec import ModelSpec
@@ -28,47 +35,84 @@ from jengine.sampling.metadata import SamplingMetadata
 from jengine.sampling.sampler import SamplerOutput, raw_logprobs, sample
 
 
+@dataclasses.dataclass(frozen=True)
+class StepModel:
+    """What the step's programs are specialised to (a static argument): equal values share compiled programs."""
+
+    spec: ModelSpec
+    backend: AttentionBackend
+    expert_mesh: jax.sharding.Mesh | None = None  # the mesh experts are split over (expert parallelism), else None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(slots=True)
+class StepState:
+    """The device state each step takes and replaces (the forward donates it: the cache is updated in place)."""
+
+    kv_cache: KVCache  # [layers, blocks, block_size, 2, kv_heads, head_dim] (or its fp8 QuantizedKV)
+    row_tokens: Int[Array, " rows"] | None  # per persistent-batch row, its last sampled token; None: no feed
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(slots=True)
+class ModelInputs:
+    """The forward's part of a step: ragged tokens, their attention metadata and the rows whose logits count."""
+
+    token_ids: Int[Array, " tokens"]  # pending placeholders (≤ PENDING_BASE) are read from `row_tokens`
+    attention: AttentionMetadata
+    logits_rows: Int[Array, " seqs"]  # flattened row of each request's last new token
+    prompt_rows: Int[Array, " prompt_rows"] | None  # rows whose logits score the next prompt token; None: none asked
+    prompt_targets: Int[Array, " prompt_rows"] | None  # the prompt token each of those rows scores
+    num_prompt_logprobs: int = dataclasses.field(default=0, metadata=dict(static=True))  # top-K width of those
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(slots=True)
+class StepBatch:
+    """One step's inputs. The forward and the sampler are separate programs and each sees only its part, so model
+    shapes and sampling options compile independently (their counts add instead of multiplying)."""
+
+    model: ModelInputs
+    sampling: SamplingMetadata  # one row per request bucket row
+    sample_rows: Int[Array, " seqs"]  # batch row that records each sample; out of range where it does not count
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(slots=True)
+class StepOutput:
+    sampled: SamplerOutput
+    prompt_logprobs: SamplerOutput | None  # at `ModelInputs.prompt_rows`, when asked
+
+
 def resolve_pending(ids: Int[Array, "*shape"], row_tokens: Int[Array, " rows"]) -> Int[Array, "*shape"]:
     """`ids` with each pending placeholder (PENDING_BASE - r) replaced by the token row r sampled last."""
     rows = jnp.clip(PENDING_BASE - ids, 0, row_tokens.shape[0] - 1)
     return jnp.where(ids <= PENDING_BASE, row_tokens[rows], ids)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "backend", "num_prompt_logprobs", "expert_mesh"),
-                   donate_argnames=("kv_cache",))
-def forward_step(
-    spec: ModelSpec,
-    backend: AttentionBackend,
-    params: dict,
-    kv_cache: jax.Array,
-    token_ids: jax.Array,
-    md: AttentionMetadata,
-    logits_rows: jax.Array,
-    prompt_rows: jax.Array | None,
-    prompt_targets: jax.Array | None,
-    num_prompt_logprobs: int,
-    row_tokens: jax.Array | None = None,
-    expert_mesh: jax.sharding.Mesh | None = None,
-) -> tuple[jax.Array, SamplerOutput | None, jax.Array]:
+# The whole state is donated: the cache is written in place, and `row_tokens` (read, not written, here) comes back
+# as the same buffer. The sampler does not donate it: the forward may still be reading it when the sampler is called.
+@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("state",))
+def forward_step(model: StepModel, params: dict, state: StepState, inputs: ModelInputs
+                 ) -> tuple[Float[Array, "seqs vocab"], SamplerOutput | None, StepState]:
     """Model forward over the ragged batch; float32 logits at the sampling rows; prompt logprobs when asked.
-    With `row_tokens`, pending placeholders in `token_ids` take the rows' last sampled tokens."""
-    if row_tokens is not None:
-        token_ids = resolve_pending(token_ids, row_tokens)
-    hidden, kv_cache = forward(spec, backend, params, kv_cache, token_ids, md, expert_mesh)
-    logits = compute_logits(spec, params, hidden[logits_rows])
+    With a token feed, pending placeholders take the rows' last sampled tokens."""
+    token_ids = inputs.token_ids
+    if state.row_tokens is not None:
+        token_ids = resolve_pending(token_ids, state.row_tokens)
+    hidden, kv_cache = forward(model.spec, model.backend, params, state.kv_cache, token_ids, inputs.attention,
+                               model.expert_mesh)
+    logits = compute_logits(model.spec, params, hidden[inputs.logits_rows])
     prompt = None
-    if prompt_rows is not None:
-        prompt_logits = compute_logits(spec, params, hidden[prompt_rows])
-        prompt = raw_logprobs(prompt_targets, prompt_logits, num_prompt_logprobs)
-    return logits, prompt, kv_cache
+    if inputs.prompt_rows is not None:
+        prompt_logits = compute_logits(model.spec, params, hidden[inputs.prompt_rows])
+        prompt = raw_logprobs(inputs.prompt_targets, prompt_logits, inputs.num_prompt_logprobs)
+    return logits, prompt, StepState(kv_cache, state.row_tokens)
 
 
-# The sampler is its own jitted call: model shapes and sampling options then compile independently (their counts
-# add instead of multiplying), at the price of one more dispatch per step. `row_tokens` is not donated: donating a
-# buffer that the forward still reads could make the host wait for it, and it is only max_num_seqs ids.
 @jax.jit
-def sample_step(logits: jax.Array, sampling: SamplingMetadata, row_tokens: Int[Array, " rows"],
-                sample_rows: Int[Array, " n"]) -> tuple[SamplerOutput, Int[Array, " rows"]]:
+def sample_step(logits: Float[Array, "seqs vocab"], sampling: SamplingMetadata, row_tokens: Int[Array, " rows"],
+                sample_rows: Int[Array, " seqs"]) -> tuple[SamplerOutput, Int[Array, " rows"]]:
     """Samples one token per row and records it as the last token of its persistent-batch row (`sample_rows`;
     out of range for rows whose sample does not count); pending ids in the penalties' histories are resolved."""
     if sampling.output_token_ids.shape[1]:
@@ -78,43 +122,41 @@ def sample_step(logits: jax.Array, sampling: SamplingMetadata, row_tokens: Int[A
     return out, row_tokens.at[sample_rows].set(out.token_ids, mode="drop")
 
 
-def build_step(spec: ModelSpec, backend: AttentionBackend, expert_mesh: jax.sharding.Mesh | None = None):
-    """One engine step for one model: forward, then sampling; positional arguments from `params` on. Returns
-    (sampler output, prompt logprobs or None, kv_cache, row_tokens); nothing waits for the device."""
+StepFn = Callable[[dict, StepState, StepBatch], tuple[StepState, StepOutput]]
 
-    def step(params, kv_cache, row_tokens, token_ids, md, logits_rows, sample_rows, sampling, prompt_rows,
-             prompt_targets, *, num_prompt_logprobs: int):
-        logits, prompt, kv_cache = forward_step(spec, backend, params, kv_cache, token_ids, md, logits_rows,
-                                                prompt_rows, prompt_targets, num_prompt_logprobs=num_prompt_logprobs,
-                                                row_tokens=row_tokens, expert_mesh=expert_mesh)
-        sampled, row_tokens = sample_step(logits, sampling, row_tokens, sample_rows)
-        return sampled, prompt, kv_cache, row_tokens
+
+def build_step(model: StepModel) -> StepFn:
+    """One engine step for one model: forward, then sampling. Returns the new state and the step's outputs;
+    nothing waits for the device."""
+
+    def step(params: dict, state: StepState, batch: StepBatch) -> tuple[StepState, StepOutput]:
+        logits, prompt, state = forward_step(model, params, state, batch.model)
+        sampled, row_tokens = sample_step(logits, batch.sampling, state.row_tokens, batch.sample_rows)
+        return StepState(state.kv_cache, row_tokens), StepOutput(sampled, prompt)
 
     return step
 
 
-def build_step_compiler(spec: ModelSpec, backend: AttentionBackend, expert_mesh: jax.sharding.Mesh | None = None):
+def build_step_compiler(model: StepModel) -> Callable[[dict, StepState, StepBatch], tuple[float, float]]:
     """Compiles the step's two programs for the arguments a step call would get, without running them (nothing is
     donated or written): start-up runs it from several threads, and the step calls that follow reuse the programs.
     Returns the seconds spent (tracing and lowering, XLA compiling or loading from the persistent cache)."""
 
-    def compile_step(params, kv_cache, row_tokens, token_ids, md, logits_rows, sample_rows, sampling, prompt_rows,
-                     prompt_targets, *, num_prompt_logprobs: int) -> tuple[float, float]:
-        forward, lower_f, compile_f = _lower_and_compile(
-            forward_step, spec, backend, params, kv_cache, token_ids, md, logits_rows, prompt_rows, prompt_targets,
-            num_prompt_logprobs=num_prompt_logprobs, row_tokens=row_tokens, expert_mesh=expert_mesh)
-        logits = forward.out_info[0]
+    def compile_step(params: dict, state: StepState, batch: StepBatch) -> tuple[float, float]:
+        compiled, lower_f, compile_f = _lower_and_compile(forward_step, model, params, state, batch.model)
+        logits = compiled.out_info[0]
         logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=logits.sharding)
-        _, lower_s, compile_s = _lower_and_compile(sample_step, logits, sampling, row_tokens, sample_rows)
+        _, lower_s, compile_s = _lower_and_compile(sample_step, logits, batch.sampling, state.row_tokens,
+                                                   batch.sample_rows)
         return lower_f + lower_s, compile_f + compile_s
 
     return compile_step
 
 
-def _lower_and_compile(jitted, *args, **kwargs):
+def _lower_and_compile(jitted, *args):
     """(compiled, seconds tracing and lowering, seconds compiling or loading from the cache)."""
     start = time.perf_counter()
-    lowered = jitted.lower(*args, **kwargs)
+    lowered = jitted.lower(*args)
     lowered_at = time.perf_counter()
     compiled = lowered.compile()
     return compiled, lowered_at - start, time.perf_counter() - lowered_at

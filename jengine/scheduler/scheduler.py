@@ -16,11 +16,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from jengine.cache.hashing import update_block_hashes
 from jengine.cache.kv_cache_manager import KVCacheManager
 from jengine.config import SchedulerConfig
 from jengine.errors import CapacityError
-from jengine.request import Request, RequestStatus
+from jengine.request import Request, RequestStatus, StopRule
 from jengine.scheduler.output import (
     CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput, TokenLogprobs,
 )
@@ -40,27 +39,6 @@ class RequestUpdate:
     finished: bool
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class StopRule:
-    """A request's stop conditions folded into a per-step check that is cheap when nothing stops (the common
-    case); `Scheduler._stop_status` decides exactly once it may."""
-
-    token_ids: frozenset[int]  # EOS (unless ignore_eos) and stop_token_ids: may stop, depending on min_tokens
-    max_num_tokens: int  # prompt + output tokens at which it stops for length (max_tokens or max_model_len)
-
-    @classmethod
-    def of(cls, request: Request, max_model_len: int) -> StopRule:
-        params = request.sampling_params
-        eos = frozenset() if params.ignore_eos else frozenset(request.eos_token_ids)
-        max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len
-        return cls(eos | frozenset(params.stop_token_ids or ()),
-                   min(request.num_prompt_tokens + max_tokens, max_model_len))
-
-    def may_stop(self, request: Request) -> bool:
-        tokens = request.all_token_ids
-        return len(tokens) >= self.max_num_tokens or tokens[-1] in self.token_ids
-
-
 @dataclasses.dataclass
 class SchedulerStats:
     num_running: int
@@ -70,33 +48,25 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, block_size: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
         self.config = config
         self.kv = kv_manager
-        self.block_size = block_size
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()
-        self._choice_index: dict[str, int] = {}
-        self._counter: dict[str, int] = {}
-        self._stop_rules: dict[str, StopRule] = {}
-        self._pending: dict[str, int] = {}  # tokens sampled by steps whose outputs have not been applied yet
-        self._prompt_logprobs_seen: dict[str, tuple[int, int]] = {}  # (entries this prefill pass, entries sent)
         self._next_counter = 0
         self.num_preemptions_total = 0
 
     # ---------------------------------------------------------------- requests in and out
-    def add_request(self, request: Request, choice_index: int = 0, *, enforce_queue_bound: bool = True) -> None:
+    def add_request(self, request: Request, *, enforce_queue_bound: bool = True) -> None:
         """Queues a request; refuses it at once (CapacityError) when the engine already holds its bound."""
         bound = self.config.max_num_seqs + self.config.max_num_queued_reqs
         if enforce_queue_bound and len(self.requests) >= bound:
             raise CapacityError(f"the engine is full ({bound} requests running or queued); retry later")
-        update_block_hashes(request, self.block_size)
         self.requests[request.request_id] = request
-        self._choice_index[request.request_id] = choice_index
-        self._counter[request.request_id] = self._next_counter
-        self._stop_rules[request.request_id] = StopRule.of(request, self.config.max_model_len)
+        request.request_counter = self._next_counter
+        request.stop_rule = StopRule.of(request, self.config.max_model_len)
         self._next_counter += 1
         self.waiting.push(request)
 
@@ -141,16 +111,15 @@ class Scheduler:
 
         Runs once per running request per step, so the common decode (room in its last block) costs one check.
         """
-        running, has_room, pending_of = self.running, self.kv.has_room, self._pending  # locals: hot loop
-        stop_rules = self._stop_rules
+        running, has_room = self.running, self.kv.has_room  # locals: hot loop
         index = 0
         while index < len(running) and budget > 0:
             request = running[index]
             request_id, computed = request.request_id, request.num_computed_tokens
-            pending = pending_of.get(request_id, 0)
+            pending = request.num_pending_tokens
             num_known = len(request.all_token_ids) + pending
             num_new = num_known - computed
-            if num_new <= 0 or pending and num_known >= stop_rules[request_id].max_num_tokens:
+            if num_new <= 0 or pending and num_known >= request.stop_rule.max_num_tokens:
                 index += 1  # nothing to compute, or it stops for length once its pending tokens arrive: skip
                 continue
             samples = num_new <= budget
@@ -164,7 +133,7 @@ class Scheduler:
                     cached.append(CachedRequestData(request_id, new_blocks, computed))
             scheduled[request_id] = num_new
             if samples:
-                pending_of[request_id] = pending + 1
+                request.num_pending_tokens = pending + 1
             request.num_computed_tokens = computed + num_new
             budget -= num_new
             index += 1
@@ -188,7 +157,7 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, scheduled: dict[str, int], new: list[NewRequestData]) -> None:
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            if self._pending.get(request.request_id):  # preempted while its last token was in flight: wait for it
+            if request.num_pending_tokens:  # preempted while its last token was in flight: wait for it
                 break
             computed_blocks, num_cached = [], 0
             if request.sampling_params.prompt_logprobs is None:  # cached positions would have no prompt logprobs
@@ -205,12 +174,11 @@ class Scheduler:
             self.running.append(request)
             scheduled[request.request_id] = num_new
             if num_cached + num_new == request.num_tokens:  # this step samples its next token
-                self._pending[request.request_id] = 1
+                request.num_pending_tokens = 1
             new.append(NewRequestData(
                 request.request_id, list(request.all_token_ids), request.num_prompt_tokens,
                 self.kv.block_ids(request.request_id), num_cached, request.sampling_params,
-                self._choice_index[request.request_id], request.num_output_tokens, request.eos_token_ids,
-                self._counter[request.request_id],
+                request.choice_index, request.num_output_tokens, request.eos_token_ids, request.request_counter,
             ))
             budget -= num_new
 
@@ -231,39 +199,36 @@ class Scheduler:
         Later steps may have been scheduled meanwhile: a request that finishes here has its later work discarded
         (it is gone from `requests`), and one preempted since gets its token all the same (it resumes with it)."""
         updates = []
-        prompt_logprobs, pending_of = out.prompt_logprobs, self._pending
+        prompt_logprobs = out.prompt_logprobs
         for request_id, tokens, logprobs in zip(out.request_ids, out.sampled_token_ids, out.logprobs, strict=True):
             request = self.requests.get(request_id)
             if request is None:  # finished or aborted since it was scheduled (`_finish` removes it)
                 continue
             prompt = prompt_logprobs.get(request_id) if prompt_logprobs else None
             if prompt:
-                prompt = self._unsent_prompt_logprobs(request_id, prompt)
+                prompt = self._unsent_prompt_logprobs(request, prompt)
             if tokens:
-                pending_of[request_id] -= 1
+                request.num_pending_tokens -= 1
                 finished = self._append_output(request, tokens)
                 updates.append(RequestUpdate(request, tokens, [logprobs], prompt, finished))
             elif prompt:
                 updates.append(RequestUpdate(request, tokens, [], prompt, False))
         return updates
 
-    def _unsent_prompt_logprobs(self, request_id: str, entries: list[TokenLogprobs | None]
-                                ) -> list[TokenLogprobs | None]:
+    @staticmethod
+    def _unsent_prompt_logprobs(request: Request, entries: list[TokenLogprobs | None]) -> list[TokenLogprobs | None]:
         """The entries of one prefill chunk not delivered before: a request preempted during or after its prefill
         recomputes its prompt from position 0 (a chunk starting with None), and those positions were sent once."""
-        received, sent = self._prompt_logprobs_seen.get(request_id, (0, 0))
-        if entries[0] is None:  # the chunk at position 0: a new pass over the prompt
-            received = 0
-        start, received = received, received + len(entries)
-        self._prompt_logprobs_seen[request_id] = (received, max(sent, received))
+        start = 0 if entries[0] is None else request.prompt_logprobs_received  # position 0: a new pass
+        sent = request.prompt_logprobs_sent
+        request.prompt_logprobs_received = received = start + len(entries)
+        request.prompt_logprobs_sent = max(sent, received)
         return entries[max(sent - start, 0):]
 
     def _append_output(self, request: Request, tokens: list[int]) -> bool:
         """Appends sampled tokens and applies the stop rules; returns whether the request finished."""
         request.append_output(tokens)
-        if len(request.all_token_ids) >= (len(request.block_hashes) + 1) * self.block_size:  # a block became full
-            update_block_hashes(request, self.block_size)
-        if not self._stop_rules[request.request_id].may_stop(request):
+        if not request.stop_rule.may_stop(request):
             return False
         status = self._stop_status(request)
         if status is None:
@@ -291,10 +256,5 @@ class Scheduler:
         request.status = status
         self.kv.free(request)
         self.requests.pop(request.request_id, None)
-        self._choice_index.pop(request.request_id, None)
-        self._counter.pop(request.request_id, None)
-        self._stop_rules.pop(request.request_id, None)
-        self._pending.pop(request.request_id, None)
-        self._prompt_logprobs_seen.pop(request.request_id, None)
         self.waiting.forget(request.request_id)
         self._finished_ids.add(request.request_id)

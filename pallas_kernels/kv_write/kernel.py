@@ -6,10 +6,10 @@ Each program copies `tokens_per_program` tokens: it loads their slots, then stor
 masked out, as are any other slot outside `[0, num_slots)`. A float8 cache is written quantized in registers: each
 element times the reciprocal scale of its (layer, K/V, head), clipped to ±448, cast (`pallas_kernels.kv_quant`).
 
-Why it exists next to the XLA scatter in `reference.py`: JAX-PALLAS.md §6.4 measured both at ~42 µs standalone
-(dispatch-bound), which says nothing about their device time inside a step. `scripts/bench_kernels.py` times both
-inside one jit over 32 layers (H200): the scatter wins at 64 tokens (469 vs 699 µs), this kernel at 2048 tokens (719
-vs 1176 µs), so jengine's `attention/pallas.py` picks by the static token bucket.
+Why it exists next to the XLA scatter in `reference.py`: `scripts/bench_kernels.py` times both inside one jit over 32
+layers (H200, benchmarks/results/2026-12-01-kernels.json): the scatter wins up to about 1024 tokens (at 64: 424 vs
+537 µs), this kernel from 2048 tokens (615 vs 1163 µs), so jengine's `attention/pallas.py` picks by the static token
+bucket. A float8 cache of (2, 4] GiB is refused here (single-byte stores, `pallas_kernels/addressing.py`).
 """
 
 from __future__ import annotations

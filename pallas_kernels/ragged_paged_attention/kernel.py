@@ -18,10 +18,12 @@ serve both: a 128-row query tile wastes 97 % of its tensor-core work on a decode
     query heads of one KV head, the loop over its visible KV split into masked edges and an unmasked middle.
 The prefill launch is skipped when `max_query_len` (static) shows that every request fits the decode kernel.
 
-float8 cache (`kv_scales` given, see `pallas_kernels.kv_quant`): K/V tiles are loaded as e4m3 (half the bytes of
-bf16) and cast to the query dtype in registers (exact: every e4m3 value is a bf16 value). The per-(layer, KV head)
-scales are scalars for a whole program, so they are applied where they cost nothing: K's scale joins the softmax
-scale that multiplies the scores, V's scale multiplies the finished output rows.
+float8 cache (`kv_scales` given, see `pallas_kernels.kv_quant`): the cache is read through its uint16 byte-pair view
+(`addressing.as_byte_pairs`: addressable at any size, where single bytes overflow the lowering's 32-bit offsets in
+(2, 4] GiB), half the bytes of bf16, and each pair is unpacked in registers into the even and odd columns
+(`unpack_fp8_pairs`), so every tile is split into two column parts and each dot product into two. The per-(layer,
+KV head) scales are scalars for a whole program, so they are applied where they cost nothing: K's scale joins the
+softmax scale that multiplies the scores, V's scale multiplies the finished output rows.
 
 Backend: `pl.pallas_call` lowers through Triton on GPU, which jax 0.11.2 marks deprecated (a warning at lowering)
 but runs correctly on the H200; a Mosaic GPU (`plgpu.kernel`) port is the way to more prefill throughput.
@@ -32,9 +34,7 @@ scratch. Rows of padding tokens come back as zeros.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -43,16 +43,30 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.addressing import UnsupportedShapeError, check_addressable
+from pallas_kernels.addressing import UnsupportedShapeError, as_byte_pairs
 from pallas_kernels.kv_quant import KVScales, check_kv_scales
+from pallas_kernels.ragged_paged_attention.tiles import (
+    M_INIT,
+    Geometry,
+    KVSource,
+    Scores,
+    attend,
+    cdiv,
+    column_index,
+    finish,
+    head_scales,
+    load_q,
+    num_splits,
+    query_rows,
+    split_range,
+    store_rows,
+    tokens_per_tile,
+    visible_range,
+)
 from pallas_kernels.ragged_paged_attention.tuning import KernelConfig, SplitConfig, Tuning, default_tuning
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
-_LOG2E = math.log2(math.e)
-# Finite start for the running max: exp2(m_old - m_new) stays finite while a row has seen no visible key yet, and
-# masked scores are -inf, so they contribute exp2(-inf) = 0 without an extra select.
-_M_INIT = -1e30
 
 KVCache = Float[Array, "layers blocks block_size 2 kv_heads head_dim"]
 
@@ -69,199 +83,12 @@ def check_supported(*, head_dim: int, block_size: int, num_q_heads: int, num_kv_
         raise UnsupportedShapeError(f"{num_q_heads // num_kv_heads} query heads per KV head (at most 64)")
 
 
-@dataclasses.dataclass(frozen=True)
-class _Geometry:
-    """Static shapes of one call, derived once from the operands."""
-
-    num_tokens: int
-    num_seqs: int
-    q_heads: int
-    kv_heads: int
-    head_dim: int
-    block_size: int
-    quantized: bool  # float8 cache: per-(layer, KV head) scales are read and applied
-
-    @property
-    def group(self) -> int:
-        return self.q_heads // self.kv_heads
-
-    @property
-    def group_pad(self) -> int:
-        return 1 << max(self.group - 1, 0).bit_length()
-
-
-def _tokens_per_tile(geo: _Geometry, cfg: KernelConfig) -> int:
-    return cfg.block_m // geo.group_pad
-
-
-def _cdiv(a, b):
-    return (a + b - 1) // b
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Shared device code: visible range, split rule, the online-softmax loop.
-
-
-def _visible_range(first_pos, last_pos, window, block_n: int):
-    """KV positions `[lo, hi)` some row of a query tile can see (`lo` aligned down to `block_n`); `first_pos` and
-    `last_pos` are the positions of the tile's first and last query token. Works on scalars and arrays alike."""
-    lo = jnp.where(window > 0, jnp.maximum(first_pos - window + 1, 0), 0)
-    return (lo // block_n) * block_n, last_pos + 1
-
-
-def _num_splits(lo, hi, split: SplitConfig):
-    """How many chunks a decode request's context is cut into: a function of its own visible length only."""
-    return jnp.clip(_cdiv(hi - lo, split.split_tokens), 1, split.max_splits)
-
-
-def _split_range(lo, hi, s, split: SplitConfig, block_n: int):
-    """Chunk `s` of `[lo, hi)`: chunks are multiples of `block_n`, so no KV tile straddles two of them."""
-    nsplit = _num_splits(lo, hi, split)
-    chunk = _cdiv(_cdiv(hi - lo, nsplit), block_n) * block_n
-    my_lo = lo + s * chunk
-    return my_lo, jnp.minimum(hi, my_lo + chunk)
-
-
-@dataclasses.dataclass(frozen=True)
-class _KVSource:
-    """Where one program's K/V come from: its request's block-table row in one layer, one KV head."""
-
-    kv_ref: object
-    bt_ref: object
-    seq: jax.Array
-    layer: jax.Array
-    head: jax.Array
-    kv_hi: jax.Array  # positions >= kv_hi are never loaded (the block table may end there)
-    block_size: int
-
-    def load(self, start, block_n: int, masked: bool, dtype):
-        """K and V `[block_n, head_dim]` for positions `start + arange(block_n)`: each row is found through the
-        block table (page = position // block_size) and read at `[layer, page, offset, 0|1, head, :]`."""
-        pos = start + jnp.arange(block_n, dtype=jnp.int32)
-        shift = self.block_size.bit_length() - 1
-        page_idx, offset = pos >> shift, (pos & (self.block_size - 1))[:, None]
-        cols = _cols(self.kv_ref.shape[-1])
-        if masked:
-            ok = pos < self.kv_hi
-            page = pltr.load(self.bt_ref.at[self.seq, page_idx], mask=ok, other=0)[:, None]
-            ok2 = jnp.broadcast_to(ok[:, None], (block_n, cols.shape[1]))
-            k = pltr.load(self.kv_ref.at[self.layer, page, offset, 0, self.head, cols], mask=ok2, other=0.0)
-            v = pltr.load(self.kv_ref.at[self.layer, page, offset, 1, self.head, cols], mask=ok2, other=0.0)
-        else:
-            page = self.bt_ref[self.seq, page_idx][:, None]
-            k = self.kv_ref[self.layer, page, offset, 0, self.head, cols]
-            v = self.kv_ref[self.layer, page, offset, 1, self.head, cols]
-        return pos, k.astype(dtype), v.astype(dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Scores:
-    """Static score transform: scale, optional soft cap, conversion to base 2 (the loop uses exp2)."""
-
-    scale: float
-    soft_cap: float | None
-    precision: lax.Precision | None
-
-    def __call__(self, q, k, k_scale=1.0):
-        """`k_scale`: the float8 cache's dequantization scale of K (a traced scalar), or the Python 1.0."""
-        s = pltr.dot(q, k, trans_b=True, precision=self.precision)
-        if self.soft_cap:
-            return jnp.tanh(s * (k_scale * (self.scale / self.soft_cap))) * (self.soft_cap * _LOG2E)
-        return s * (k_scale * (self.scale * _LOG2E))
-
-
-def _attend(q, q_pos, src: _KVSource, lo, hi, first_pos, last_pos, window, *, block_n: int, scores: _Scores,
-            k_scale=1.0):
-    """Online softmax of the query tile `q [block_m, d]` (rows at positions `q_pos`) over KV positions `[lo, hi)`.
-
-    Returns (acc, m, l): unnormalised output, running max and sum, base 2. The tiles every row sees in full (between
-    the window edge and the first row's position) skip the mask; the edge tiles on either side apply it.
-    """
-    t0, t1 = lo // block_n, _cdiv(hi, block_n)
-    full_lo = jnp.where(window > 0, last_pos - window + 1, 0)
-    u0 = jnp.clip(_cdiv(full_lo, block_n), t0, t1)
-    u1 = jnp.clip((first_pos + 1) // block_n, u0, t1)
-
-    def step(masked: bool):
-        def body(j, carry):
-            acc, m, l = carry
-            pos, k, v = src.load(j * block_n, block_n, masked, q.dtype)
-            s = scores(q, k, k_scale)
-            if masked:
-                visible = pos[None, :] <= q_pos[:, None]
-                visible &= (window <= 0) | (pos[None, :] > q_pos[:, None] - window)
-                s = jnp.where(visible, s, -jnp.inf)
-            m_new = jnp.maximum(m, jnp.max(s, axis=1))
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - m_new[:, None])
-            l = l * alpha + jnp.sum(p, axis=1)
-            pv = pltr.dot(p.astype(v.dtype), v, precision=scores.precision)
-            return acc * alpha[:, None] + pv, m_new, l
-
-        return body
-
-    block_m, head_dim = q.shape
-    carry = (
-        jnp.zeros((block_m, head_dim), jnp.float32),
-        jnp.full((block_m,), _M_INIT, jnp.float32),
-        jnp.zeros((block_m,), jnp.float32),
-    )
-    carry = lax.fori_loop(t0, u0, step(True), carry)
-    carry = lax.fori_loop(u0, u1, step(False), carry)
-    return lax.fori_loop(u1, t1, step(True), carry)
-
-
-def _finish(acc, m, l, v_scale=1.0):
-    """Normalised output (times V's dequantization scale) and base-2 log-sum-exp; rows that saw nothing give 0
-    and -inf."""
-    seen = l > 0
-    out = acc / jnp.where(seen, l, 1.0)[:, None]
-    if not isinstance(v_scale, float):
-        out = out * v_scale
-    return out, jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), -jnp.inf)
-
-
-def _head_scales(scales_ref, layer, head, geo: _Geometry):
-    """(K scale, V scale) of one layer and KV head from the flattened `[layers * 2 * kv_heads]` table; Python 1.0s
-    for an unquantized cache (the table is then a placeholder, never read)."""
-    if not geo.quantized:
-        return 1.0, 1.0
-    base = layer * (2 * geo.kv_heads) + head
-    return scales_ref[base], scales_ref[base + geo.kv_heads]
-
-
-def _query_rows(block_m: int, group: int, group_pad: int):
-    """Row r of a query tile is token r // group_pad, query head r % group_pad of the KV head (padded heads masked)."""
-    rows = jnp.arange(block_m, dtype=jnp.int32)
-    shift = group_pad.bit_length() - 1
-    return rows >> shift, rows & (group_pad - 1)
-
-
-def _cols(head_dim: int):
-    """Column index `[1, head_dim]`. Every ref access indexes all axes with arrays or scalars (no slices): the one
-    form that both the Triton lowering and interpret mode accept for gathers."""
-    return jnp.arange(head_dim, dtype=jnp.int32)[None, :]
-
-
-def _load_q(q_ref, tok, head, valid):
-    cols = _cols(q_ref.shape[-1])
-    mask = jnp.broadcast_to(valid[:, None], (tok.shape[0], cols.shape[1]))
-    return pltr.load(q_ref.at[tok[:, None], head[:, None], cols], mask=mask, other=0)
-
-
-def _store_rows(o_ref, tok, head, valid, value):
-    """Masked row store; masked rows point past the end (interpret mode writes them as no-ops only there)."""
-    tok = jnp.where(valid, tok, o_ref.shape[0])
-    mask = jnp.broadcast_to(valid[:, None], value.shape)
-    pltr.store(o_ref.at[tok[:, None], head[:, None], _cols(value.shape[1])], value, mask=mask)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The two kernels.
 
 
 def _decode_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, q_ref, kv_ref, scales_ref, o_ref, lse_ref, *,
-                   geo: _Geometry, cfg: KernelConfig, split: SplitConfig, scores: _Scores):
+                   geo: Geometry, cfg: KernelConfig, split: SplitConfig, scores: Scores):
     """Program (request b, KV head h, split s): chunk s of b's visible context for all of b's query rows. Only the
     rows of real (token, head) pairs are stored, so the partial buffers cost traffic for real rows alone."""
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -270,30 +97,31 @@ def _decode_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, q_ref, kv_r
     seq_len = lens_ref[b]
     window = window_ref[0]
     first_pos, last_pos = seq_len - q_len, seq_len - 1
-    lo, hi = _visible_range(first_pos, last_pos, window, cfg.block_n)
-    my_lo, my_hi = _split_range(lo, hi, s, split, cfg.block_n)
-    active = (q_len >= 1) & (q_len <= _tokens_per_tile(geo, cfg)) & (s < _num_splits(lo, hi, split))
+    lo, hi = visible_range(first_pos, last_pos, window, cfg.block_n)
+    my_lo, my_hi = split_range(lo, hi, s, split, cfg.block_n)
+    active = (q_len >= 1) & (q_len <= tokens_per_tile(geo, cfg)) & (s < num_splits(lo, hi, split))
 
     @pl.when(active)
     def _():
-        t, g = _query_rows(cfg.block_m, geo.group, geo.group_pad)
+        t, g = query_rows(cfg.block_m, geo.group, geo.group_pad)
         valid = (t < q_len) & (g < geo.group)
         tok = jnp.where(valid, q_start + t, 0)
         head = jnp.where(valid, h * geo.group + g, 0)
-        q = _load_q(q_ref, tok, head, valid)
-        src = _KVSource(kv_ref, bt_ref, b, layer_ref[0], h, hi, geo.block_size)
-        k_scale, v_scale = _head_scales(scales_ref, layer_ref[0], h, geo)
-        acc, m, l = _attend(q, first_pos + t, src, my_lo, my_hi, first_pos, last_pos, window,
+        q = load_q(q_ref, tok, head, valid, geo.parts)
+        src = KVSource(kv_ref, bt_ref, b, layer_ref[0], h, hi, geo.block_size)
+        k_scale, v_scale = head_scales(scales_ref, layer_ref[0], h, geo)
+        acc, m, l = attend(q, first_pos + t, src, my_lo, my_hi, first_pos, last_pos, window,
                             block_n=cfg.block_n, scores=scores, k_scale=k_scale)
-        out, lse = _finish(acc, m, l, v_scale)
+        out, lse = finish(acc, m, l, v_scale)
         rows = jnp.where(valid, jnp.arange(cfg.block_m, dtype=jnp.int32), cfg.block_m)[:, None]
-        cols = _cols(geo.head_dim)
-        pltr.store(o_ref.at[b, h, s, rows, cols], out, mask=jnp.broadcast_to(valid[:, None], out.shape))
+        for i, part in enumerate(out):
+            cols = column_index(geo.head_dim, geo.parts, i)
+            pltr.store(o_ref.at[b, h, s, rows, cols], part, mask=jnp.broadcast_to(valid[:, None], part.shape))
         pltr.store(lse_ref.at[b, h, s, rows[:, 0]], lse, mask=valid)
 
 
 def _merge_kernel(window_ref, qsl_ref, lens_ref, o_part_ref, lse_part_ref, out_in_ref, out_ref, *,
-                  geo: _Geometry, cfg: KernelConfig, split: SplitConfig):
+                  geo: Geometry, cfg: KernelConfig, split: SplitConfig):
     """Program (request b, KV head h): combines b's used splits by their base-2 LSE, in split order (fixed, so the
     numbers do not depend on the batch), and writes the rows into the output in place."""
     del out_in_ref  # aliased with out_ref
@@ -301,14 +129,14 @@ def _merge_kernel(window_ref, qsl_ref, lens_ref, o_part_ref, lse_part_ref, out_i
     q_start = qsl_ref[b]
     q_len = qsl_ref[b + 1] - q_start
     seq_len = lens_ref[b]
-    lo, hi = _visible_range(seq_len - q_len, seq_len - 1, window_ref[0], cfg.block_n)
+    lo, hi = visible_range(seq_len - q_len, seq_len - 1, window_ref[0], cfg.block_n)
 
-    @pl.when((q_len >= 1) & (q_len <= _tokens_per_tile(geo, cfg)))
+    @pl.when((q_len >= 1) & (q_len <= tokens_per_tile(geo, cfg)))
     def _():
-        t, g = _query_rows(cfg.block_m, geo.group, geo.group_pad)
+        t, g = query_rows(cfg.block_m, geo.group, geo.group_pad)
         valid = (t < q_len) & (g < geo.group)
         rows = jnp.where(valid, jnp.arange(cfg.block_m, dtype=jnp.int32), 0)
-        cols = _cols(geo.head_dim)
+        cols = column_index(geo.head_dim)
         mask2 = jnp.broadcast_to(valid[:, None], (cfg.block_m, geo.head_dim))
 
         def body(s, carry):
@@ -319,22 +147,22 @@ def _merge_kernel(window_ref, qsl_ref, lens_ref, o_part_ref, lse_part_ref, out_i
             alpha, w = jnp.exp2(m - m_new), jnp.exp2(lse - m_new)
             return acc * alpha[:, None] + o * w[:, None], m_new, den * alpha + w
 
-        init = (jnp.zeros((cfg.block_m, geo.head_dim), jnp.float32), jnp.full((cfg.block_m,), _M_INIT, jnp.float32),
+        init = (jnp.zeros((cfg.block_m, geo.head_dim), jnp.float32), jnp.full((cfg.block_m,), M_INIT, jnp.float32),
                 jnp.zeros((cfg.block_m,), jnp.float32))
-        acc, _, den = lax.fori_loop(0, _num_splits(lo, hi, split), body, init)
+        acc, _, den = lax.fori_loop(0, num_splits(lo, hi, split), body, init)
         out = acc / jnp.where(den > 0, den, 1.0)[:, None]
         tok = q_start + t
         head = jnp.where(valid, h * geo.group + g, 0)
-        _store_rows(out_ref, tok, head, valid, out.astype(out_ref.dtype))
+        store_rows(out_ref, tok, head, valid, (out,))
 
 
 def _prefill_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, tile_seq_ref, tile_q0_ref, q_ref, kv_ref,
-                    scales_ref, o_ref, *, geo: _Geometry, cfg: KernelConfig, scores: _Scores):
+                    scales_ref, o_ref, *, geo: Geometry, cfg: KernelConfig, scores: Scores):
     """Program (query tile i, KV head h). Real tiles attend; spare tiles (tile_seq == num_seqs) zero the rows of
     padding tokens, so the output holds no uninitialised memory."""
     i, h = pl.program_id(0), pl.program_id(1)
     b, q0 = tile_seq_ref[i], tile_q0_ref[i]
-    t, g = _query_rows(cfg.block_m, geo.group, geo.group_pad)
+    t, g = query_rows(cfg.block_m, geo.group, geo.group_pad)
     head = jnp.where(g < geo.group, h * geo.group + g, 0)
 
     @pl.when(b < geo.num_seqs)
@@ -343,25 +171,25 @@ def _prefill_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, tile_seq_r
         q_len = qsl_ref[b + 1] - q_start
         seq_len = lens_ref[b]
         window = window_ref[0]
-        n_tok = jnp.minimum(_tokens_per_tile(geo, cfg), q_len - q0)
+        n_tok = jnp.minimum(tokens_per_tile(geo, cfg), q_len - q0)
         first_pos = seq_len - q_len + q0
         last_pos = first_pos + n_tok - 1
         valid = (t < n_tok) & (g < geo.group)
         tok = jnp.where(valid, q_start + q0 + t, 0)
-        q = _load_q(q_ref, tok, head, valid)
-        lo, hi = _visible_range(first_pos, last_pos, window, cfg.block_n)
-        src = _KVSource(kv_ref, bt_ref, b, layer_ref[0], h, hi, geo.block_size)
-        k_scale, v_scale = _head_scales(scales_ref, layer_ref[0], h, geo)
-        acc, m, l = _attend(q, first_pos + t, src, lo, hi, first_pos, last_pos, window,
+        q = load_q(q_ref, tok, head, valid, geo.parts)
+        lo, hi = visible_range(first_pos, last_pos, window, cfg.block_n)
+        src = KVSource(kv_ref, bt_ref, b, layer_ref[0], h, hi, geo.block_size)
+        k_scale, v_scale = head_scales(scales_ref, layer_ref[0], h, geo)
+        acc, m, l = attend(q, first_pos + t, src, lo, hi, first_pos, last_pos, window,
                             block_n=cfg.block_n, scores=scores, k_scale=k_scale)
-        out, _ = _finish(acc, m, l, v_scale)
-        _store_rows(o_ref, tok, head, valid, out.astype(o_ref.dtype))
+        out, _ = finish(acc, m, l, v_scale)
+        store_rows(o_ref, tok, head, valid, out)
 
     @pl.when(b >= geo.num_seqs)
     def _():
         tok = q0 + t
         valid = (tok < geo.num_tokens) & (g < geo.group)
-        _store_rows(o_ref, tok, head, valid, jnp.zeros((cfg.block_m, geo.head_dim), o_ref.dtype))
+        store_rows(o_ref, tok, head, valid, (jnp.zeros((cfg.block_m, geo.head_dim), o_ref.dtype),))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -408,13 +236,13 @@ def _merge_call(out, partials, layer_window, qsl, lens, geo, tuning, interpret):
     )(layer_window[1], qsl, lens, *partials, out)
 
 
-def _prefill_tiles(qsl, geo: _Geometry, tuning: Tuning):
+def _prefill_tiles(qsl, geo: Geometry, tuning: Tuning):
     """Static-length table of query tiles: (request, first new-token index) per tile, heaviest (latest) tile of a
     request first; the spare tiles at the end get (num_seqs, first padding token to zero)."""
-    tpt_dec, tpt = _tokens_per_tile(geo, tuning.decode), _tokens_per_tile(geo, tuning.prefill)
-    num_tiles = _cdiv(geo.num_tokens, tpt) + min(geo.num_seqs, geo.num_tokens // (tpt_dec + 1))
+    tpt_dec, tpt = tokens_per_tile(geo, tuning.decode), tokens_per_tile(geo, tuning.prefill)
+    num_tiles = cdiv(geo.num_tokens, tpt) + min(geo.num_seqs, geo.num_tokens // (tpt_dec + 1))
     q_len = qsl[1:] - qsl[:-1]
-    tiles = jnp.where(q_len > tpt_dec, _cdiv(q_len, tpt), 0)
+    tiles = jnp.where(q_len > tpt_dec, cdiv(q_len, tpt), 0)
     cum = jnp.cumsum(tiles)
     i = jnp.arange(num_tiles, dtype=jnp.int32)
     seq = jnp.searchsorted(cum, i, side="right").astype(jnp.int32)
@@ -449,19 +277,19 @@ def ragged_paged_attention_impl(
     _, _, block_size, _, kv_heads, _ = kv_cache.shape
     check_supported(head_dim=head_dim, block_size=block_size, num_q_heads=q_heads, num_kv_heads=kv_heads)
     check_kv_scales(kv_cache.shape, kv_cache.dtype, kv_scales)
-    if not interpret:
-        check_addressable(kv_cache.shape, kv_cache.dtype)
     quantized = kv_scales is not None
+    if quantized:
+        kv_cache = as_byte_pairs(kv_cache)  # 2-byte elements: addressable at any size (addressing.py)
     scales = kv_scales.astype(jnp.float32).reshape(-1) if quantized else jnp.ones((1,), jnp.float32)
-    geo = _Geometry(num_tokens, seq_lens.shape[0], q_heads, kv_heads, head_dim, block_size, quantized)
-    tuning = tuning or default_tuning(head_dim, geo.group)
+    geo = Geometry(num_tokens, seq_lens.shape[0], q_heads, kv_heads, head_dim, block_size, quantized)
+    tuning = tuning or default_tuning(head_dim, geo.group, quantized)
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    scores = _Scores(float(scale), float(soft_cap) if soft_cap else None, precision)
+    scores = Scores(float(scale), float(soft_cap) if soft_cap else None, precision)
     qsl, lens, bt = (jnp.asarray(a, jnp.int32) for a in (query_start_loc, seq_lens, block_tables))
     layer_window = _scalars(layer, sliding_window)
     args = (q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning, scores, interpret)
     partials = _decode_call(*args)
-    if max_query_len <= _tokens_per_tile(geo, tuning.decode):
+    if max_query_len <= tokens_per_tile(geo, tuning.decode):
         out = jnp.zeros_like(q)  # every request is a decode: no prefill launch
     else:
         out = _prefill_call(*args)
@@ -491,8 +319,7 @@ def ragged_paged_attention(
     positions (traced: it may differ per scanned layer); `soft_cap` applies `cap * tanh(s / cap)` to the scaled
     logits; `max_query_len` is the static bound on new tokens per request (a bucket). Rows of padding tokens (after
     `query_start_loc[-1]`) are zeros. Raises `UnsupportedShapeError` for head dims or block sizes the kernel does
-    not handle and, outside interpret mode, for a cache its 32-bit offsets cannot address (`addressing.py`);
-    ValueError for missing or misshaped scales.
+    not handle; ValueError for missing or misshaped scales.
     """
     return ragged_paged_attention_impl(
         q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale=scale, sliding_window=sliding_window,

@@ -41,21 +41,28 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def default_tuning(head_dim: int, group: int) -> Tuning:
+def default_tuning(head_dim: int, group: int, quantized: bool = False) -> Tuning:
     """The table: chosen on an H200 for Llama-3-8B-like shapes (32 q / 8 kv heads, d=128, bf16) by
-    `scripts/bench_kernels.py` (sweep in `h200_sweep.json`); other shapes inherit it. `group` (query heads per KV
-    head) sets the query rows: a decode tile packs all heads of one KV head.
+    `scripts/bench_kernels.py` (sweeps in `h200_sweep.json` and benchmarks/results/2026-12-01-decode_probes.json);
+    other shapes inherit it. `group` (query heads per KV
+    head) sets the query rows: a decode tile packs all heads of one KV head; `quantized`: a float8 cache.
 
-    Why these (H200, 2026-11-29): decode is bandwidth-bound and wants many small programs (2 warps; chunks of 256
-    positions: 8192 programs at batch 64 × 4k, 2048 at batch 8 × 32k); with 2 warps, block_n 16/32/64 were within
-    1 % of each other, 4 warps or chunks of 512+ were 15-60 % slower on one of the two shapes. Prefill wants the
-    biggest tiles Triton keeps in registers (128 × 128, 8 warps; 3 stages 3 % faster than 2).
+    Why these (H200, 2026-12-01, benchmarks/results/2026-12-01-kernels.json): decode is bound by the latency of
+    its block-table-addressed loads (page order made no difference; Triton's pipeliner waits for every copy at the
+    top of each iteration), and wants 4 warps with chunks of 512 positions for bf16 (274 / 262 µs at batch 64 × 4k
+    / 8 × 32k, against 290 / 275 µs for 2 warps and chunks of 256) and chunks of 1024 with 3 stages for float8
+    (230 / 238 µs, against 249 / 242 µs). Prefill wants the biggest tiles Triton keeps in registers (128 × 128,
+    8 warps; 3 stages 3 % faster than 2).
     """
     group_pad = _next_pow2(group)
     decode_m = max(16, group_pad)
     prefill_m = max(128, group_pad)
+    prefill = KernelConfig(block_m=prefill_m, block_n=128, num_warps=8, num_stages=3)
+    if quantized:
+        return Tuning(decode=KernelConfig(block_m=decode_m, block_n=64, num_warps=4, num_stages=3), prefill=prefill,
+                      split=SplitConfig(split_tokens=1024, max_splits=8))
     return Tuning(
-        decode=KernelConfig(block_m=decode_m, block_n=64, num_warps=2, num_stages=3),
-        prefill=KernelConfig(block_m=prefill_m, block_n=128, num_warps=8, num_stages=3),
-        split=SplitConfig(split_tokens=256, max_splits=32),
+        decode=KernelConfig(block_m=decode_m, block_n=64, num_warps=4, num_stages=2),
+        prefill=prefill,
+        split=SplitConfig(split_tokens=512, max_splits=16),
     )

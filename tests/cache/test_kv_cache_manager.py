@@ -10,7 +10,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from jengine.cache import KVCacheManager, hash_block, update_block_hashes
+from jengine.cache import KVCacheManager, hash_block, hash_blocks
 from jengine.request import Request
 
 BLOCK_SIZE = 4
@@ -37,31 +37,33 @@ def _schedule(manager: KVCacheManager, request: Request, num_new_tokens: int | N
 # --- hashing ---------------------------------------------------------------------------------------------------------
 
 def test_hashes_are_a_chain_over_full_blocks_only() -> None:
-    request = _request("a", list(range(10)))
-    update_block_hashes(request, BLOCK_SIZE)
     first = hash_block(None, [0, 1, 2, 3])
-    assert request.block_hashes == [first, hash_block(first, [4, 5, 6, 7])]
-    assert hash_block(None, [4, 5, 6, 7]) != request.block_hashes[1]  # the parent matters
+    assert hash_blocks(list(range(10)), BLOCK_SIZE) == [first, hash_block(first, [4, 5, 6, 7])]
+    assert hash_block(None, [4, 5, 6, 7]) != hash_blocks(list(range(10)), BLOCK_SIZE)[1]  # the parent matters
     assert len(first) == 32
 
 
-def test_update_block_hashes_is_incremental_and_idempotent() -> None:
-    request = _request("a", list(range(6)))
-    update_block_hashes(request, BLOCK_SIZE)
-    update_block_hashes(request, BLOCK_SIZE)
-    assert len(request.block_hashes) == 1
-    request.append_output([6, 7, 8])
-    update_block_hashes(request, BLOCK_SIZE)
-    whole = _request("b", list(range(9)))
-    update_block_hashes(whole, BLOCK_SIZE)
-    assert request.block_hashes == whole.block_hashes and len(whole.block_hashes) == 2
+def test_hash_blocks_continues_a_known_chain() -> None:
+    known = hash_blocks(list(range(6)), BLOCK_SIZE)
+    assert len(known) == 1
+    assert hash_blocks(list(range(7)), BLOCK_SIZE, known=known) == []  # no block newly full
+    whole = hash_blocks(list(range(9)), BLOCK_SIZE)
+    assert known + hash_blocks(list(range(9)), BLOCK_SIZE, known=known) == whole and len(whole) == 2
 
 
 def test_salt_changes_every_hash() -> None:
-    plain, salted = _request("a", list(range(8))), _request("b", list(range(8)), cache_salt="tenant")
-    update_block_hashes(plain, BLOCK_SIZE)
-    update_block_hashes(salted, BLOCK_SIZE)
-    assert not set(plain.block_hashes) & set(salted.block_hashes)
+    plain = hash_blocks(list(range(8)), BLOCK_SIZE)
+    salted = hash_blocks(list(range(8)), BLOCK_SIZE, cache_salt="tenant")
+    assert not set(plain) & set(salted)
+
+
+def test_the_manager_hashes_a_requests_tokens_as_they_grow() -> None:
+    manager = KVCacheManager(16, BLOCK_SIZE)
+    request = _request("a", [1, 2, 3], cache_salt="s")
+    _schedule(manager, request)
+    request.append_output([4, 5])
+    _schedule(manager, request)
+    assert request.block_hashes == hash_blocks([1, 2, 3, 4, 5], BLOCK_SIZE, cache_salt="s")
 
 
 def test_importing_jengine_cache_does_not_import_jax() -> None:

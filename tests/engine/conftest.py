@@ -56,9 +56,9 @@ class FakeCore:
         self.has_unfinished_calls = 0
         self.shut_down = False
 
-    def add_request(self, request: Request, choice_index: int = 0, *, enforce_queue_bound: bool = True) -> None:
+    def add_request(self, request: Request, *, enforce_queue_bound: bool = True) -> None:
         assert request.request_id not in self.requests, request.request_id
-        self.requests[request.request_id] = _Running(request, list(self.script(request, choice_index)))
+        self.requests[request.request_id] = _Running(request, list(self.script(request, request.choice_index)))
         self.added.append(request.request_id)
         self.max_held = max(self.max_held, len(self.requests))
 

@@ -34,8 +34,8 @@ def test_prompt_forms(processor: InputProcessor, tokenizer: Tokenizer) -> None:
 
 def test_request_fields(processor: InputProcessor, tokenizer: Tokenizer) -> None:
     processed = processor.process("Hi", SamplingParams(max_tokens=5), "r", priority=3, arrival_time=7.0)
-    [(request, index)] = processed.children
-    assert (request.request_id, index, request.priority, request.arrival_time) == ("r", 0, 3, 7.0)
+    [request] = processed.children
+    assert (request.request_id, request.choice_index, request.priority, request.arrival_time) == ("r", 0, 3, 7.0)
     assert request.eos_token_ids == tokenizer.eos_token_ids | {4}
     assert request.sampling_params.max_tokens == 5
 
@@ -108,9 +108,9 @@ def test_not_sampling_params_refused(processor: InputProcessor) -> None:
 def test_n_fans_out_into_children(processor: InputProcessor) -> None:
     processed = _process(processor, "Hi", n=3)
     assert processed.child_ids == ["r-0", "r-1", "r-2"]
-    assert [index for _, index in processed.children] == [0, 1, 2]
-    assert len({id(request) for request, _ in processed.children}) == 3
-    assert all(r.prompt_token_ids == processed.prompt_token_ids for r, _ in processed.children)
+    assert [request.choice_index for request in processed.children] == [0, 1, 2]
+    assert len({id(request) for request in processed.children}) == 3
+    assert all(r.prompt_token_ids == processed.prompt_token_ids for r in processed.children)
 
 
 def test_chat_renders_the_template(processor: InputProcessor, tokenizer: Tokenizer) -> None:

@@ -8,7 +8,8 @@ import pytest
 TEXT_SIDE = ("jengine.tokenizer", "jengine.front", "jengine.clients", "jinja2", "tokenizers", "transformers", "jax")
 
 
-@pytest.mark.parametrize("module", ["jengine.engine.core", "jengine.engine.core_loop", "jengine.scheduler"])
+@pytest.mark.parametrize("module", ["jengine.engine.core", "jengine.engine.core_loop", "jengine.engine.routing",
+                                    "jengine.scheduler"])
 def test_core_imports_no_text_side(module: str) -> None:
     probe = (f"import sys, {module}; "
              f"print(' '.join(m for m in {TEXT_SIDE!r} if any(k == m or k.startswith(m + '.') for k in sys.modules)))")

@@ -171,12 +171,12 @@ def instrument(llm: LLM) -> list:
         events.append(("schedule", sched.is_empty))
         return real_dispatch(sched)
 
-    def step(params, kv_cache, row_tokens, token_ids, *args, **kwargs):
-        sampled, prompt, kv_cache, row_tokens = real_step(params, kv_cache, row_tokens, token_ids, *args, **kwargs)
+    def step(params, state, batch):
+        state, out = real_step(params, state, batch)
         index = sum(e[0] == "dispatch" for e in events)
-        events.append(("dispatch", index, bool((np.asarray(token_ids) < 0).any())))
-        sampled = dataclasses.replace(sampled, token_ids=ReadRecorder(sampled.token_ids, index, events))
-        return sampled, prompt, kv_cache, row_tokens
+        events.append(("dispatch", index, bool((np.asarray(batch.model.token_ids) < 0).any())))
+        sampled = dataclasses.replace(out.sampled, token_ids=ReadRecorder(out.sampled.token_ids, index, events))
+        return state, dataclasses.replace(out, sampled=sampled)
 
     runner.dispatch, runner._step = dispatch, step
     return events

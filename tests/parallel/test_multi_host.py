@@ -17,8 +17,9 @@ from transformers import LlamaConfig
 
 from jengine import LLM, SamplingParams
 from jengine.config import EngineConfig
-from jengine.parallel.distributed import decode_step, encode_step
-from jengine.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from jengine.runner.multi_process import PublishingRunner, replay
+from jengine.scheduler.codec import decode_step, encode_step
+from jengine.scheduler.output import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
 from tests.conftest import COMMON
 from tests.server.test_lifecycle import free_port
 
@@ -95,6 +96,59 @@ def test_step_messages_round_trip():
                          1, 0, frozenset({2, 9}), 17)
     sched = SchedulerOutput([new], [CachedRequestData("r0", [4], 12)], {"r0": 1, "r1": 3}, 4, {"gone"}, {"pre"})
     assert decode_step(encode_step(sched)) == sched
+
+
+class RecordingRunner:
+    """A `StepRunner` that logs its calls; dispatch hands back a numbered handle."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def execute(self, sched):
+        self.calls.append(("execute", sched))
+        return RunnerOutput([], [], [], {})
+
+    def dispatch(self, sched):
+        self.calls.append(("dispatch", sched))
+        return None if sched.is_empty else len(self.calls)
+
+    def fetch(self, step):
+        self.calls.append(("fetch", step))
+        return RunnerOutput([], [], [], {})
+
+    def shutdown(self):
+        self.calls.append(("shutdown",))
+
+
+class ListFeed:
+    """The step feed as a list: `publish` appends, `next` pops the oldest."""
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+
+    def publish(self, message: str) -> None:
+        self.messages.append(message)
+
+    def next(self) -> str:
+        return self.messages.pop(0)
+
+
+def test_a_worker_replays_process_0s_runner_calls_in_order():
+    """Process 0's runner calls, replayed by a worker, are the same calls in the same order with equal plans (each
+    fetch of the handle its own dispatch returned); process 0's shutdown ends the worker's loop."""
+    step = SchedulerOutput([], [CachedRequestData("r0", [4], 12)], {"r0": 1}, 1, set(), set())
+    empty = SchedulerOutput([], [], {}, 0, {"r0"}, set())
+    feed, leader, worker = ListFeed(), RecordingRunner(), RecordingRunner()
+    published = PublishingRunner(leader, feed)
+    first, second = published.dispatch(step), published.dispatch(step)
+    published.fetch(first)
+    published.dispatch(empty)
+    published.fetch(second)
+    published.execute(step)
+    published.shutdown()
+    assert replay(worker, feed) == 3  # non-empty steps
+    assert worker.calls == leader.calls
+    assert not feed.messages
 
 
 def test_multi_host_flags_come_from_a_leader_worker_set(monkeypatch):

@@ -171,14 +171,14 @@ def test_more_devices_than_present_fails_at_engine_start(build_checkpoint, tiny_
 def compiled_collectives(llm: LLM) -> set[str]:
     """The collective ops in the compiled forward step of this engine (a decode of two requests)."""
     from jengine.attention.metadata import build_metadata
-    from jengine.runner.step import forward_step
+    from jengine.runner.step import ModelInputs, StepModel, forward_step
 
     runner = llm._core.runner
     md = build_metadata([1, 1], [5, 9], [[0], [1]], block_size=16, num_slots=runner.kv_cache.shape[1] * 16,
                         num_tokens_padded=8, num_seqs_padded=2, blocks_per_seq_padded=2)
     ep = runner.layout.mesh if runner.layout.expert_parallel else None
-    lowered = forward_step.lower(runner.spec, runner.backend, runner.params, runner.kv_cache, np.zeros(8, np.int32),
-                                 md, np.array([0, 1], np.int32), None, None, num_prompt_logprobs=0, expert_mesh=ep)
+    inputs = ModelInputs(np.zeros(8, np.int32), md, np.array([0, 1], np.int32), None, None)
+    lowered = forward_step.lower(StepModel(runner.spec, runner.backend, ep), runner.params, runner.state, inputs)
     text = lowered.compile().as_text()
     return {op for op in ("all-gather", "all-to-all", "reduce-scatter", "all-reduce") if f" {op}(" in text}
 

@@ -69,7 +69,7 @@ def make_scheduler(num_blocks=64, max_num_seqs=8, budget=32, max_model_len=128, 
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                              max_num_queued_reqs=queued, max_model_len=max_model_len)
     kv = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=prefix)
-    return Scheduler(config, kv, BLOCK), kv
+    return Scheduler(config, kv), kv
 
 
 def request(rid: str, prompt: list[int], max_tokens: int = 5, priority: int = 0, **params) -> Request:
@@ -109,7 +109,8 @@ def expected_tokens(prompt: list[int], n: int) -> list[int]:
 
 
 def test_scheduler_does_not_import_jax():
-    code = "import sys, jengine.scheduler.scheduler; assert 'jax' not in sys.modules, 'jax imported'"
+    code = ("import sys, jengine.scheduler.scheduler, jengine.scheduler.codec; "
+            "assert 'jax' not in sys.modules, 'jax imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -171,6 +172,14 @@ def test_queue_bound_refuses_one_more():
         scheduler.add_request(request(f"r{i}", [1, 2]))
     with pytest.raises(CapacityError):
         scheduler.add_request(request("one-more", [1, 2]))
+
+
+def test_each_request_brings_its_choice_index_and_gets_an_engine_counter():
+    scheduler, _ = make_scheduler()
+    for index, rid in enumerate(["a", "b"]):
+        scheduler.add_request(Request(rid, [1, 2, 3], SamplingParams(max_tokens=2), choice_index=index + 1))
+    new = scheduler.schedule().new_requests
+    assert [(n.request_id, n.choice_index, n.request_counter) for n in new] == [("a", 1, 0), ("b", 2, 1)]
 
 
 def test_abort_frees_blocks_of_running_and_waiting_requests():

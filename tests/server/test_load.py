@@ -53,8 +53,9 @@ def test_disconnect_mid_stream_aborts_within_a_second(server: ServerHandle) -> N
         for lines in readers:
             assert [next(lines).startswith("data: {") for _ in range(6)].count(True) == 3  # 3 events, 3 blank lines
         samples = scrape(server)
-        assert metric(samples, "jengine:num_requests_running") == 6 and server.engine.num_in_flight == 6
-        assert metric(samples, "jengine:kv_cache_usage_perc") > 0
+        assert metric(samples, "jengine:num_requests_running", engine="0") == 6
+        assert server.engine.num_in_flight == 6
+        assert metric(samples, "jengine:kv_cache_usage_perc", engine="0") > 0
         for stream in streams:
             stream.__exit__(None, None, None)
     server.wait_idle(timeout=1.0)
@@ -80,8 +81,8 @@ def test_disconnect_while_queued_aborts_before_it_runs(server: ServerHandle) -> 
         wait_for(lambda: server.state.in_flight == 0, what="the handler to end")
     server.wait_idle(timeout=1.0)
     after = scrape(server)  # aborted before its first scheduling: the prefix cache was never even asked
-    assert metric(after, "jengine:prefix_cache_queries_total") == metric(before, "jengine:prefix_cache_queries_total")
-    assert metric(after, "jengine:generation_tokens_total") == metric(before, "jengine:generation_tokens_total")
+    for name in ("jengine:prefix_cache_queries_total", "jengine:generation_tokens_total"):
+        assert metric(after, name, engine="0") == metric(before, name, engine="0"), name
 
 
 def test_metrics_parse_and_move(server: ServerHandle) -> None:
@@ -90,7 +91,8 @@ def test_metrics_parse_and_move(server: ServerHandle) -> None:
                  "jengine:num_preemptions_total", "jengine:prefix_cache_queries_total",
                  "jengine:prefix_cache_hits_total"):
         assert any(key[0] == name for key in before), name
-    assert metric(before, "jengine:num_requests_running") == 0 and metric(before, "jengine:kv_cache_usage_perc") == 0
+    assert metric(before, "jengine:num_requests_running", engine="0") == 0
+    assert metric(before, "jengine:kv_cache_usage_perc", engine="0") == 0
     body = {"model": MODEL_NAME, "prompt": "Measure me please", "max_tokens": 7, "temperature": 0,
             "ignore_eos": True, "stream": True}
     with server.http.stream("POST", "/v1/completions", json=body) as response:
@@ -98,8 +100,8 @@ def test_metrics_parse_and_move(server: ServerHandle) -> None:
     prompt_tokens = len(server.http.post("/tokenize", json={"prompt": body["prompt"]}).json()["tokens"])
     after = scrape(server)
 
-    def delta(name: str, **labels: str) -> float:
-        return metric(after, name, **labels) - metric(before, name, **labels)
+    def delta(name: str, **labels: str) -> float:  # one engine: engine="0"
+        return metric(after, name, engine="0", **labels) - metric(before, name, engine="0", **labels)
 
     assert delta("jengine:prompt_tokens_total") == prompt_tokens
     assert delta("jengine:generation_tokens_total") == 7
@@ -109,6 +111,9 @@ def test_metrics_parse_and_move(server: ServerHandle) -> None:
     assert delta("jengine:e2e_request_latency_seconds_count") == 1
     assert delta("jengine:e2e_request_latency_seconds_sum") > 0
     assert delta("jengine:prefix_cache_queries_total") >= prompt_tokens
-    assert metric(after, "jengine:num_requests_running") == 0 and metric(after, "jengine:num_requests_waiting") == 0
+    assert metric(after, "jengine:num_requests_running", engine="0") == 0
+    assert metric(after, "jengine:num_requests_waiting", engine="0") == 0
     info = [key for key in after if key[0] == "jengine:cache_config_info"]
     assert info and dict(info[0][1])["block_size"] == "16" and int(dict(info[0][1])["num_gpu_blocks"]) > 0
+    assert {dict(labels)["engine"] for name, labels in after if name.startswith("jengine:")
+            and name != "jengine:admission_rejections_total"} == {"0"}  # every engine-level series is engine 0's

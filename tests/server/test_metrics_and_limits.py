@@ -76,7 +76,7 @@ def test_queue_prefill_decode_and_step_histograms(plain: ServerHandle) -> None:
     assert [r.status_code for r in responses] == [200, 200]
 
     def delta(name: str) -> float:
-        return metric(after, f"jengine:{name}") - metric(before, f"jengine:{name}")
+        return metric(after, f"jengine:{name}", engine="0") - metric(before, f"jengine:{name}", engine="0")
 
     for phase in ("queue", "prefill", "decode"):
         assert delta(f"request_{phase}_time_seconds_count") == 2, phase
@@ -91,8 +91,8 @@ def test_queue_prefill_decode_and_step_histograms(plain: ServerHandle) -> None:
     prompts = sum(r.json()["usage"]["prompt_tokens"] for r in responses)
     steps, tokens = delta("iteration_tokens_total_count"), delta("iteration_tokens_total_sum")
     assert steps >= 2 + 11 and tokens >= prompts + 11
-    assert metric(after, "jengine:iteration_tokens_total_bucket", le="+Inf") == metric(
-        after, "jengine:iteration_tokens_total_count")
+    assert metric(after, "jengine:iteration_tokens_total_bucket", engine="0", le="+Inf") == metric(
+        after, "jengine:iteration_tokens_total_count", engine="0")
 
 
 # ------------------------------------------------------------------------------------------------- headers
@@ -137,7 +137,7 @@ def test_request_over_the_timeout_gets_504_and_is_aborted(timed: ServerHandle, s
     timed.wait_idle(timeout=5.0)
     # Aborted before its first scheduling, once the core moved again: the engine never looked its prompt up.
     queries = "jengine:prefix_cache_queries_total"
-    assert metric(scrape(timed), queries) == metric(before, queries)
+    assert metric(scrape(timed), queries, engine="0") == metric(before, queries, engine="0")
     assert _completion(timed, "Still serving", 2).status_code == 200  # the engine keeps serving
     timed.wait_idle()
 

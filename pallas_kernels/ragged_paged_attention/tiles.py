@@ -1,0 +1,238 @@
+"""Device code shared by the ragged paged attention kernels (`kernel.py`): static geometry, the visible range and
+split rule, K/V tile loads through the block table (a float8 cache as uint16 byte pairs), the online-softmax loop and
+the row loads and stores. Every block has a power-of-two element count and every ref access indexes all axes with
+arrays or scalars (the Triton lowering's rules, JAX-PALLAS.md §1.2)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import triton as pltr
+
+from pallas_kernels.kv_quant import FP8_DTYPE
+from pallas_kernels.ragged_paged_attention.tuning import KernelConfig, SplitConfig
+
+LOG2E = math.log2(math.e)
+# Finite start for the running max: exp2(m_old - m_new) stays finite while a row has seen no visible key yet, and
+# masked scores are -inf, so they contribute exp2(-inf) = 0 without an extra select.
+M_INIT = -1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Static shapes of one call, derived once from the operands."""
+
+    num_tokens: int
+    num_seqs: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    quantized: bool  # float8 cache: per-(layer, KV head) scales are read and applied
+
+    @property
+    def group(self) -> int:
+        return self.q_heads // self.kv_heads
+
+    @property
+    def group_pad(self) -> int:
+        return 1 << max(self.group - 1, 0).bit_length()
+
+    @property
+    def parts(self) -> int:
+        """Column parts of every head_dim-wide tile: 2 (even, odd columns) for a float8 cache read as byte pairs."""
+        return 2 if self.quantized else 1
+
+
+def tokens_per_tile(geo: Geometry, cfg: KernelConfig) -> int:
+    return cfg.block_m // geo.group_pad
+
+
+def cdiv(a, b):
+    return (a + b - 1) // b
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shared device code: visible range, split rule, the online-softmax loop.
+
+
+def visible_range(first_pos, last_pos, window, block_n: int):
+    """KV positions `[lo, hi)` some row of a query tile can see (`lo` aligned down to `block_n`); `first_pos` and
+    `last_pos` are the positions of the tile's first and last query token. Works on scalars and arrays alike."""
+    lo = jnp.where(window > 0, jnp.maximum(first_pos - window + 1, 0), 0)
+    return (lo // block_n) * block_n, last_pos + 1
+
+
+def num_splits(lo, hi, split: SplitConfig):
+    """How many chunks a decode request's context is cut into: a function of its own visible length only."""
+    return jnp.clip(cdiv(hi - lo, split.split_tokens), 1, split.max_splits)
+
+
+def split_range(lo, hi, s, split: SplitConfig, block_n: int):
+    """Chunk `s` of `[lo, hi)`: chunks are multiples of `block_n`, so no KV tile straddles two of them."""
+    nsplit = num_splits(lo, hi, split)
+    chunk = cdiv(cdiv(hi - lo, nsplit), block_n) * block_n
+    my_lo = lo + s * chunk
+    return my_lo, jnp.minimum(hi, my_lo + chunk)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVSource:
+    """Where one program's K/V come from: its request's block-table row in one layer, one KV head."""
+
+    kv_ref: object
+    bt_ref: object
+    seq: jax.Array
+    layer: jax.Array
+    head: jax.Array
+    kv_hi: jax.Array  # positions >= kv_hi are never loaded (the block table may end there)
+    block_size: int
+
+    def load(self, start, block_n: int, masked: bool, dtype):
+        """K and V for positions `start + arange(block_n)`, each a tuple of column parts `[block_n, head_dim //
+        parts]`: each row is found through the block table (page = position // block_size) and read at `[layer,
+        page, offset, 0|1, head, :]`. A float8 cache comes as uint16 byte pairs and is unpacked here."""
+        pos = start + jnp.arange(block_n, dtype=jnp.int32)
+        shift = self.block_size.bit_length() - 1
+        page_idx, offset = pos >> shift, (pos & (self.block_size - 1))[:, None]
+        cols = column_index(self.kv_ref.shape[-1])
+        if masked:
+            ok = pos < self.kv_hi
+            page = pltr.load(self.bt_ref.at[self.seq, page_idx], mask=ok, other=0)[:, None]
+            ok2 = jnp.broadcast_to(ok[:, None], (block_n, cols.shape[1]))
+            k = pltr.load(self.kv_ref.at[self.layer, page, offset, 0, self.head, cols], mask=ok2, other=0)
+            v = pltr.load(self.kv_ref.at[self.layer, page, offset, 1, self.head, cols], mask=ok2, other=0)
+        else:
+            page = self.bt_ref[self.seq, page_idx][:, None]
+            k = self.kv_ref[self.layer, page, offset, 0, self.head, cols]
+            v = self.kv_ref[self.layer, page, offset, 1, self.head, cols]
+        if self.kv_ref.dtype == jnp.uint16:
+            return pos, unpack_fp8_pairs(k, dtype), unpack_fp8_pairs(v, dtype)
+        return pos, (k.astype(dtype),), (v.astype(dtype),)
+
+
+def unpack_fp8_pairs(x16, dtype):
+    """uint16 byte pairs → (even columns, odd columns) as `dtype`. Why pairs: the P·V product reads V along its
+    rows, so the tile is transposed on its way to the tensor cores; Triton transposes 16-bit tiles with `ldmatrix`
+    but 8-bit ones byte by byte through shared memory (a third slower on the H200). Unpacked in registers, both
+    halves are ordinary 16-bit operands (exact: every e4m3 value is a bf16 value). The hardware conversion measured
+    faster than placing the e4m3 bits into a bf16 by integer operations (240 vs 258 µs, batch 8 × 32k)."""
+    lo = lax.bitcast_convert_type((x16 & 0xFF).astype(jnp.uint8), FP8_DTYPE)
+    hi = lax.bitcast_convert_type((x16 >> 8).astype(jnp.uint8), FP8_DTYPE)
+    return lo.astype(dtype), hi.astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scores:
+    """Static score transform: scale, optional soft cap, conversion to base 2 (the loop uses exp2)."""
+
+    scale: float
+    soft_cap: float | None
+    precision: lax.Precision | None
+
+    def __call__(self, q, k, k_scale=1.0):
+        """`q`, `k`: tuples of matching column parts (their dot products add up to q·kᵀ). `k_scale`: the float8
+        cache's dequantization scale of K (a traced scalar), or the Python 1.0."""
+        s = sum(pltr.dot(qp, kp, trans_b=True, precision=self.precision) for qp, kp in zip(q, k))
+        if self.soft_cap:
+            return jnp.tanh(s * (k_scale * (self.scale / self.soft_cap))) * (self.soft_cap * LOG2E)
+        return s * (k_scale * (self.scale * LOG2E))
+
+
+def attend(q, q_pos, src: KVSource, lo, hi, first_pos, last_pos, window, *, block_n: int, scores: Scores,
+            k_scale=1.0):
+    """Online softmax of the query tile `q` (column parts of `[block_m, d]`, rows at positions `q_pos`) over KV
+    positions `[lo, hi)`.
+
+    Returns (acc, m, l): unnormalised output (column parts like `q`), running max and sum, base 2. The tiles every
+    row sees in full (between the window edge and the first row's position) skip the mask; the edge tiles on either
+    side apply it.
+    """
+    t0, t1 = lo // block_n, cdiv(hi, block_n)
+    full_lo = jnp.where(window > 0, last_pos - window + 1, 0)
+    u0 = jnp.clip(cdiv(full_lo, block_n), t0, t1)
+    u1 = jnp.clip((first_pos + 1) // block_n, u0, t1)
+
+    def step(masked: bool):
+        def body(j, carry):
+            acc, m, l = carry
+            pos, k, v = src.load(j * block_n, block_n, masked, q[0].dtype)
+            s = scores(q, k, k_scale)
+            if masked:
+                visible = pos[None, :] <= q_pos[:, None]
+                visible &= (window <= 0) | (pos[None, :] > q_pos[:, None] - window)
+                s = jnp.where(visible, s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - m_new[:, None])
+            l = l * alpha + jnp.sum(p, axis=1)
+            p = p.astype(v[0].dtype)
+            acc = tuple(a * alpha[:, None] + pltr.dot(p, vp, precision=scores.precision) for a, vp in zip(acc, v))
+            return acc, m_new, l
+
+        return body
+
+    block_m = q[0].shape[0]
+    carry = (
+        tuple(jnp.zeros(qp.shape, jnp.float32) for qp in q),
+        jnp.full((block_m,), M_INIT, jnp.float32),
+        jnp.zeros((block_m,), jnp.float32),
+    )
+    carry = lax.fori_loop(t0, u0, step(True), carry)
+    carry = lax.fori_loop(u0, u1, step(False), carry)
+    return lax.fori_loop(u1, t1, step(True), carry)
+
+
+def finish(acc, m, l, v_scale=1.0):
+    """Normalised output (times V's dequantization scale) and base-2 log-sum-exp; rows that saw nothing give 0
+    and -inf."""
+    seen = l > 0
+    inv = 1.0 / jnp.where(seen, l, 1.0)
+    if not isinstance(v_scale, float):
+        inv = inv * v_scale
+    out = tuple(a * inv[:, None] for a in acc)
+    return out, jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), -jnp.inf)
+
+
+def head_scales(scales_ref, layer, head, geo: Geometry):
+    """(K scale, V scale) of one layer and KV head from the flattened `[layers * 2 * kv_heads]` table; Python 1.0s
+    for an unquantized cache (the table is then a placeholder, never read)."""
+    if not geo.quantized:
+        return 1.0, 1.0
+    base = layer * (2 * geo.kv_heads) + head
+    return scales_ref[base], scales_ref[base + geo.kv_heads]
+
+
+def query_rows(block_m: int, group: int, group_pad: int):
+    """Row r of a query tile is token r // group_pad, query head r % group_pad of the KV head (padded heads masked)."""
+    rows = jnp.arange(block_m, dtype=jnp.int32)
+    shift = group_pad.bit_length() - 1
+    return rows >> shift, rows & (group_pad - 1)
+
+
+def column_index(head_dim: int, parts: int = 1, part: int = 0):
+    """Column index `[1, head_dim // parts]` of column part `part` (columns `part`, `part + parts`, ...). Every ref
+    access indexes all axes with arrays or scalars (no slices): the one form that both the Triton lowering and
+    interpret mode accept for gathers."""
+    return jnp.arange(head_dim // parts, dtype=jnp.int32)[None, :] * parts + part
+
+
+def load_q(q_ref, tok, head, valid, parts: int):
+    d = q_ref.shape[-1]
+    mask = jnp.broadcast_to(valid[:, None], (tok.shape[0], d // parts))
+    return tuple(pltr.load(q_ref.at[tok[:, None], head[:, None], column_index(d, parts, i)], mask=mask, other=0)
+                 for i in range(parts))
+
+
+def store_rows(o_ref, tok, head, valid, value):
+    """Masked row store of column parts; masked rows point past the end (interpret mode writes them as no-ops only
+    there)."""
+    tok = jnp.where(valid, tok, o_ref.shape[0])
+    mask = jnp.broadcast_to(valid[:, None], value[0].shape)
+    for i, part in enumerate(value):
+        cols = column_index(o_ref.shape[-1], len(value), i)
+        pltr.store(o_ref.at[tok[:, None], head[:, None], cols], part.astype(o_ref.dtype), mask=mask)
