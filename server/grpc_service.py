@@ -41,6 +41,7 @@ from server.request_work import RequestWork, prepare_prompts
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Engine"].full_name  # "jengine.v1.Engine"
+WATCH_POLL_S = 0.5  # how soon an open Health.Watch stream hears that the engine died
 HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 OPEN_SERVICES = (HEALTH_SERVICE_NAME, reflection.SERVICE_NAME, "grpc.reflection.v1.ServerReflection")
 """Reachable without a key and while draining: probes and tooling must see the server's state."""
@@ -277,7 +278,18 @@ class _Health(health.aio.HealthServicer):
 
     async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:
         await self.publish()
-        await super().Watch(request, context)
+        following = asyncio.ensure_future(self._follow_engine())
+        try:
+            await super().Watch(request, context)
+        finally:
+            following.cancel()
+
+    async def _follow_engine(self) -> None:
+        """While a Watch stream is open, re-read the engine's health: an engine that dies tells no one, so without
+        this a stream opened before the failure would say SERVING forever (Check reads it live)."""
+        while True:
+            await asyncio.sleep(WATCH_POLL_S)
+            await self.publish()
 
     async def publish(self) -> None:
         """Store the live status for the overall server ("") and the engine service (wakes Watch streams)."""

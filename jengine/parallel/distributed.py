@@ -18,6 +18,14 @@ from jengine.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
+# A worker that dies mid-step fails process 0's step at once (its collective loses the peer), so in-flight requests
+# fail and /health turns 503. Beyond that, jax's coordination service ends every process (abort) once a process has
+# missed heartbeats this long (jax's default, 100 s, is how long a worker that died while process 0 was idle went
+# unnoticed), and a process leaving waits this long for the others at jax's shutdown barrier (jax's default, 300 s,
+# is how long process 0 hung on SIGTERM after losing a worker; a live worker gets there within seconds of the stop).
+_HEARTBEAT_TIMEOUT_S = 30
+_SHUTDOWN_TIMEOUT_S = 15
+
 
 def initialize(parallel: ParallelConfig) -> None:
     """Joins the processes of one engine (before any device is touched); a no-op for a single process."""
@@ -29,7 +37,9 @@ def initialize(parallel: ParallelConfig) -> None:
         raise ConfigError(f"process_id={parallel.process_id} is outside num_processes={parallel.num_processes}")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU meshes across processes (GPUs: NCCL)
     jax.distributed.initialize(coordinator_address=parallel.coordinator_address,
-                               num_processes=parallel.num_processes, process_id=parallel.process_id)
+                               num_processes=parallel.num_processes, process_id=parallel.process_id,
+                               heartbeat_timeout_seconds=_HEARTBEAT_TIMEOUT_S,
+                               shutdown_timeout_seconds=_SHUTDOWN_TIMEOUT_S)
     logger.info("process %d of %d joined %s: %d global devices, %d local", parallel.process_id,
                 parallel.num_processes, parallel.coordinator_address, jax.device_count(), jax.local_device_count())
 
