@@ -60,14 +60,8 @@ class GrpcEngineClient:
         self._tokenizer: RemoteTokenizer | None = None
 
     # ------------------------------------------------------------------ EngineClient
-    async def generate(
-        self,
-        prompt: PromptInput,
-        sampling_params: SamplingParams | None = None,
-        request_id: str | None = None,
-        *,
-        priority: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: PromptInput, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, *, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Stream the remote request's deltas; leaving early (or `abort`) cancels the call, aborting it remotely."""
         params, request_id = request_identity(sampling_params, request_id, self._calls)
         request, prompt_text = _generate_request(prompt, params, request_id, priority)

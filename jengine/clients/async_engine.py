@@ -81,14 +81,8 @@ class AsyncEngine:
         return cls(build_engine(config))
 
     # ------------------------------------------------------------------ EngineClient
-    async def generate(
-        self,
-        prompt: PromptInput,
-        sampling_params: SamplingParams | None = None,
-        request_id: str | None = None,
-        *,
-        priority: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: PromptInput, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, *, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Stream delta outputs (the last has finished=True); leaving the loop early aborts the request."""
         stream = self._admit(prompt, sampling_params or SamplingParams(), request_id, priority)
         try:

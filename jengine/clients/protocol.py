@@ -40,14 +40,8 @@ class ModelInfo:
 class EngineClient(Protocol):
     """Submit, stream, abort; plus what servers need to describe the model and report health."""
 
-    def generate(
-        self,
-        prompt: PromptInput,
-        sampling_params: SamplingParams | None = None,
-        request_id: str | None = None,
-        *,
-        priority: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
+    def generate(self, prompt: PromptInput, sampling_params: SamplingParams | None = None,
+                 request_id: str | None = None, *, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Stream delta outputs of one request; the last has finished=True. Raises InvalidRequestError,
         CapacityError (full: retry later) or EngineDeadError; stopping the iteration aborts the request.
 

@@ -117,14 +117,8 @@ class Router:
             raise
 
     # ------------------------------------------------------------------ EngineClient
-    async def generate(
-        self,
-        prompt: PromptInput,
-        sampling_params: SamplingParams | None = None,
-        request_id: str | None = None,
-        *,
-        priority: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: PromptInput, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, *, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Tokenize, route, and stream the chosen replica's outputs; leaving early aborts it there."""
         params, request_id = request_identity(sampling_params, request_id, self._owners)
         forward, hashes = self._prepare(prompt)
