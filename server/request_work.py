@@ -21,7 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from jengine.clients.protocol import ModelInfo
-from jengine.errors import ContextLengthExceededError, InvalidRequestError
+from jengine.errors import InvalidRequestError
+from jengine.front.input_processor import check_prompt_fits
 from jengine.sampling.params import SamplingParams
 from jengine.tokenizer import Tokenizer
 from jengine.tokenizer.chat import chat_text
@@ -94,13 +95,13 @@ def prepare_prompt(tokenizer: Tokenizer, info: ModelInfo, prompt: Any) -> dict[s
         text = chat_text(tokenizer, prompt["messages"], options)  # the template holds BOS: no special tokens added
         return {"prompt": text, "prompt_token_ids": _fitting_ids(tokenizer, info, text, False)}
     prepared = dict(prompt) if isinstance(prompt, Mapping) else {"prompt_token_ids": prompt}
-    check_fits(len(prepared.get("prompt_token_ids") or ()), info.max_model_len)
+    check_prompt_fits(len(prepared.get("prompt_token_ids") or ()), info.max_model_len)
     return prepared
 
 
 def _fitting_ids(tokenizer: Tokenizer, info: ModelInfo, text: str, add_special_tokens: bool) -> list[int]:
     count, ids = tokenizer.count_tokens(text, info.max_model_len, add_special_tokens)
-    check_fits(count, info.max_model_len)
+    check_prompt_fits(count, info.max_model_len)
     assert ids is not None  # a count under the limit comes with its ids
     return ids
 
@@ -114,14 +115,6 @@ def check_admissible(info: ModelInfo, num_prompts: int, n: int) -> None:
             f"{num_prompts} prompt(s) × n={n} need {needed} sequences at once, more than this engine ever holds "
             f"({info.max_in_flight} running or queued): this request can never be admitted; split it",
             param="n" if num_prompts == 1 else "prompt")
-
-
-def check_fits(prompt_len: int, max_model_len: int) -> None:
-    """A prompt of max_model_len tokens or more leaves no room to generate (the engine says the same, later)."""
-    if prompt_len >= max_model_len:
-        raise ContextLengthExceededError(
-            f"the prompt has {prompt_len} tokens but max_model_len is {max_model_len}; "
-            f"it must be shorter to leave room for at least one generated token", param="prompt")
 
 
 def check_prompt_logprob_work(params: SamplingParams, prompt_lens: Sequence[int]) -> None:

@@ -199,11 +199,7 @@ class InputProcessor:
         """Check the prompt fits with room to generate, and resolve max_tokens (the one place it becomes a number):
         None becomes what is left of the context; offline, so does a number past it (servers refuse that)."""
         limit = self.max_model_len
-        if prompt_len >= limit:
-            raise ContextLengthExceededError(
-                f"the prompt has {prompt_len} tokens but max_model_len is {limit}; "
-                f"it must be shorter to leave room for at least one generated token", param="prompt",
-            )
+        check_prompt_fits(prompt_len, limit)
         if params.max_tokens is None:
             room = limit - prompt_len
             if params.min_tokens > room:
@@ -226,6 +222,15 @@ class InputProcessor:
                 f"{prompt_len + params.max_tokens} is over max_model_len {limit}", param="max_tokens",
             )
         return params
+
+
+def check_prompt_fits(prompt_len: int, max_model_len: int) -> None:
+    """A prompt of max_model_len tokens or more leaves no room to generate: refused, never truncated."""
+    if prompt_len >= max_model_len:
+        raise ContextLengthExceededError(
+            f"the prompt has {prompt_len} tokens but max_model_len is {max_model_len}; "
+            f"it must be shorter to leave room for at least one generated token", param="prompt",
+        )
 
 
 def _check_int_field(name: str, value: Any) -> None:
