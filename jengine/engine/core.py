@@ -1,6 +1,7 @@
 """`EngineCore`: owns the scheduler, the KV-cache manager and the runner, and joins them in `step()`.
 
-The scheduler and the runner never call each other; one step is three calls: schedule → execute → update.
+The scheduler and the runner never call each other. Serially a step is schedule → execute → update; pipelined
+(below) it is schedule N+1 → dispatch N+1 → fetch N → update N.
 Token ids in, token ids out: text never enters the core.
 
 Pipelined (`async_scheduling`, the default), a step schedules and dispatches step N+1 before it fetches step N's
