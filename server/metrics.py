@@ -69,6 +69,17 @@ class EngineSources:
         return cls(1, lambda: [client.stats()], lambda _request_id: 0)
 
 
+_STATS_SERIES: tuple[tuple[type, str, str, Callable[[EngineStats], float]], ...] = (
+    # (family, name, help, what it reads of a snapshot): gauges, then the core's cumulative counters
+    (GaugeMetricFamily, "num_requests_running", "Requests in the running batch.", lambda s: s.num_running),
+    (GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be scheduled.", lambda s: s.num_waiting),
+    (GaugeMetricFamily, "kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", lambda s: s.kv_cache_usage),
+    (CounterMetricFamily, "num_preemptions", "Cumulative number of preemptions.", lambda s: s.num_preemptions),
+    (CounterMetricFamily, "prefix_cache_queries", "Prefix-cache queries, in tokens.", lambda s: s.prefix_cache_queries),
+    (CounterMetricFamily, "prefix_cache_hits", "Prefix-cache hits, in tokens.", lambda s: s.prefix_cache_hits),
+)
+
+
 class _EngineStatsCollector(Collector):
     """Turns each engine's stats snapshot into gauges and counters, one sample per engine, when Prometheus scrapes."""
 
@@ -82,30 +93,17 @@ class _EngineStatsCollector(Collector):
         except Exception:  # a remote engine that cannot answer now: serve the request-level metrics anyway
             logger.warning("engine stats unavailable for /metrics", exc_info=True)
             return
-        yield from self._gauges(snapshots)
-        yield from self._counters(snapshots)
+        for cls, name, doc, read in _STATS_SERIES:
+            yield self._family(cls, name, doc, [read(s) for s in snapshots])
+        yield self._cache_config(snapshots)
         yield from self._iteration_tokens(snapshots)
 
-    def _gauges(self, snapshots: list[EngineStats]) -> Iterator[Metric]:
-        for name, doc, read in (
-            ("num_requests_running", "Requests in the running batch.", lambda s: s.num_running),
-            ("num_requests_waiting", "Requests waiting to be scheduled.", lambda s: s.num_waiting),
-            ("kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", lambda s: s.kv_cache_usage),
-        ):
-            yield self._family(GaugeMetricFamily, name, doc, [read(s) for s in snapshots])
+    def _cache_config(self, snapshots: list[EngineStats]) -> Metric:
         info = GaugeMetricFamily(PREFIX + "cache_config_info", "Information of the KV cache.",
                                  labels=["block_size", "num_gpu_blocks", "model_name", ENGINE_LABEL])
         for engine, stats in enumerate(snapshots):
             info.add_metric([str(stats.block_size), str(stats.num_gpu_blocks), self._model, str(engine)], 1.0)
-        yield info
-
-    def _counters(self, snapshots: list[EngineStats]) -> Iterator[Metric]:
-        for name, doc, read in (
-            ("num_preemptions", "Cumulative number of preemptions.", lambda s: s.num_preemptions),
-            ("prefix_cache_queries", "Prefix-cache queries, in tokens.", lambda s: s.prefix_cache_queries),
-            ("prefix_cache_hits", "Prefix-cache hits, in tokens.", lambda s: s.prefix_cache_hits),
-        ):
-            yield self._family(CounterMetricFamily, name, doc, [read(s) for s in snapshots])
+        return info
 
     def _iteration_tokens(self, snapshots: list[EngineStats]) -> Iterator[Metric]:
         """Each core's per-step token histogram (nothing for an engine that does not report one)."""
