@@ -45,6 +45,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import soak_traffic as traffic  # noqa: E402
+from gpu_bench_common import versions  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {"rss_growth_mb": 50.0, "fd_growth": 0, "lost_requests": 0}
@@ -258,18 +259,6 @@ def device_description() -> str:
     return f"CPU only: {model}, {os.cpu_count()} cores, {mem_kb / 2**20:.0f} GiB RAM (shared with other work)"
 
 
-def versions() -> dict[str, str]:
-    import importlib.metadata as md
-
-    found = {"python": platform.python_version()}
-    for package in ("jax", "jaxlib", "aiohttp", "httpx", "grpcio"):
-        try:
-            found[package] = md.version(package)
-        except md.PackageNotFoundError:
-            pass
-    return found
-
-
 def git_sha() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
@@ -317,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics["server_exit_code"] = exit_code
         metrics["server_command"] = " ".join(serve_argv[1:])
     result = {"benchmark": "soak", "git_sha": sha, "date": date,
-              "device": device_description(), "versions": versions(),
+              "device": device_description(), "versions": versions(("aiohttp", "httpx", "grpcio")),
               "command": "PYTHONPATH=. python scripts/soak.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "metrics": metrics, "ratios": {}}
     args.output.parent.mkdir(parents=True, exist_ok=True)
