@@ -29,8 +29,13 @@ DEFAULT_COMPILATION_CACHE = Path.home() / ".cache" / "jengine" / "jax-cache"
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The engine flags shared by every command that builds an engine (vLLM's names and defaults)."""
     group = parser.add_argument_group("engine")
-    group.add_argument("--model", type=Path, default=None,
-                       help="HF model directory (safetensors); default: a tiny random-weight demo model built offline")
+    group.add_argument("--model", default=None,
+                       help="model directory or Hugging Face model id (ORG/NAME); default: a tiny random-weight demo "
+                            "model built offline")
+    group.add_argument("--revision", default=None, help="hub model id: the branch, tag or commit (default: main)")
+    group.add_argument("--download-dir", default=None,
+                       help="hub model id: the cache directory (default: $HF_HUB_CACHE, else $HF_HOME/hub); "
+                            "HF_HUB_OFFLINE=1 reads it without downloading")
     group.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     group.add_argument("--dtype", default="auto", type=_dtype_name, metavar="{auto,bfloat16,float16,float32}",
                        help="also vLLM's aliases half, bf16, float")
@@ -74,7 +79,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 # vLLM flags accepted so its command lines run unchanged; the config refuses the values that would change something.
 _COMPAT_SWITCHES = ("--trust-remote-code", "--enforce-eager", "--disable-log-stats", "--disable-log-requests",
                     "--enable-log-requests")
-_COMPAT_VALUES = {"--revision": None, "--download-dir": None, "--tokenizer-mode": None, "--load-format": None,
+_COMPAT_VALUES = {"--tokenizer-mode": None, "--load-format": None,
                   "--task": None, "--swap-space": float, "--uvicorn-log-level": None}
 
 
@@ -129,6 +134,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
+def model_source(args: argparse.Namespace) -> dict[str, str | None]:
+    """The flags that say where a hub model id comes from (`LLM(...)` and `resolve_model` keywords)."""
+    return {"revision": args.revision, "download_dir": args.download_dir}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jengine", description="LLM inference and serving in JAX.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -174,13 +184,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from jengine import LLM, SamplingParams
-    from jengine.models.demo import ensure_demo_model
 
-    model = args.model or ensure_demo_model()
     prompts = args.prompt or ["Hello, world!"]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, ignore_eos=args.ignore_eos, seed=args.seed)
-    with LLM(str(model), **engine_kwargs(args)) as llm:
+    with LLM(args.model, **model_source(args), **engine_kwargs(args)) as llm:
         if args.chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
         else:
@@ -238,7 +246,8 @@ def _json_string_list(text: str) -> list[str]:
 def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser("serve", help="serve the OpenAI HTTP API and the gRPC service over one engine")
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                       help="HF model directory (default: a tiny random-weight demo model built offline)")
+                       help="model directory or Hugging Face model id (default: a tiny random-weight demo model "
+                            "built offline)")
     add_engine_args(serve)
     serve.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
                        help="the name clients send as 'model'; several: the first answers, all are accepted")
@@ -267,18 +276,19 @@ def _server_config(args: argparse.Namespace, grpc_port: int = 0) -> ServerConfig
 
 
 def _serve_model(args: argparse.Namespace) -> tuple[str, str | list[str] | None]:
-    """(model directory, served name): MODEL or --model, else the demo model under a name that says what it is."""
+    """(model directory, served name): MODEL or --model (a directory or a hub id, served under that id), else the
+    demo model under a name that says what it is."""
     from jengine.errors import ConfigError
-    from jengine.models.demo import DEMO_SERVED_NAME, ensure_demo_model
+    from jengine.models.hub import resolve_model
 
-    if args.model_tag is not None and args.model is not None and Path(args.model_tag) != args.model:
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         raise ConfigError("give the model once: either as MODEL or as --model")
-    model = args.model_tag or args.model
+    resolved = resolve_model(args.model_tag or args.model, **model_source(args))
     names = args.served_model_name
     served = names[0] if names and len(names) == 1 else names  # several: the first answers, all are accepted
-    if model is None:
-        return str(ensure_demo_model()), served or DEMO_SERVED_NAME
-    return str(model), served
+    if resolved.path == Path(resolved.name).expanduser():
+        return str(resolved.path), served  # a directory: named by its path, as before
+    return str(resolved.path), served or resolved.name
 
 
 def _serve(args: argparse.Namespace) -> int:

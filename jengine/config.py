@@ -33,8 +33,6 @@ NO_EFFECT: dict[str, tuple[Callable[[Any], bool], str]] = {
     "trust_remote_code": (_ANY_BOOL, "jengine runs its own model code, for the supported architectures only"),
     "enforce_eager": (_ANY_BOOL, "each shape is one compiled XLA program; there is no graph capture to skip"),
     "disable_log_stats": (_ANY_BOOL, "statistics go to /metrics"),
-    "revision": (_one_of(None, "main"), "models load from a local directory"),
-    "download_dir": (_one_of(None), "models load from a local directory; nothing is downloaded"),
     "tokenizer_mode": (_one_of(None, "auto", "hf"), "the HF fast tokenizer is used"),
     "load_format": (_one_of(None, "auto", "safetensors"), "weights load from safetensors"),
     "enable_chunked_prefill": (_one_of(None, True), "prefills are always chunked by max_num_batched_tokens"),
@@ -222,6 +220,28 @@ class ServerConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+
+
+_TRUE_WORDS = ("1", "true", "yes", "on")
+
+
+@dataclasses.dataclass(frozen=True)
+class HubSettings:
+    """Where HF Hub models are cached and whether the network may be used (huggingface_hub's variables)."""
+
+    cache_dir: Path  # --download-dir, else $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub
+    offline: bool  # $HF_HUB_OFFLINE=1: only the local cache is read
+
+
+def hub_settings(download_dir: str | Path | None = None) -> HubSettings:
+    env = os.environ
+    if download_dir:
+        cache = Path(download_dir)
+    elif env.get("HF_HUB_CACHE"):
+        cache = Path(env["HF_HUB_CACHE"])
+    else:
+        cache = Path(env.get("HF_HOME") or Path.home() / ".cache" / "huggingface") / "hub"
+    return HubSettings(cache.expanduser(), env.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE_WORDS)
 
 
 def _multi_host_from_environment(parallel: dict[str, Any]) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import logging
 import numbers
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -44,11 +45,17 @@ ParamsArg = SamplingParams | Sequence[SamplingParams] | None
 class LLM:
     """An engine for offline batches; `shutdown()` (or `with LLM(...) as llm:`) frees it for the next one."""
 
-    def __init__(self, model: str, **engine_args: Any) -> None:
-        """Every engine flag is a keyword of the same name (`max_model_len=`, `max_num_seqs=`, `dtype=`, ...)."""
+    def __init__(self, model: str | Path | None = None, *, revision: str | None = None,
+                 download_dir: str | Path | None = None, **engine_args: Any) -> None:
+        """`model`: a checkpoint directory, a Hugging Face model id (`revision`, `download_dir` as vLLM's), or
+        none / "jengine-demo-tiny-random" for the demo model. Every engine flag is a keyword of the same name
+        (`max_model_len=`, `max_num_seqs=`, `dtype=`, ...)."""
         from jengine.factory import build_engine, build_replicated_engine  # imports jax: only here
+        from jengine.models.hub import resolve_model
 
-        config = EngineConfig.from_kwargs(model, **engine_args)
+        resolved = resolve_model(model, revision=revision, download_dir=download_dir)
+        engine_args.setdefault("served_model_name", resolved.name)
+        config = EngineConfig.from_kwargs(resolved.path, **engine_args)
         build = build_replicated_engine if config.parallel.data_parallel_size > 1 else build_engine
         self._setup(build(config))
 

@@ -16,14 +16,14 @@ from jengine.bench.metrics import PERCENTILES, format_table
 
 def run(args: argparse.Namespace) -> int:
     from jengine import LLM, SamplingParams
-    from jengine.cli import engine_kwargs
-    from jengine.models.demo import ensure_demo_model
+    from jengine.cli import engine_kwargs, model_source
+    from jengine.models.demo import DEMO_SERVED_NAME
 
     check_lengths(args, ("input_len", "output_len"))
     if args.batch_size < 1 or args.num_iters < 1 or args.num_iters_warmup < 0:
         raise ValueError("--batch-size and --num-iters must be at least 1, --num-iters-warmup at least 0")
-    model = str(args.model or ensure_demo_model())
-    with LLM(model, **engine_kwargs(args)) as llm:
+    model = args.model or DEMO_SERVED_NAME  # a directory, a hub id, or the demo model
+    with LLM(model, **model_source(args), **engine_kwargs(args)) as llm:
         batch = random_dataset(vocab_ids(llm.get_tokenizer()), args.batch_size, args.input_len, args.output_len,
                                seed=args.seed)
         prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in batch]

@@ -13,11 +13,11 @@ from jengine.bench.metrics import RequestResult, compute_metrics, format_table
 
 def run(args: argparse.Namespace) -> int:
     from jengine import LLM, SamplingParams
-    from jengine.cli import engine_kwargs
-    from jengine.models.demo import ensure_demo_model
+    from jengine.cli import engine_kwargs, model_source
+    from jengine.models.demo import DEMO_SERVED_NAME
 
-    model = str(args.model or ensure_demo_model())
-    with LLM(model, **engine_kwargs(args)) as llm:
+    model = args.model or DEMO_SERVED_NAME  # a directory, a hub id, or the demo model
+    with LLM(model, **model_source(args), **engine_kwargs(args)) as llm:
         requests = build_dataset(args, llm.get_tokenizer(), args.max_model_len)
         prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
         params = [SamplingParams(max_tokens=r.expected_output_len, ignore_eos=True, temperature=1.0, top_p=1.0,

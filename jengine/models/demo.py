@@ -12,13 +12,17 @@ from pathlib import Path
 
 import numpy as np
 
-from jengine.tokenizer.tiny import CHATML_TEMPLATE, train_tiny_tokenizer
+from jengine.tokenizer.tiny import CHATML_TEMPLATE, IM_END, train_tiny_tokenizer
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_DEMO_DIR = Path.home() / ".cache" / "jengine" / "demo-model"
 DEMO_SERVED_NAME = "jengine-demo-tiny-random"  # what `jengine serve` with no MODEL calls it: clearly not a real model
 DEMO_MAX_POSITIONS = 2048  # so a served demo has max_model_len 2048, like the small real models users try first
+# Raised whenever the demo's files change meaning (v2: chats end at <|im_end|>); a cached demo of another version is
+# rebuilt rather than reused.
+DEMO_FORMAT_VERSION = 2
+_VERSION_KEY = "jengine_demo_format"
 _SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
 
 
@@ -28,7 +32,10 @@ def ensure_demo_model(out_dir: str | Path = DEFAULT_DEMO_DIR) -> Path:
     if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists() and _is_current(out):
         return out
     logger.info("building the demo model (random weights) in %s", out)
-    return build_random_llama(out, **_SHAPE)
+    out = build_random_llama(out, **_SHAPE)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(config | {_VERSION_KEY: DEMO_FORMAT_VERSION}, indent=2))
+    return out
 
 
 def build_random_llama(out_dir: str | Path, *, hidden_size: int, intermediate_size: int, num_hidden_layers: int,
@@ -39,25 +46,27 @@ def build_random_llama(out_dir: str | Path, *, hidden_size: int, intermediate_si
     train_tiny_tokenizer(out, vocab_size=512, chat_template=CHATML_TEMPLATE)
     from tokenizers import Tokenizer
 
-    vocab = Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     shape = dict(hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_hidden_layers,
                  num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
                  head_dim=head_dim or hidden_size // num_attention_heads)
     config = _config(vocab, shape, max_position_embeddings)
     _write_weights(out, config)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    # The chat template ends a turn with <|im_end|>: it ends generation as </s> does (Qwen's generation config does so).
+    eos_ids = [config["eos_token_id"], tokenizer.token_to_id(IM_END)]
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": eos_ids}))
     return out
 
 
 def _is_current(out: Path) -> bool:
-    """A demo directory left by an older version (fewer positions, no chat template) is rebuilt."""
+    """A demo directory left by another version (its format stamp differs or is missing) is rebuilt."""
     try:
         config = json.loads((out / "config.json").read_text())
-        tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
     except (OSError, ValueError):
         return False
-    return config.get("max_position_embeddings", 0) >= DEMO_MAX_POSITIONS and "chat_template" in tokenizer_config
+    return config.get(_VERSION_KEY) == DEMO_FORMAT_VERSION
 
 
 def _config(vocab_size: int, shape: dict, max_position_embeddings: int) -> dict:
