@@ -18,7 +18,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from tqdm.auto import tqdm
 
 from jengine.config import EngineConfig
 from jengine.engine.core import EngineCoreOutput
@@ -30,6 +29,7 @@ from jengine.request import Request, RequestStatus
 from jengine.sampling.defaults import max_tokens_when_unset
 from jengine.sampling.params import SamplingParams
 from jengine.tokenizer import Tokenizer
+from jengine.progress import progress_bar
 
 OFFLINE_MAX_N = 1024  # choices per prompt offline (pass@k wants many); servers keep their own, smaller cap
 
@@ -216,7 +216,7 @@ class _Progress:
     """A tqdm bar over prompts with input/output token throughput in the postfix."""
 
     def __init__(self, total: int, enabled: bool) -> None:
-        self._bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True, disable=not enabled)
+        self._bar = progress_bar(total=total, desc="Processed prompts", dynamic_ncols=True, enabled=enabled)
         self._start = time.perf_counter()
         self._in_tokens = self._out_tokens = 0
 

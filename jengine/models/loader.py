@@ -18,7 +18,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
 from jengine.errors import CheckpointError, ConfigError
 from jengine.models.checkpoint import CheckpointReader, checkpoint_dtype, read_config
@@ -28,6 +27,7 @@ from jengine.models.spec import ModelSpec
 from jengine.models.weights import (
     EMBEDDING, KV_SCALE_TEMPLATES, LM_HEAD, FusedSource, LeafSource, Source, is_source, kv_scale_names,
     parameter_sources)
+from jengine.progress import progress_bar
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ def _place_all(reader: CheckpointReader, sources: dict, dtype: jnp.dtype, shardi
     # Leaves load on a few threads: the transposes and casts of one (numpy, without the GIL) overlap another's
     # transfer to the device.
     with (ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="weights") as pool,
-          tqdm(total=total, unit="B", unit_scale=True, desc="Loading weights", disable=not progress) as bar):
+          progress_bar(total=total, unit="B", unit_scale=True, desc="Loading weights", enabled=progress) as bar):
         futures = [pool.submit(_place_leaf, reader, leaf, dtype, sharding_for(jax.tree_util.keystr(path), leaf.shape))
                    for path, leaf in flat]
         for future, (_, leaf) in zip(futures, flat, strict=True):

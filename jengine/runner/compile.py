@@ -22,11 +22,11 @@ from typing import Any
 
 import jax
 import numpy as np
-from tqdm.auto import tqdm
 
 from jengine.attention.metadata import AttentionMetadata
 from jengine.runner.buckets import StepBuckets
 from jengine.runner.step import StepBatch, num_compiled_shapes
+from jengine.progress import progress_bar
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +70,8 @@ def warm_up(compile_one: Callable[[StepBatch], tuple[float, float]], run_one: Ca
     precompiled = _precompile(compile_one, batches, progress)
     before, start = num_compiled_shapes(), time.perf_counter()
     pending = None
-    for batch in tqdm(batches, desc="Warming up step buckets" if precompiled else "Compiling step buckets",
-                      disable=not progress):
+    for batch in progress_bar(batches, desc="Warming up step buckets" if precompiled else "Compiling step buckets",
+                              enabled=progress):
         pending = run_one(batch)
     # The runs are dispatched asynchronously: wait for them here, or the first request would wait for them all.
     jax.block_until_ready(pending)
@@ -88,8 +88,8 @@ def _precompile(compile_one: Callable[[StepBatch], tuple[float, float]], batches
     if workers <= 1 or len(batches) <= 1:
         return False
     start, lowering, compiling = time.perf_counter(), 0.0, 0.0
-    with ThreadPoolExecutor(workers) as pool, tqdm(total=len(batches), desc="Compiling step buckets",
-                                                   disable=not progress) as bar:
+    with ThreadPoolExecutor(workers) as pool, progress_bar(total=len(batches), desc="Compiling step buckets",
+                                                           enabled=progress) as bar:
         for lower_s, compile_s in pool.map(compile_one, batches):
             lowering, compiling = lowering + lower_s, compiling + compile_s
             bar.update()

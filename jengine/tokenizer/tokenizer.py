@@ -246,6 +246,8 @@ class Tokenizer:
 def _load_hf_tokenizer(model_dir: Path) -> Any:
     """Load with transformers (imported here: importing jengine must stay light), local files only, no remote code."""
     _check_tokenizer_files(model_dir)
+    # Serving needs only transformers' tokenizers: its advice that PyTorch is missing is noise at every start.
+    logging.getLogger("transformers").addFilter(_drop_no_torch_advice)
     import transformers
 
     try:
@@ -254,6 +256,10 @@ def _load_hf_tokenizer(model_dir: Path) -> Any:
         )
     except Exception as exc:  # transformers raises many types here; all mean "this checkpoint is unusable"
         raise CheckpointError(f"cannot load the tokenizer in {model_dir}: {short(exc)}") from exc
+
+
+def _drop_no_torch_advice(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("PyTorch was not found")
 
 
 def _check_tokenizer_files(model_dir: Path) -> None:

@@ -11,7 +11,6 @@ front end, before admission.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -64,6 +63,29 @@ _REFUSED: dict[str, Callable[[Any], bool]] = {
     "best_of": lambda v: v is None or v == 1, "truncate_prompt_tokens": _off,
     "return_tokens_as_token_ids": lambda v: v is None or v is False,
 }
+# Why each refused field is refused, in words (a field missing here is a feature this server does not build).
+_WHY_REFUSED: dict[str, str] = {
+    "tools": "tool calling is not built", "tool_choice": "tool calling is not built; only \"none\" is accepted",
+    "functions": "function calling is not built", "function_call": "function calling is not built",
+    "response_format": "structured output is not built; only the type text is accepted",
+    "modalities": "only text is generated", "audio": "audio is not supported", "suffix": "insertion is not built",
+    "prediction": "predicted outputs are not built", "reasoning_effort": "no reasoning parser is built",
+    "web_search_options": "web search is not built", "verbosity": "verbosity control is not built",
+    "logits_processors": "custom logits processors are not run", "best_of": "only best_of=1 (no best-of search)",
+    "truncate_prompt_tokens": "prompts are never truncated; a prompt that does not fit is refused",
+    "return_tokens_as_token_ids": "tokens are returned as text",
+    "add_special_tokens": "this endpoint always uses its own setting",
+    "echo": "chat completions do not echo the prompt",
+}
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+
+
+def refusal_message(name: str) -> str:
+    """`name is not supported by this server: why` — the field named, the reason in words, never the value."""
+    why = "structured output is not built" if name in _GUIDED else _WHY_REFUSED.get(name, "it is not built")
+    return f"{name} is not supported by this server: {why}"
+
+
 # Per endpoint: the value each endpoint always uses is accepted, another one refused.
 _CHAT_REFUSED: dict[str, Callable[[Any], bool]] = {
     "add_special_tokens": lambda v: v is None or v is False, "echo": lambda v: v is None or v is False,
@@ -136,8 +158,7 @@ def check_fields(body: Mapping[str, Any], allowed: frozenset[str],
     refused = {**_REFUSED, **(refused or {})}
     for name, harmless in refused.items():
         if name in body and not harmless(body[name]):
-            raise InvalidRequestError(f"{name}={json.dumps(body[name])[:40]} is not supported by this server",
-                                      param=name, code="unsupported_parameter")
+            raise InvalidRequestError(refusal_message(name), param=name, code="unsupported_parameter")
     unknown = sorted(k for k in body if k not in allowed and k not in refused)
     if unknown:
         raise InvalidRequestError(f"unrecognized request argument(s): {', '.join(unknown)}"[:300], param=unknown[0],
@@ -288,8 +309,9 @@ def _message(message: Any, i: int) -> dict[str, str]:
     for key, value in message.items():
         # null (or an empty tool_calls list) asks for nothing: what the client's own response messages carry
         if key not in _MESSAGE_KEYS and value is not None and not (key == "tool_calls" and value == []):
-            raise InvalidRequestError(f"{where}.{str(key)[:40]} is not supported by this server (no tool use)",
-                                      param=f"{where}.{str(key)[:40]}")
+            field = f"{where}.{key}" if len(str(key)) <= 64 else f"a {where} field of {len(str(key))} characters"
+            raise InvalidRequestError(f"{field} is not supported by this server: messages carry role, content and "
+                                      f"name (tool calling is not built)", param=f"{where}.{str(key)[:64]}")
     role = message.get("role")
     if role not in ROLES:
         raise InvalidRequestError(f"{where}.role must be one of {', '.join(sorted(ROLES))}", param=f"{where}.role")

@@ -123,15 +123,15 @@ def _admitted(url: str) -> float:
     return sum(samples.get(name, 0.0) for name in names)
 
 
-def test_serve_defaults_and_the_demo_model() -> None:
+def test_serve_defaults_and_the_demo_model(tmp_path: Path) -> None:
     args = build_parser().parse_args(["serve"])
     assert (args.port, args.grpc_port, args.host, args.compile_buckets) == (8000, 50051, "0.0.0.0", "auto")
     model, served_name = _serve_model(args)
     assert served_name == DEMO_SERVED_NAME
     config = json.loads((Path(model) / "config.json").read_text())
     assert config["max_position_embeddings"] >= DEMO_MAX_POSITIONS >= 2048  # served max_model_len defaults to it
-    named = build_parser().parse_args(["serve", "--model", "/some/dir", "--served-model-name", "x", "--port", "9"])
-    assert _serve_model(named) == ("/some/dir", "x") and named.port == 9
+    named = build_parser().parse_args(["serve", "--model", str(tmp_path), "--served-model-name", "x", "--port", "9"])
+    assert _serve_model(named) == (str(tmp_path), "x") and named.port == 9
 
 
 def test_cli_refuses_conflicting_models_and_bad_engine_addresses(capsys: pytest.CaptureFixture[str]) -> None:
