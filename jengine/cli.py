@@ -156,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     from jengine.bench.commands import add_bench_parser
 
     add_bench_parser(commands)
+    from jengine.plan import add_plan_parser
+
+    add_plan_parser(commands)
     for name, what in _NOT_BUILT.items():
         commands.add_parser(name, help=f"{what} (not available in this version)", add_help=False)
     return parser
@@ -171,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("jax").setLevel(logging.WARNING)  # platform probing notes are not for users
     from jengine.errors import JengineError
 
-    command = {"generate": _generate, "serve": _serve, "openai": _openai, "bench": _bench}[args.command]
+    command = {"generate": _generate, "serve": _serve, "openai": _openai, "bench": _bench, "plan": _plan}[args.command]
     try:
         return command(args)
     except JengineError as error:
@@ -199,6 +202,12 @@ def _generate(args: argparse.Namespace) -> int:
         logger.info("prompt %d tokens, generated %d tokens (%s)", len(output.prompt_token_ids),
                     len(choice.token_ids), choice.finish_reason)
     return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from jengine.plan import run_plan
+
+    return run_plan(args)
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -35,8 +35,9 @@ class ResolvedModel:
 
 
 def resolve_model(model: str | Path | None, *, revision: str | None = None,
-                  download_dir: str | Path | None = None) -> ResolvedModel:
-    """The local directory of `model` (see the module docstring); a name that is none of the three is refused."""
+                  download_dir: str | Path | None = None, config_only: bool = False) -> ResolvedModel:
+    """The local directory of `model` (see the module docstring); a name that is none of the three is refused.
+    `config_only`: a hub model is fetched without its weights (`jengine plan` reads config.json alone)."""
     from jengine.models.demo import DEMO_SERVED_NAME, ensure_demo_model
 
     if model is None or str(model) == DEMO_SERVED_NAME:
@@ -48,10 +49,12 @@ def resolve_model(model: str | Path | None, *, revision: str | None = None,
     if local.is_absolute() or name.startswith((".", "~")) or not _REPO_ID.match(name):
         raise CheckpointError(f"model directory not found: {name} (give a local directory or a Hugging Face "
                               f"model id such as Qwen/Qwen3-8B)")
-    return ResolvedModel(hub_snapshot(name, revision=revision, download_dir=download_dir), name)
+    patterns = ("config.json",) if config_only else HUB_FILE_PATTERNS
+    return ResolvedModel(hub_snapshot(name, revision=revision, download_dir=download_dir, patterns=patterns), name)
 
 
-def hub_snapshot(repo_id: str, *, revision: str | None = None, download_dir: str | Path | None = None) -> Path:
+def hub_snapshot(repo_id: str, *, revision: str | None = None, download_dir: str | Path | None = None,
+                 patterns: tuple[str, ...] = HUB_FILE_PATTERNS) -> Path:
     """The cached snapshot of `repo_id` at `revision` (default main), downloaded first unless offline."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
@@ -62,9 +65,9 @@ def hub_snapshot(repo_id: str, *, revision: str | None = None, download_dir: str
         if settings.offline:
             path = snapshot_download(repo_id, revision=revision, cache_dir=settings.cache_dir, local_files_only=True)
         else:
-            logger.info("fetching %s into %s (safetensors, config and tokenizer files)", where, settings.cache_dir)
+            logger.info("fetching %s into %s (%s)", where, settings.cache_dir, ", ".join(patterns))
             path = snapshot_download(repo_id, revision=revision, cache_dir=settings.cache_dir,
-                                     allow_patterns=list(HUB_FILE_PATTERNS))
+                                     allow_patterns=list(patterns))
     except LocalEntryNotFoundError:
         raise CheckpointError(f"model {where} is neither a local directory nor in the hub cache {settings.cache_dir}"
                               + (" (HF_HUB_OFFLINE=1: nothing is downloaded)" if settings.offline else

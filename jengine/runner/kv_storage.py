@@ -22,6 +22,7 @@ from jengine.config import CacheConfig, SchedulerConfig
 from jengine.errors import ConfigError
 from jengine.layers.attention import kv_cache_shape
 from jengine.models.spec import ModelSpec
+from jengine.runner.memory_budget import kv_blocks_that_fit
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +68,8 @@ def plan_kv_cache(spec: ModelSpec, cache: CacheConfig, sched: SchedulerConfig, d
         blocks = min(wanted, CPU_POOL_CAP_BYTES // per_block)
         return KVPlan(max(blocks, 1), cache.block_size, per_block, "max_num_seqs × max_model_len (capped at 2 GiB)",
                       kv_dtype)
-    budget = int(stats["bytes_limit"] * cache.gpu_memory_utilization) - stats.get("bytes_in_use", 0)
-    budget -= activation_reserve(spec, sched)
-    blocks = budget // (per_block // kv_shards)
+    blocks = kv_blocks_that_fit(stats["bytes_limit"], cache.gpu_memory_utilization, stats.get("bytes_in_use", 0),
+                                activation_reserve(spec, sched), per_block // kv_shards)
     min_blocks = -(-sched.max_model_len // cache.block_size)
     if blocks < min_blocks:
         raise ConfigError(

@@ -1,0 +1,78 @@
+"""`jengine plan`: per-device weights, KV cache and activations from config.json alone, with the engine's own
+arithmetic; the vLLM guide's example (a 70B Llama at TP 4 with 256 × 8,192 tokens needs 160 GiB of KV per rank)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from jengine.cli import main
+
+LLAMA_70B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
+             "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+             "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+             "rope_theta": 500000.0, "torch_dtype": "bfloat16", "tie_word_embeddings": False, "hidden_act": "silu"}
+GIB = 1 << 30
+
+
+@pytest.fixture
+def config_only(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
+    return tmp_path
+
+
+def _plan(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    status = main(["plan", *args])
+    return status, capsys.readouterr().out
+
+
+def _gib(out: str, what: str) -> float:
+    return float(re.search(rf"{what}\s+([\d.]+) GiB", out).group(1))
+
+
+def test_the_vllm_guide_example_does_not_fit_an_80_gib_gpu(config_only: Path, capsys) -> None:
+    status, out = _plan(capsys, str(config_only), "--tensor-parallel-size", "4", "--max-model-len", "8192",
+                        "--max-num-seqs", "256", "--gpu-memory", "80")
+    assert status == 1 and _gib(out, "KV cache") == 160.0  # 2 × 80 layers × 8 heads × 128 × 2 B × 2^21 tokens / 4
+    assert 30 < _gib(out, "weights") < 36  # 70.6 B bf16 parameters over 4 devices
+    assert "does not fit" in out and re.search(r"max-num-seqs ≤ \d+", out)
+    fp8 = _plan(capsys, str(config_only), "-tp", "4", "--max-model-len", "8192", "--kv-cache-dtype", "fp8")[1]
+    assert _gib(fp8, "KV cache") == 80.0
+
+
+def test_what_would_fit_is_named(config_only: Path, capsys) -> None:
+    status, out = _plan(capsys, str(config_only), "-tp", "1", "--max-model-len", "8192", "--max-num-seqs", "64")
+    assert status == 1 and "needs TP ≥ 8" in out
+    status, out = _plan(capsys, str(config_only), "-tp", "8", "--max-model-len", "8192", "--max-num-seqs", "64")
+    assert status == 0 and out.splitlines()[-1].startswith("fits")
+    quantized = _plan(capsys, str(config_only), "-tp", "8", "--quantization", "fp8", "--max-model-len", "8192")[1]
+    assert _gib(quantized, "weights") < _gib(out, "weights") * 0.6
+
+
+class _Device:
+    """A device that reports its memory as a GPU does: 80 GiB, the weights already placed."""
+
+    def __init__(self, in_use: int) -> None:
+        self.in_use = in_use
+
+    def memory_stats(self) -> dict[str, int]:
+        return {"bytes_limit": 80 * GIB, "bytes_in_use": self.in_use}
+
+
+def test_the_engine_planner_finds_the_same_blocks(config_only: Path) -> None:
+    import jax.numpy as jnp
+
+    from jengine.config import CacheConfig, SchedulerConfig
+    from jengine.models.loader import load_spec
+    from jengine.plan import PlanRequest, device_figures
+    from jengine.runner.kv_storage import plan_kv_cache
+
+    spec = load_spec(config_only)
+    request = PlanRequest(4, 8192, 32, 2048, 16, 80 * GIB, 0.92, "auto", None)
+    figures = device_figures(spec, request, 4, 32)
+    engine = plan_kv_cache(spec, CacheConfig(), SchedulerConfig(max_num_seqs=32, max_model_len=8192), jnp.bfloat16,
+                           _Device(figures.weights), kv_shards=4)
+    assert figures.fits and engine.num_blocks == figures.kv_blocks_that_fit
