@@ -237,6 +237,8 @@ def _add_server_args(parser: argparse.ArgumentParser, *, grpc: bool) -> None:
         group.add_argument(f"--allowed-{name}", type=_json_string_list, default=["*"], metavar="JSON",
                            help=f"CORS: the {what} browsers may use, a JSON list (default: [\"*\"], any)")
     group.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies, auth)")
+    group.add_argument("--metrics-prefix", default="jengine", choices=["jengine", "vllm", "both"],
+                       help="/metrics names: jengine:..., vllm:... (a vLLM dashboard works unchanged) or both")
 
 
 def _json_string_list(text: str) -> list[str]:
@@ -281,7 +283,10 @@ def _server_config(args: argparse.Namespace, grpc_port: int = 0) -> ServerConfig
                                     allowed_origins=tuple(args.allowed_origins),
                                     allowed_methods=tuple(args.allowed_methods),
                                     allowed_headers=tuple(args.allowed_headers),
-                                    allow_credentials=args.allow_credentials)
+                                    allow_credentials=args.allow_credentials,
+                                    metrics_prefix=args.metrics_prefix,
+                                    log_requests=not getattr(args, "disable_log_requests", False),
+                                    log_stats_interval=0.0 if getattr(args, "disable_log_stats", False) else None)
 
 
 def _serve_model(args: argparse.Namespace) -> tuple[str, str | list[str] | None]:

@@ -177,6 +177,14 @@ class EngineConfig:
 
 
 API_KEY_ENV = "JENGINE_API_KEY"
+METRICS_PREFIXES = ("jengine", "vllm", "both")
+
+
+def _float_env(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name) or default)
+    except ValueError:
+        raise ConfigError(f"${name} must be a number of seconds, got {os.environ[name]!r}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,12 +205,20 @@ class ServerConfig:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    # /metrics names: "jengine" (jengine:...), "vllm" (vllm:..., so a vLLM dashboard works unchanged) or "both"
+    metrics_prefix: str = "jengine"
+    log_requests: bool = True  # one log line per finished request (--disable-log-requests: none)
+    # seconds between the log's stats lines (throughput, running, waiting, KV usage, prefix hits); 0 = none
+    # (--disable-log-stats); unset in from_kwargs: $JENGINE_LOG_STATS_INTERVAL, else 10 as vLLM
+    log_stats_interval: float = 10.0
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerConfig:
         """Validated config; an api_key left unset comes from $JENGINE_API_KEY (an empty value means none)."""
         if kwargs.get("api_key") is None:
             kwargs["api_key"] = os.environ.get(API_KEY_ENV) or None
+        if kwargs.get("log_stats_interval") is None:
+            kwargs["log_stats_interval"] = _float_env("JENGINE_LOG_STATS_INTERVAL", 10.0)
         config = cls(**kwargs)
         config.validate()
         return config
@@ -216,6 +232,9 @@ class ServerConfig:
             (self.request_timeout is None or self.request_timeout > 0, "request_timeout must be positive (or unset)"),
             (self.drain_timeout >= 0, "drain_timeout must be >= 0"),
             (1 <= self.max_n <= 1024, "max_n must be in [1, 1024]"),
+            (self.metrics_prefix in METRICS_PREFIXES,
+             f"metrics_prefix must be one of {', '.join(METRICS_PREFIXES)}, got {self.metrics_prefix!r}"),
+            (self.log_stats_interval >= 0, "log_stats_interval must be >= 0 (0: no stats lines)"),
         ]
         for ok, message in checks:
             if not ok:

@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from jengine.config import ServerConfig
 from jengine.clients.protocol import EngineClient
 from server.metrics import EngineMetrics, MeteredEngineClient
+from server.stats_log import StatsLogger
 from jengine.errors import (
     AuthenticationError, EngineDeadError, InvalidRequestError, JengineError, NotFoundError, RequestTooLargeError,
     ServiceUnavailableError,
@@ -62,7 +63,9 @@ class ServerState:
 
     @classmethod
     def create(cls, engine: EngineClient, config: ServerConfig) -> ServerState:
-        metrics = EngineMetrics(engine, engine.get_model_info().name)
+        prefixes = ("jengine", "vllm") if config.metrics_prefix == "both" else (config.metrics_prefix,)
+        metrics = EngineMetrics(engine, engine.get_model_info().name, prefixes=prefixes,
+                                log_requests=config.log_requests)
         return cls(MeteredEngineClient(engine, metrics), engine, config, metrics, RequestWork())
 
 
@@ -194,6 +197,7 @@ class RunningServer:
     state: ServerState
     runner: web.AppRunner
     grpc_server: Any = None
+    stats_log: asyncio.Task | None = None  # the periodic stats line (none with log_stats_interval 0)
 
     @property
     def port(self) -> int:
@@ -215,6 +219,8 @@ class RunningServer:
 
     async def close(self) -> None:
         """Close every connection (handlers still running are cancelled, which aborts their requests)."""
+        if self.stats_log is not None:
+            self.stats_log.cancel()
         if self.grpc_server is not None:
             await self.grpc_server.stop(0)
         await self.runner.cleanup()
@@ -231,6 +237,8 @@ async def start_server(state: ServerState, *, with_grpc: bool = False) -> Runnin
     server = RunningServer(state, runner)
     if with_grpc and config.grpc_port:
         server.grpc_server = await _start_grpc(state)
+    if config.log_stats_interval > 0:
+        server.stats_log = asyncio.create_task(StatsLogger(state.metrics, config.log_stats_interval).run())
     info = state.client.get_model_info()
     logger.info("OpenAI API on http://%s:%d/v1 serving %r (max_model_len %d)", config.host, server.port, info.name,
                 info.max_model_len)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing
@@ -166,9 +167,14 @@ class EngineMetrics:
     """The registry of one server: per-engine series (request-level ones recorded by `MeteredEngineClient`, the
     rest read from the engines' stats) and the front's admission rejections."""
 
-    def __init__(self, client: EngineClient, model_name: str) -> None:
+    def __init__(self, client: EngineClient, model_name: str, *, prefixes: tuple[str, ...] = ("jengine",),
+                 log_requests: bool = False) -> None:
+        """`prefixes`: the names /metrics shows each series under ("jengine", "vllm" or both, in that order);
+        `log_requests`: one log line per finished request."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
+        self.prefixes = prefixes
+        self.log_requests = log_requests
         self._sources = EngineSources.of(client)
         labels = ["model_name", ENGINE_LABEL]
         families: dict[str, Any] = {
@@ -196,8 +202,28 @@ class EngineMetrics:
         self._rejections.labels(self.model_name, reason).inc()
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of everything (counter samples carry `_total`)."""
-        return generate_latest(self.registry)
+        """The Prometheus text exposition of everything (counter samples carry `_total`), under each prefix."""
+        return with_prefixes(generate_latest(self.registry), self.prefixes)
+
+    def snapshots(self) -> list[EngineStats]:
+        """Each engine's latest published stats, engine "0" first."""
+        return self._sources.snapshots()
+
+    def sample(self, name: str, engine: str) -> float:
+        """One engine's current value of a request-level series (`prompt_tokens_total`, ...), 0 before any."""
+        value = self.registry.get_sample_value(PREFIX + name, {"model_name": self.model_name, ENGINE_LABEL: engine})
+        return value or 0.0
+
+
+_NAME_AT_LINE_START = re.compile(rf"^(# (?:HELP|TYPE) )?{re.escape(PREFIX)}", re.MULTILINE)
+
+
+def with_prefixes(exposition: bytes, prefixes: tuple[str, ...]) -> bytes:
+    """The exposition once per prefix: `jengine:` names as they are, `vllm:` the same series renamed (vLLM's own
+    names and meanings, so its dashboards read them unchanged)."""
+    text = exposition.decode()
+    return "".join(_NAME_AT_LINE_START.sub(lambda m: (m.group(1) or "") + prefix + ":", text)
+                   for prefix in prefixes).encode()
 
 
 class _RequestTracker:
@@ -243,6 +269,10 @@ class _RequestTracker:
 
     def _observe_end(self, series: EngineSeries, output: RequestOutput, now: float) -> None:
         series.e2e.observe(max(0.0, now - self._arrival))
+        if self._metrics.log_requests:
+            reasons = ",".join(sorted({str(c.finish_reason) for c in output.outputs}))
+            logger.info("finished request %s: %d prompt tokens, %d generated (%s) in %.3f s", output.request_id,
+                        self._num_prompt, self._num_generated, reasons, now - self._arrival)
         series.request_prompt_tokens.observe(self._num_prompt)
         series.request_generation_tokens.observe(self._num_generated)
         times = output.metrics  # queue, prefill and decode on the engine's clock, where it reported both ends
