@@ -20,6 +20,7 @@ from jengine.sampling.defaults import Api, max_tokens_when_unset
 from jengine.sampling.params import SamplingParams
 from jengine.tokenizer.chat import check_continuation, join_text_parts
 from server.json_body import json_type
+from server.openai.refusals import refusal_message
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs cap; the engine's --max-logprobs may lower it
 MAX_PROMPTS = 1024  # prompts in one /v1/completions batch (each also needs its own engine slots)
@@ -63,29 +64,6 @@ _REFUSED: dict[str, Callable[[Any], bool]] = {
     "best_of": lambda v: v is None or v == 1, "truncate_prompt_tokens": _off,
     "return_tokens_as_token_ids": lambda v: v is None or v is False,
 }
-# Why each refused field is refused, in words (a field missing here is a feature this server does not build).
-_WHY_REFUSED: dict[str, str] = {
-    "tools": "tool calling is not built", "tool_choice": "tool calling is not built; only \"none\" is accepted",
-    "functions": "function calling is not built", "function_call": "function calling is not built",
-    "response_format": "structured output is not built; only the type text is accepted",
-    "modalities": "only text is generated", "audio": "audio is not supported", "suffix": "insertion is not built",
-    "prediction": "predicted outputs are not built", "reasoning_effort": "no reasoning parser is built",
-    "web_search_options": "web search is not built", "verbosity": "verbosity control is not built",
-    "logits_processors": "custom logits processors are not run", "best_of": "only best_of=1 (no best-of search)",
-    "truncate_prompt_tokens": "prompts are never truncated; a prompt that does not fit is refused",
-    "return_tokens_as_token_ids": "tokens are returned as text",
-    "add_special_tokens": "this endpoint always uses its own setting",
-    "echo": "chat completions do not echo the prompt",
-}
-_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
-
-
-def refusal_message(name: str) -> str:
-    """`name is not supported by this server: why` — the field named, the reason in words, never the value."""
-    why = "structured output is not built" if name in _GUIDED else _WHY_REFUSED.get(name, "it is not built")
-    return f"{name} is not supported by this server: {why}"
-
-
 # Per endpoint: the value each endpoint always uses is accepted, another one refused.
 _CHAT_REFUSED: dict[str, Callable[[Any], bool]] = {
     "add_special_tokens": lambda v: v is None or v is False, "echo": lambda v: v is None or v is False,
