@@ -36,7 +36,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--download-dir", default=None,
                        help="hub model id: the cache directory (default: $HF_HUB_CACHE, else $HF_HOME/hub); "
                             "HF_HUB_OFFLINE=1 reads it without downloading")
-    group.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    group.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (default: the model's)")
     group.add_argument("--dtype", default="auto", type=_dtype_name, metavar="{auto,bfloat16,float16,float32}",
                        help="also vLLM's aliases half, bf16, float")
     group.add_argument("--seed", type=int, default=0)
@@ -310,9 +310,12 @@ def _serve(args: argparse.Namespace) -> int:
     from jengine.config import EngineConfig
     from server.app import run_server
 
+    from jengine.models.hub import resolve_tokenizer
+
     server_config = _server_config(args, args.grpc_port)
     model, served_name = _serve_model(args)
-    engine_config = EngineConfig.from_kwargs(model, served_model_name=served_name, **engine_kwargs(args))
+    kwargs = engine_kwargs(args) | {"tokenizer": resolve_tokenizer(args.tokenizer, download_dir=args.download_dir)}
+    engine_config = EngineConfig.from_kwargs(model, served_model_name=served_name, **kwargs)
     if engine_config.parallel.num_processes > 1 and engine_config.parallel.process_id:
         from jengine.worker import serve_worker
 

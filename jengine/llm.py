@@ -51,10 +51,11 @@ class LLM:
         none / "jengine-demo-tiny-random" for the demo model. Every engine flag is a keyword of the same name
         (`max_model_len=`, `max_num_seqs=`, `dtype=`, ...)."""
         from jengine.factory import build_engine, build_replicated_engine  # imports jax: only here
-        from jengine.models.hub import resolve_model
+        from jengine.models.hub import resolve_model, resolve_tokenizer
 
         resolved = resolve_model(model, revision=revision, download_dir=download_dir)
         engine_args.setdefault("served_model_name", resolved.name)
+        engine_args["tokenizer"] = resolve_tokenizer(engine_args.get("tokenizer"), download_dir=download_dir)
         config = EngineConfig.from_kwargs(resolved.path, **engine_args)
         build = build_replicated_engine if config.parallel.data_parallel_size > 1 else build_engine
         self._setup(build(config))

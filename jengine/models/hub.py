@@ -53,6 +53,13 @@ def resolve_model(model: str | Path | None, *, revision: str | None = None,
     return ResolvedModel(hub_snapshot(name, revision=revision, download_dir=download_dir, patterns=patterns), name)
 
 
+def resolve_tokenizer(tokenizer: str | Path | None, *, download_dir: str | Path | None = None) -> str | None:
+    """`--tokenizer`: none (the model's), a directory, or a hub id (its main revision) → a local directory."""
+    if tokenizer is None:
+        return None
+    return str(resolve_model(tokenizer, download_dir=download_dir).path)
+
+
 def hub_snapshot(repo_id: str, *, revision: str | None = None, download_dir: str | Path | None = None,
                  patterns: tuple[str, ...] = HUB_FILE_PATTERNS) -> Path:
     """The cached snapshot of `repo_id` at `revision` (default main), downloaded first unless offline."""

@@ -13,7 +13,7 @@ import pytest
 from jengine.cli import _serve_model, build_parser, main
 from jengine.errors import CheckpointError
 from jengine.models.demo import ensure_demo_model
-from jengine.models.hub import resolve_model
+from jengine.models.hub import resolve_model, resolve_tokenizer
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 REPO = "tiny-org/tiny-chat"
@@ -60,6 +60,7 @@ def test_offline_a_missing_model_or_revision_is_refused_in_words(hub_cache: Path
         resolve_model(REPO, revision="v9", download_dir=hub_cache)
     with pytest.raises(CheckpointError, match="model directory not found"):
         resolve_model("/no/such/dir")
+    assert resolve_tokenizer(REPO, download_dir=hub_cache).endswith(SHA) and resolve_tokenizer(None) is None
 
 
 def test_online_only_safetensors_config_and_tokenizer_files_are_fetched(tmp_path: Path, offline) -> None:
