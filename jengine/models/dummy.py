@@ -10,7 +10,6 @@ initializer range of most HF configs); the router's small logits route near unif
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import re
 from pathlib import Path
@@ -56,17 +55,14 @@ def random_params(sources: dict, dtype: jnp.dtype, sharding_for: ShardingFor, se
     flat, treedef = jax.tree_util.tree_flatten_with_path(sources, is_leaf=is_source)
     total = sum(int(np.prod(leaf.shape)) * dtype.itemsize for _, leaf in flat)
     key = jax.random.key(seed)
-    makers: dict[tuple, jax.stages.Wrapped] = {}  # one compiled generator per (shape, sharding, value kind)
     placed = []
     with tqdm(total=total, unit="B", unit_scale=True, desc="Random weights", disable=not progress) as bar:
         for index, (path, leaf) in enumerate(flat):
             name = jax.tree_util.keystr(path)
-            sharding = sharding_for(name, leaf.shape)
-            signature = (leaf.shape, sharding, _is_norm(name))
-            if signature not in makers:
-                makers[signature] = jax.jit(functools.partial(_draw, shape=leaf.shape, dtype=dtype,
-                                                              ones=_is_norm(name)), out_shardings=sharding)
-            array = makers[signature](jax.random.fold_in(key, index))
+            # a jit of the one module-level `_draw`: alike leaves (every layer's) share one compiled program
+            draw = jax.jit(_draw, static_argnames=("shape", "dtype", "ones"),
+                           out_shardings=sharding_for(name, leaf.shape))
+            array = draw(jax.random.fold_in(key, index), shape=leaf.shape, dtype=dtype, ones=_is_norm(name))
             placed.append(array.block_until_ready())  # one leaf at a time, so the bar tells the truth
             bar.update(int(np.prod(leaf.shape)) * dtype.itemsize)
     return jax.tree.unflatten(treedef, placed)
