@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from transformers import AutoConfig, MixtralConfig, Qwen3MoeConfig
@@ -17,8 +18,6 @@ from jengine.models.weights import is_source, parameter_sources
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 from moe_shapes import write_shape  # noqa: E402
-
-import jax  # noqa: E402
 
 
 def num_params(model_dir: Path) -> int:
