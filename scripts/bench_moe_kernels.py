@@ -139,6 +139,7 @@ def sweep(x, w, ex, rw, tokens: int) -> tuple[tuple[TileConfig, TileConfig], dic
         except Exception as e:  # a tile the compiler refuses (shared memory, registers): skip it
             log(f"  {cfg}: {type(e).__name__}: {str(e)[:120]}")
             continue
+        log(f"  {cfg}: gate_up {t_up * 1e6:.1f} us, down {t_down * 1e6:.1f} us")
         slot = best.setdefault(cfg.block_rows, {})
         for part, t in (("up", t_up), ("down", t_down)):
             if part not in slot or t < slot[part][0]:
@@ -166,6 +167,9 @@ def time_layer(key, tokens: int, w, copy_rate: float, do_sweep: bool, tkx) -> tu
     m: dict = {}
     configs, m["tiles"] = sweep(x, w, ex, rw, tokens) if do_sweep else (None, str(tile_configs(tokens * TOP_K,
                                                                                                   EXPERTS)))
+    cfg = configs or tile_configs(tokens * TOP_K, EXPERTS)
+    layout = jax.jit(expert_tiles, static_argnums=(2, 3))
+    m["routing_layout_us"] = timeit(layout, ex, rw, EXPERTS, cfg[0].block_rows) * 1e6
     fns = {"ours": jax.jit(lambda *a: ours(*a, configs=configs)),
            "xla_ragged_dot": jax.jit(lambda *a: sorted_moe(jax.lax.ragged_dot, *a))}
     if tokens <= 256:

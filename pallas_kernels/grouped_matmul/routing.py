@@ -53,7 +53,9 @@ def expert_tiles(experts: Int[Array, "tokens k"], weights: Float[Array, "tokens 
         weights.reshape(-1)[order].astype(jnp.float32), mode="drop")
     pair_slot = jnp.zeros((flat.shape[0],), jnp.int32).at[order].set(sorted_slot).reshape(tokens, k)
     tile_start = jnp.arange(slots // block_rows, dtype=jnp.int32) * block_rows
-    tile_expert = jnp.minimum(jnp.searchsorted(padded_end, tile_start, side="right"), num_experts - 1)
+    # compare_all: one fused comparison; the default binary search is a device loop, ~0.3 ms on an H200
+    tile_expert = jnp.minimum(jnp.searchsorted(padded_end, tile_start, side="right", method="compare_all"),
+                              num_experts - 1)
     num_tiles = (padded_end[-1] // block_rows).astype(jnp.int32).reshape(1)
     return ExpertTiles(slot_token, slot_weight, tile_expert.astype(jnp.int32), num_tiles, pair_slot)
 
