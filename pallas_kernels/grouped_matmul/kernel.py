@@ -14,6 +14,7 @@ The combine back to token order (a sum of k rows per token) is one gather in `ro
 
 Weights may be stored in a narrower type than the activations (float8, int8) with a per-(expert, output column)
 scale applied to the float32 accumulator, so quantized experts reuse the same kernels; `None` means unscaled.
+`precision` is `jnp.dot`'s: HIGHEST makes float32 products exact (IEEE) instead of TF32.
 
 Triton rules (JAX-PALLAS.md §1.2): power-of-two tiles, ragged edges masked, block-table-style indices loaded in
 the kernel, no scratch.
@@ -70,7 +71,7 @@ def _column_scale(scale_ref, e, cols, n_dim: int):
 
 
 def _gate_up_kernel(x_ref, wg_ref, wu_ref, sg_ref, su_ref, slot_token_ref, tile_expert_ref, num_tiles_ref, h_ref, *,
-                    cfg: TileConfig, act: Callable):
+                    cfg: TileConfig, act: Callable, precision):
     t, j = pl.program_id(0), pl.program_id(1)
     k_dim, n_dim = wg_ref.shape[1], wg_ref.shape[2]
 
@@ -84,9 +85,9 @@ def _gate_up_kernel(x_ref, wg_ref, wu_ref, sg_ref, su_ref, slot_token_ref, tile_
             ks = _arange(i * cfg.block_k, cfg.block_k)
             x = pltr.load(x_ref.at[token[:, None], ks[None, :]], mask=real[:, None] & (ks[None, :] < k_dim), other=0)
             gate = jnp.dot(x, _weight_tile(wg_ref, e, ks, cols, k_dim, n_dim, x.dtype),
-                           preferred_element_type=jnp.float32)
+                           preferred_element_type=jnp.float32, precision=precision)
             up = jnp.dot(x, _weight_tile(wu_ref, e, ks, cols, k_dim, n_dim, x.dtype),
-                         preferred_element_type=jnp.float32)
+                         preferred_element_type=jnp.float32, precision=precision)
             return acc[0] + gate, acc[1] + up
 
         zeros = jnp.zeros((cfg.block_rows, cfg.block_n), jnp.float32)
@@ -97,7 +98,8 @@ def _gate_up_kernel(x_ref, wg_ref, wu_ref, sg_ref, su_ref, slot_token_ref, tile_
         pltr.store(h_ref.at[slots[:, None], cols[None, :]], h.astype(h_ref.dtype), mask=cols[None, :] < n_dim)
 
 
-def _down_kernel(h_ref, wd_ref, sd_ref, slot_weight_ref, tile_expert_ref, num_tiles_ref, y_ref, *, cfg: TileConfig):
+def _down_kernel(h_ref, wd_ref, sd_ref, slot_weight_ref, tile_expert_ref, num_tiles_ref, y_ref, *, cfg: TileConfig,
+                 precision):
     t, j = pl.program_id(0), pl.program_id(1)
     k_dim, n_dim = wd_ref.shape[1], wd_ref.shape[2]
 
@@ -111,7 +113,7 @@ def _down_kernel(h_ref, wd_ref, sd_ref, slot_weight_ref, tile_expert_ref, num_ti
             ks = _arange(i * cfg.block_k, cfg.block_k)
             h = pltr.load(h_ref.at[slots[:, None], ks[None, :]], mask=ks[None, :] < k_dim, other=0)
             return acc + jnp.dot(h, _weight_tile(wd_ref, e, ks, cols, k_dim, n_dim, h.dtype),
-                                 preferred_element_type=jnp.float32)
+                                 preferred_element_type=jnp.float32, precision=precision)
 
         acc = lax.fori_loop(0, pl.cdiv(k_dim, cfg.block_k), step,
                             jnp.zeros((cfg.block_rows, cfg.block_n), jnp.float32))
@@ -144,10 +146,10 @@ def _optional(kernel, present: tuple[bool, ...]):
     return bound
 
 
-@functools.partial(jax.jit, static_argnames=("act", "cfg", "interpret"))
+@functools.partial(jax.jit, static_argnames=("act", "cfg", "interpret", "precision"))
 def expert_gate_up(
     x: Float[Array, "tokens d"], w_gate: Float[Array, "experts d inter"], w_up: Float[Array, "experts d inter"],
-    tiles: ExpertTiles, *, act: Callable, cfg: TileConfig, interpret: bool = False,
+    tiles: ExpertTiles, *, act: Callable, cfg: TileConfig, interpret: bool = False, precision=None,
     gate_scale: Float[Array, "experts inter"] | None = None, up_scale: Float[Array, "experts inter"] | None = None,
 ) -> Float[Array, "slots inter"]:
     """`act(x·W_gate[e]) * (x·W_up[e])` for every slot's token and expert (padding slots: zeros, never read)."""
@@ -155,20 +157,21 @@ def expert_gate_up(
     if (gate_scale is None) != (up_scale is None):
         raise ValueError("gate and up weights are scaled both or neither")
     scales = () if gate_scale is None else (gate_scale, up_scale)
-    kernel = _optional(functools.partial(_gate_up_kernel, cfg=cfg, act=act), (True,) * 3 + (bool(scales),) * 2)
+    kernel = functools.partial(_gate_up_kernel, cfg=cfg, act=act, precision=precision)
+    kernel = _optional(kernel, (True,) * 3 + (bool(scales),) * 2)
     operands = (x, w_gate, w_up, *scales, tiles.slot_token, tiles.tile_expert, tiles.num_tiles)
     return _launch(kernel, operands, jax.ShapeDtypeStruct((slots, inter), x.dtype), slots, inter, cfg, interpret,
                    "expert_gate_up")
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret", "precision"))
 def expert_down(
     h: Float[Array, "slots inter"], w_down: Float[Array, "experts inter d"], tiles: ExpertTiles, *, cfg: TileConfig,
-    interpret: bool = False, down_scale: Float[Array, "experts d"] | None = None,
+    interpret: bool = False, precision=None, down_scale: Float[Array, "experts d"] | None = None,
 ) -> Float[Array, "slots d"]:
     """Each slot's hidden row times its expert's down weight, times its routing weight."""
     slots, d = h.shape[0], w_down.shape[2]
-    kernel = functools.partial(_down_kernel, cfg=cfg)
+    kernel = functools.partial(_down_kernel, cfg=cfg, precision=precision)
     kernel = _optional(kernel, (True, True, down_scale is not None))
     operands = (h, w_down, *(() if down_scale is None else (down_scale,)), tiles.slot_weight, tiles.tile_expert,
                 tiles.num_tiles)

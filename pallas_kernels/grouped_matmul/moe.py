@@ -49,7 +49,7 @@ def tile_configs(num_pairs: int, num_experts: int, itemsize: int = 2) -> tuple[T
 
 def moe_experts(
     x: Float[Array, "tokens d"], weights: ExpertWeights, experts: Int[Array, "tokens k"],
-    routing_weights: Float[Array, "tokens k"], *, act: Callable, interpret: bool = False,
+    routing_weights: Float[Array, "tokens k"], *, act: Callable, precision=None, interpret: bool = False,
     configs: tuple[TileConfig, TileConfig] | None = None,
 ) -> Float[Array, "tokens d"]:
     """Σ_k routing_weight · down_e(act(gate_e(x)) · up_e(x)) over each token's k experts. Expert ids outside
@@ -60,6 +60,7 @@ def moe_experts(
         raise ValueError("both launches tile the same slots: block_rows must agree")
     tiles = expert_tiles(experts, routing_weights, num_experts, up_cfg.block_rows)
     h = expert_gate_up(x, weights.gate, weights.up, tiles, act=act, cfg=up_cfg, interpret=interpret,
-                       gate_scale=weights.gate_scale, up_scale=weights.up_scale)
-    y = expert_down(h, weights.down, tiles, cfg=down_cfg, interpret=interpret, down_scale=weights.down_scale)
+                       precision=precision, gate_scale=weights.gate_scale, up_scale=weights.up_scale)
+    y = expert_down(h, weights.down, tiles, cfg=down_cfg, interpret=interpret, precision=precision,
+                    down_scale=weights.down_scale)
     return combine(y, tiles.pair_slot)
