@@ -68,8 +68,9 @@ def test_the_dockerfile_runs_jengine_serve_with_flags_it_accepts() -> None:
     assert re.search(r"^FROM \$\{CUDA_IMAGE\}", text, re.M) and "cuda:13" in text and '".[cuda13]"' in text
     user = re.findall(r"^USER (\S+)$", text, re.M)
     assert user and user[-1] not in ("root", "0")
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
     for copied in re.findall(r"^COPY (\S+) ", text, re.M):
-        assert (ROOT / copied).exists(), copied
+        assert (ROOT / copied).exists() and copied not in ignored, copied
 
 
 def test_the_deployment_and_service_agree_with_the_cli() -> None:

@@ -45,12 +45,14 @@ def test_the_python_example_streams_a_chat(harness: GrpcHarness, monkeypatch: py
 
 
 def test_the_grpcurl_lines_name_what_reflection_serves(harness: GrpcHarness) -> None:
-    lines = _block_after("**gRPC.**", "bash").replace("\\\n", " ").splitlines()
+    words = shlex.split(_block_after("**gRPC.**", "bash").replace("\\\n", " "), comments=True)
+    starts = [i for i, word in enumerate(words) if word == "grpcurl"] + [len(words)]
+    commands = [words[a:b] for a, b in zip(starts, starts[1:])]
+    assert len(commands) == 3
     database = ProtoReflectionDescriptorDatabase(harness.channel)
     services = set(database.get_services())
     assert {"jengine.v1.Engine", "grpc.health.v1.Health"} <= services
-    for line in lines:
-        words = shlex.split(line.split("#")[0])
+    for words in commands:
         if "-d" in words:
             request = json_format.Parse(words[words.index("-d") + 1], pb.GenerateRequest())  # field names exist
             assert request.messages.messages[0].content == "Hello" and request.sampling.max_tokens == 16
