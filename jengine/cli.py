@@ -311,9 +311,8 @@ def _serve_model(args: argparse.Namespace) -> tuple[str, str | list[str] | None]
 def _serve(args: argparse.Namespace) -> int:
     """`jengine serve`: build the engine (minutes for a large model), then serve HTTP + gRPC until SIGTERM."""
     from jengine.config import EngineConfig
-    from server.app import run_server
-
     from jengine.models.hub import resolve_tokenizer
+    from server.app import run_server
 
     server_config = _server_config(args, args.grpc_port)
     model, served_name = _serve_model(args)

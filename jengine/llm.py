@@ -18,18 +18,17 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-
 from jengine.config import EngineConfig
 from jengine.engine.core import EngineCoreOutput
 from jengine.front.front import EngineFront
 from jengine.front.input_processor import ProcessedRequest, PromptInput
 from jengine.errors import EngineDeadError, InvalidRequestError
 from jengine.outputs import RequestOutput, RequestOutputKind
+from jengine.progress import progress_bar
 from jengine.request import Request, RequestStatus
 from jengine.sampling.defaults import max_tokens_when_unset
 from jengine.sampling.params import SamplingParams
 from jengine.tokenizer import Tokenizer
-from jengine.progress import progress_bar
 
 OFFLINE_MAX_N = 1024  # choices per prompt offline (pass@k wants many); servers keep their own, smaller cap
 

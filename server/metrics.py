@@ -1,4 +1,5 @@
-"""Prometheus metrics with vLLM's names and meanings (`jengine:` prefix), one registry per server instance.
+"""Prometheus metrics with vLLM's names and meanings (`jengine:` prefix; `vllm:` or both with `metrics_prefix`), one
+registry per server instance; and the log line of each finished request.
 
 Every engine-level series carries the label `engine="0"`..`"N-1"` (the data-parallel router's replicas in order; a
 single engine is `engine="0"`), as vLLM labels its engines; there is no unlabelled total beside them (a PromQL `sum()`
@@ -235,6 +236,7 @@ class _RequestTracker:
         self._n = n
         self._series: EngineSeries | None = None  # known at the first output, once an engine holds the request
         self._finished: set[int] = set()
+        self._reasons: set[str] = set()  # the choices' finish reasons, for the request's log line
         self._num_generated = 0
         self._num_prompt = 0
         self._last_token_at: float | None = None
@@ -254,6 +256,7 @@ class _RequestTracker:
         for choice in output.outputs:
             if choice.finish_reason is not None and choice.index not in self._finished:
                 self._finished.add(choice.index)
+                self._reasons.add(choice.finish_reason)
                 series.record_finish(choice.finish_reason)
         if output.finished:
             self._observe_end(series, output, now)
@@ -270,9 +273,8 @@ class _RequestTracker:
     def _observe_end(self, series: EngineSeries, output: RequestOutput, now: float) -> None:
         series.e2e.observe(max(0.0, now - self._arrival))
         if self._metrics.log_requests:
-            reasons = ",".join(sorted({str(c.finish_reason) for c in output.outputs}))
             logger.info("finished request %s: %d prompt tokens, %d generated (%s) in %.3f s", output.request_id,
-                        self._num_prompt, self._num_generated, reasons, now - self._arrival)
+                        self._num_prompt, self._num_generated, ",".join(sorted(self._reasons)), now - self._arrival)
         series.request_prompt_tokens.observe(self._num_prompt)
         series.request_generation_tokens.observe(self._num_generated)
         times = output.metrics  # queue, prefill and decode on the engine's clock, where it reported both ends
