@@ -102,13 +102,15 @@ def what_would_fit(spec: ModelSpec, request: PlanRequest) -> tuple[int | None, i
 
 
 def add_plan_parser(commands: argparse._SubParsersAction) -> None:
+    from jengine.cli import _token_count  # the engine flags' reading of 8192, 8k, 32K
+
     plan = commands.add_parser("plan", help="weights + KV cache + activations per device from config.json: does it "
                                             "fit?")
     plan.add_argument("model", metavar="MODEL", help="model directory (config.json is enough) or hub model id")
     plan.add_argument("--revision", default=None)
     plan.add_argument("--download-dir", default=None)
     plan.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
-    plan.add_argument("--max-model-len", type=int, default=None, help="default: the model's context")
+    plan.add_argument("--max-model-len", type=_token_count, default=None, help="default: the model's context")
     plan.add_argument("--max-num-seqs", type=int, default=256)
     plan.add_argument("--max-num-batched-tokens", type=int, default=2048)
     plan.add_argument("--block-size", type=int, default=16)

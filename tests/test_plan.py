@@ -39,7 +39,7 @@ def test_the_vllm_guide_example_does_not_fit_an_80_gib_gpu(config_only: Path, ca
     assert status == 1 and _gib(out, "KV cache") == 160.0  # 2 × 80 layers × 8 heads × 128 × 2 B × 2^21 tokens / 4
     assert 30 < _gib(out, "weights") < 36  # 70.6 B bf16 parameters over 4 devices
     assert "does not fit" in out and re.search(r"max-num-seqs ≤ \d+", out)
-    fp8 = _plan(capsys, str(config_only), "-tp", "4", "--max-model-len", "8192", "--kv-cache-dtype", "fp8")[1]
+    fp8 = _plan(capsys, str(config_only), "-tp", "4", "--max-model-len", "8K", "--kv-cache-dtype", "fp8")[1]
     assert _gib(fp8, "KV cache") == 80.0
 
 
