@@ -116,6 +116,11 @@ class ChatParsing:
     def plan(cls, config: ChatParsingConfig, tools: ToolRequest | None) -> ChatParsing | None:
         """None when nothing is to be read (no reasoning parser, no auto tool choice). Raises the 400 of an "auto"
         choice on a server without `--enable-auto-tool-choice`."""
+        if tools is not None and tools.choice in ("required", "function"):
+            shown = "required" if tools.choice == "required" else "a named function"
+            raise InvalidRequestError(f"tool_choice {shown} is not supported by this server (it needs "
+                                      f"grammar-constrained decoding)", param="tool_choice",
+                                      code="unsupported_parameter")
         auto = tools is not None and tools.choice == "auto" and bool(tools.tools)
         if auto and not (config.enable_auto_tool_choice and config.tool_call_parser):
             raise InvalidRequestError('tool_choice "auto" (the default when tools are given) needs the server '
