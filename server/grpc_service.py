@@ -36,6 +36,7 @@ from server.grpc_convert import (
     OutputEncoder, chat_options_from_proto, messages_from_proto, model_info_to_proto, prompt_from_request,
     sampling_from_proto, stats_to_proto,
 )
+from server.grpc_tools import chat_parsing
 from server.request_work import RequestWork, prepare_prompts
 
 logger = logging.getLogger(__name__)
@@ -159,9 +160,10 @@ class EngineService(pb_grpc.EngineServicer):
             _refuse_unsupported(request)
             params = sampling_from_proto(request.sampling)
             prompt = prompt_from_request(request)
-            [prompt] = await self._work.run(prepare_prompts, self._client.get_tokenizer(),
-                                            self._client.get_model_info(), [prompt], params)
-            encoder = OutputEncoder(params)
+            info = self._client.get_model_info()
+            parsing, params = chat_parsing(request, info.chat_parsing, params)
+            [prompt] = await self._work.run(prepare_prompts, self._client.get_tokenizer(), info, [prompt], params)
+            encoder = OutputEncoder(params, parsing)
             stream = self._client.generate(prompt, params, request.request_id or uuid.uuid4().hex,
                                            priority=request.priority)
             async with contextlib.aclosing(stream):  # closing it early aborts the request in the engine

@@ -1,7 +1,7 @@
 """OpenAI chat messages → the dicts chat templates read: roles checked, text parts joined, tool calls checked.
 
 Every field a message may carry is read or refused (a 400 naming it), never dropped: system, developer and user
-messages carry content and a name; assistant messages also `tool_calls` (content may then be null) and the previous
+messages carry content and a name; assistant messages also `tool_calls` (content may then be null: it reads as empty) and the previous
 turn's reasoning (`reasoning_content`, or vLLM's newer `reasoning`); tool messages the `tool_call_id` they answer.
 """
 
@@ -49,7 +49,8 @@ def _message(message: Any, i: int) -> dict[str, Any]:
                                       param=f"{where}.{str(key)[:40]}")
     tool_calls = message.get("tool_calls") if role == "assistant" else None
     content = message.get("content")
-    out: dict[str, Any] = {"role": role, "content": None if content is None and tool_calls else
+    # an assistant's null content beside its calls reads as empty: templates join content as a string
+    out: dict[str, Any] = {"role": role, "content": "" if content is None and tool_calls else
                            _content(content, where)}
     for key in ("name", "tool_call_id"):
         value = _string(message, key, where)
