@@ -8,7 +8,7 @@ be. The server's parsers are configured as `--reasoning-parser qwen3 --tool-call
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,12 @@ TOOLS = [{"type": "function", "function": {"name": name, "description": f"{name}
                                            "parameters": {"type": "object", "properties": {}}}}
          for name in ("get_weather", "get_time")]
 PIECE = 3  # characters per scripted token: every tag arrives split
+TOOLS_TEMPLATE = (  # ChatML with Hermes-style tools, tool calls and tool results
+    "{% if tools %}<|im_start|>system\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>"
+    "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for call in m.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ call.function.name }}\", \"arguments\": "
+    "{{ call.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 class ScriptedChat:
@@ -49,7 +55,7 @@ class ScriptedChat:
                        request_id: str | None = None, *, priority: int = 0) -> AsyncIterator[RequestOutput]:
         assert sampling_params is not None
         self.params.append(sampling_params)
-        reply = next(text for key, text in REPLIES.items() if key in prompt["prompt"])
+        reply = next(text for key, text in REPLIES.items() if f"user\n{key}<" in prompt["prompt"])
         pieces = [reply[i:i + PIECE] for i in range(0, len(reply), PIECE)]
         for n, piece in enumerate(pieces):
             last = n == len(pieces) - 1
@@ -77,7 +83,7 @@ class ScriptedChat:
 
 @pytest.fixture(scope="module")
 def scripted(chat_tokenizer_dir: Path, servers: Servers) -> dict[str, tuple[ServerHandle, ScriptedChat]]:
-    tokenizer = Tokenizer.from_pretrained(chat_tokenizer_dir)
+    tokenizer = Tokenizer(Tokenizer.from_pretrained(chat_tokenizer_dir).hf_tokenizer, chat_template=TOOLS_TEMPLATE)
     out = {}
     for name, parsing in (("hermes", ChatParsingConfig("qwen3", "hermes", True)),
                           ("mistral", ChatParsingConfig(None, "mistral", True))):
@@ -179,6 +185,20 @@ def test_assistant_tool_calls_and_tool_results_are_accepted(
     assert response.choices[0].message.content == "The answer is 4."
 
 
+def test_the_template_sees_tools_tool_calls_and_tool_results(
+        scripted: dict[str, tuple[ServerHandle, ScriptedChat]]) -> None:
+    messages = [{"role": "user", "content": "time?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    response = scripted["hermes"][0].http.post("/tokenize", json={"messages": messages, "tools": TOOLS[:1]})
+    prompt = scripted["hermes"][1].tokenizer.decode(response.json()["tokens"], skip_special_tokens=False)
+    assert prompt == ("<|im_start|>system\n<tools>" + json.dumps(TOOLS[0]) + "</tools><|im_end|>\n"
+                      "<|im_start|>user\ntime?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n"
+                      '{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call><|im_end|>\n'
+                      "<|im_start|>tool\n12:00<|im_end|>\n<|im_start|>assistant\n")
+
+
 def test_auto_needs_the_server_flag(server: ServerHandle) -> None:
     with pytest.raises(openai.BadRequestError, match="enable-auto-tool-choice") as info:
         server.client().chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}],
@@ -187,3 +207,70 @@ def test_auto_needs_the_server_flag(server: ServerHandle) -> None:
     reply = server.client().chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}],
                                                     tools=TOOLS, tool_choice="none", max_tokens=2)
     assert reply.choices[0].finish_reason == "length" and not reply.choices[0].message.tool_calls
+
+
+@pytest.fixture(scope="module")
+def grpc_stub(scripted: dict[str, tuple[ServerHandle, ScriptedChat]]) -> Iterator[Any]:
+    """The gRPC service over the same scripted engine (qwen3 + hermes)."""
+    grpc = pytest.importorskip("grpc")
+    from jengine.v1 import jengine_pb2_grpc as pb_grpc
+    from server.grpc_service import start_grpc_server
+    from tests.server.grpc_fixtures import LoopThread
+
+    loops = LoopThread()
+    server = loops.run(start_grpc_server(scripted["hermes"][1], "127.0.0.1", 0))
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    yield pb_grpc.EngineStub(channel)
+    channel.close()
+    loops.run(server.stop(None))
+    loops.close()
+
+
+def test_grpc_carries_tools_and_answers_with_read_deltas(
+        scripted: dict[str, tuple[ServerHandle, ScriptedChat]], grpc_stub: Any) -> None:
+    from jengine.v1 import jengine_pb2 as pb
+
+    whole = _ask(scripted["hermes"][0], "weather", tools=TOOLS).choices[0].message
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="weather")], tools_json=json.dumps(TOOLS))
+    responses = list(grpc_stub.Generate(pb.GenerateRequest(messages=chat)))
+    assert "get_weather" in responses[0].prompt  # the template listed the tools
+    deltas = [delta.chat for response in responses for delta in response.outputs]
+    reasoning = "".join(d.reasoning for d in deltas)
+    calls: dict[int, list[str]] = {}
+    for delta in deltas:
+        for call in delta.tool_calls:
+            if call.id:
+                calls[call.index] = [call.name, ""]
+            calls[call.index][1] += call.arguments
+    assert reasoning == whole.model_extra["reasoning"] and "".join(d.content for d in deltas) == ""
+    assert list(calls.values()) == [[c.function.name, c.function.arguments] for c in whole.tool_calls]
+    assert deltas[-1].finish_reason == "tool_calls" and responses[-1].outputs[-1].finish_reason == "stop"
+    none = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="weather")], tools_json=json.dumps(TOOLS),
+                           tool_choice=pb.ToolChoice(mode="none"))
+    texts = [d.chat.content for r in grpc_stub.Generate(pb.GenerateRequest(messages=none)) for d in r.outputs]
+    assert "".join(texts).startswith("<tool_call>")  # reasoning still read, calls left in the content
+
+
+def test_grpc_refuses_bad_tools(grpc_stub: Any) -> None:
+    grpc = pytest.importorskip("grpc")
+    from jengine.v1 import jengine_pb2 as pb
+
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="weather")], tools_json=json.dumps(TOOLS),
+                           tool_choice=pb.ToolChoice(function_name="nope"))
+    with pytest.raises(grpc.RpcError) as info:
+        list(grpc_stub.Generate(pb.GenerateRequest(messages=chat)))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "nope" in info.value.details()
+
+
+def test_tool_messages_round_trip_through_the_proto() -> None:
+    pytest.importorskip("grpc")
+    from server.grpc_convert import chat_options_from_proto, messages_from_proto, messages_to_proto
+
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}],
+                 "reasoning_content": "think"},
+                {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]
+    msg = messages_to_proto(messages, tools=TOOLS)
+    assert messages_from_proto(msg) == messages
+    assert chat_options_from_proto(msg)["tools"] == TOOLS
