@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from jengine.config import ChatParsingConfig
 from jengine.errors import InvalidRequestError
+from jengine.outputs import ChatMessage
 from jengine.tools.parsers import tool_parser
 from jengine.tools.reasoning import reasoning_parser
 from jengine.tools.stream import ChoiceParser
@@ -131,6 +132,21 @@ class ChatParsing:
             return None
         max_calls = None if tools is None or tools.parallel else 1
         return cls(config.reasoning_parser, config.tool_call_parser if auto else None, max_calls)
+
+    @classmethod
+    def plan_offline(cls, config: ChatParsingConfig, tools: ToolRequest | None) -> ChatParsing | None:
+        """`LLM.chat`'s plan: the tools reach the template whatever the flags (as in vLLM's `LLM.chat`), and calls
+        are read whenever a tool_call_parser is set (no server flag to opt in)."""
+        if tools is not None and tools.choice == "auto" and config.tool_call_parser is None:
+            tools = dataclasses.replace(tools, choice="none")
+        return cls.plan(dataclasses.replace(config, enable_auto_tool_choice=config.tool_call_parser is not None),
+                        tools)
+
+    def read(self, prompt: str | None, text: str) -> ChatMessage:
+        """The whole message of one finished choice."""
+        parser = self.choice(prompt)
+        parser.feed(text, final=True)
+        return parser.message()
 
     @property
     def needs_special_tokens(self) -> bool:
