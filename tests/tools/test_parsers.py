@@ -47,6 +47,8 @@ TOOL_CASES = [
                                            '"limit": null}')]),
     ("pythonic", '<|python_start|>[ping()]<|python_end|>', None, [("ping", "{}")]),
     ("pythonic", '[1, 2] are numbers.', '[1, 2] are numbers.', []),
+    ("forced", f'[{{"name":"get_weather","parameters":{{"city":"Paris"}}}},{{"name":"search","parameters":{NESTED}}}]',
+     None, [("get_weather", '{"city":"Paris"}'), ("search", NESTED)]),
 ]
 
 # (parser, prompt, reply, reasoning, content)
@@ -165,7 +167,7 @@ _PIECES = ['<tool_call>', '</tool_call>', '<think>', '</think>', '[TOOL_CALLS]',
            ' ', '\n', '"name"', '"arguments"', '"parameters"', '"f"', 'f', 'x', '1', 'True', '<', '</']
 
 
-@pytest.mark.parametrize("tool", sorted(TOOL_PARSERS))
+@pytest.mark.parametrize("tool", sorted(TOOL_PARSERS) + ["forced"])
 @pytest.mark.parametrize("reasoning", [None, "qwen3", "deepseek_r1"])
 def test_any_text_streams_to_its_non_streamed_reading(tool: str, reasoning: str | None,
                                                       caplog: pytest.LogCaptureFixture) -> None:
