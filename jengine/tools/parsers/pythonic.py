@@ -31,6 +31,8 @@ class PythonicParser(ToolParser):
     def __init__(self) -> None:
         super().__init__()
         self._argument_ends: dict[int, int] = {}  # start of an argument → its terminating `,` or `)`
+        self._members: dict[int, str | None] = {}  # start of a complete argument → its JSON member
+        self._closed_calls: dict[int, tuple[str, int]] = {}  # start of a call's arguments → (JSON, end)
 
     def scan(self, text: str, final: bool) -> ToolScan:
         pos = skip_whitespace(text, 0)
@@ -66,6 +68,14 @@ class PythonicParser(ToolParser):
 
     def _arguments(self, text: str, pos: int) -> tuple[str, int | None]:
         """(the JSON object of the keyword arguments complete so far, the position after `)` or None if open)."""
+        if pos in self._closed_calls:
+            return self._closed_calls[pos]
+        arguments, end = self._read_arguments(text, pos)
+        if end is not None:
+            self._closed_calls[pos] = arguments, end
+        return arguments, end
+
+    def _read_arguments(self, text: str, pos: int) -> tuple[str, int | None]:
         members: list[str] = []
         while True:
             pos = skip_whitespace(text, pos)
@@ -76,7 +86,9 @@ class PythonicParser(ToolParser):
             end = self._argument_end(text, pos)
             if end is None:
                 return "{" + ", ".join(members), None
-            member = _member(text[pos:end])
+            if pos not in self._members:
+                self._members[pos] = _member(text[pos:end])
+            member = self._members[pos]
             if member is not None:
                 members.append(member)
             pos = end + 1 if text[end] == "," else end
