@@ -71,7 +71,7 @@ TEMPLATE_ARGUMENTS = frozenset({
 
 def check_template_kwargs(kwargs: Any) -> None:
     """Extra template variables: an object with string keys, none of them the renderer's own (a `tools` there
-    would slip past a server's refusal of tools; `add_generation_prompt` would clash with the flag)."""
+    would slip past the checks of the request's tools; `add_generation_prompt` would clash with the flag)."""
     if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
         raise InvalidRequestError("chat_template_kwargs must be an object", param="chat_template_kwargs")
     taken = sorted(name for name in kwargs if name in TEMPLATE_ARGUMENTS)
