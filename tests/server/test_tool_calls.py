@@ -220,7 +220,9 @@ def grpc_stub(scripted: dict[str, tuple[ServerHandle, ScriptedChat]]) -> Iterato
     loops = LoopThread()
     server = loops.run(start_grpc_server(scripted["hermes"][1], "127.0.0.1", 0))
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
-    yield pb_grpc.EngineStub(channel)
+    stub = pb_grpc.EngineStub(channel)
+    stub.address = f"127.0.0.1:{server.port}"
+    yield stub
     channel.close()
     loops.run(server.stop(None))
     loops.close()
@@ -274,3 +276,26 @@ def test_tool_messages_round_trip_through_the_proto() -> None:
     msg = messages_to_proto(messages, tools=TOOLS)
     assert messages_from_proto(msg) == messages
     assert chat_options_from_proto(msg)["tools"] == TOOLS
+
+
+def test_a_remote_engine_renders_tools_and_reports_its_parsers(
+        scripted: dict[str, tuple[ServerHandle, ScriptedChat]], grpc_stub: Any) -> None:
+    """What `jengine openai --engine` relies on: the engine's parser flags in its model info, tools sent for the
+    template only (the shim reads the reply itself from the raw text)."""
+    import asyncio
+
+    from server.grpc_client import GrpcEngineClient
+
+    client = GrpcEngineClient(grpc_stub.address)
+    try:
+        assert client.get_model_info().chat_parsing == ChatParsingConfig("qwen3", "hermes", True)
+        assert "get_weather" in client.get_tokenizer().apply_chat_template(
+            [{"role": "user", "content": "hi"}], tools=TOOLS)
+
+        async def reply() -> str:
+            prompt = {"messages": [{"role": "user", "content": "weather"}], "tools": TOOLS}
+            return "".join([out.outputs[0].text async for out in client.generate(prompt, SamplingParams())])
+
+        assert asyncio.run(reply()) == REPLIES["weather"]
+    finally:
+        client.shutdown()
