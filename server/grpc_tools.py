@@ -17,7 +17,7 @@ from jengine.errors import InvalidRequestError
 from jengine.outputs import CompletionOutput
 from jengine.sampling.params import SamplingParams
 from jengine.tools.request import ChatParsing, ToolRequest, parse_tools
-from jengine.tools.stream import ChoiceParser, MessageDelta, finish_reason
+from jengine.tools.stream import ChoiceParsers, MessageDelta
 from jengine.v1 import jengine_pb2 as pb
 
 MESSAGE_TOOL_KEYS = ("tool_calls", "tool_call_id", "reasoning_content")
@@ -108,16 +108,10 @@ class ChatReader:
     """Server side of one stream: each choice's text read by the request's parsers, delta by delta."""
 
     def __init__(self, parsing: ChatParsing) -> None:
-        self._parsing = parsing
-        self._parsers: dict[int, ChoiceParser] = {}
+        self._parsers = ChoiceParsers(parsing.choice)
 
     def read(self, choice: CompletionOutput, prompt: str | None) -> pb.ChatDelta:
-        parser = self._parsers.get(choice.index)
-        if parser is None:
-            parser = self._parsers[choice.index] = self._parsing.choice(prompt)
-        final = choice.finish_reason is not None
-        delta = parser.feed(choice.text, final)
-        return chat_delta_to_proto(delta, finish_reason(choice.finish_reason, parser.message()) if final else None)
+        return chat_delta_to_proto(*self._parsers.feed(choice.index, prompt, choice.text, choice.finish_reason))
 
 
 def chat_parsing_fields(config: ChatParsingConfig) -> dict[str, Any]:

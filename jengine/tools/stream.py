@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from jengine.outputs import ChatMessage, ToolCall
@@ -114,3 +115,20 @@ def finish_reason(reason: str | None, message: ChatMessage | None) -> str | None
     if reason == "stop" and message is not None and message.tool_calls:
         return "tool_calls"
     return reason
+
+
+class ChoiceParsers:
+    """The parsers of one request's choices, each made on its first delta (from the rendered prompt's text)."""
+
+    def __init__(self, make: Callable[[str | None], ChoiceParser]) -> None:
+        self._make = make
+        self._parsers: dict[int, ChoiceParser] = {}
+
+    def feed(self, index: int, prompt: str | None, text: str, reason: str | None) -> tuple[MessageDelta, str | None]:
+        """(what choice `index` gained from `text`, its OpenAI finish_reason once `reason` ends it)."""
+        parser = self._parsers.get(index)
+        if parser is None:
+            parser = self._parsers[index] = self._make(prompt)
+        final = reason is not None
+        delta = parser.feed(text, final)
+        return delta, finish_reason(reason, parser.message()) if final else None

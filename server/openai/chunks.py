@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from jengine.outputs import CompletionOutput, RequestOutput
-from jengine.tools.stream import ChoiceParser, finish_reason
+from jengine.tools.stream import ChoiceParsers
 from server.openai.protocol import ChatRequest, CompletionRequest, StreamOptions
 from server.openai.translate import (
     Accumulator, Decoders, ResponseMeta, chat_delta_choice, chat_logprobs, chunk, completion_choice,
@@ -65,8 +65,7 @@ class ChatStreamFormatter(StreamFormatter):
     def __init__(self, meta: ResponseMeta, acc: Accumulator, request: ChatRequest, decoders: Decoders) -> None:
         super().__init__(meta, acc, request.stream_options, decoders)
         self.top_logprobs = request.top_logprobs
-        self.parsing = request.parsing
-        self._parsers: dict[int, ChoiceParser] = {}  # per choice, when the text is read for reasoning or tools
+        self.parsers = None if request.parsing is None else ChoiceParsers(request.parsing.choice)
 
     def start(self) -> list[dict[str, Any]]:
         return [self._chunk([chat_delta_choice(i, {"role": "assistant", "content": ""})])
@@ -77,7 +76,7 @@ class ChatStreamFormatter(StreamFormatter):
         if self.top_logprobs is not None and delta.token_ids:
             rows = sampled_rows(delta.token_ids, delta.logprobs or [], self.decoders.token)
             block = chat_logprobs(rows, self.top_logprobs)
-        if self.parsing is not None:
+        if self.parsers is not None:
             return self._parsed_choice(index, delta, block)
         if not delta.text and block is None and delta.finish_reason is None:
             return None
@@ -87,15 +86,12 @@ class ChatStreamFormatter(StreamFormatter):
     def _parsed_choice(self, index: int, delta: CompletionOutput, block: dict[str, Any] | None
                        ) -> dict[str, Any] | None:
         """The delta as the choice's parser reads it: reasoning, content and tool-call deltas apart."""
-        assert self.parsing is not None
-        parser = self._parsers.get(index)
-        if parser is None:
-            parser = self._parsers[index] = self.parsing.choice(self.acc.prompts[index // self.acc.n].text)
-        final = delta.finish_reason is not None
-        fields = delta_json(parser.feed(delta.text, final))
-        if not fields and block is None and not final:
+        assert self.parsers is not None
+        prompt = self.acc.prompts[index // self.acc.n].text
+        read, reason = self.parsers.feed(index, prompt, delta.text, delta.finish_reason)
+        fields = delta_json(read)
+        if not fields and block is None and reason is None:
             return None
-        reason = finish_reason(delta.finish_reason, parser.message() if final else None)
         return chat_delta_choice(index, fields, block, reason, delta.stop_reason)
 
 

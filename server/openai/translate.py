@@ -247,9 +247,7 @@ def chat_response(meta: ResponseMeta, acc: Accumulator, top_logprobs: int | None
             block = chat_logprobs(sampled_rows(choice.token_ids, choice.logprobs, decoders.token), top_logprobs)
         message, parsed = {"role": "assistant", "content": choice.text}, None
         if parsing is not None:
-            parser = parsing.choice(acc.prompts[0].text)
-            parser.feed(choice.text, final=True)
-            parsed = parser.message()
+            parsed = parsing.read(acc.prompts[0].text, choice.text)
             message = message_json(parsed, parsing)
         choices.append({"index": index, "message": message, "logprobs": block,
                         "finish_reason": finish_reason(choice.finish_reason, parsed),
