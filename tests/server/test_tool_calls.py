@@ -299,3 +299,19 @@ def test_a_remote_engine_renders_tools_and_reports_its_parsers(
         assert asyncio.run(reply()) == REPLIES["weather"]
     finally:
         client.shutdown()
+
+
+def test_the_real_engine_reads_replies_as_configured(servers: Servers, chat_model_dir: Path) -> None:
+    """The flags through EngineConfig and ModelInfo to the responses: a random model's reply, under deepseek_r1
+    (which starts in reasoning), is all reasoning, streamed or not."""
+    handle = servers.start(chat_model_dir, served_model_name="tiny-r1", reasoning_parser="deepseek_r1",
+                           tool_call_parser="hermes", enable_auto_tool_choice=True)
+    kwargs = dict(model="tiny-r1", messages=[{"role": "user", "content": "hi"}], tools=TOOLS, max_tokens=8,
+                  temperature=0.0, extra_body={"ignore_eos": True})
+    choice = handle.client().chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    assert choice.message.model_extra["reasoning"] and choice.message.tool_calls == []
+    content, reasoning, calls, finish = _reassemble(list(handle.client().chat.completions.create(stream=True,
+                                                                                                 **kwargs)))
+    assert (content, reasoning, calls, finish) == ("", choice.message.model_extra["reasoning"], [], "length")
+    handle.wait_idle()
