@@ -102,9 +102,11 @@ class ParallelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RunnerConfig:
-    # all: compile every shape bucket at start-up; lazy: on first use; auto (the server default): all when a kernel
-    # backend runs attention, lazy with the jnp reference (its pinned prefill shapes are too costly on a CPU)
-    compile_buckets: Literal["all", "lazy", "auto"] = "lazy"
+    # all: compile every shape bucket at start-up; lazy: on first use; auto (the default everywhere): all when a
+    # kernel backend runs attention (a GPU), lazy with the jnp reference (its pinned prefill shapes cost a CPU more
+    # than they save). Lazy on a GPU compiles mid-run: `jengine bench throughput` on an 8B model made 1,983 output
+    # tok/s so (H200, warm compilation cache) against 5,665 with every shape compiled first.
+    compile_buckets: Literal["all", "lazy", "auto"] = "auto"
     attention_backend: str = "auto"  # auto | reference | pallas_gpu
     compilation_cache_dir: str | None = None  # JAX persistent compilation cache (env JENGINE_COMPILATION_CACHE_DIR)
     # pipelined steps: step N+1 is dispatched before step N's tokens reach the host (fed to it on the device);
