@@ -95,7 +95,8 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
     with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
         pending_tokenizer = pool.submit(Tokenizer.from_pretrained, tokenizer_dir, config.model.chat_template)
         spec, params, dtype = load_model(config.model.model, dtype=config.model.dtype, sharding=layout.param_sharding,
-                                         kv_head_repeat=layout.kv_head_repeat, projection_shards=layout.size)
+                                         kv_head_repeat=layout.kv_head_repeat, projection_shards=layout.size,
+                                         quantization=config.model.quantization)
         tokenizer = pending_tokenizer.result()
     device = next(d for d in devices if d.process_index == jax.process_index())  # memory stats: local only
     plan = agree_across_processes(plan_kv_cache(spec, config.cache, config.scheduler, dtype, device,

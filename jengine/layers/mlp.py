@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from jengine.layers.linear import ACTIVATIONS, Precision, linear, split_fused
+from jengine.layers.quant import QuantizedWeight, dequantize
 from jengine.models.spec import MoeSpec
 
 
@@ -18,6 +19,12 @@ def gated_mlp(
     inter = w["w_down"].shape[0]
     gate, up = split_fused(linear(x, w["w_gate_up"], w.get("b_gate_up"), precision), (inter, inter), shards)
     return linear(ACTIVATIONS[act](gate) * up, w["w_down"], w.get("b_down"), precision)
+
+
+def expert_weights(w: Float[Array, "experts d_in d_out"] | QuantizedWeight, dtype) -> Float[Array, "experts d_in d_out"]:
+    """The experts' weights as the grouped matmul takes them: 8-bit stacks (`layers/quant.py`) dequantized to the
+    activations' dtype, float stacks as they are."""
+    return dequantize(w, dtype) if isinstance(w, QuantizedWeight) else w
 
 
 def route(
@@ -47,7 +54,7 @@ def moe_mlp(
     group_sizes = jnp.bincount(flat_experts, length=moe.num_experts).astype(jnp.int32)
 
     def grouped(lhs: Array, rhs: Array) -> Array:
-        return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision)
+        return jax.lax.ragged_dot(lhs, expert_weights(rhs, lhs.dtype), group_sizes, precision=precision)
 
     hidden = ACTIVATIONS[act](grouped(x_sorted, w["we_gate"])) * grouped(x_sorted, w["we_up"])
     out_sorted = grouped(hidden, w["we_down"])
@@ -76,7 +83,7 @@ def moe_mlp_expert_parallel(
         x_sorted = x[order // k]
 
         def grouped(lhs: Array, rhs: Array) -> Array:
-            return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision)
+            return jax.lax.ragged_dot(lhs, expert_weights(rhs, lhs.dtype), group_sizes, precision=precision)
 
         hidden = ACTIVATIONS[act](grouped(x_sorted, we_gate)) * grouped(x_sorted, we_up)
         out_sorted = jnp.where(mine.reshape(-1)[order][:, None], grouped(hidden, we_down), 0)

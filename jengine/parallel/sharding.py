@@ -68,8 +68,15 @@ class ParallelLayout:
         return P(*((None,) * (ndim - len(resolved)) + resolved))
 
     def param_sharding(self, path: str, shape: tuple[int, ...]) -> NamedSharding:
-        """The loader's callback: where each parameter goes (each device reads only its slice)."""
-        return NamedSharding(self.mesh, self.param_spec(path, len(shape)))
+        """The loader's callback: where each parameter goes (each device reads only its slice). The scales of an
+        8-bit projection (`...['wo'].scale`, `layers/quant.py`) follow their weight's rule on each axis they can
+        split evenly (a block scale splits with its weight's blocks) and are replicated along the others (one row of
+        per-channel scales, a static input scale)."""
+        spec = self.param_spec(path, len(shape))
+        if path.endswith((".scale", ".input_scale")):
+            spec = P(*(axis if axis is None or size % self.size == 0 else None
+                       for axis, size in zip(tuple(spec) + (None,) * (len(shape) - len(spec)), shape)))
+        return NamedSharding(self.mesh, spec)
 
     def _axis(self, logical: str | None) -> str | None:
         if logical == "vocab":

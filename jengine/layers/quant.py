@@ -1,0 +1,174 @@
+"""Quantized projections: 8-bit weights (float8 e4m3 or int8) with float32 scales, and their matmuls.
+
+A `QuantizedWeight` is a small pytree that `layers/linear.py:linear` dispatches on, so every projection of every
+family takes it where it took a plain `[in, out]` array. One layout serves every on-disk format (the loader converts
+each, `models/quant_load.py`): `weight [..., K, N]` and `scale [..., ceil(K / block_k), ceil(N / block_n)]`, the real
+weight being `weight × scale` with each scale covering one `block_k × block_n` tile. Per-tensor and per-channel
+scales are blocks of `(K, 1)` (`block_k = 0`: the whole input axis), DeepSeek/Qwen3's 128 × 128 blocks are
+`(128, 128)`, group-wise weight-only scales `(group, 1)`.
+
+Two implementations, chosen once at load (`QuantScheme.impl`):
+- `reference` (the CPU): dequantize to float32, then one matmul. The oracle.
+- `xla` (GPUs): the activations quantized in the step (per token, or per token and 128-group for block scales; or
+  with the checkpoint's static scale) and an 8-bit × 8-bit dot whose scales apply to its float32 output:
+  float8 × float8 runs on the FP8 tensor cores (XLA's `__cublas$lt$matmul$f8`), int8 × int8 on the int8 ones;
+  weight-only schemes upcast inside the dot. Block-scaled weights at few tokens run one dot per 128-wide input group
+  (batched), the groups weighted by their scales and summed; at many tokens (compute-bound) they are dequantized
+  once per call and multiplied at the activations' precision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0
+INT8_MAX = 127.0
+# Batched per-group dots (block scales) up to this many tokens: their float32 partial sums are tokens × groups × N.
+GROUPED_MAX_TOKENS = 32
+
+Impl = Literal["reference", "xla"]
+Activations = Literal["fp8", "int8"] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantScheme:
+    """How a `QuantizedWeight` is stored and multiplied. Hashable: a static part of the pytree."""
+
+    weight_dtype: Literal["fp8", "int8"]
+    activations: Activations  # quantized in the step as this type; None: weight-only (W8A16)
+    block_k: int = 0  # input features per scale (0: all of them, i.e. per-channel or per-tensor)
+    block_n: int = 1  # output features per scale
+    act_group: int = 0  # dynamic activation scales per token and this many features (0: per token)
+    impl: Impl = "reference"
+
+    @property
+    def label(self) -> str:
+        """A short name for start-up logs: fp8-w8a8 block 128x128, int8-w8a16 group 32, ..."""
+        acts = f"a{8 if self.activations else 16}"
+        if self.block_k == 0:
+            kind = "channel"
+        elif self.block_n == 1 and self.activations is None:
+            kind = f"group {self.block_k}"
+        else:
+            kind = f"block {self.block_k}x{self.block_n}"
+        return f"{self.weight_dtype}-w8{acts} {kind}"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """An 8-bit projection in our `[in, out]` layout (a leading expert axis for MoE stacks)."""
+
+    weight: Array  # [..., K, N] float8_e4m3fn or int8
+    scale: Array  # [..., ceil(K / block_k), ceil(N / block_n)] float32; block_k = 0: one row
+    input_scale: Array | None  # static activation scale (float32 scalar); None: dynamic
+    scheme: QuantScheme = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.weight.shape
+
+    @property
+    def nbytes(self) -> int:
+        extra = 0 if self.input_scale is None else self.input_scale.nbytes
+        return self.weight.nbytes + self.scale.nbytes + extra
+
+
+def expand_scale(scale: Float[Array, "... kg ng"], scheme: QuantScheme, k: int, n: int) -> Float[Array, "... k n"]:
+    """Each scale repeated over the tile it covers (`block_k = 0`: broadcast over K), cut to `[k, n]`."""
+    if scheme.block_k:
+        scale = jnp.repeat(scale, scheme.block_k, axis=-2)[..., :k, :]
+    if scheme.block_n > 1:
+        scale = jnp.repeat(scale, scheme.block_n, axis=-1)[..., :n]
+    return scale
+
+
+def dequantize(q: QuantizedWeight, dtype=jnp.float32) -> Array:
+    """The real weight, `weight × scale`, computed in float32 and returned as `dtype` (the MoE experts' hook)."""
+    k, n = q.weight.shape[-2:]
+    w = q.weight.astype(jnp.float32) * expand_scale(q.scale, q.scheme, k, n)
+    return w.astype(dtype)
+
+
+def quantize_activations(
+    x: Float[Array, "tokens k"], kind: Literal["fp8", "int8"], static_scale: Array | None = None, group: int = 0
+) -> tuple[Array, Float[Array, "tokens groups"]]:
+    """x → (8-bit x, float32 scales): one scale per token (per token and `group` features when set), or the static
+    one. Float8 is clipped before the cast (an out-of-range cast gives NaN, not the largest value)."""
+    top = FP8_MAX if kind == "fp8" else INT8_MAX
+    xf = x.astype(jnp.float32)
+    if static_scale is not None:
+        scale = jnp.broadcast_to(static_scale.astype(jnp.float32).reshape(1, 1), (x.shape[0], 1))
+    else:
+        grouped = xf.reshape(x.shape[0], -1, group) if group else xf[:, None, :]
+        scale = jnp.maximum(jnp.max(jnp.abs(grouped), axis=-1) / top, jnp.finfo(jnp.float32).tiny)
+    per_feature = jnp.repeat(scale, group, axis=-1) if group and static_scale is None else scale
+    scaled = jnp.clip(xf / per_feature, -top, top)
+    return (scaled.astype(FP8) if kind == "fp8" else jnp.round(scaled).astype(jnp.int8)), scale
+
+
+def quantized_matmul(x: Float[Array, "tokens k"], q: QuantizedWeight, precision=None) -> Float[Array, "tokens n"]:
+    """x @ (weight × scale), in x's dtype, by the scheme's implementation."""
+    if q.scheme.impl == "reference":
+        y = jnp.dot(x.astype(jnp.float32), dequantize(q), precision=jax.lax.Precision.HIGHEST)
+        return y.astype(x.dtype)
+    if q.scheme.block_k == 0:
+        return _channel_matmul(x, q)
+    if x.shape[0] <= GROUPED_MAX_TOKENS:
+        return _grouped_matmul(x, q)
+    return jnp.dot(x, dequantize(q, x.dtype), precision=precision, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _dot(a: Array, b: Array, out) -> Array:
+    return jax.lax.dot_general(a, b, (((a.ndim - 1,), (b.ndim - 2,)), ((), ())), preferred_element_type=out)
+
+
+def _channel_matmul(x: Float[Array, "tokens k"], q: QuantizedWeight) -> Float[Array, "tokens n"]:
+    """One scale per output feature (and per token for the activations), applied to the dot's float32 output."""
+    scheme, n = q.scheme, q.weight.shape[-1]
+    w_scale = expand_scale(q.scale, scheme, 1, n)[0]
+    if scheme.activations is None:
+        y = _dot(x, q.weight.astype(x.dtype), jnp.float32)
+        return (y * w_scale).astype(x.dtype)
+    xq, x_scale = quantize_activations(x, scheme.activations, q.input_scale)
+    y = _dot(xq, q.weight, jnp.float32 if scheme.activations == "fp8" else jnp.int32).astype(jnp.float32)
+    return (y * x_scale * w_scale).astype(x.dtype)
+
+
+def _grouped_matmul(x: Float[Array, "tokens k"], q: QuantizedWeight) -> Float[Array, "tokens n"]:
+    """Block scales at few tokens: one dot per `block_k` input features (a batched dot over the groups), each
+    group's float32 partial sums weighted by its scales, then summed (x and the weight zero-padded to whole groups)."""
+    scheme = q.scheme
+    tokens, (k, n), g = x.shape[0], q.weight.shape, scheme.block_k
+    groups = -(-k // g)
+    pad = groups * g - k
+    w = jnp.pad(q.weight, ((0, pad), (0, 0))).reshape(groups, g, n)
+    xp = jnp.pad(x, ((0, 0), (0, pad)))
+    if scheme.activations is None:
+        lhs, x_scale, out = xp.reshape(tokens, groups, g), None, jnp.float32
+        w = w.astype(x.dtype)
+    else:
+        lhs, x_scale = quantize_activations(xp, scheme.activations, q.input_scale, group=scheme.act_group)
+        lhs, out = lhs.reshape(tokens, groups, g), jnp.float32 if scheme.activations == "fp8" else jnp.int32
+    partial = jax.lax.dot_general(lhs, w, (((2,), (1,)), ((1,), (0,))), preferred_element_type=out)  # [g, t, n]
+    weights = expand_scale(q.scale, dataclasses.replace(scheme, block_k=1), groups, n)[:, None, :]
+    if x_scale is not None:
+        weights = weights * (x_scale.T[:, :, None] if x_scale.shape[1] == groups else x_scale[None])
+    return jnp.sum(partial.astype(jnp.float32) * weights, axis=0).astype(x.dtype)
+
+
+def quantize_weight_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Host-side float8 quantization of a float `[..., K, N]` weight with one scale per output feature (and expert):
+    what `--quantization fp8` does to a float checkpoint at load. Returns (float8 weight, `[..., 1, N]` scales)."""
+    import ml_dtypes
+
+    wf = np.asarray(w, np.float32)
+    scale = np.maximum(np.abs(wf).max(axis=-2, keepdims=True) / FP8_MAX, np.finfo(np.float32).tiny)
+    return np.clip(wf / scale, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn), scale.astype(np.float32)
