@@ -91,7 +91,7 @@ def quantize(w, variant: tuple, impl: str = "xla"):
     scale = jnp.maximum(amax / top, 1e-12)
     scaled = jnp.clip(w.astype(jnp.float32) / expand_scale(scale, scheme, k, n), -top, top)
     weight = scaled.astype(FP8) if kind == "fp8" else jnp.round(scaled).astype(jnp.int8)
-    return QuantizedWeight(weight, scale, None, scheme)
+    return QuantizedWeight.from_kn(weight, scale, None, scheme)
 
 
 def quantized_params(params: dict, variant: tuple | None, impl: str = "xla") -> dict:

@@ -2,10 +2,15 @@
 
 A `QuantizedWeight` is a small pytree that `layers/linear.py:linear` dispatches on, so every projection of every
 family takes it where it took a plain `[in, out]` array. One layout serves every on-disk format (the loader converts
-each, `models/quant_load.py`): `weight [..., K, N]` and `scale [..., ceil(K / block_k), ceil(N / block_n)]`, the real
-weight being `weight × scale` with each scale covering one `block_k × block_n` tile. Per-tensor and per-channel
-scales are blocks of `(K, 1)` (`block_k = 0`: the whole input axis), DeepSeek/Qwen3's 128 × 128 blocks are
-`(128, 128)`, group-wise weight-only scales `(group, 1)`.
+each, `models/quant_load.py`): the logical `[K, N]` weight with `scale [..., ceil(K / block_k), ceil(N / block_n)]`,
+the real weight being `weight × scale` with each scale covering one `block_k × block_n` tile. Per-tensor and
+per-channel scales are blocks of `(K, 1)` (`block_k = 0`: the whole input axis), DeepSeek/Qwen3's 128 × 128 blocks
+are `(128, 128)`, group-wise weight-only scales `(group, 1)`.
+
+The 8-bit values are stored input-minor and group-major, `[..., K / g, N, g]` with `g = block_k` (or K; K
+zero-padded to whole groups): cuBLASLt's FP8 and int8 GEMMs take both operands contracting on their minor dimension
+(the "TN" layout; any other makes XLA transpose the weight at every call), and a block-scaled weight then splits into
+its K groups as a batch dimension that is already major, so neither path copies the weight.
 
 Two implementations, chosen once at load (`QuantScheme.impl`):
 - `reference` (the CPU): dequantize to float32, then one matmul. The oracle.
@@ -66,14 +71,27 @@ class QuantScheme:
 class QuantizedWeight:
     """An 8-bit projection in our `[in, out]` layout (a leading expert axis for MoE stacks)."""
 
-    weight: Array  # [..., K, N] float8_e4m3fn or int8
+    weight: Array  # [..., K / g, N, g] float8_e4m3fn or int8 (the module docstring says why this layout)
     scale: Array  # [..., ceil(K / block_k), ceil(N / block_n)] float32; block_k = 0: one row
     input_scale: Array | None  # static activation scale (float32 scalar); None: dynamic
     scheme: QuantScheme = dataclasses.field(metadata=dict(static=True))
+    in_features: int = dataclasses.field(default=0, metadata=dict(static=True))  # K before padding to whole groups
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.weight.shape
+        """The logical `[..., K, N]`, as a float weight's."""
+        return (*self.weight.shape[:-3], self.in_features, self.weight.shape[-2])
+
+    @classmethod
+    def from_kn(cls, weight: Array, scale: Array, input_scale: Array | None, scheme: QuantScheme) -> QuantizedWeight:
+        """From 8-bit values in the `[..., K, N]` layout of float weights (numpy on the host, or device arrays)."""
+        xp = np if isinstance(weight, np.ndarray) else jnp
+        *lead, k, n = weight.shape
+        g = scheme.block_k or k
+        groups = -(-k // g)
+        padded = xp.pad(weight, [(0, 0)] * len(lead) + [(0, groups * g - k), (0, 0)])
+        stored = xp.swapaxes(padded.reshape(*lead, groups, g, n), -1, -2)
+        return cls(stored, scale, input_scale, scheme, k)
 
     @property
     def nbytes(self) -> int:
@@ -91,10 +109,12 @@ def expand_scale(scale: Float[Array, "... kg ng"], scheme: QuantScheme, k: int, 
 
 
 def dequantize(q: QuantizedWeight, dtype=jnp.float32) -> Array:
-    """The real weight, `weight × scale`, computed in float32 and returned as `dtype` (the MoE experts' hook)."""
-    k, n = q.weight.shape[-2:]
-    w = q.weight.astype(jnp.float32) * expand_scale(q.scale, q.scheme, k, n)
-    return w.astype(dtype)
+    """The real `[..., K, N]` weight, `weight × scale`, computed in float32 and returned as `dtype` (the MoE
+    experts' hook)."""
+    *lead, groups, n, g = q.weight.shape
+    per_group = expand_scale(q.scale, dataclasses.replace(q.scheme, block_k=1), groups, n)
+    w = q.weight.astype(jnp.float32) * per_group[..., None]
+    return jnp.swapaxes(w, -1, -2).reshape(*lead, groups * g, n)[..., : q.in_features, :].astype(dtype)
 
 
 def quantize_activations(
@@ -126,38 +146,36 @@ def quantized_matmul(x: Float[Array, "tokens k"], q: QuantizedWeight, precision=
     return jnp.dot(x, dequantize(q, x.dtype), precision=precision, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def _dot(a: Array, b: Array, out) -> Array:
-    return jax.lax.dot_general(a, b, (((a.ndim - 1,), (b.ndim - 2,)), ((), ())), preferred_element_type=out)
+def _dot_nk(a: Float[Array, "t k"], b: Array, out) -> Float[Array, "t n"]:
+    """a @ bᵀ for b `[n, k]`: both operands contract on their minor dimension."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=out)
 
 
 def _channel_matmul(x: Float[Array, "tokens k"], q: QuantizedWeight) -> Float[Array, "tokens n"]:
     """One scale per output feature (and per token for the activations), applied to the dot's float32 output."""
-    scheme, n = q.scheme, q.weight.shape[-1]
-    w_scale = expand_scale(q.scale, scheme, 1, n)[0]
+    scheme, w = q.scheme, q.weight[0]  # [N, K]
+    w_scale = expand_scale(q.scale, scheme, 1, w.shape[0])[0]
     if scheme.activations is None:
-        y = _dot(x, q.weight.astype(x.dtype), jnp.float32)
+        y = _dot_nk(x, w.astype(x.dtype), jnp.float32)
         return (y * w_scale).astype(x.dtype)
     xq, x_scale = quantize_activations(x, scheme.activations, q.input_scale)
-    y = _dot(xq, q.weight, jnp.float32 if scheme.activations == "fp8" else jnp.int32).astype(jnp.float32)
+    y = _dot_nk(xq, w, jnp.float32 if scheme.activations == "fp8" else jnp.int32).astype(jnp.float32)
     return (y * x_scale * w_scale).astype(x.dtype)
 
 
 def _grouped_matmul(x: Float[Array, "tokens k"], q: QuantizedWeight) -> Float[Array, "tokens n"]:
     """Block scales at few tokens: one dot per `block_k` input features (a batched dot over the groups), each
     group's float32 partial sums weighted by its scales, then summed (x and the weight zero-padded to whole groups)."""
-    scheme = q.scheme
-    tokens, (k, n), g = x.shape[0], q.weight.shape, scheme.block_k
-    groups = -(-k // g)
-    pad = groups * g - k
-    w = jnp.pad(q.weight, ((0, pad), (0, 0))).reshape(groups, g, n)
-    xp = jnp.pad(x, ((0, 0), (0, pad)))
+    scheme, w = q.scheme, q.weight  # [groups, N, g]
+    tokens, (groups, n, g) = x.shape[0], w.shape
+    xp = jnp.pad(x, ((0, 0), (0, groups * g - x.shape[1])))
     if scheme.activations is None:
         lhs, x_scale, out = xp.reshape(tokens, groups, g), None, jnp.float32
         w = w.astype(x.dtype)
     else:
         lhs, x_scale = quantize_activations(xp, scheme.activations, q.input_scale, group=scheme.act_group)
         lhs, out = lhs.reshape(tokens, groups, g), jnp.float32 if scheme.activations == "fp8" else jnp.int32
-    partial = jax.lax.dot_general(lhs, w, (((2,), (1,)), ((1,), (0,))), preferred_element_type=out)  # [g, t, n]
+    partial = jax.lax.dot_general(lhs, w, (((2,), (2,)), ((1,), (0,))), preferred_element_type=out)  # [g, t, n]
     weights = expand_scale(q.scale, dataclasses.replace(scheme, block_k=1), groups, n)[:, None, :]
     if x_scale is not None:
         weights = weights * (x_scale.T[:, :, None] if x_scale.shape[1] == groups else x_scale[None])
@@ -166,7 +184,8 @@ def _grouped_matmul(x: Float[Array, "tokens k"], q: QuantizedWeight) -> Float[Ar
 
 def quantize_weight_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Host-side float8 quantization of a float `[..., K, N]` weight with one scale per output feature (and expert):
-    what `--quantization fp8` does to a float checkpoint at load. Returns (float8 weight, `[..., 1, N]` scales)."""
+    what `--quantization fp8` does to a float checkpoint at load. Returns (float8 `[..., K, N]`, `[..., 1, N]`
+    scales)."""
     import ml_dtypes
 
     wf = np.asarray(w, np.float32)

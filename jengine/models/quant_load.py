@@ -174,11 +174,14 @@ def dequantized_float(reader: CheckpointReader, name: str, how: ModuleQuant) -> 
 
 
 def place(host: HostQuantized, path: str, sharding_for, impl: str) -> QuantizedWeight:
-    """Puts one leaf on the devices; its scales follow the weight's rule (`parallel/sharding.py`)."""
+    """Puts one leaf on the devices in the stored layout (`layers/quant.py`); its scales follow the weight's rule
+    (`parallel/sharding.py`)."""
     def put(array: np.ndarray, name: str) -> jax.Array:
         sharding = sharding_for(path + name, array.shape)
         return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
+    stored = QuantizedWeight.from_kn(host.weight, np.ascontiguousarray(host.scale, np.float32), host.input_scale,
+                                     dataclasses.replace(host.scheme, impl=impl))
     input_scale = None if host.input_scale is None else put(np.asarray(host.input_scale, np.float32), ".input_scale")
-    return QuantizedWeight(put(host.weight, ".weight"), put(np.ascontiguousarray(host.scale, np.float32), ".scale"),
-                           input_scale, dataclasses.replace(host.scheme, impl=impl))
+    return dataclasses.replace(stored, weight=put(np.ascontiguousarray(stored.weight), ".weight"),
+                               scale=put(stored.scale, ".scale"), input_scale=input_scale)

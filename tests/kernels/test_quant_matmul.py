@@ -43,8 +43,8 @@ def random_quantized(rng, scheme: QuantScheme, k: int, n: int, static: float | N
         values = rng.integers(-127, 128, (k, n)).astype(np.int8)
     rows = k if scheme.block_k == 0 else scheme.block_k
     full = np.repeat(np.repeat(scale.astype(np.float64), rows, 0), scheme.block_n, 1)[:k, :n]
-    q = QuantizedWeight(jnp.asarray(values), jnp.asarray(scale),
-                        None if static is None else jnp.float32(static), scheme)
+    q = QuantizedWeight.from_kn(jnp.asarray(values), jnp.asarray(scale),
+                                None if static is None else jnp.float32(static), scheme)
     return q, values.astype(np.float64) * full
 
 

@@ -112,7 +112,7 @@ def test_moe_experts_in_fp8_blocks_run_through_the_expert_path(build_checkpoint,
     quantized, dequantized = qc.write_quantized(src, tmp_path, fp8, qc.fp8_block(32, 32))
     _, params, _ = load_model(quantized, dtype="float32", progress=False)
     experts = params["layers"][0]["we_gate"]
-    assert isinstance(experts, QuantizedWeight) and experts.weight.shape == (4, 64, 32)
+    assert isinstance(experts, QuantizedWeight) and experts.shape == (4, 64, 32)
     assert experts.scale.shape == (4, 2, 1)
     assert _relative(prompt_logits(quantized), prompt_logits(dequantized)) <= REFERENCE_TOL
 
