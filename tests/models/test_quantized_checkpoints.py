@@ -142,3 +142,27 @@ def test_a_quantization_flag_that_does_not_match_the_checkpoint_is_refused(llama
         load_model(quantized, quantization="fp8", progress=False)
     with pytest.raises(UnsupportedModelError, match="quantization='awq' is not supported"):
         load_model(llama, quantization="awq", progress=False)
+
+
+def test_the_engine_serves_a_quantized_checkpoint_alike_over_two_devices(build_checkpoint, tiny_tokenizer_dir,
+                                                                        tmp_path, caplog, name="fp8-block"):
+    """Through `LLM`, on one device and split over two (the scales sharded with their weights): the same greedy
+    tokens, chosen-token logprobs within 1e-4; the start-up log names the format."""
+    from jengine import LLM, SamplingParams
+
+    src, _ = build_checkpoint(LlamaConfig(**{**COMMON, "num_hidden_layers": 2}), seed=4,
+                              tokenizer_dir=tiny_tokenizer_dir)
+    config, quantize = FORMATS[name]
+    quantized, _ = qc.write_quantized(src, tmp_path, config, quantize)
+    params = SamplingParams(temperature=0, max_tokens=6, min_tokens=6, logprobs=1)
+    results = []
+    for tp in (1, 2):
+        with caplog.at_level("INFO", logger="jengine.models.loader"):
+            with LLM(str(quantized), dtype="float32", max_model_len=64, tensor_parallel_size=tp) as llm:
+                out = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        results.append([(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                                                 o.outputs[0].token_ids)])
+                        for o in out])
+    assert [tokens for tokens, _ in results[0]] == [tokens for tokens, _ in results[1]]
+    assert np.abs(np.array([lp for _, lp in results[0]]) - np.array([lp for _, lp in results[1]])).max() <= 1e-4
+    assert f"quantization: {config['quant_method']}" in caplog.text and "projections in 8 bits" in caplog.text
