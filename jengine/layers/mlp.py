@@ -21,7 +21,9 @@ def gated_mlp(
     return linear(ACTIVATIONS[act](gate) * up, w["w_down"], w.get("b_down"), precision)
 
 
-def expert_weights(w: Float[Array, "experts d_in d_out"] | QuantizedWeight, dtype) -> Float[Array, "experts d_in d_out"]:
+def expert_weights(
+    w: Float[Array, "experts d_in d_out"] | QuantizedWeight, dtype
+) -> Float[Array, "experts d_in d_out"]:
     """The experts' weights as the grouped matmul takes them: 8-bit stacks (`layers/quant.py`) dequantized to the
     activations' dtype, float stacks as they are."""
     return dequantize(w, dtype) if isinstance(w, QuantizedWeight) else w

@@ -178,7 +178,7 @@ def _check_sources(reader: CheckpointReader, sources: dict, plans: dict) -> None
             if reader.dtype(name).type not in _FLOAT_KINDS:
                 raise CheckpointError(
                     f"tensor {name} has dtype {reader.dtype(name)}; only float16/bfloat16/float32 weights are "
-                    "supported (quantized checkpoints are not)"
+                    "supported without a quantization_config (an 8-bit checkpoint names its format there)"
                 )
 
 
