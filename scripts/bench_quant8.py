@@ -11,6 +11,10 @@ stored, scales included, the bfloat16 LM head, the K/V of the context) ÷ the me
 
     PYTHONPATH=. python scripts/bench_quant8.py --out $OUT/quant8.json --git-sha <sha>
     PYTHONPATH=. python scripts/bench_quant8.py --tiny --out /tmp/quant8.json     # shape check on the CPU
+
+Should one call not fit the device's time limit, split it by ratio (each call holds both sides of its ratios) and
+merge the files: `--variants bf16,fp8_channel,int8_w8a16` (the decode/prefill ratios against bfloat16 and the floor),
+then `--variants fp8_channel,fp8_block` (block vs channel), then `--merge A.json B.json --out FILE`.
 """
 
 from __future__ import annotations
@@ -174,8 +178,7 @@ def time_step(step, params, md, tokens, fresh_kv, runs: int, calls: int) -> floa
     return common.replay_seconds(call, warmup=3, runs=runs, calls=calls)
 
 
-def hlo_gemms(step, params, md, tokens, fresh_kv) -> dict[str, int]:
-    text = step.lower(params, fresh_kv(), tokens, md).compile().as_text()
+def hlo_gemms(text: str) -> dict[str, int]:
     return {"fp8_gemm": text.count('custom_call_target="__cublas$lt$matmul$f8"'),
             "cublaslt_gemm": text.count('custom_call_target="__cublas$lt$matmul"'),
             "cublas_gemm": text.count('custom_call_target="__cublas$gemm"'),
@@ -212,7 +215,6 @@ def run_variant(name: str, spec, base: dict, cases: list[Case], args, out: dict)
     """Checks, then times, one variant; its figures go into `out['metrics']`."""
     import time
 
-    import jax
     import jax.numpy as jnp
 
     variant = VARIANTS[name]
@@ -221,22 +223,23 @@ def run_variant(name: str, spec, base: dict, cases: list[Case], args, out: dict)
     metrics[f"{name}_weight_bytes_read"] = param_bytes_read(params)
     for case in cases:
         step, md, tokens, fresh_kv = make_case(spec, case, jnp.bfloat16)
+        start = time.perf_counter()
+        compiled = step.lower(params, fresh_kv(), tokens, md).compile()
+        metrics[f"{name}_{case.name}_compile_s"] = time.perf_counter() - start
+        for key, count in hlo_gemms(compiled.as_text()).items():
+            metrics[f"{name}_{case.name}_hlo_{key}"] = count
         if variant is not None:
             errors = check_projections(params, variant, sorted({1, case.query}))
             worst = max(errors.values())
             metrics[f"{name}_{case.name}_projection_max_rel_err"] = worst
             if case.name.startswith("decode"):
-                ours = step(params, fresh_kv(), tokens, md)[0]
+                ours = compiled(params, fresh_kv(), tokens, md)[0]
                 ref = step(with_impl(params, "reference"), fresh_kv(), tokens, md)[0]
                 metrics[f"{name}_{case.name}_logits_max_rel_err"] = relative_error(ours, ref)
                 worst = max(worst, metrics[f"{name}_{case.name}_logits_max_rel_err"])
             if worst > TOLERANCE[variant[1]]:
                 raise SystemExit(f"{name} {case.name}: max rel. error {worst:.3g} over {TOLERANCE[variant[1]]}")
-        start = time.perf_counter()
-        if jax.devices()[0].platform == "gpu":
-            for key, count in hlo_gemms(step, params, md, tokens, fresh_kv).items():
-                metrics[f"{name}_{case.name}_hlo_{key}"] = count
-        seconds = time_step(step, params, md, tokens, fresh_kv, args.runs, args.calls)
+        seconds = time_step(compiled, params, md, tokens, fresh_kv, args.runs, args.calls)
         metrics[f"{name}_{case.name}_s"] = seconds
         log(f"{name} {case.name}: {seconds * 1e3:.3f} ms/step (checks + compile + timing "
             f"{time.perf_counter() - start:.1f} s)")
@@ -276,7 +279,16 @@ def main() -> None:
     parser.add_argument("--only", default="decode,prefill")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--merge", nargs="+", metavar="RESULTS", help="merge these results files into --out and exit")
     args = parser.parse_args()
+    if args.merge:
+        records = [common.read_record(path) for path in args.merge]
+        merged = records[0]
+        for record in records[1:]:
+            merged = common.merge_records(merged, record)
+        common.write_record(args.out, merged)
+        common.print_tables(merged)
+        return
 
     import jax
 
