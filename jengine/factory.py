@@ -14,6 +14,7 @@ from jengine.attention.backend import select_backend
 from jengine.config import EngineConfig
 from jengine.engine.core import EngineCore
 from jengine.errors import ConfigError
+from jengine.layers.quant import workspace_bytes
 from jengine.models.loader import load_model, load_spec
 from jengine.models.spec import ModelSpec
 from jengine.parallel.distributed import agree_across_processes
@@ -100,7 +101,8 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
         tokenizer = pending_tokenizer.result()
     device = next(d for d in devices if d.process_index == jax.process_index())  # memory stats: local only
     plan = agree_across_processes(plan_kv_cache(spec, config.cache, config.scheduler, dtype, device,
-                                                kv_shards=layout.size))
+                                                kv_shards=layout.size,
+                                                workspace=workspace_bytes(params, dtype) // layout.size))
     if plan.num_tokens < config.scheduler.max_model_len:
         raise ConfigError(
             f"the KV cache holds {plan.num_tokens} tokens, fewer than one request of max_model_len="

@@ -201,6 +201,20 @@ def _grouped_matmul(x: Float[Array, "tokens k"], q: QuantizedWeight) -> Float[Ar
     return jnp.sum(partial.astype(jnp.float32) * weights, axis=0).astype(x.dtype)
 
 
+def workspace_bytes(params, dtype) -> int:
+    """Device memory a step needs beyond the weights for 8-bit ones: the largest copy the matmuls make of one
+    weight (an expert stack dequantized for the grouped matmul, two alive at once; a block-scaled weight rescaled to
+    per-channel, or a weight-only one dequantized, at prefill). The KV planner reserves it."""
+    sizes = [0]
+    for leaf in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight)):
+        if isinstance(leaf, QuantizedWeight):
+            elements = int(np.prod(leaf.shape))
+            experts = len(leaf.shape) > 2
+            sizes.append(2 * elements * jnp.dtype(dtype).itemsize if experts else
+                         elements * (1 if leaf.scheme.activations else jnp.dtype(dtype).itemsize))
+    return max(sizes)
+
+
 def quantize_weight_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Host-side float8 quantization of a float `[..., K, N]` weight with one scale per output feature (and expert):
     what `--quantization fp8` does to a float checkpoint at load. Returns (float8 `[..., K, N]`, `[..., 1, N]`

@@ -166,3 +166,33 @@ def test_the_engine_serves_a_quantized_checkpoint_alike_over_two_devices(build_c
     assert [tokens for tokens, _ in results[0]] == [tokens for tokens, _ in results[1]]
     assert np.abs(np.array([lp for _, lp in results[0]]) - np.array([lp for _, lp in results[1]])).max() <= 1e-4
     assert f"quantization: {config['quant_method']}" in caplog.text and "projections in 8 bits" in caplog.text
+
+
+class _Gpu:
+    """A device that reports memory: `in_use` bytes already taken (the placed weights)."""
+
+    def __init__(self, in_use: int) -> None:
+        self.in_use = in_use
+
+    def memory_stats(self):
+        return {"bytes_limit": 1 << 30, "bytes_in_use": self.in_use}
+
+
+def test_the_kv_pool_gets_what_8bit_weights_save(llama, tmp_path):
+    from jengine.config import CacheConfig, SchedulerConfig
+    from jengine.layers.quant import workspace_bytes
+    from jengine.runner.kv_storage import plan_kv_cache
+
+    quantized, _ = qc.write_quantized(llama, tmp_path, FORMATS["fp8-block"][0], FORMATS["fp8-block"][1])
+    cache, sched = CacheConfig(gpu_memory_utilization=1.0), SchedulerConfig(max_model_len=64)
+    plans = []
+    for model_dir in (llama, quantized):
+        spec, params, dtype = load_model(model_dir, dtype="bfloat16", progress=False)
+        weights = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+        workspace = workspace_bytes(params, dtype)
+        plans.append((plan_kv_cache(spec, cache, sched, dtype, _Gpu(weights), workspace=workspace), weights,
+                      workspace))
+    (float_plan, float_bytes, none), (quant_plan, quant_bytes, workspace) = plans
+    assert none == 0 and 0 < workspace < float_bytes - quant_bytes
+    gained = (float_bytes - quant_bytes - workspace) / float_plan.bytes_per_block
+    assert abs(quant_plan.num_blocks - float_plan.num_blocks - gained) <= 1
