@@ -10,7 +10,8 @@ are `(128, 128)`, group-wise weight-only scales `(group, 1)`.
 The 8-bit values are stored input-minor and group-major, `[..., K / g, N, g]` with `g = block_k` (or K; K
 zero-padded to whole groups): cuBLASLt's FP8 and int8 GEMMs take both operands contracting on their minor dimension
 (the "TN" layout; any other makes XLA transpose the weight at every call), and a block-scaled weight then splits into
-its K groups as a batch dimension that is already major, so neither path copies the weight.
+its K groups as a batch dimension that is already major, so neither path copies the weight. Expert stacks keep the
+float layout `[experts, K, N]` (`kn`), which the grouped-matmul kernels read with one scale per (expert, column).
 
 Two implementations, chosen once at load (`QuantScheme.impl`):
 - `reference` (the CPU): dequantize to float32, then one matmul. The oracle.
@@ -79,17 +80,24 @@ class QuantizedWeight:
     input_scale: Array | None  # static activation scale (float32 scalar); None: dynamic
     scheme: QuantScheme = dataclasses.field(metadata=dict(static=True))
     in_features: int = dataclasses.field(default=0, metadata=dict(static=True))  # K before padding to whole groups
+    kn: bool = dataclasses.field(default=False, metadata=dict(static=True))  # stored [..., K, N] (expert stacks)
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The logical `[..., K, N]`, as a float weight's."""
+        if self.kn:
+            return self.weight.shape
         return (*self.weight.shape[:-3], self.in_features, self.weight.shape[-2])
 
     @classmethod
-    def from_kn(cls, weight: Array, scale: Array, input_scale: Array | None, scheme: QuantScheme) -> QuantizedWeight:
-        """From 8-bit values in the `[..., K, N]` layout of float weights (numpy on the host, or device arrays)."""
-        xp = np if isinstance(weight, np.ndarray) else jnp
+    def from_kn(cls, weight: Array, scale: Array, input_scale: Array | None, scheme: QuantScheme,
+                keep_kn: bool = False) -> QuantizedWeight:
+        """From 8-bit values in the `[..., K, N]` layout of float weights (numpy on the host, or device arrays);
+        `keep_kn` stores them so (expert stacks)."""
         *lead, k, n = weight.shape
+        if keep_kn:
+            return cls(weight, scale, input_scale, scheme, k, True)
+        xp = np if isinstance(weight, np.ndarray) else jnp
         g = scheme.block_k or k
         groups = -(-k // g)
         padded = xp.pad(weight, [(0, 0)] * len(lead) + [(0, groups * g - k), (0, 0)])
@@ -114,6 +122,9 @@ def expand_scale(scale: Float[Array, "... kg ng"], scheme: QuantScheme, k: int, 
 def dequantize(q: QuantizedWeight, dtype=jnp.float32) -> Array:
     """The real `[..., K, N]` weight, `weight × scale`, computed in float32 and returned as `dtype` (the MoE
     experts' hook)."""
+    if q.kn:
+        k, n = q.weight.shape[-2:]
+        return (q.weight.astype(jnp.float32) * expand_scale(q.scale, q.scheme, k, n)).astype(dtype)
     *lead, groups, n, g = q.weight.shape
     per_group = expand_scale(q.scale, dataclasses.replace(q.scheme, block_k=1), groups, n)
     w = q.weight.astype(jnp.float32) * per_group[..., None]
@@ -199,6 +210,13 @@ def _grouped_matmul(x: Float[Array, "tokens k"], q: QuantizedWeight) -> Float[Ar
     if x_scale is not None:
         weights = weights * (x_scale.T[:, :, None] if x_scale.shape[1] == groups else x_scale[None])
     return jnp.sum(partial.astype(jnp.float32) * weights, axis=0).astype(x.dtype)
+
+
+def column_scales(q: QuantizedWeight) -> Float[Array, "... n"] | None:
+    """One scale per output column (and expert), when the weight has them (`block_k = 0`), else None."""
+    if q.scheme.block_k:
+        return None
+    return expand_scale(q.scale, q.scheme, 1, q.shape[-1])[..., 0, :]
 
 
 def workspace_bytes(params, dtype) -> int:

@@ -181,7 +181,7 @@ def place(host: HostQuantized, path: str, sharding_for, impl: str) -> QuantizedW
         return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
     stored = QuantizedWeight.from_kn(host.weight, np.ascontiguousarray(host.scale, np.float32), host.input_scale,
-                                     dataclasses.replace(host.scheme, impl=impl))
+                                     dataclasses.replace(host.scheme, impl=impl), keep_kn=host.weight.ndim > 2)
     input_scale = None if host.input_scale is None else put(np.asarray(host.input_scale, np.float32), ".input_scale")
     return dataclasses.replace(stored, weight=put(np.ascontiguousarray(stored.weight), ".weight"),
                                scale=put(stored.scale, ".scale"), input_scale=input_scale)

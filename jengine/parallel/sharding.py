@@ -36,6 +36,10 @@ _RULES: dict[str, tuple] = {
 }
 
 
+# 8-bit expert stacks keep the float layout [experts, K, N] (layers/quant.py)
+_EXPERT_WEIGHTS = tuple(f"['{name}'].weight" for name in ("we_gate", "we_up", "we_down"))
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelLayout:
     """How one engine's model and KV cache sit on its mesh. Hashable: it is a static argument of the jitted step."""
@@ -72,7 +76,8 @@ class ParallelLayout:
         8-bit projection (`...['wo'].weight`, `.scale`; `layers/quant.py`) follow the float weight's rule on each
         axis they can split evenly (a block scale splits with its weight's blocks) and are replicated along the
         others (one row of per-channel scales, a static input scale)."""
-        if path.endswith(".weight"):  # stored [..., K / g, N, g]: K's rule on the groups, or on g if one group
+        if path.endswith(".weight") and not path.endswith(_EXPERT_WEIGHTS):
+            # stored [..., K / g, N, g]: K's rule on the groups, or on g when there is one group
             *lead, k_axis, n_axis = self.param_spec(path, len(shape) - 1) or (None,) * (len(shape) - 1)
             spec = P(*lead, None, n_axis, k_axis) if shape[-3] == 1 else P(*lead, k_axis, n_axis, None)
         else:

@@ -2,8 +2,9 @@
 
 The pool size follows vLLM's rule on devices that report memory: `gpu_memory_utilization` × device memory, minus
 what the weights already use and an activation reserve for the largest step. Where the device reports no memory (the
-CPU) the pool holds `max_num_seqs × max_model_len` tokens, capped at 2 GiB. The weights are counted as placed, so
-8-bit weights leave their saving to the pool (less the temporary copies their matmuls make, reserved apart). `num_gpu_blocks_override` is exact.
+CPU) the pool holds `max_num_seqs × max_model_len` tokens, capped at 2 GiB. `num_gpu_blocks_override` is exact. The
+weights are counted as placed, so 8-bit weights leave their saving to the pool (less the temporary copies their
+matmuls make, reserved beside the activations).
 Blocks are counted in the cache's own element type: `kv_cache_dtype="fp8"` stores 1 byte per element, so twice as
 many blocks fit as in bfloat16, at any size (the GPU kernels address a float8 cache through a 2-byte view:
 `pallas_kernels/addressing.py`).
@@ -23,6 +24,7 @@ from jengine.config import CacheConfig, SchedulerConfig
 from jengine.errors import ConfigError
 from jengine.layers.attention import kv_cache_shape
 from jengine.models.spec import ModelSpec
+from jengine.runner.activation_memory import step_activations
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +50,9 @@ def bytes_per_block(spec: ModelSpec, block_size: int, dtype) -> int:
 
 
 def activation_reserve(spec: ModelSpec, sched: SchedulerConfig) -> int:
-    """A generous bound on the step's temporaries: float32 hidden/MLP activations and the logits rows."""
-    per_token = 4 * (4 * spec.hidden_size + 3 * spec.intermediate_size + spec.num_heads * spec.head_dim)
-    logits = 4 * 3 * sched.max_num_seqs * spec.vocab_size
-    return sched.max_num_batched_tokens * per_token + logits + (256 << 20)
+    """Bytes kept free for the largest step's temporaries (`activation_memory.step_activations`: MoE buffers at
+    tokens × k rows, logits rows, runtime slack)."""
+    return step_activations(spec, sched).total
 
 
 def plan_kv_cache(spec: ModelSpec, cache: CacheConfig, sched: SchedulerConfig, dtype, device: jax.Device,
@@ -70,7 +71,8 @@ def plan_kv_cache(spec: ModelSpec, cache: CacheConfig, sched: SchedulerConfig, d
         return KVPlan(max(blocks, 1), cache.block_size, per_block, "max_num_seqs × max_model_len (capped at 2 GiB)",
                       kv_dtype)
     budget = int(stats["bytes_limit"] * cache.gpu_memory_utilization) - stats.get("bytes_in_use", 0)
-    budget -= activation_reserve(spec, sched) + workspace
+    reserve = activation_reserve(spec, sched)
+    budget -= reserve + workspace
     blocks = budget // (per_block // kv_shards)
     min_blocks = -(-sched.max_model_len // cache.block_size)
     if blocks < min_blocks:
@@ -78,7 +80,9 @@ def plan_kv_cache(spec: ModelSpec, cache: CacheConfig, sched: SchedulerConfig, d
             f"not enough device memory for one request of max_model_len={sched.max_model_len}: {max(blocks, 0)} KV "
             f"blocks fit; raise gpu_memory_utilization or lower max_model_len"
         )
-    source = f"gpu_memory_utilization={cache.gpu_memory_utilization}"
+    source = (f"gpu_memory_utilization={cache.gpu_memory_utilization}, {reserve / (1 << 30):.2f} GiB kept for the "
+              f"activations of a {sched.max_num_batched_tokens}-token step"
+              + (f" and {workspace / (1 << 30):.2f} GiB of 8-bit weights' copies" if workspace else ""))
     return KVPlan(int(blocks), cache.block_size, per_block, source, kv_dtype)
 
 
