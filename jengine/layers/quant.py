@@ -13,7 +13,7 @@ zero-padded to whole groups): cuBLASLt's FP8 and int8 GEMMs take both operands c
 its K groups as a batch dimension that is already major, so neither path copies the weight. Expert stacks keep the
 float layout `[experts, K, N]` (`kn`), which the grouped-matmul kernels read with one scale per (expert, column).
 
-Two implementations, chosen once at load (`QuantScheme.impl`):
+Implementations, chosen once at load (`QuantScheme.impl`):
 - `reference` (the CPU): dequantize to float32, then one matmul. The oracle.
 - `xla` (GPUs): the activations quantized in the step (per token, or per token and 128-group for block scales; or
   with the checkpoint's static scale) and an 8-bit × 8-bit dot whose scales apply to its float32 output:
@@ -24,6 +24,10 @@ Two implementations, chosen once at load (`QuantScheme.impl`):
   multiplied by its block's scale ÷ that one, at most 1, and rounded to 8 bits again: one more rounding, in exchange
   for the per-channel FP8 GEMM's rate), and activations per token; weight-only schemes are dequantized and
   multiplied at the activations' precision.
+- `pallas` (`pallas_interpret` in CPU tests): decode-sized steps of per-channel weights through a Triton kernel
+  that reads each 8-bit weight tile once and upcasts it in registers, activations unquantized
+  (`pallas_kernels/quant_matmul`); everything else as `xla`. One device only for now (a tensor-parallel engine
+  keeps `xla`, which GSPMD partitions), so the loader picks `xla`; the benchmark measures both.
 """
 
 from __future__ import annotations
@@ -41,8 +45,9 @@ FP8_MAX = 448.0
 INT8_MAX = 127.0
 # Batched per-group dots (block scales) up to this many tokens: their float32 partial sums are tokens × groups × N.
 GROUPED_MAX_TOKENS = 32
+PALLAS_MAX_TOKENS = 16  # pallas_kernels.quant_matmul's one row tile
 
-Impl = Literal["reference", "xla"]
+Impl = Literal["reference", "xla", "pallas", "pallas_interpret"]
 Activations = Literal["fp8", "int8"] | None
 
 
@@ -153,6 +158,10 @@ def quantized_matmul(x: Float[Array, "tokens k"], q: QuantizedWeight, precision=
     if q.scheme.impl == "reference":
         y = jnp.dot(x.astype(jnp.float32), dequantize(q), precision=jax.lax.Precision.HIGHEST)
         return y.astype(x.dtype)
+    if q.scheme.impl.startswith("pallas") and q.scheme.block_k == 0 and x.shape[0] <= PALLAS_MAX_TOKENS:
+        from pallas_kernels.quant_matmul import few_token_matmul  # Pallas imported only where used
+
+        return few_token_matmul(x, q.weight[0], column_scales(q), interpret=q.scheme.impl == "pallas_interpret")
     if q.scheme.block_k == 0:
         return _channel_matmul(x, q)
     if x.shape[0] <= GROUPED_MAX_TOKENS:

@@ -1,8 +1,9 @@
 """The 8-bit matmuls (`layers/quant.py`) against float64 numpy on the dequantized weights, for every scheme, at few
 tokens (the decode shapes) and at many (past the batched-group path's limit), ragged K included.
 
-Tolerances, `max|ours − ref| ≤ tol · max|ref|`: the reference implementation 1e-5; the device math with float8
-activations 8e-2 (3 mantissa bits, per-token or per-128-group scales), int8 activations 2e-2, weight-only 1e-5.
+Tolerances, `max|ours − ref| ≤ tol · max|ref|`: the reference implementation and the Pallas decode kernel 1e-5; the
+device math with float8 activations 8e-2 (3 mantissa bits, per-token or per-128-group scales), int8 activations
+2e-2, weight-only 1e-5.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def random_quantized(rng, scheme: QuantScheme, k: int, n: int, static: float | N
     return q, values.astype(np.float64) * full
 
 
-@pytest.mark.parametrize("impl", ["reference", "xla"])
+@pytest.mark.parametrize("impl", ["reference", "xla", "pallas_interpret"])
 @pytest.mark.parametrize("tokens", [1, 8, GROUPED_MAX_TOKENS + 9])
 @pytest.mark.parametrize("name", SCHEMES)
 def test_quantized_matmul_matches_the_dequantized_weight(name, tokens, impl):
@@ -58,7 +59,8 @@ def test_quantized_matmul_matches_the_dequantized_weight(name, tokens, impl):
     x = rng.normal(0, 1, (tokens, k)).astype(np.float32)
     ours = np.asarray(jax.jit(linear)(jnp.asarray(x), q))
     ref = x.astype(np.float64) @ real
-    tol = TOL["reference"] if impl == "reference" else TOL[q.scheme.activations]
+    pallas = impl == "pallas_interpret" and q.scheme.block_k == 0 and tokens <= 16  # the kernel: weight-only math
+    tol = TOL["reference"] if impl == "reference" or pallas else TOL[q.scheme.activations]
     assert np.abs(ours - ref).max() <= tol * np.abs(ref).max()
 
 
@@ -84,3 +86,14 @@ def dataclass_replace(scheme: QuantScheme, **changes) -> QuantScheme:
     import dataclasses
 
     return dataclasses.replace(scheme, **changes)
+
+
+@pytest.mark.parametrize("weight_dtype", [jnp.float8_e4m3fn, jnp.int8])
+def test_the_decode_kernel_lowers_for_h200(weight_dtype):
+    """The Triton lowering's own checks (interpret mode lets more through), on a Llama-3-8B q/k/v projection."""
+    from pallas_kernels.quant_matmul import few_token_matmul
+    from tests.kernels.test_lowering import S, lower_for_h200
+
+    text = lower_for_h200(few_token_matmul, S((1, 4096), jnp.bfloat16), S((6144, 4096), weight_dtype),
+                          S((6144,), jnp.float32))
+    assert text.count("__gpu$xla.gpu.triton") == 1
