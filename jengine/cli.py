@@ -67,7 +67,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="dispatch step N+1 before step N's tokens reach the host (default on)")
     group.add_argument("--compilation-cache-dir", type=Path, default=DEFAULT_COMPILATION_CACHE,
                        help="JAX persistent compilation cache")
-    for flag in ("--quantization", "--lora-modules", "--speculative-config", "--reasoning-parser",
+    group.add_argument("-q", "--quantization", default=None,
+                       help="fp8 or compressed-tensors; unset: the checkpoint's quantization_config. fp8 on a float "
+                            "checkpoint quantizes it at load")
+    for flag in ("--lora-modules", "--speculative-config", "--reasoning-parser",
                  "--tool-call-parser"):
         group.add_argument(flag, default=None, help=argparse.SUPPRESS)
     for flag in ("--enable-lora", "--enable-auto-tool-choice"):
