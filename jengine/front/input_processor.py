@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from jengine.errors import ContextLengthExceededError, InvalidRequestError
 from jengine.request import Request
 from jengine.sampling.params import SamplingParams
+from jengine.structured.source import GrammarSource
 from jengine.tokenizer import Tokenizer
 from jengine.tokenizer.chat import CHAT_PROMPT_KEYS, render_chat
 from jengine.tokenizer.tokenizer import read_template_argument
@@ -81,6 +82,7 @@ class InputProcessor:
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model_eos_token_ids)
         self.stop_at_context_end = stop_at_context_end
         self._warned_context_end = False
+        self._grammars = GrammarSource(tokenizer)  # structured output: compiled on first use, cached
 
     @classmethod
     def from_parts(cls, parts: EngineParts, max_n: int = 16, *, stop_at_context_end: bool = False
@@ -106,7 +108,8 @@ class InputProcessor:
         self._check_token_ids(ids)
         resolved = self._resolve_lengths(len(ids), params)
         children = [
-            Request(child_id, list(ids), resolved, self.eos_token_ids, arrival_time, priority, choice_index=index)
+            Request(child_id, list(ids), resolved, self.eos_token_ids, arrival_time, priority, choice_index=index,
+                    grammar=self._grammars.for_request(params.structured_outputs))
             for index, child_id in enumerate(child_request_ids(request_id, params.n))
         ]
         return ProcessedRequest(request_id, text, ids, resolved, children)
@@ -142,6 +145,8 @@ class InputProcessor:
         params.validate(self.vocab_size, self.max_logprobs, self.max_n)
         if params.stop and not params.detokenize:
             raise InvalidRequestError("stop strings need detokenize=True (they match text)", param="stop")
+        if params.structured_outputs is not None:
+            self._grammars.check(params.structured_outputs)  # a bad schema is a 400 before admission
 
     def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of any accepted prompt form, chats rendered; an empty prompt is refused before

@@ -1,0 +1,112 @@
+"""StructuredOutputsParams → an llguidance grammar → per-request matchers, built in the front (it has the tokenizer).
+
+Compiling is the expensive part (a schema's grammar, lexer and token trie): a compiled matcher is kept per grammar,
+keyed by the sha256 of its text, and each request gets a copy (`deep_copy`, cheap) that its core request carries and
+advances. Errors in the user's constraint (a bad schema, regex or grammar) are InvalidRequestError naming the field,
+found when the request is checked, before admission. llguidance is imported only when the first constraint comes.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import threading
+from typing import Any
+
+from jengine.errors import InvalidRequestError
+from jengine.structured.params import StructuredOutputsParams
+
+MAX_CACHED_GRAMMARS = 256  # compiled matchers kept (least recently used dropped first)
+_PARAM = {"json": "json_schema", "json_object": "response_format"}  # the field an error names
+
+
+def grammar_text(params: StructuredOutputsParams) -> str:
+    """The llguidance grammar (its JSON or Lark text) of `params`; InvalidRequestError when it cannot be built."""
+    import llguidance
+
+    params.validate()
+    kind = params.kind
+    try:
+        if kind in ("json", "json_object"):
+            schema = params.json if kind == "json" else {"type": "object"}
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_json_options(params))
+        if kind == "regex":
+            return llguidance.grammar_from("regex", params.regex)
+        if kind == "choice":
+            return "start: " + " | ".join(json.dumps(option) for option in params.choice)
+        if kind == "grammar":
+            return llguidance.grammar_from("lark", params.grammar)
+        return _structural_tag_grammar(params.structural_tag)
+    except (ValueError, TypeError, KeyError, AssertionError) as exc:
+        raise InvalidRequestError(f"invalid {kind}: {exc}", param=_PARAM.get(kind, kind)) from None
+
+
+def _json_options(params: StructuredOutputsParams) -> dict[str, Any]:
+    options: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
+    if params.disable_any_whitespace:
+        options["whitespace_pattern"] = ""
+    return options
+
+
+def _structural_tag_grammar(tag: dict[str, Any]) -> str:
+    """vLLM's {"structures": [{"begin", "schema", "end"}], "triggers": [...]}: free text with tagged JSON spans."""
+    import llguidance
+
+    triggers = tag.get("triggers") or []
+    tags = []
+    for structure in tag["structures"]:
+        begin = structure["begin"]
+        trigger = next((t for t in triggers if begin.startswith(t)), begin)
+        tags.append(llguidance.StructTag(trigger=trigger, begin=begin, grammar=structure.get("schema", {}),
+                                         end=structure.get("end", "")))
+    return llguidance.StructTag.to_grammar(tags)
+
+
+class GrammarCompiler:
+    """Compiled matchers for one tokenizer, cached by grammar hash; safe to use from several threads."""
+
+    def __init__(self, hf_tokenizer: Any) -> None:
+        import llguidance.hf
+
+        self.ll_tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer)
+        self.vocab_size = self.ll_tokenizer.vocab_size  # the bitmask covers ceil(vocab_size / 32) words
+        self._cache: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def check(self, params: StructuredOutputsParams) -> None:
+        """Compile (or find compiled) `params`' grammar; InvalidRequestError naming the problem if it does not."""
+        self._compiled(params)
+
+    def matcher(self, params: StructuredOutputsParams) -> Any:
+        """A fresh matcher of `params` (a copy of the cached compiled one), for one request to advance."""
+        return self._compiled(params).deep_copy()
+
+    def _compiled(self, params: StructuredOutputsParams) -> Any:
+        text = grammar_text(params)
+        key = hashlib.sha256(text.encode()).hexdigest()
+        with self._lock:
+            found = self._cache.get(key)
+            if found is not None:
+                self._cache.move_to_end(key)
+                return found
+        compiled = self._compile(params, text)  # outside the lock: compiling drops the GIL, others may proceed
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > MAX_CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, params: StructuredOutputsParams, text: str) -> Any:
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, text, log_level=0)
+        if matcher.is_error():
+            kind = params.kind
+            raise InvalidRequestError(f"invalid {kind}: {_first_line(matcher.get_error())}",
+                                      param=_PARAM.get(kind, kind))
+        return matcher
+
+
+def _first_line(error: str) -> str:
+    return error.strip().splitlines()[0][:300] if error.strip() else "the grammar does not compile"
