@@ -40,8 +40,8 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        """The one constraint set (see `validate`)."""
-        return next(name for name in KINDS if _is_set(getattr(self, name)))
+        """The one constraint set (see `validate`; "none" when none is)."""
+        return next((name for name in KINDS if _is_set(getattr(self, name))), "none")
 
     def validate(self) -> None:
         """Raise InvalidRequestError(param=<field>) unless exactly one constraint is set, with the right type."""

@@ -20,7 +20,9 @@ from jengine.errors import InvalidRequestError
 from jengine.sampling.defaults import Api, max_tokens_when_unset
 from jengine.sampling.params import SamplingParams
 from jengine.tokenizer.chat import check_continuation, join_text_parts
+from jengine.tools.required import ForcedToolChoice, forced_tool_choice
 from server.json_body import json_type
+from server.openai.structured import STRUCTURED_FIELDS, structured_from_body
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs cap; the engine's --max-logprobs may lower it
 MAX_PROMPTS = 1024  # prompts in one /v1/completions batch (each also needs its own engine slots)
@@ -39,7 +41,8 @@ BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_toke
           "detokenize")
 _SAMPLING = frozenset(NUMBER_FIELDS + INT_FIELDS + BOOL_FIELDS
                       + ("stop", "stop_token_ids", "logit_bias", "max_tokens"))
-_COMMON = _SAMPLING | HARMLESS_FIELDS | {"model", "stream", "stream_options", "priority", "request_id"}
+_COMMON = _SAMPLING | HARMLESS_FIELDS | STRUCTURED_FIELDS | {"model", "stream", "stream_options", "priority",
+                                                              "request_id"}
 CHAT_TEMPLATE_FIELDS = frozenset({"add_generation_prompt", "continue_final_message", "chat_template_kwargs"})
 CHAT_FIELDS = _COMMON | CHAT_TEMPLATE_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo"}
@@ -55,11 +58,9 @@ _REFUSED: dict[str, Callable[[Any], bool]] = {
     "tool_choice": lambda v: v is None or v == "none",
     "functions": lambda v: v is None or v == [],
     "function_call": lambda v: v is None or v == "none",
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "modalities": lambda v: v is None or v == ["text"],
     "audio": _off, "prediction": _off, "reasoning_effort": _off, "web_search_options": _off, "suffix": _off,
-    "guided_json": _off, "guided_regex": _off, "guided_choice": _off, "guided_grammar": _off,
-    "structured_outputs": _off, "logits_processors": _off, "verbosity": _off,
+    "logits_processors": _off, "verbosity": _off,
     # vLLM's extras that change the output, where this server lacks them
     "best_of": lambda v: v is None or v == 1, "truncate_prompt_tokens": _off,
     "return_tokens_as_token_ids": lambda v: v is None or v is False,
@@ -103,6 +104,7 @@ class ChatRequest:
     priority: int
     shown_prompt_logprobs: int | None
     request_id: str | None = None  # vLLM's extra: the response id becomes chatcmpl-<request_id>
+    forced_tools: ForcedToolChoice | None = None  # tool_choice "required" or a named function: the output is calls
 
 
 # ---------------------------------------------------------------------------------------------------------- fields
@@ -175,7 +177,7 @@ def _max_tokens(body: Mapping[str, Any], names: tuple[str, ...]) -> int | None:
 
 
 def _sampling_kwargs(body: Mapping[str, Any], max_tokens_names: tuple[str, ...], defaults: Mapping[str, Any],
-                     api: Api) -> dict[str, Any]:
+                     api: Api, forced: ForcedToolChoice | None = None) -> dict[str, Any]:
     """The request's sampling fields; those it leaves unset take the model's `defaults` (its generation config),
     except max_tokens: unset, it is the endpoint's (`max_tokens_when_unset`)."""
     kwargs: dict[str, Any] = {k: v for k, v in defaults.items() if k != "max_tokens"}
@@ -192,6 +194,7 @@ def _sampling_kwargs(body: Mapping[str, Any], max_tokens_names: tuple[str, ...],
     kwargs["logit_bias"] = bias or None
     requested = _max_tokens(body, max_tokens_names)
     kwargs["max_tokens"] = max_tokens_when_unset(defaults, api) if requested is None else requested
+    kwargs["structured_outputs"] = structured_from_body(body, forced)
     return kwargs
 
 
@@ -236,17 +239,19 @@ def _request_id(body: Mapping[str, Any]) -> str | None:
 # ---------------------------------------------------------------------------------------------------------- chat
 def parse_chat(body: Mapping[str, Any], info: ModelInfo, max_n: int = 16) -> ChatRequest:
     """A /v1/chat/completions body → ChatRequest (every check here; the template is rendered after admission)."""
-    check_fields(body, CHAT_FIELDS, _CHAT_REFUSED)
+    forced = forced_tool_choice(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls", True))
+    checked = {k: v for k, v in body.items() if k not in ("tools", "tool_choice")} if forced else body
+    check_fields(checked, CHAT_FIELDS, _CHAT_REFUSED)
     model = get_field(body, "model", "str")
     stream, options = _stream(body)
     prompt = {"messages": normalize_messages(body.get("messages")), **chat_template_options(body)}
-    kwargs = _sampling_kwargs(body, ("max_completion_tokens", "max_tokens"), info.sampling_defaults, "chat")
+    kwargs = _sampling_kwargs(body, ("max_completion_tokens", "max_tokens"), info.sampling_defaults, "chat", forced)
     top_logprobs = _chat_logprobs(body)
     if top_logprobs is not None:
         kwargs["logprobs"] = top_logprobs
     params = _build_params(kwargs, max_n)
     return ChatRequest(model, prompt, params, stream, options, top_logprobs, _priority(body), params.prompt_logprobs,
-                       _request_id(body))
+                       _request_id(body), forced)
 
 
 def chat_template_options(body: Mapping[str, Any]) -> dict[str, Any]:
