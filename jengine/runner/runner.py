@@ -96,7 +96,7 @@ class ModelRunner:
 
     def execute(self, sched: SchedulerOutput, token_masks: TokenMaskSource | None = None) -> RunnerOutput:
         """One step, serially: launch it and wait for its tokens."""
-        step = self.dispatch(sched, token_masks)
+        step = self.dispatch(sched) if token_masks is None else self.dispatch(sched, token_masks)
         return RunnerOutput([], [], [], {}) if step is None else self.fetch(step)
 
     def dispatch(self, sched: SchedulerOutput, token_masks: TokenMaskSource | None = None) -> InFlightStep | None:

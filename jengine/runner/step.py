@@ -158,13 +158,14 @@ def build_step_compiler(model: StepModel) -> Callable[[dict, StepState, StepBatc
     Returns the seconds spent (tracing and lowering, XLA compiling or loading from the persistent cache)."""
 
     def compile_step(params: dict, state: StepState, batch: StepBatch) -> tuple[float, float]:
-        if batch.token_mask is not None:  # the masked sampler of a forward compiled with the free variant
+        if batch.token_mask is not None:  # the masked sampler; the same forward compiles with the free variant
             logits = jax.eval_shape(forward_step, model, params, state, batch.model)[0]
-            lower_f = compile_f = 0.0
+            sharding, lower_f, compile_f = state.row_tokens.sharding, 0.0, 0.0  # logits come replicated likewise
         else:
             compiled, lower_f, compile_f = _lower_and_compile(forward_step, model, params, state, batch.model)
             logits = compiled.out_info[0]
-        logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=logits.sharding)
+            sharding = logits.sharding
+        logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=sharding)
         _, lower_s, compile_s = _lower_and_compile(sample_step, logits, batch.sampling, state.row_tokens,
                                                    batch.sample_rows, batch.token_mask)
         return lower_f + lower_s, compile_f + compile_s
