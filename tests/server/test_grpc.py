@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib.util
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -96,7 +97,8 @@ def test_generated_code_is_current() -> None:
 
 def test_sampling_fields_mirror_sampling_params() -> None:
     proto_fields = set(pb.SamplingParams.DESCRIPTOR.fields_by_name)
-    assert proto_fields == {f.name for f in dataclasses.fields(SamplingParams)}
+    # structured_outputs travels as the request's response_format
+    assert proto_fields == {f.name for f in dataclasses.fields(SamplingParams)} - {"structured_outputs"}
     grouped = (*grpc_convert.INT_FIELDS, *grpc_convert.FLOAT_FIELDS, *grpc_convert.BOOL_FIELDS,
                *grpc_convert.LIST_FIELDS, *grpc_convert.MAP_FIELDS)
     assert sorted(grouped) == sorted(proto_fields)
@@ -209,14 +211,16 @@ def test_health_and_reflection_are_open(harness: GrpcHarness) -> None:
     (dict(token_ids=pb.TokenIds(ids=[5, TOKENIZER_VOCAB]), sampling=GREEDY), "prompt_token_ids"),
     (dict(token_ids=pb.TokenIds(ids=[5] * MAX_MODEL_LEN), sampling=GREEDY), "prompt"),
     (dict(text="hi", sampling=GREEDY, lora_name="my-adapter"), "lora_name"),
-    (dict(text="hi", sampling=GREEDY, response_format=pb.ResponseFormat(type="json_object")), "response_format"),
+    (dict(text="hi", sampling=GREEDY, response_format=pb.ResponseFormat(type="xml")), "response_format"),
+    (dict(text="hi", sampling=GREEDY, response_format=pb.ResponseFormat(type="json_schema", json_schema='{"type": 5}')),
+     "json_schema"),
     (dict(sampling=GREEDY), "prompt"),
 ])
 def test_bad_requests_are_invalid_argument(harness: GrpcHarness, fields: dict, param: str) -> None:
     error = _status(lambda: _generate(harness, **fields))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
     assert dict(error.trailing_metadata())["jengine-error-param"] == param
-    if param in ("lora_name", "response_format"):
+    if param == "lora_name":
         assert "not supported yet" in error.details()
 
 
@@ -453,3 +457,24 @@ def test_an_undecodable_message_is_invalid_argument(harness: GrpcHarness) -> Non
     assert _status(lambda: tokenize(b"\x0a\xff", metadata=auth(), timeout=10)).code() == \
         grpc.StatusCode.INVALID_ARGUMENT
     assert _generate(harness, text="Hello", sampling=GREEDY)  # still serving
+
+
+def test_response_format_constrains_the_output(harness: GrpcHarness) -> None:
+    """A json_schema and a choice over gRPC: random weights, valid outputs; the client's wire form round-trips."""
+    import jsonschema
+
+    from jengine.sampling.params import StructuredOutputsParams
+    from server.grpc_structured import structured_from_proto, structured_to_proto
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 5}},
+              "required": ["n"], "additionalProperties": False}
+    sampling = pb.SamplingParams(temperature=1.0, seed=4, max_tokens=30)
+    fmt = pb.ResponseFormat(type="json_schema", json_schema=json.dumps(schema))
+    _, text = _tokens_and_text(_generate(harness, text="hi", sampling=sampling, response_format=fmt))
+    jsonschema.validate(json.loads(text), schema)
+    fmt = pb.ResponseFormat(type="choice", choice=["left", "right"])
+    assert _tokens_and_text(_generate(harness, text="hi", sampling=sampling, response_format=fmt))[1] in (
+        "left", "right")
+    for params in (StructuredOutputsParams(json=schema), StructuredOutputsParams(regex="a+"),
+                   StructuredOutputsParams(choice=["x"]), StructuredOutputsParams(json_object=True)):
+        assert structured_from_proto(pb.GenerateRequest(response_format=structured_to_proto(params))) == params
