@@ -70,6 +70,7 @@ class InputProcessor:
         *,
         model_eos_token_ids: Iterable[int] = (),
         stop_at_context_end: bool = False,
+        structured_outputs: bool = True,
     ) -> None:
         """`vocab_size` is the model's (its embedding may be padded past the tokenizer; the smaller bound wins).
         `stop_at_context_end` (offline use, as vLLM's LLM): a max_tokens reaching past max_model_len ends the output
@@ -83,6 +84,7 @@ class InputProcessor:
         self.stop_at_context_end = stop_at_context_end
         self._warned_context_end = False
         self._grammars = GrammarSource(tokenizer)  # structured output: compiled on first use, cached
+        self.structured_outputs = structured_outputs  # False: this engine cannot constrain (several processes)
 
     @classmethod
     def from_parts(cls, parts: EngineParts, max_n: int = 16, *, stop_at_context_end: bool = False
@@ -91,7 +93,7 @@ class InputProcessor:
         return cls(
             parts.tokenizer, parts.spec.vocab_size, parts.config.scheduler.max_model_len,
             parts.config.model.max_logprobs, max_n, model_eos_token_ids=parts.spec.eos_token_ids,
-            stop_at_context_end=stop_at_context_end,
+            stop_at_context_end=stop_at_context_end, structured_outputs=parts.config.parallel.num_processes == 1,
         )
 
     def process(self, prompt: PromptInput, params: SamplingParams, request_id: str, *, priority: int = 0,
@@ -146,6 +148,9 @@ class InputProcessor:
         if params.stop and not params.detokenize:
             raise InvalidRequestError("stop strings need detokenize=True (they match text)", param="stop")
         if params.structured_outputs is not None:
+            if not self.structured_outputs:
+                raise InvalidRequestError("structured output is not available on a multi-process engine",
+                                          param="structured_outputs", code="unsupported_parameter")
             self._grammars.check(params.structured_outputs)  # a bad schema is a 400 before admission
 
     def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:

@@ -1,4 +1,4 @@
-"""StructuredOutputsParams → an llguidance grammar → per-request matchers, built in the front (it has the tokenizer).
+"""StructuredOutputsParams → an llguidance grammar → per-request matchers, made in the front (it has the tokenizer).
 
 Compiling is the expensive part (a schema's grammar, lexer and token trie): a compiled matcher is kept per grammar,
 keyed by the sha256 of its text, and each request gets a copy (`deep_copy`, cheap) that its core request carries and
@@ -38,8 +38,8 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         if kind == "grammar":
             return llguidance.grammar_from("lark", params.grammar)
         return _structural_tag_grammar(params.structural_tag)
-    except (ValueError, TypeError, KeyError, AssertionError) as exc:
-        raise InvalidRequestError(f"invalid {kind}: {exc}", param=_PARAM.get(kind, kind)) from None
+    except Exception as exc:  # llguidance's builders raise several types on user input: each is a bad constraint
+        raise InvalidRequestError(f"invalid {kind}: {str(exc)[:300]}", param=_PARAM.get(kind, kind)) from None
 
 
 def _json_options(params: StructuredOutputsParams) -> dict[str, Any]:

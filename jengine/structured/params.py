@@ -50,6 +50,9 @@ class StructuredOutputsParams:
             raise InvalidRequestError(f"structured_outputs takes exactly one of {', '.join(KINDS)}; got "
                                       f"{', '.join(given) or 'none'}", param="structured_outputs")
         kind = given[0]
+        for flag in ("json_object", "disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, flag), (bool, type(None))):
+                raise InvalidRequestError(f"{flag} must be a boolean", param=flag)
         if kind in ("json", "structural_tag") and not isinstance(getattr(self, kind), dict):
             raise InvalidRequestError(f"{kind} must be a JSON object", param=kind)
         if kind in ("regex", "grammar") and not isinstance(getattr(self, kind), str):

@@ -2,10 +2,9 @@
 
 Strict on purpose: a JSON type that is not the documented one is a 400 naming the field (no "5" for 5, though 5.0 is
 5), an unknown field is a 400 (never accepted and ignored), and a known field whose feature this server lacks and that
-would change the output (`tools`, a non-text `response_format`, `suffix`, ...) is a 400 that says so. Fields that
-change nothing about the output (`user`, `metadata`, `store`, ...) are accepted. Caps (n, logprobs, stop, nesting) are
-enforced here (the server's own: n, logprobs) or by the engine's front, which validates SamplingParams once for every
-front end, before admission.
+would change the output (`tool_choice` auto, `suffix`, ...) is a 400 that says so; fields that change nothing
+(`user`, `metadata`, ...) are accepted. Caps (n, logprobs, stop, nesting) are enforced here (n, logprobs) or by the
+engine's front, which validates SamplingParams once for every front end, before admission.
 """
 
 from __future__ import annotations
@@ -20,9 +19,8 @@ from jengine.errors import InvalidRequestError
 from jengine.sampling.defaults import Api, max_tokens_when_unset
 from jengine.sampling.params import SamplingParams
 from jengine.tokenizer.chat import check_continuation, join_text_parts
-from jengine.tools.required import ForcedToolChoice, forced_tool_choice
 from server.json_body import json_type
-from server.openai.structured import STRUCTURED_FIELDS, structured_from_body
+from server.openai.structured import STRUCTURED_FIELDS, ForcedToolChoice, forced_tools, structured_from_body
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs cap; the engine's --max-logprobs may lower it
 MAX_PROMPTS = 1024  # prompts in one /v1/completions batch (each also needs its own engine slots)
@@ -40,9 +38,8 @@ INT_FIELDS = ("n", "seed", "top_k", "min_tokens", "prompt_logprobs")
 BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
           "detokenize")
 _SAMPLING = frozenset(NUMBER_FIELDS + INT_FIELDS + BOOL_FIELDS
-                      + ("stop", "stop_token_ids", "logit_bias", "max_tokens"))
-_COMMON = _SAMPLING | HARMLESS_FIELDS | STRUCTURED_FIELDS | {"model", "stream", "stream_options", "priority",
-                                                              "request_id"}
+                      + ("stop", "stop_token_ids", "logit_bias", "max_tokens")) | STRUCTURED_FIELDS
+_COMMON = _SAMPLING | HARMLESS_FIELDS | {"model", "stream", "stream_options", "priority", "request_id"}
 CHAT_TEMPLATE_FIELDS = frozenset({"add_generation_prompt", "continue_final_message", "chat_template_kwargs"})
 CHAT_FIELDS = _COMMON | CHAT_TEMPLATE_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo"}
@@ -56,13 +53,12 @@ def _off(value: Any) -> bool:
 _REFUSED: dict[str, Callable[[Any], bool]] = {
     "tools": lambda v: v is None or v == [],
     "tool_choice": lambda v: v is None or v == "none",
-    "functions": lambda v: v is None or v == [],
-    "function_call": lambda v: v is None or v == "none",
+    "functions": lambda v: v is None or v == [], "function_call": lambda v: v is None or v == "none",
     "modalities": lambda v: v is None or v == ["text"],
     "audio": _off, "prediction": _off, "reasoning_effort": _off, "web_search_options": _off, "suffix": _off,
-    "logits_processors": _off, "verbosity": _off,
+    "verbosity": _off,
     # vLLM's extras that change the output, where this server lacks them
-    "best_of": lambda v: v is None or v == 1, "truncate_prompt_tokens": _off,
+    "best_of": lambda v: v is None or v == 1, "truncate_prompt_tokens": _off, "logits_processors": _off,
     "return_tokens_as_token_ids": lambda v: v is None or v is False,
 }
 # Per endpoint: the value each endpoint always uses is accepted, another one refused.
@@ -239,8 +235,7 @@ def _request_id(body: Mapping[str, Any]) -> str | None:
 # ---------------------------------------------------------------------------------------------------------- chat
 def parse_chat(body: Mapping[str, Any], info: ModelInfo, max_n: int = 16) -> ChatRequest:
     """A /v1/chat/completions body → ChatRequest (every check here; the template is rendered after admission)."""
-    forced = forced_tool_choice(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls", True))
-    checked = {k: v for k, v in body.items() if k not in ("tools", "tool_choice")} if forced else body
+    forced, checked = forced_tools(body)  # with tool_choice required or named, the tools fields are taken
     check_fields(checked, CHAT_FIELDS, _CHAT_REFUSED)
     model = get_field(body, "model", "str")
     stream, options = _stream(body)

@@ -13,13 +13,36 @@ from typing import Any
 
 from jengine.errors import InvalidRequestError
 from jengine.sampling.params import StructuredOutputsParams
-from jengine.tools.required import ForcedToolChoice, tool_calls_from_text
+from jengine.tools.required import ForcedToolChoice, forced_tool_choice, tool_calls_from_text
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
 STRUCTURED_FIELDS = frozenset({"response_format", "structured_outputs", *GUIDED_FIELDS})
+_STR, _JSON = {"type": "string"}, {"type": ["object", "string"]}
+_CHOICES = {"type": "array", "items": {"type": "string"}, "minItems": 1}
+# The fields' OpenAPI schemas (server/openai/openapi.py)
+FIELD_SCHEMAS = {
+    "response_format": {"type": "object", "required": ["type"], "properties": {
+        "type": {"enum": ["text", "json_object", "json_schema"]},
+        "json_schema": {"type": "object", "required": ["name"], "properties": {
+            "name": _STR, "description": _STR, "schema": {"type": "object"}, "strict": {"type": "boolean"}}}}},
+    "structured_outputs": {"type": "object", "additionalProperties": False, "properties": {
+        "json": _JSON, "regex": _STR, "choice": _CHOICES, "grammar": _STR, "json_object": {"type": "boolean"},
+        "structural_tag": _JSON, "disable_any_whitespace": {"type": "boolean"},
+        "disable_additional_properties": {"type": "boolean"}}},
+    "guided_json": _JSON, "guided_regex": _STR, "guided_choice": _CHOICES, "guided_grammar": _STR,
+}
 _STRUCTURED_KEYS = frozenset({"json", "regex", "choice", "grammar", "json_object", "structural_tag",
                               "disable_any_whitespace", "disable_additional_properties"})
+
+
+def forced_tools(body: Mapping[str, Any]) -> tuple[ForcedToolChoice | None, Mapping[str, Any]]:
+    """tool_choice "required" or a named function (None otherwise), and the body left for the field checks: the
+    tools fields are consumed here when forced (any other tool use stays the protocol's to accept or refuse)."""
+    forced = forced_tool_choice(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls", True))
+    if forced is None:
+        return None, body
+    return forced, {k: v for k, v in body.items() if k not in ("tools", "tool_choice")}
 
 
 def structured_from_body(body: Mapping[str, Any], forced: ForcedToolChoice | None = None

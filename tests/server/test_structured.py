@@ -4,6 +4,7 @@ output valid (json_schema checked with `jsonschema`, regex and choice by fullmat
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
 
@@ -15,6 +16,7 @@ from jengine.tools.required import MAX_TOOL_CALLS
 from tests.server.conftest import MODEL_NAME, ServerHandle, metric, scrape
 
 USER = [{"role": "user", "content": "hi"}]
+CHAT = dict(model=MODEL_NAME, messages=USER)
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -45,7 +47,7 @@ PARAMETERS = {"get_weather": WEATHER, "get_time": TIME, "f": DIGIT}
 
 @pytest.mark.parametrize("seed", range(4))
 def test_json_schema_outputs_validate(server: ServerHandle, seed: int) -> None:
-    response = server.client().chat.completions.create(model=MODEL_NAME, messages=USER, response_format=JSON_SCHEMA_FORMAT,
+    response = server.client().chat.completions.create(**CHAT, response_format=JSON_SCHEMA_FORMAT,
                                                        max_tokens=120, temperature=1.0, seed=seed)
     choice = response.choices[0]
     assert choice.finish_reason == "stop"
@@ -54,7 +56,7 @@ def test_json_schema_outputs_validate(server: ServerHandle, seed: int) -> None:
 
 
 def test_json_schema_streamed_and_on_completions(server: ServerHandle) -> None:
-    stream = server.client().chat.completions.create(model=MODEL_NAME, messages=USER, response_format=JSON_SCHEMA_FORMAT,
+    stream = server.client().chat.completions.create(**CHAT, response_format=JSON_SCHEMA_FORMAT,
                                                      max_tokens=120, temperature=1.0, seed=7, stream=True)
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -68,7 +70,7 @@ def test_json_schema_streamed_and_on_completions(server: ServerHandle) -> None:
 
 def test_json_object_regex_and_choice(server: ServerHandle) -> None:
     client = server.client()
-    obj = client.chat.completions.create(model=MODEL_NAME, messages=USER, response_format={"type": "json_object"},
+    obj = client.chat.completions.create(**CHAT, response_format={"type": "json_object"},
                                          max_tokens=60, temperature=0.7, seed=1)
     if obj.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(obj.choices[0].message.content), dict)
@@ -76,7 +78,7 @@ def test_json_object_regex_and_choice(server: ServerHandle) -> None:
         regex = client.completions.create(model=MODEL_NAME, prompt="id:", max_tokens=20, temperature=1.0, seed=seed,
                                           extra_body={"structured_outputs": {"regex": r"[A-Z]{2}-\d{3}"}})
         assert re.fullmatch(r"[A-Z]{2}-\d{3}", regex.choices[0].text)
-        choice = client.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=10, temperature=1.0, seed=seed,
+        choice = client.chat.completions.create(**CHAT, max_tokens=10, temperature=1.0, seed=seed,
                                                 extra_body={"guided_choice": ["yes", "no", "maybe not"]})
         assert choice.choices[0].message.content in ("yes", "no", "maybe not")
     lark = client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=20, temperature=1.0, seed=5,
@@ -85,40 +87,38 @@ def test_json_object_regex_and_choice(server: ServerHandle) -> None:
 
 
 def test_cut_by_max_tokens_is_length(server: ServerHandle) -> None:
-    response = server.client().chat.completions.create(model=MODEL_NAME, messages=USER, response_format=JSON_SCHEMA_FORMAT,
+    response = server.client().chat.completions.create(**CHAT, response_format=JSON_SCHEMA_FORMAT,
                                                        max_tokens=4, temperature=1.0, seed=0)
     assert response.choices[0].finish_reason == "length"
 
 
 def test_constrained_and_free_rows_share_a_batch(server: ServerHandle) -> None:
-    """One request with n=3 free choices beside constrained ones: the free rows are not constrained (the prompt
-    'greedy' text matches a free run alone) and the constrained ones validate."""
+    """Constrained requests and a free greedy one at once: the constrained outputs validate and the free one is the
+    text it has alone (its row is not constrained)."""
     client = server.client()
-    free_alone = client.completions.create(model=MODEL_NAME, prompt="hello", max_tokens=12, temperature=0.0,
-                                           extra_body={"ignore_eos": True}).choices[0].text
-    import concurrent.futures
-
-    def constrained(seed: int) -> str:
-        return client.completions.create(model=MODEL_NAME, prompt="hello", max_tokens=120, temperature=1.0, seed=seed,
-                                         extra_body={"guided_json": SCHEMA}).choices[0].text
 
     def free() -> str:
         return client.completions.create(model=MODEL_NAME, prompt="hello", max_tokens=12, temperature=0.0,
                                          extra_body={"ignore_eos": True}).choices[0].text
 
+    def constrained(seed: int) -> str:
+        return client.completions.create(model=MODEL_NAME, prompt="hello", max_tokens=120, temperature=1.0,
+                                         seed=seed, extra_body={"guided_json": SCHEMA}).choices[0].text
+
+    free_alone = free()
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        outs = [pool.submit(constrained, s) for s in range(3)]
-        free_out = pool.submit(free)
+        outs = [pool.submit(constrained, seed) for seed in range(3)]
+        free_beside = pool.submit(free)
         for out in outs:
             jsonschema.validate(json.loads(out.result()), SCHEMA)
-        assert free_out.result() == free_alone
+        assert free_beside.result() == free_alone
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_tool_choice_required_calls_validate(server: ServerHandle, stream: bool) -> None:
     for seed in range(2):
         parallel = seed == 0
-        kwargs = dict(model=MODEL_NAME, messages=USER, tools=SHORT_TOOL if parallel else TOOLS, tool_choice="required",
+        kwargs = dict(**CHAT, tools=SHORT_TOOL if parallel else TOOLS, tool_choice="required",
                       max_tokens=200 if parallel else 120, temperature=1.0, seed=seed, parallel_tool_calls=parallel)
         if stream:
             chunks = [c for c in server.client().chat.completions.create(stream=True, **kwargs) if c.choices]
@@ -138,7 +138,7 @@ def test_tool_choice_required_calls_validate(server: ServerHandle, stream: bool)
 
 def test_named_function_is_the_one_called(server: ServerHandle) -> None:
     choice = server.client().chat.completions.create(
-        model=MODEL_NAME, messages=USER, tools=TOOLS, max_tokens=120, temperature=1.0, seed=2,
+        **CHAT, tools=TOOLS, max_tokens=120, temperature=1.0, seed=2,
         tool_choice={"type": "function", "function": {"name": "get_time"}}).choices[0]
     assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
     call = choice.message.tool_calls[0]
@@ -158,7 +158,7 @@ def test_named_function_is_the_one_called(server: ServerHandle) -> None:
 ])
 def test_bad_constraints_are_400(server: ServerHandle, body: dict, param: str) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
-        server.client().chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=8, **body)
+        server.client().chat.completions.create(**CHAT, max_tokens=8, **body)
     assert caught.value.body["param"] == param and caught.value.body["message"]
 
 
