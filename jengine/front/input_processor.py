@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from jengine.errors import ContextLengthExceededError, InvalidRequestError
 from jengine.request import Request
-from jengine.sampling.params import SamplingParams
+from jengine.sampling.params import SamplingParams, StructuredOutputsParams
 from jengine.structured.source import GrammarSource
 from jengine.tokenizer import Tokenizer
 from jengine.tokenizer.chat import CHAT_PROMPT_KEYS, render_chat
@@ -151,7 +151,12 @@ class InputProcessor:
             if not self.structured_outputs:
                 raise InvalidRequestError("structured output is not available on a multi-process engine",
                                           param="structured_outputs", code="unsupported_parameter")
-            self._grammars.check(params.structured_outputs)  # a bad schema is a 400 before admission
+            self.compile_grammar(params)  # a bad schema is a 400 before admission
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile `params`' constraint for this tokenizer, cached (InvalidRequestError naming the problem)."""
+        if isinstance(params.structured_outputs, StructuredOutputsParams):
+            self._grammars.check(params.structured_outputs)
 
     def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of any accepted prompt form, chats rendered; an empty prompt is refused before
