@@ -15,13 +15,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from jengine.cache.kv_cache_manager import KVCacheManager
 from jengine.config import EngineConfig
 from jengine.engine.stats import StepTokenCounts
 from jengine.request import Request, RequestStatus
-from jengine.runner.protocol import StepRunner
+from jengine.runner.protocol import StepRunner, TokenMaskSource
 from jengine.scheduler.output import RunnerOutput, SchedulerOutput, TokenLogprobs
 from jengine.scheduler.scheduler import Scheduler, SchedulerStats
 from jengine.structured.masks import MaskFiller, advance
@@ -58,11 +61,14 @@ class EngineCore:
         self._landed: list[EngineCoreOutput] = []  # outputs of a step applied early, returned by the next step()
         self.step_tokens = StepTokenCounts()
         self.masks = MaskFiller()  # structured output: the constrained rows' allowed tokens, filled per step
+        self._constrained: set[str] = set()  # ids of constrained requests added and maybe unfinished (pruned lazily)
 
     def add_request(self, request: Request, *, enforce_queue_bound: bool = True) -> None:
         if self._in_flight is not None and request.request_id in self._in_flight[0].num_scheduled_tokens:
             self._land_in_flight()  # an earlier request of this id is in the step in flight: its outputs go first
         self.scheduler.add_request(request, enforce_queue_bound=enforce_queue_bound)
+        if request.grammar is not None:
+            self._constrained.add(request.request_id)
 
     def abort(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
               ) -> list[EngineCoreOutput]:
@@ -116,15 +122,18 @@ class EngineCore:
         land()
         return outputs
 
-    def _token_masks(self, sched: SchedulerOutput, land: Any):
+    def _token_masks(self, sched: SchedulerOutput, land: Callable[[], None]) -> TokenMaskSource | None:
         """The mask source of a step with constrained requests (None otherwise): it applies the step in flight
         first (`land`), so every matcher has consumed every earlier token."""
+        if not self._constrained:  # the free engine's step: no per-request work at all
+            return None
         requests = self.scheduler.requests
+        self._constrained.intersection_update(requests)
         scheduled = [requests.get(request_id) for request_id in sched.num_scheduled_tokens]
         if not any(r is not None and r.grammar is not None for r in scheduled):
             return None
 
-        def fill():
+        def fill() -> tuple[np.ndarray, np.ndarray] | None:
             land()
             return self.masks.fill(scheduled)
 

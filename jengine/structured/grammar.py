@@ -30,6 +30,8 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     try:
         if kind in ("json", "json_object"):
             schema = params.json if kind == "json" else {"type": "object"}
+            if params.disable_additional_properties:
+                schema = _closed(schema)
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_json_options(params))
         if kind == "regex":
             return llguidance.grammar_from("regex", params.regex)
@@ -42,11 +44,21 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         raise InvalidRequestError(f"invalid {kind}: {str(exc)[:300]}", param=_PARAM.get(kind, kind)) from None
 
 
+def _closed(schema: Any) -> Any:
+    """`schema` with `additionalProperties: false` on every object schema that leaves it unset (vLLM's
+    disable_additional_properties)."""
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: _closed(value) for key, value in schema.items()}
+    if (closed.get("type") == "object" or "properties" in closed) and "additionalProperties" not in closed:
+        closed["additionalProperties"] = False
+    return closed
+
+
 def _json_options(params: StructuredOutputsParams) -> dict[str, Any]:
-    options: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
-    if params.disable_any_whitespace:
-        options["whitespace_pattern"] = ""
-    return options
+    return {"whitespace_flexible": not params.disable_any_whitespace}
 
 
 def _structural_tag_grammar(tag: dict[str, Any]) -> str:

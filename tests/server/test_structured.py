@@ -17,6 +17,7 @@ from tests.server.conftest import MODEL_NAME, ServerHandle, metric, scrape
 
 USER = [{"role": "user", "content": "hi"}]
 CHAT = dict(model=MODEL_NAME, messages=USER)
+STRING_LITERAL = re.compile(r'"(?:[^"\\]|\\.)*"')
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -52,7 +53,7 @@ def test_json_schema_outputs_validate(server: ServerHandle, seed: int) -> None:
     choice = response.choices[0]
     assert choice.finish_reason == "stop"
     jsonschema.validate(json.loads(choice.message.content), SCHEMA)
-    assert " " not in choice.message.content.replace('" ', "").split('"')[0]  # compact: no blanks outside strings
+    assert not re.search(r"\s", STRING_LITERAL.sub("", choice.message.content))  # compact: no blank between tokens
 
 
 def test_json_schema_streamed_and_on_completions(server: ServerHandle) -> None:
@@ -84,6 +85,15 @@ def test_json_object_regex_and_choice(server: ServerHandle) -> None:
     lark = client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=20, temperature=1.0, seed=5,
                                      extra_body={"structured_outputs": {"grammar": 'start: "a" /[0-9]+/ "z"'}})
     assert re.fullmatch(r"a[0-9]+z", lark.choices[0].text)
+
+
+def test_disable_additional_properties_closes_objects(server: ServerHandle) -> None:
+    open_schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}}
+    for seed in range(3):
+        out = server.client().completions.create(
+            model=MODEL_NAME, prompt="x", max_tokens=40, temperature=1.0, seed=seed,
+            extra_body={"structured_outputs": {"json": open_schema, "disable_additional_properties": True}})
+        assert set(json.loads(out.choices[0].text)) <= {"a"}
 
 
 def test_cut_by_max_tokens_is_length(server: ServerHandle) -> None:
