@@ -9,8 +9,9 @@ for constrained rows the matchers advance and the masks are filled while the dev
 `ratios.structured_step_vs_free_b64` = constrained ÷ free (lower is better; 1 = free). `metrics.schema_compile_ms` is
 the median time to build and compile that schema's grammar for the model's tokenizer with an empty cache.
 
-The model is a random-weight Llama (Llama-3-8B layers, `--layers` of them) whose tokenizer is padded to 128,256
-tokens, Llama-3's vocabulary size, so the per-token mask work is a real model's. `--cpu` runs a tiny model instead
+The model is a random-weight Llama (Llama-3-8B layers, `--layers` of them, weights made on the device by
+`load_format="dummy"`) whose tokenizer is padded to 128,256 tokens, Llama-3's vocabulary size, so the per-token mask
+work is a real model's. `--cpu` runs a tiny model instead
 (32,000 tokens) to check the script. llguidance comes as a wheel (manylinux_2_31):
 
     pip install --no-deps llguidance-*.whl    # where PyPI cannot be reached
@@ -153,9 +154,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         layer = TINY_LAYER if args.cpu else LLAMA3_8B_LAYER
         model_dir = build_random_llama(Path(tmp) / "model", **layer, num_hidden_layers=args.layers,
-                                       vocab_size=args.vocab, max_position_embeddings=2048)
-        llm = LLM(str(model_dir), dtype="float32" if args.cpu else "bfloat16", max_num_seqs=BATCH,
-                  max_model_len=1024, max_num_batched_tokens=2048)
+                                       vocab_size=args.vocab, max_position_embeddings=2048, write_weights=args.cpu)
+        weights = dict(dtype="float32") if args.cpu else dict(dtype="bfloat16", load_format="dummy")
+        llm = LLM(str(model_dir), max_num_seqs=BATCH, max_model_len=1024, max_num_batched_tokens=2048, **weights)
         cold_ms, cached_ms = compile_ms(llm, structured)
         valid = check_outputs(llm, structured, schema)
         log(f"{valid}/{BATCH} constrained outputs validate; compile {cold_ms:.2f} ms (cached {cached_ms:.3f} ms)")
