@@ -21,8 +21,9 @@ MAX_CACHED_GRAMMARS = 256  # compiled matchers kept (least recently used dropped
 _PARAM = {"json": "json_schema", "json_object": "response_format"}  # the field an error names
 
 
-def grammar_text(params: StructuredOutputsParams) -> str:
-    """The llguidance grammar (its JSON or Lark text) of `params`; InvalidRequestError when it cannot be built."""
+def grammar_text(params: StructuredOutputsParams, special_tokens: frozenset[str] = frozenset()) -> str:
+    """The llguidance grammar (its JSON or Lark text) of `params`; InvalidRequestError when it cannot be built.
+    `special_tokens`: the tokenizer's added tokens (a structural tag's `<...>` trigger may be one)."""
     import llguidance
 
     params.validate()
@@ -39,7 +40,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             return "start: " + " | ".join(json.dumps(option) for option in params.choice)
         if kind == "grammar":
             return llguidance.grammar_from("lark", params.grammar)
-        return _structural_tag_grammar(params.structural_tag)
+        return _structural_tag_grammar(params.structural_tag, _json_options(params), special_tokens)
     except Exception as exc:  # llguidance's builders raise several types on user input: each is a bad constraint
         raise InvalidRequestError(f"invalid {kind}: {str(exc)[:300]}", param=_PARAM.get(kind, kind)) from None
 
@@ -61,8 +62,10 @@ def _json_options(params: StructuredOutputsParams) -> dict[str, Any]:
     return {"whitespace_flexible": not params.disable_any_whitespace}
 
 
-def _structural_tag_grammar(tag: dict[str, Any]) -> str:
-    """vLLM's {"structures": [{"begin", "schema", "end"}], "triggers": [...]}: free text with tagged JSON spans."""
+def _structural_tag_grammar(tag: dict[str, Any], json_options: dict[str, Any], special_tokens: frozenset[str]
+                            ) -> str:
+    """vLLM's {"structures": [{"begin", "schema", "end"}], "triggers": [...]}: free text with tagged JSON spans. A
+    `<...>` trigger is matched as the special token when every such trigger is one, else as text."""
     import llguidance
 
     triggers = tag.get("triggers") or []
@@ -70,9 +73,10 @@ def _structural_tag_grammar(tag: dict[str, Any]) -> str:
     for structure in tag["structures"]:
         begin = structure["begin"]
         trigger = next((t for t in triggers if begin.startswith(t)), begin)
-        tags.append(llguidance.StructTag(trigger=trigger, begin=begin, grammar=structure.get("schema", {}),
-                                         end=structure.get("end", "")))
-    return llguidance.StructTag.to_grammar(tags)
+        schema = {**structure.get("schema", {}), "x-guidance": json_options}  # the spans are JSON: same spacing
+        tags.append(llguidance.StructTag(trigger=trigger, begin=begin, grammar=schema, end=structure.get("end", "")))
+    bracketed = [t.trigger for t in tags if t.trigger.startswith("<") and t.trigger.endswith(">")]
+    return llguidance.StructTag.to_grammar(tags, assume_special=all(t in special_tokens for t in bracketed))
 
 
 class GrammarCompiler:
@@ -83,6 +87,7 @@ class GrammarCompiler:
 
         self.ll_tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer)
         self.vocab_size = self.ll_tokenizer.vocab_size  # the bitmask covers ceil(vocab_size / 32) words
+        self.special_tokens = frozenset(t.content for t in getattr(hf_tokenizer, "added_tokens_decoder", {}).values())
         self._cache: collections.OrderedDict[str, Any] = collections.OrderedDict()
         self._lock = threading.Lock()
 
@@ -95,7 +100,7 @@ class GrammarCompiler:
         return self._compiled(params).deep_copy()
 
     def _compiled(self, params: StructuredOutputsParams) -> Any:
-        text = grammar_text(params)
+        text = grammar_text(params, self.special_tokens)
         key = hashlib.sha256(text.encode()).hexdigest()
         with self._lock:
             found = self._cache.get(key)

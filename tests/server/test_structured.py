@@ -96,6 +96,24 @@ def test_disable_additional_properties_closes_objects(server: ServerHandle) -> N
         assert set(json.loads(out.choices[0].text)) <= {"a"}
 
 
+def test_structural_tag_spans_validate(server: ServerHandle) -> None:
+    """Free text where every complete <f>...</f> span holds JSON valid against the tag's schema."""
+    tag = {"type": "structural_tag", "triggers": ["<f>"],
+           "structures": [{"begin": "<f>", "schema": WEATHER, "end": "</f>"}]}
+    ids = [server.http.post("/tokenize", json={"prompt": c, "add_special_tokens": False}).json()["tokens"]
+           for c in "<f>"]
+    bias = {str(t): 30 for [t] in ids}  # free text then writes the trigger soon: the tag's grammar takes over
+    spans = 0
+    for seed in range(3):
+        text = server.client().completions.create(
+            model=MODEL_NAME, prompt="x", max_tokens=60, temperature=1.0, seed=seed, logit_bias=bias,
+            extra_body={"structured_outputs": {"structural_tag": json.dumps(tag)}}).choices[0].text
+        for span in re.findall(r"<f>(.*?)</f>", text, flags=re.S):
+            jsonschema.validate(json.loads(span), WEATHER)
+            spans += 1
+    assert spans
+
+
 def test_cut_by_max_tokens_is_length(server: ServerHandle) -> None:
     response = server.client().chat.completions.create(**CHAT, response_format=JSON_SCHEMA_FORMAT,
                                                        max_tokens=4, temperature=1.0, seed=0)
