@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib.util
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -458,23 +457,3 @@ def test_an_undecodable_message_is_invalid_argument(harness: GrpcHarness) -> Non
         grpc.StatusCode.INVALID_ARGUMENT
     assert _generate(harness, text="Hello", sampling=GREEDY)  # still serving
 
-
-def test_response_format_constrains_the_output(harness: GrpcHarness) -> None:
-    """A json_schema and a choice over gRPC: random weights, valid outputs; the client's wire form round-trips."""
-    import jsonschema
-
-    from jengine.sampling.params import StructuredOutputsParams
-    from server.grpc_structured import structured_from_proto, structured_to_proto
-
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 5}},
-              "required": ["n"], "additionalProperties": False}
-    sampling = pb.SamplingParams(temperature=1.0, seed=4, max_tokens=30)
-    fmt = pb.ResponseFormat(type="json_schema", json_schema=json.dumps(schema))
-    _, text = _tokens_and_text(_generate(harness, text="hi", sampling=sampling, response_format=fmt))
-    jsonschema.validate(json.loads(text), schema)
-    fmt = pb.ResponseFormat(type="choice", choice=["left", "right"])
-    assert _tokens_and_text(_generate(harness, text="hi", sampling=sampling, response_format=fmt))[1] in (
-        "left", "right")
-    for params in (StructuredOutputsParams(json=schema), StructuredOutputsParams(regex="a+"),
-                   StructuredOutputsParams(choice=["x"]), StructuredOutputsParams(json_object=True)):
-        assert structured_from_proto(pb.GenerateRequest(response_format=structured_to_proto(params))) == params
