@@ -183,6 +183,9 @@ def test_named_function_is_the_one_called(server: ServerHandle) -> None:
     ({"extra_body": {"guided_choice": []}}, "choice"),
     ({"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a"}}, "guided_regex"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools[0]"),
+    ({"extra_body": {"tool_choice": "required"}}, "tools"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
 ])
 def test_bad_constraints_are_400(server: ServerHandle, body: dict, param: str) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
