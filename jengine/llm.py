@@ -30,7 +30,7 @@ from jengine.request import Request, RequestStatus
 from jengine.sampling.defaults import max_tokens_when_unset
 from jengine.sampling.params import SamplingParams
 from jengine.tokenizer import Tokenizer
-from jengine.tools.request import ChatParsing, parse_tools
+from jengine.tools.request import ChatParsing, parse_tools, with_forced_calls
 from jengine.tools.stream import finish_reason
 
 OFFLINE_MAX_N = 1024  # choices per prompt offline (pass@k wants many); servers keep their own, smaller cap
@@ -97,12 +97,14 @@ class LLM:
         a new turn; `chat_template_kwargs` are extra template variables (e.g. {"enable_thinking": False}).
         `tools` (OpenAI function tools) are listed by the template. With `LLM(..., reasoning_parser=...)` or
         `tool_call_parser=...` each output's `message` holds the reply read apart (reasoning, content, tool calls;
-        finish_reason "tool_calls" when it made calls); `tool_choice` "none" leaves calls unread."""
+        finish_reason "tool_calls" when it made calls); `tool_choice` "none" leaves calls unread, "required" or a named
+        function constrains the reply to calls (read whatever the parsers)."""
         self._raise_if_dead()
         conversations = _as_conversation_list(messages)
         params = _params_per_prompt(sampling_params, len(conversations), self.get_default_sampling_params())
         tool_request = parse_tools(tools, tool_choice)
         parsing = ChatParsing.plan_offline(self._parts.config.chat_parsing, tool_request)
+        params = [with_forced_calls(sp, tool_request) for sp in params]
         if parsing is not None and parsing.needs_special_tokens:
             params = [dataclasses.replace(sp, skip_special_tokens=False) for sp in params]
         now = time.monotonic()

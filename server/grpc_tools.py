@@ -16,7 +16,7 @@ from jengine.config import ChatParsingConfig
 from jengine.errors import InvalidRequestError
 from jengine.outputs import CompletionOutput
 from jengine.sampling.params import SamplingParams
-from jengine.tools.request import ChatParsing, ToolRequest, parse_tools
+from jengine.tools.request import ChatParsing, ToolRequest, parse_tools, with_forced_calls
 from jengine.tools.stream import ChoiceParsers, MessageDelta
 from jengine.v1 import jengine_pb2 as pb
 
@@ -74,11 +74,14 @@ def tools_from_proto(chat: pb.ChatMessages) -> ToolRequest | None:
 
 def chat_parsing(request: pb.GenerateRequest, config: ChatParsingConfig, params: SamplingParams
                  ) -> tuple[ChatParsing | None, SamplingParams]:
-    """How a Generate request's reply is read (None: not a chat, or nothing to read), and its params with the
-    special tokens kept where the tool format's markers are special tokens (as over HTTP)."""
+    """How a Generate request's reply is read (None: not a chat, or nothing to read), and its params: constrained
+    to calls for a forced tool choice, special tokens kept where the tool format's markers are special tokens (as
+    over HTTP)."""
     if request.WhichOneof("prompt") != "messages":
         return None, params
-    parsing = ChatParsing.plan(config, tools_from_proto(request.messages))
+    tools = tools_from_proto(request.messages)
+    parsing = ChatParsing.plan(config, tools)
+    params = with_forced_calls(params, tools)
     if parsing is not None and parsing.needs_special_tokens:
         params = dataclasses.replace(params, skip_special_tokens=False)
     return parsing, params

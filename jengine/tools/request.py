@@ -16,8 +16,10 @@ from typing import Any, Literal
 from jengine.config import ChatParsingConfig
 from jengine.errors import InvalidRequestError
 from jengine.outputs import ChatMessage
-from jengine.tools.parsers import tool_parser
+from jengine.sampling.params import SamplingParams, StructuredOutputsParams
+from jengine.tools.parsers import FORCED, tool_parser
 from jengine.tools.reasoning import reasoning_parser
+from jengine.tools.required import forced_tool_choice
 from jengine.tools.stream import ChoiceParser
 
 ToolChoice = Literal["none", "auto", "required", "function"]
@@ -107,7 +109,8 @@ def _check_choice(choice: Any, tools: tuple[Mapping[str, Any], ...]) -> tuple[To
 @dataclasses.dataclass(frozen=True)
 class ChatParsing:
     """How one request's choices are read: the server's reasoning parser, and its tool-call parser when this
-    request's calls come from the text (tool_choice "auto")."""
+    request's calls come from the text (tool_choice "auto"), or the reader of forced calls ("required" or a named
+    function, whose grammar makes the reply a JSON array of calls)."""
 
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
@@ -117,11 +120,8 @@ class ChatParsing:
     def plan(cls, config: ChatParsingConfig, tools: ToolRequest | None) -> ChatParsing | None:
         """None when nothing is to be read (no reasoning parser, no auto tool choice). Raises the 400 of an "auto"
         choice on a server without `--enable-auto-tool-choice`."""
-        if tools is not None and tools.choice in ("required", "function"):
-            shown = "required" if tools.choice == "required" else "a named function"
-            raise InvalidRequestError(f"tool_choice {shown} is not supported by this server (it needs "
-                                      f"grammar-constrained decoding)", param="tool_choice",
-                                      code="unsupported_parameter")
+        if tools is not None and tools.choice in ("required", "function"):  # a grammar makes the reply calls
+            return cls(config.reasoning_parser, FORCED)
         auto = tools is not None and tools.choice == "auto" and bool(tools.tools)
         if auto and not (config.enable_auto_tool_choice and config.tool_call_parser):
             raise InvalidRequestError('tool_choice "auto" (the default when tools are given) needs the server '
@@ -158,3 +158,17 @@ class ChatParsing:
         reasoning = None if self.reasoning_parser is None else reasoning_parser(self.reasoning_parser, prompt)
         tools = None if self.tool_call_parser is None else tool_parser(self.tool_call_parser)
         return ChoiceParser(reasoning, tools, self.max_calls)
+
+
+def with_forced_calls(params: SamplingParams, tools: ToolRequest | None) -> SamplingParams:
+    """`params` constrained to the calls a forced tool choice asks for (`jengine.tools.required`'s schema as the
+    grammar), or as they are for any other choice. A request already constrained otherwise is a 400."""
+    if tools is None or tools.choice not in ("required", "function"):
+        return params
+    if params.structured_outputs is not None:
+        raise InvalidRequestError("the output is constrained twice (a response format and a forced tool choice); "
+                                  "send one", param="tool_choice")
+    choice = "required" if tools.choice == "required" else {"type": "function", "function": {"name": tools.function}}
+    forced = forced_tool_choice([dict(t) for t in tools.tools], choice, tools.parallel)
+    assert forced is not None
+    return params.clone(structured_outputs=StructuredOutputsParams(json=forced.schema))

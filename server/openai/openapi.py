@@ -12,6 +12,7 @@ from server.openai.protocol import (
     BOOL_FIELDS, CHAT_FIELDS, CHAT_TEMPLATE_FIELDS, COMPLETION_FIELDS, HARMLESS_FIELDS, INT_FIELDS, MAX_LOGPROBS,
     MAX_PROMPTS, MAX_REQUEST_ID_CHARS, MAX_TOKEN_ID_ENTRIES, NUMBER_FIELDS, ROLES,
 )
+from server.openai.structured import FIELD_SCHEMAS as STRUCTURED_FIELD_SCHEMAS
 from jengine.sampling.params import MAX_STOP_STRINGS
 from jengine.tools.request import MAX_TOOLS
 
@@ -61,6 +62,7 @@ _SPECIAL: dict[str, dict[str, Any]] = {  # fields whose type is more than number
     "tools": {"type": "array", "items": _TOOL, "maxItems": MAX_TOOLS}, "tool_choice": _TOOL_CHOICE,
     **{name: {} for name in HARMLESS_FIELDS}, "user": _STR, "metadata": {"type": "object"},
     "parallel_tool_calls": {"type": "boolean", "description": "false: at most one call"},
+    **STRUCTURED_FIELD_SCHEMAS,
 }
 _KIND = {**{n: {"type": "number"} for n in NUMBER_FIELDS}, **{n: _INT for n in INT_FIELDS},
          **{n: {"type": "boolean"} for n in BOOL_FIELDS}}

@@ -2,10 +2,9 @@
 
 Strict on purpose: a JSON type that is not the documented one is a 400 naming the field (no "5" for 5, though 5.0 is
 5), an unknown field is a 400 (never accepted and ignored), and a known field whose feature this server lacks and that
-would change the output (`tools`, a non-text `response_format`, `suffix`, ...) is a 400 that says so. Fields that
-change nothing about the output (`user`, `metadata`, `store`, ...) are accepted. Caps (n, logprobs, stop, nesting) are
-enforced here (the server's own: n, logprobs) or by the engine's front, which validates SamplingParams once for every
-front end, before admission.
+would change the output (`tool_choice` auto, `suffix`, ...) is a 400 that says so; fields that change nothing
+(`user`, `metadata`, ...) are accepted. Caps (n, logprobs, stop, nesting) are enforced here (n, logprobs) or by the
+engine's front, which validates SamplingParams once for every front end, before admission.
 """
 
 from __future__ import annotations
@@ -21,8 +20,10 @@ from jengine.sampling.defaults import Api, max_tokens_when_unset
 from jengine.sampling.params import SamplingParams
 from jengine.tokenizer.chat import check_continuation
 from jengine.tools.request import ChatParsing, ToolRequest, parse_tools
+from jengine.tools.required import ForcedToolChoice, forced_tool_choice
 from server.json_body import json_type
 from server.openai.messages import ROLES, normalize_messages
+from server.openai.structured import STRUCTURED_FIELDS, structured_from_body
 
 __all__ = ["ROLES", "normalize_messages"]  # with the parsers below: what the server reads requests with
 
@@ -40,7 +41,7 @@ INT_FIELDS = ("n", "seed", "top_k", "min_tokens", "prompt_logprobs")
 BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
           "detokenize")
 _SAMPLING = frozenset(NUMBER_FIELDS + INT_FIELDS + BOOL_FIELDS
-                      + ("stop", "stop_token_ids", "logit_bias", "max_tokens"))
+                      + ("stop", "stop_token_ids", "logit_bias", "max_tokens")) | STRUCTURED_FIELDS
 _COMMON = _SAMPLING | HARMLESS_FIELDS | {"model", "stream", "stream_options", "priority", "request_id"}
 CHAT_TEMPLATE_FIELDS = frozenset({"add_generation_prompt", "continue_final_message", "chat_template_kwargs"})
 CHAT_FIELDS = _COMMON | CHAT_TEMPLATE_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
@@ -54,15 +55,12 @@ def _off(value: Any) -> bool:
 
 # Known fields whose feature is missing: refused unless the value asks for nothing (predicate true).
 _REFUSED: dict[str, Callable[[Any], bool]] = {
-    "functions": lambda v: v is None or v == [],
-    "function_call": lambda v: v is None or v == "none",
-    "response_format": lambda v: v is None or v == {"type": "text"},
+    "functions": lambda v: v is None or v == [], "function_call": lambda v: v is None or v == "none",
     "modalities": lambda v: v is None or v == ["text"],
     "audio": _off, "prediction": _off, "reasoning_effort": _off, "web_search_options": _off, "suffix": _off,
-    "guided_json": _off, "guided_regex": _off, "guided_choice": _off, "guided_grammar": _off,
-    "structured_outputs": _off, "logits_processors": _off, "verbosity": _off,
+    "verbosity": _off,
     # vLLM's extras that change the output, where this server lacks them
-    "best_of": lambda v: v is None or v == 1, "truncate_prompt_tokens": _off,
+    "best_of": lambda v: v is None or v == 1, "truncate_prompt_tokens": _off, "logits_processors": _off,
     "return_tokens_as_token_ids": lambda v: v is None or v is False,
 }
 # Per endpoint: the value each endpoint always uses is accepted, another one refused.
@@ -106,6 +104,7 @@ class ChatRequest:
     request_id: str | None = None  # vLLM's extra: the response id becomes chatcmpl-<request_id>
     tools: ToolRequest | None = None  # the tools and tool_choice, checked
     parsing: ChatParsing | None = None  # how the choices' text is read (reasoning, tool calls); None: as it is
+    forced_tools: ForcedToolChoice | None = None  # tool_choice "required" or a named function: the output is calls
 
 
 # ---------------------------------------------------------------------------------------------------------- fields
@@ -178,7 +177,7 @@ def _max_tokens(body: Mapping[str, Any], names: tuple[str, ...]) -> int | None:
 
 
 def _sampling_kwargs(body: Mapping[str, Any], max_tokens_names: tuple[str, ...], defaults: Mapping[str, Any],
-                     api: Api) -> dict[str, Any]:
+                     api: Api, forced: ForcedToolChoice | None = None) -> dict[str, Any]:
     """The request's sampling fields; those it leaves unset take the model's `defaults` (its generation config),
     except max_tokens: unset, it is the endpoint's (`max_tokens_when_unset`)."""
     kwargs: dict[str, Any] = {k: v for k, v in defaults.items() if k != "max_tokens"}
@@ -195,6 +194,7 @@ def _sampling_kwargs(body: Mapping[str, Any], max_tokens_names: tuple[str, ...],
     kwargs["logit_bias"] = bias or None
     requested = _max_tokens(body, max_tokens_names)
     kwargs["max_tokens"] = max_tokens_when_unset(defaults, api) if requested is None else requested
+    kwargs["structured_outputs"] = structured_from_body(body, forced)
     return kwargs
 
 
@@ -244,10 +244,11 @@ def parse_chat(body: Mapping[str, Any], info: ModelInfo, max_n: int = 16) -> Cha
     stream, options = _stream(body)
     prompt = {"messages": normalize_messages(body.get("messages")), **chat_template_options(body)}
     tools = parse_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
+    forced = forced_tool_choice(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls", True))
     parsing = ChatParsing.plan(info.chat_parsing, tools)
     if tools is not None and tools.tools:
         prompt["tools"] = list(tools.tools)
-    kwargs = _sampling_kwargs(body, ("max_completion_tokens", "max_tokens"), info.sampling_defaults, "chat")
+    kwargs = _sampling_kwargs(body, ("max_completion_tokens", "max_tokens"), info.sampling_defaults, "chat", forced)
     if parsing is not None and parsing.needs_special_tokens:
         kwargs["skip_special_tokens"] = False  # the format's markers are special tokens: the parser reads them
     top_logprobs = _chat_logprobs(body)
@@ -255,7 +256,7 @@ def parse_chat(body: Mapping[str, Any], info: ModelInfo, max_n: int = 16) -> Cha
         kwargs["logprobs"] = top_logprobs
     params = _build_params(kwargs, max_n)
     return ChatRequest(model, prompt, params, stream, options, top_logprobs, _priority(body), params.prompt_logprobs,
-                       _request_id(body), tools, parsing)
+                       _request_id(body), tools, parsing, forced)
 
 
 def chat_template_options(body: Mapping[str, Any]) -> dict[str, Any]:
