@@ -103,7 +103,8 @@ class LLM:
         conversations = _as_conversation_list(messages)
         params = _params_per_prompt(sampling_params, len(conversations), self.get_default_sampling_params())
         tool_request = parse_tools(tools, tool_choice)
-        parsing = ChatParsing.plan_offline(self._parts.config.chat_parsing, tool_request)
+        constrained = any(sp.structured_outputs is not None for sp in params)
+        parsing = ChatParsing.plan_offline(self._parts.config.chat_parsing, tool_request, constrained)
         params = [with_forced_calls(sp, tool_request) for sp in params]
         if parsing is not None and parsing.needs_special_tokens:
             params = [dataclasses.replace(sp, skip_special_tokens=False) for sp in params]

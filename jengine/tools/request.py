@@ -117,11 +117,15 @@ class ChatParsing:
     max_calls: int | None = None
 
     @classmethod
-    def plan(cls, config: ChatParsingConfig, tools: ToolRequest | None) -> ChatParsing | None:
+    def plan(cls, config: ChatParsingConfig, tools: ToolRequest | None, constrained: bool = False
+             ) -> ChatParsing | None:
         """None when nothing is to be read (no reasoning parser, no auto tool choice). Raises the 400 of an "auto"
-        choice on a server without `--enable-auto-tool-choice`."""
+        choice on a server without `--enable-auto-tool-choice`. A `constrained` reply (a grammar from its first
+        token: structured output) has no reasoning span to read."""
         if tools is not None and tools.choice in ("required", "function"):  # a grammar makes the reply calls
-            return cls(config.reasoning_parser, FORCED)
+            return cls(None, FORCED)
+        if constrained:
+            config = dataclasses.replace(config, reasoning_parser=None)
         auto = tools is not None and tools.choice == "auto" and bool(tools.tools)
         if auto and not (config.enable_auto_tool_choice and config.tool_call_parser):
             raise InvalidRequestError('tool_choice "auto" (the default when tools are given) needs the server '
@@ -134,13 +138,14 @@ class ChatParsing:
         return cls(config.reasoning_parser, config.tool_call_parser if auto else None, max_calls)
 
     @classmethod
-    def plan_offline(cls, config: ChatParsingConfig, tools: ToolRequest | None) -> ChatParsing | None:
+    def plan_offline(cls, config: ChatParsingConfig, tools: ToolRequest | None, constrained: bool = False
+                     ) -> ChatParsing | None:
         """`LLM.chat`'s plan: the tools reach the template whatever the flags (as in vLLM's `LLM.chat`), and calls
         are read whenever a tool_call_parser is set (no server flag to opt in)."""
         if tools is not None and tools.choice == "auto" and config.tool_call_parser is None:
             tools = dataclasses.replace(tools, choice="none")
         return cls.plan(dataclasses.replace(config, enable_auto_tool_choice=config.tool_call_parser is not None),
-                        tools)
+                        tools, constrained)
 
     def read(self, prompt: str | None, text: str) -> ChatMessage:
         """The whole message of one finished choice."""

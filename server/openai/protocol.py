@@ -245,10 +245,10 @@ def parse_chat(body: Mapping[str, Any], info: ModelInfo, max_n: int = 16) -> Cha
     prompt = {"messages": normalize_messages(body.get("messages")), **chat_template_options(body)}
     tools = parse_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
     forced = forced_tool_choice(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls", True))
-    parsing = ChatParsing.plan(info.chat_parsing, tools)
     if tools is not None and tools.tools:
         prompt["tools"] = list(tools.tools)
     kwargs = _sampling_kwargs(body, ("max_completion_tokens", "max_tokens"), info.sampling_defaults, "chat", forced)
+    parsing = ChatParsing.plan(info.chat_parsing, tools, constrained=kwargs["structured_outputs"] is not None)
     if parsing is not None and parsing.needs_special_tokens:
         kwargs["skip_special_tokens"] = False  # the format's markers are special tokens: the parser reads them
     top_logprobs = _chat_logprobs(body)
