@@ -46,6 +46,12 @@ class SchedulerStats:
     num_waiting: int
     kv_cache_usage: float
     num_preemptions_total: int
+    running_loras: tuple[str, ...] = ()  # adapters of the running requests (LoRA enabled), sorted
+    waiting_loras: tuple[str, ...] = ()
+
+
+def _adapter_names(requests) -> tuple[str, ...]:
+    return tuple(sorted({r.lora_name for r in requests if r.lora_name is not None}))
 
 
 class Scheduler:
@@ -93,7 +99,10 @@ class Scheduler:
         return bool(self.requests)
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.num_preemptions_total)
+        if self.lora_slots is None:
+            return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.num_preemptions_total)
+        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.num_preemptions_total,
+                              _adapter_names(self.running), _adapter_names(self.waiting))
 
     # ---------------------------------------------------------------- one step
     def schedule(self) -> SchedulerOutput:
