@@ -34,9 +34,10 @@ def self_attention(
     """`lora`: the rows' adapters add to the q/k/v and o projections (`layers/lora.py`)."""
     tokens, hd = x.shape[0], spec.head_dim
     widths = (spec.num_heads * hd, spec.num_kv_heads * hd, spec.num_kv_heads * hd)
-    q, k, v = split_fused(linear(x, w["wqkv"], w.get("bqkv"), precision), widths, spec.projection_shards)
+    qkv = linear(x, w["wqkv"], w.get("bqkv"), precision)
     if lora is not None:
-        q, k, v = (part + delta for part, delta in zip((q, k, v), lora.deltas("qkv", ("q", "k", "v"), x, precision)))
+        qkv = qkv + lora.delta("qkv", x, precision)
+    q, k, v = split_fused(qkv, widths, spec.projection_shards)
     q = q.reshape(tokens, spec.num_heads, hd)
     k, v = (a.reshape(tokens, spec.num_kv_heads, hd) for a in (k, v))
     if spec.qk_norm:  # Qwen3: RMSNorm over each head before the rotation
@@ -54,7 +55,7 @@ def self_attention(
     out = out.reshape(tokens, spec.num_heads * hd)
     projected = linear(out, w["wo"], w.get("bo"), precision)
     if lora is not None:
-        projected = projected + lora.deltas("o", ("o",), out, precision)[0]
+        projected = projected + lora.delta("o", out, precision)
     return projected, kv_cache
 
 

@@ -3,7 +3,7 @@
 The host sorts the step's token rows by slot (`LoraSegments`, built once per step): rows of slot 0, then slot 1, ...,
 then the rows without an adapter. The shrink (x·A) and the expand (·B) are then segmented matmuls over those groups
 (`segmented_matmul`, the one place a grouped-matmul kernel replaces); rows without an adapter belong to no group,
-so they add no work and get a zero delta. The parts of a fused projection share the shrink (`lora/device.py`).
+so they add no work and get a zero delta. A fused projection is one shrink and one expand (`lora/device.py`).
 """
 
 from __future__ import annotations
@@ -34,19 +34,15 @@ def segmented_matmul(x_sorted: Float[Array, "tokens k"], w: Float[Array, "slots 
     return jax.lax.ragged_dot(x_sorted, w, group_sizes, precision=precision, preferred_element_type=jnp.float32)
 
 
-def lora_deltas(x: Float[Array, "tokens d_in"], a: Float[Array, "slots d_in parts_r"],
-                bs: tuple[Float[Array, "slots r d_out"], ...], segments: LoraSegments,
-                precision: Precision = None) -> list[Float[Array, "tokens d_out"]]:
-    """The adapter's addition to each part of a projection (one shrink, one expand per part), in row order."""
-    rank = bs[0].shape[1]
+def lora_delta(x: Float[Array, "tokens d_in"], a: Float[Array, "slots d_in parts_r"],
+               b: Float[Array, "slots parts_r d_out"], segments: LoraSegments,
+               precision: Precision = None) -> Float[Array, "tokens d_out"]:
+    """The adapters' addition to one (fused) projection, in row order: one shrink, one expand."""
     sizes = segments.group_sizes
     shrunk = segmented_matmul(x[segments.order], a, sizes, precision).astype(x.dtype)
+    expanded = segmented_matmul(shrunk, b, sizes, precision)
     inside = (jnp.arange(x.shape[0]) < jnp.sum(sizes))[:, None]
-    deltas = []
-    for i, b in enumerate(bs):
-        y = segmented_matmul(shrunk[:, i * rank:(i + 1) * rank], b, sizes, precision)
-        deltas.append(jnp.where(inside, y, 0).astype(x.dtype)[segments.inverse])
-    return deltas
+    return jnp.where(inside, expanded, 0).astype(x.dtype)[segments.inverse]
 
 
 @jax.tree_util.register_dataclass
@@ -57,9 +53,6 @@ class LayerLora:
     weights: dict[str, Array]
     segments: LoraSegments
 
-    def deltas(self, group: str, parts: tuple[str, ...], x: Array, precision: Precision) -> list[Array]:
-        return lora_deltas(x, self.weights[f"{group}_a"], tuple(self.weights[f"{p}_b"] for p in parts),
-                           self.segments, precision)
-
-    def has(self, group: str) -> bool:
-        return f"{group}_a" in self.weights
+    def delta(self, group: str, x: Array, precision: Precision) -> Array:
+        """The addition to projection group `group` (qkv, o, gate_up, down) of input `x`."""
+        return lora_delta(x, self.weights[f"{group}_a"], self.weights[f"{group}_b"], self.segments, precision)

@@ -19,13 +19,13 @@ def gated_mlp(
     projection whose columns are grouped per `shards` (see `split_fused`); `lora`: the rows' adapters add to the
     three projections."""
     inter = w["w_down"].shape[0]
-    gate, up = split_fused(linear(x, w["w_gate_up"], w.get("b_gate_up"), precision), (inter, inter), shards)
+    gate_up = linear(x, w["w_gate_up"], w.get("b_gate_up"), precision)
     if lora is not None:
-        gate_delta, up_delta = lora.deltas("gate_up", ("gate", "up"), x, precision)
-        gate, up = gate + gate_delta, up + up_delta
+        gate_up = gate_up + lora.delta("gate_up", x, precision)
+    gate, up = split_fused(gate_up, (inter, inter), shards)
     hidden = ACTIVATIONS[act](gate) * up
     out = linear(hidden, w["w_down"], w.get("b_down"), precision)
-    return out if lora is None else out + lora.deltas("down", ("down",), hidden, precision)[0]
+    return out if lora is None else out + lora.delta("down", hidden, precision)
 
 
 def route(
