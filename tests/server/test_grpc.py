@@ -208,7 +208,6 @@ def test_health_and_reflection_are_open(harness: GrpcHarness) -> None:
     (dict(text="hi", sampling=pb.SamplingParams(n=0)), "n"),
     (dict(token_ids=pb.TokenIds(ids=[5, TOKENIZER_VOCAB]), sampling=GREEDY), "prompt_token_ids"),
     (dict(token_ids=pb.TokenIds(ids=[5] * MAX_MODEL_LEN), sampling=GREEDY), "prompt"),
-    (dict(text="hi", sampling=GREEDY, lora_name="my-adapter"), "lora_name"),
     (dict(text="hi", sampling=GREEDY, response_format=pb.ResponseFormat(type="json_object")), "response_format"),
     (dict(sampling=GREEDY), "prompt"),
 ])
@@ -216,8 +215,13 @@ def test_bad_requests_are_invalid_argument(harness: GrpcHarness, fields: dict, p
     error = _status(lambda: _generate(harness, **fields))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
     assert dict(error.trailing_metadata())["jengine-error-param"] == param
-    if param in ("lora_name", "response_format"):
+    if param == "response_format":
         assert "not supported yet" in error.details()
+
+
+def test_an_unknown_lora_name_is_not_found(harness: GrpcHarness) -> None:
+    error = _status(lambda: _generate(harness, text="hi", sampling=GREEDY, lora_name="my-adapter"))
+    assert error.code() == grpc.StatusCode.NOT_FOUND and "my-adapter" in error.details()
 
 
 def test_api_key_is_required_except_for_health(harness: GrpcHarness) -> None:

@@ -130,3 +130,43 @@ def test_lora_requests_info_metric(lora_server):
 def test_runtime_updating_is_off_unless_switched_on(server):
     response = server.http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/x"})
     assert response.status_code == 404
+
+
+def test_grpc_lora_name_runs_the_adapter(chat_model_dir, adapters):
+    """A gRPC request's `lora_name` selects a loaded adapter: the same tokens as the in-process engine's."""
+    import grpc
+
+    from jengine.clients.async_engine import AsyncEngine
+    from jengine.config import EngineConfig
+    from jengine.sampling.params import SamplingParams
+    from jengine.v1 import jengine_pb2 as pb
+    from jengine.v1 import jengine_pb2_grpc as pb_grpc
+    from server.grpc_service import start_grpc_server
+    from tests.server.grpc_fixtures import LoopThread
+
+    loops = LoopThread()
+    config = EngineConfig.from_kwargs(str(chat_model_dir), dtype="float32", max_model_len=128, enable_lora=True,
+                                      lora_modules=[f"first={adapters['first']}"])
+    engine = AsyncEngine.from_config(config)
+    server = loops.run(start_grpc_server(engine, "127.0.0.1", 0))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.EngineStub(channel)
+
+            def tokens(lora_name: str) -> list[int]:
+                request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7, 8]), lora_name=lora_name,
+                                             sampling=pb.SamplingParams(temperature=0, max_tokens=6))
+                return [t for reply in stub.Generate(request) for out in reply.outputs for t in out.token_ids]
+
+            async def in_process() -> list[int]:
+                params = SamplingParams(temperature=0, max_tokens=6)
+                outs = [o async for o in engine.generate({"prompt_token_ids": [5, 6, 7, 8]}, params,
+                                                         lora_request=engine.list_loras()[0])]
+                return [t for o in outs for t in o.outputs[0].token_ids]
+
+            assert tokens("first") == loops.run(in_process()) != tokens("")
+    finally:
+        loops.run(server.stop(None))
+        engine.shutdown()
+        loops.close()
+
