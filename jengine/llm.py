@@ -83,10 +83,7 @@ class LLM:
         adapters = self._adapters_per_prompt(lora_request, len(batch))
         now = time.monotonic()
         requests = [self._front.process(p, sp, self._next_id(), arrival_time=now) for p, sp in zip(batch, params)]
-        for request, adapter in zip(requests, adapters, strict=True):
-            for child in request.children:
-                child.lora_request = adapter
-        return self._run(requests, use_tqdm)
+        return self._run(_with_adapters(requests, adapters), use_tqdm)
 
     def _adapters_per_prompt(self, lora_request: LoraArg, count: int) -> list[LoRARequest | None]:
         if lora_request is None or isinstance(lora_request, LoRARequest):
@@ -110,13 +107,15 @@ class LLM:
     def chat(self, messages: Conversation | Sequence[Conversation], sampling_params: ParamsArg = None, *,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, lora_request: LoraArg = None) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them, through the chat template.
         `continue_final_message` (with add_generation_prompt=False) continues the last message instead of starting
-        a new turn; `chat_template_kwargs` are extra template variables (e.g. {"enable_thinking": False})."""
+        a new turn; `chat_template_kwargs` are extra template variables (e.g. {"enable_thinking": False});
+        `lora_request` as in `generate`."""
         self._raise_if_dead()
         conversations = _as_conversation_list(messages)
         params = _params_per_prompt(sampling_params, len(conversations), self.get_default_sampling_params())
+        adapters = self._adapters_per_prompt(lora_request, len(conversations))
         now = time.monotonic()
         requests = [
             self._front.process_chat(c, sp, self._next_id(), chat_template=chat_template,
@@ -125,7 +124,7 @@ class LLM:
                                      chat_template_kwargs=chat_template_kwargs, arrival_time=now)
             for c, sp in zip(conversations, params)
         ]
-        return self._run(requests, use_tqdm)
+        return self._run(_with_adapters(requests, adapters), use_tqdm)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use without sampling_params: the model's generation_config.json defaults
@@ -284,6 +283,14 @@ def _as_conversation_list(messages: Conversation | Sequence[Conversation]) -> li
             return [messages]  # type: ignore[list-item]
         return list(messages)  # type: ignore[arg-type]
     raise InvalidRequestError("messages must be a list of messages or a list of conversations", param="messages")
+
+
+def _with_adapters(requests: list[ProcessedRequest], adapters: list[LoRARequest | None]) -> list[ProcessedRequest]:
+    """Each request's choices run under its adapter (None: the base model)."""
+    for request, adapter in zip(requests, adapters, strict=True):
+        for child in request.children:
+            child.lora_request = adapter
+    return requests
 
 
 def _params_per_prompt(params: ParamsArg, count: int, default: SamplingParams) -> list[SamplingParams]:

@@ -86,3 +86,22 @@ def test_mixed_batch_equals_each_alone(lora_base, adapters, prompts):
         by_adapter = {str(r): o.outputs[0].token_ids for (p, r), o in zip(pairs, mixed) if p is prompts[-1]}
         assert len(set(map(tuple, by_adapter.values()))) == len(requests), "every adapter changes the output"
         assert_nothing_leaked(llm)
+
+
+def test_loading_into_a_slot_never_compiles(lora_base, adapters, prompts):
+    """After one adapter has run a shape, others loaded into the slots run it with no new program."""
+    from jengine.lora.device import _write_slot
+    from jengine.runner.step import num_compiled_shapes
+
+    model_dir, _ = lora_base
+    plain = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with LLM(str(model_dir), dtype="float32", max_model_len=128, enable_lora=True, max_loras=1,
+             max_lora_rank=16) as llm:
+        first, *others = _requests(adapters)
+        llm.generate({"prompt_token_ids": prompts[0]}, plain, use_tqdm=False, lora_request=first)
+        compiled, writes = num_compiled_shapes(), _write_slot._cache_size()
+        for request in others:  # one slot: each loads over the one before
+            llm.generate({"prompt_token_ids": prompts[0]}, plain, use_tqdm=False, lora_request=request)
+        assert (num_compiled_shapes(), _write_slot._cache_size()) == (compiled, writes)
+        assert llm._core.runner.lora.slots.loaded == [others[-1].lora_name]
+
