@@ -3,7 +3,7 @@
 1. Correctness (a tiny float32 Llama, random weights): a LoRA adapter served by the engine against the same base with
    that adapter merged into its weights in numpy (W + scale · B A) and served as a plain model; greedy tokens must be
    identical and chosen-token logprobs within 2e-3, for each of four adapters in one mixed batch with the base.
-2. Timing (Llama-3.1-8B shape, random bf16 weights made on the device; rank-16 adapters on all seven projections,
+2. Timing (Llama-3.1-8B shape, random bf16 weights made on the device by load_format='dummy'; rank-16 adapters on all seven projections,
    random): the jitted decode step replayed back to back on a recorded step's inputs (one synchronisation per run),
    at batch 64 with 8 distinct adapters (8 requests each) and at batch 1 with one adapter, each over the same batch
    on an engine without LoRA. `metrics.lora_load_seconds`: one adapter read from its directory and written into a
@@ -25,7 +25,6 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import numpy as np
 
@@ -126,26 +125,6 @@ def check_correctness(work: Path, rank: int = 8) -> dict[str, Any]:
     return {"correct_identical_greedy": identical, "correct_requests": total, "correct_max_logprob_diff": worst}
 
 
-def random_device_params(model_dir, *, dtype, sharding, kv_head_repeat, projection_shards, **_: Any):
-    """`load_model`'s result with random weights made on the device (an 8B checkpoint need not be written)."""
-    import jax
-    import jax.numpy as jnp
-
-    from jengine.models.loader import load_spec
-    from jengine.models.weights import is_source, parameter_sources
-
-    spec = load_spec(model_dir)
-    dtype = jnp.dtype("bfloat16" if dtype == "auto" else dtype)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(parameter_sources(spec), is_leaf=is_source)
-    keys = jax.random.split(jax.random.key(0), len(flat))
-    leaves = []
-    for key, (path, source) in zip(keys, flat):
-        is_norm = "norm" in jax.tree_util.keystr(path)
-        leaves.append(jnp.ones(source.shape, dtype) if is_norm
-                      else (jax.random.normal(key, source.shape, jnp.float32) * 0.02).astype(dtype))
-    return spec, jax.tree_util.tree_unflatten(treedef, leaves), dtype
-
-
 def decode_step_seconds(llm: LLM, prompts: list[list[int]], params: SamplingParams, lora: list | None) -> float:
     """Median device time of the jitted decode step of every request, replayed on a recorded step's inputs."""
     core = llm._core
@@ -194,9 +173,10 @@ def load_seconds(llm: LLM, request: LoRARequest) -> float:
 
 def timing(work: Path, args: argparse.Namespace) -> tuple[dict, dict]:
     shape = LLAMA31_8B if args.shape == "llama3-8b" else TINY
-    model_dir = build_random_llama(work / "bench-model", num_hidden_layers=args.layers, **shape)
-    config = json.loads((model_dir / "config.json").read_text())
-    (model_dir / "model.safetensors").unlink()  # weights are made on the device
+    model_dir = build_random_llama(work / "bench-model", num_hidden_layers=0, **shape)  # config and tokenizer
+    (model_dir / "model.safetensors").unlink()  # load_format='dummy' makes the weights on the device
+    config = json.loads((model_dir / "config.json").read_text()) | {"num_hidden_layers": args.layers}
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2))
     paths = [work / f"adapter{i}" for i in range(args.adapters)]
     for i, path in enumerate(paths):
         write_adapter(path, config, args.rank, seed=100 + i)
@@ -206,19 +186,18 @@ def timing(work: Path, args: argparse.Namespace) -> tuple[dict, dict]:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     engine = dict(dtype=args.dtype, max_model_len=args.prompt_len + args.max_tokens + 16, max_num_seqs=args.batch,
                   max_num_batched_tokens=args.batch * args.prompt_len, enable_prefix_caching=False,
-                  compile_buckets="lazy", num_gpu_blocks_override=args.batch * 16 + 64)
+                  compile_buckets="lazy", num_gpu_blocks_override=args.batch * 16 + 64, load_format="dummy")
     lora_args = dict(enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank)
     per_request = [requests[i % args.adapters] for i in range(args.batch)]
     results = {}
-    with mock.patch("jengine.factory.load_model", random_device_params):
-        for name, extra in (("base", {}), ("lora", lora_args)):
-            with LLM(str(model_dir), **engine, **extra) as llm:
-                lora_b64 = per_request if extra else None
-                results[f"{name}_b{args.batch}"] = decode_step_seconds(llm, prompts, params, lora_b64)
-                results[f"{name}_b1"] = decode_step_seconds(llm, prompts[:1], params, requests[:1] if extra else None)
-                if extra:
-                    results["load"] = min(load_seconds(llm, LoRARequest(f"load{i}", 100 + i, str(paths[i])))
-                                          for i in range(min(3, args.adapters)))
+    for name, extra in (("base", {}), ("lora", lora_args)):
+        with LLM(str(model_dir), **engine, **extra) as llm:
+            lora_b64 = per_request if extra else None
+            results[f"{name}_b{args.batch}"] = decode_step_seconds(llm, prompts, params, lora_b64)
+            results[f"{name}_b1"] = decode_step_seconds(llm, prompts[:1], params, requests[:1] if extra else None)
+            if extra:
+                results["load"] = min(load_seconds(llm, LoRARequest(f"load{i}", 100 + i, str(paths[i])))
+                                      for i in range(min(3, args.adapters)))
     metrics = {f"{k}_step_ms": v * 1e3 for k, v in results.items() if k != "load"}
     metrics["lora_load_seconds"] = results["load"]
     ratios = {"lora_step_vs_base_b64": results[f"lora_b{args.batch}"] / results[f"base_b{args.batch}"],
