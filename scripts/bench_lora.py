@@ -33,8 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from jengine import LLM, LoRARequest, SamplingParams  # noqa: E402
 from jengine.models.demo import build_random_llama  # noqa: E402
+from check_pipeline_gpu import Recorder, device_seconds  # noqa: E402
 from gpu_bench_common import (  # noqa: E402
-    jax_device_name, log, print_tables, replay_seconds, result_record, versions, write_record,
+    jax_device_name, log, print_tables, result_record, versions, write_record,
 )
 
 LLAMA31_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
@@ -127,34 +128,11 @@ def check_correctness(work: Path, rank: int = 8) -> dict[str, Any]:
 
 def decode_step_seconds(llm: LLM, prompts: list[list[int]], params: SamplingParams, lora: list | None) -> float:
     """Median device time of the jitted decode step of every request, replayed on a recorded step's inputs."""
-    core = llm._core
-    schedule, run_step = core.scheduler.schedule, core.runner._step
-    sizes, recorded = [(0, 0)], []
-
-    def recorded_schedule():
-        out = schedule()
-        sizes[0] = (out.total_num_scheduled_tokens, len(out.num_scheduled_tokens))
-        return out
-
-    def recorded_step(*args):
-        if sizes[0] == (len(prompts), len(prompts)) and not recorded:
-            recorded.append(list(args))
-        return run_step(*args)
-
+    run_step = llm._core.runner._step
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=lora)  # compiles
-    core.scheduler.schedule, core.runner._step = recorded_schedule, recorded_step
+    recorder = Recorder(llm, len(prompts))
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=lora)
-    core.scheduler.schedule, core.runner._step = schedule, run_step
-    args = recorded[0]
-    args[1] = core.runner.state  # the recorded state was donated; the current one has the same shapes
-
-    def call() -> Any:
-        args[1], _ = run_step(*args)
-        return args[1]
-
-    seconds = replay_seconds(call, warmup=3, runs=5, calls=20)
-    core.runner.state = args[1]
-    return seconds
+    return device_seconds(llm, recorder, run_step)
 
 
 def load_seconds(llm: LLM, request: LoRARequest) -> float:
@@ -226,8 +204,9 @@ def main() -> int:
     record = result_record("lora", args.git_sha, jax_device_name(), versions(), " ".join(sys.argv),
                            {**metrics, **timed}, ratios, shape=args.shape, layers=args.layers, rank=args.rank,
                            adapters=args.adapters, batch=args.batch,
-                           method="decode step: the jitted step replayed on a recorded decode step's inputs, median "
-                                  "of 5 runs of 20 calls; base = the same batch on an engine without LoRA")
+                           method="decode step: the jitted step replayed on a recorded decode step's inputs "
+                                  "(check_pipeline_gpu.device_seconds); base = the same batch on an engine without "
+                                  "LoRA")
     path = Path(args.out) / f"{datetime.date.today().isoformat()}-lora.json"
     write_record(path, record)
     print_tables(record)
