@@ -125,6 +125,7 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
         spec, params, dtype = load_weights(config.model, layout)
         tokenizer = pending_tokenizer.result()
     device = next(d for d in devices if d.process_index == jax.process_index())  # memory stats: local only
+    adapters, runner_lora = build_lora(config, spec, dtype, layout.replicated)  # before the KV pool takes the rest
     plan = agree_across_processes(plan_kv_cache(spec, config.cache, config.scheduler, dtype, device,
                                                 kv_shards=layout.size))
     if plan.num_tokens < config.scheduler.max_model_len:
@@ -135,7 +136,6 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
     log_plan(plan, config.scheduler.max_model_len)
     backend = select_backend(device.platform, config.runner.attention_backend, head_dim=spec.head_dim,
                              mesh=layout.mesh)
-    adapters, runner_lora = build_lora(config, spec, dtype, layout.replicated)
     runner: StepRunner = ModelRunner(spec, params, dtype, config, plan, backend, layout, runner_lora)
     if parallel.num_processes > 1 and jax.process_index() == 0:  # the workers replay process 0's runner calls
         runner = PublishingRunner(runner, StepPublisher())

@@ -10,6 +10,8 @@ step's programs see arrays of the same shapes whatever the slots hold.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,7 +55,9 @@ def slot_image(spec: ModelSpec, adapter: LoraAdapter | None, max_rank: int, dtyp
     return image
 
 
-@jax.jit
+# The stacked arrays are donated: a load costs no second copy of every slot. Steps dispatched before read them first
+# (the runtime orders the write after their reads).
+@functools.partial(jax.jit, donate_argnums=0)
 def _write_slot(slots: list[dict[str, jax.Array]], image: list[dict[str, jax.Array]], slot: jax.Array
                 ) -> list[dict[str, jax.Array]]:
     return jax.tree_util.tree_map(lambda stacked, one: stacked.at[slot].set(one), slots, image)
@@ -73,7 +77,7 @@ class DeviceLoraSlots:
         self.loaded: list[str | None] = [None] * num_slots
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
-        """Writes `adapter` into `slot` (steps dispatched before keep reading the arrays they were given)."""
+        """Writes `adapter` into `slot`, in place (steps dispatched before read their inputs first)."""
         image = slot_image(self.spec, adapter, self.max_rank, self.dtype)
         self.arrays = _write_slot(self.arrays, image, np.int32(slot))
         self.loaded[slot] = adapter.name
