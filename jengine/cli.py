@@ -61,11 +61,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--load-format", default="auto", metavar="{auto,safetensors,dummy}",
                        help="dummy: random weights from config.json alone, no checkpoint read (benchmarks); the "
                             "tokenizer still comes from the model directory or --tokenizer")
-    group.add_argument("--compile-buckets", default="lazy", choices=["all", "lazy", "auto"])
+    group.add_argument("--compile-buckets", default="auto", choices=["all", "lazy", "auto"],
+                       help="auto: every shape compiled at start-up on a GPU, on first use on the CPU")
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                        help="dispatch step N+1 before step N's tokens reach the host (default on)")
     group.add_argument("--compilation-cache-dir", type=Path, default=DEFAULT_COMPILATION_CACHE,
                        help="JAX persistent compilation cache")
+    group.add_argument("-q", "--quantization", default=None,
+                       help="fp8 or compressed-tensors; unset: the checkpoint's quantization_config. fp8 on a float "
+                            "checkpoint quantizes it at load")
     group.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters over the base model")
     group.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                        help="PEFT adapter directories loaded at start-up (name=path or a JSON object with name, "
@@ -74,7 +78,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-cpu-loras", type=int, default=None,
                        help="adapters kept in host memory (default: --max-loras)")
     group.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank served")
-    for flag in ("--quantization", "--speculative-config", "--reasoning-parser", "--tool-call-parser"):
+    for flag in ("--speculative-config", "--reasoning-parser", "--tool-call-parser"):
         group.add_argument(flag, default=None, help=argparse.SUPPRESS)
     group.add_argument("--enable-auto-tool-choice", action="store_true", help=argparse.SUPPRESS)
     _add_vllm_compat_args(parser)
@@ -263,7 +267,6 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
                        help="the name clients send as 'model'; several: the first answers, all are accepted")
     _add_server_args(serve, grpc=True)
-    serve.set_defaults(compile_buckets="auto")  # a server on a GPU compiles every shape before it takes traffic
 
 
 def _add_openai_parser(commands: argparse._SubParsersAction) -> None:

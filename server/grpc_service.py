@@ -38,6 +38,7 @@ from server.grpc_convert import (
     OutputEncoder, chat_options_from_proto, messages_from_proto, model_info_to_proto, prompt_from_request,
     sampling_from_proto, stats_to_proto,
 )
+from server.grpc_structured import structured_from_proto
 from server.request_work import RequestWork, prepare_prompts
 
 logger = logging.getLogger(__name__)
@@ -160,9 +161,11 @@ class EngineService(pb_grpc.EngineServicer):
                        ) -> AsyncIterator[pb.GenerateResponse]:
         deadline = _deadline(context)
         try:
-            _refuse_unsupported(request)
             adapter = self._adapter(request.lora_name)
             params = sampling_from_proto(request.sampling)
+            structured = structured_from_proto(request)
+            if structured is not None:
+                params = params.clone(structured_outputs=structured)
             prompt = prompt_from_request(request)
             [prompt] = await self._work.run(prepare_prompts, self._client.get_tokenizer(),
                                             self._client.get_model_info(), [prompt], params)
@@ -260,15 +263,6 @@ async def _unary(context: grpc.aio.ServicerContext, fn: Callable[[], Any]) -> An
         return await result if asyncio.iscoroutine(result) else result
     except Exception as exc:
         await abort_with(context, exc)
-
-
-def _refuse_unsupported(request: pb.GenerateRequest) -> None:
-    """Fields the proto reserves for features not built yet: refused, never ignored."""
-    response_format = request.response_format
-    if request.HasField("response_format") and (response_format.type not in ("", "text") or response_format.json_schema
-                                                or response_format.regex):
-        raise InvalidRequestError("response_format is not supported yet (structured output is not built)",
-                                  param="response_format")
 
 
 class _Health(health.aio.HealthServicer):

@@ -91,6 +91,10 @@ class AsyncEngine:
         `lora_request`: an adapter added before (`add_lora`, --lora-modules); None: the base model."""
         if lora_request is not None and self._loras.get(lora_request.lora_name) != lora_request:
             raise NotFoundError(f"no LoRA adapter named {lora_request.lora_name!r} is loaded", code="lora_not_found")
+        if sampling_params is not None and sampling_params.structured_outputs is not None:
+            # Compiling a grammar (and, the first time, the tokenizer's llguidance view) takes a while: off the loop;
+            # the check at admission then finds it compiled.
+            await asyncio.get_running_loop().run_in_executor(None, self._front.compile_grammar, sampling_params)
         stream = self._admit(prompt, sampling_params or SamplingParams(), request_id, priority, lora_request)
         try:
             while True:
