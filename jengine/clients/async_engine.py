@@ -89,12 +89,13 @@ class AsyncEngine:
                        lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Stream delta outputs (the last has finished=True); leaving the loop early aborts the request.
         `lora_request`: an adapter added before (`add_lora`, --lora-modules); None: the base model."""
-        if lora_request is not None and self._loras.get(lora_request.lora_name) != lora_request:
-            raise NotFoundError(f"no LoRA adapter named {lora_request.lora_name!r} is loaded", code="lora_not_found")
         if sampling_params is not None and sampling_params.structured_outputs is not None:
             # Compiling a grammar (and, the first time, the tokenizer's llguidance view) takes a while: off the loop;
             # the check at admission then finds it compiled.
             await asyncio.get_running_loop().run_in_executor(None, self._front.compile_grammar, sampling_params)
+        # From this check to the core's queue nothing awaits: an unload queued after it finds this request there.
+        if lora_request is not None and self._loras.get(lora_request.lora_name) != lora_request:
+            raise NotFoundError(f"no LoRA adapter named {lora_request.lora_name!r} is loaded", code="lora_not_found")
         stream = self._admit(prompt, sampling_params or SamplingParams(), request_id, priority, lora_request)
         try:
             while True:
