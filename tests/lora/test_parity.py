@@ -106,3 +106,24 @@ def test_loading_into_a_slot_never_compiles(lora_base, adapters, prompts):
         assert (num_compiled_shapes(), _write_slot._cache_size()) == (compiled, writes)
         assert llm._core.runner.lora.slots.loaded == [others[-1].lora_name]
 
+
+
+def test_chunked_prefill_and_preemption_keep_adapter_outputs(lora_base, adapters, prompts):
+    """Prefill chunks of 8 tokens beside decodes, and a pool so small that requests are preempted and recomputed
+    (their slots given back and taken again): the same tokens as with room for everything."""
+    model_dir, _ = lora_base
+    requests = _requests(adapters)[:2] + [None]
+    pairs = [(p, r) for p in prompts for r in requests]
+    plain = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+    def run(**engine) -> tuple[list[list[int]], int]:
+        with LLM(str(model_dir), dtype="float32", max_model_len=48, enable_lora=True, max_loras=2,
+                 max_lora_rank=16, **engine) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p, _ in pairs], plain, use_tqdm=False,
+                                lora_request=[r for _, r in pairs])
+            assert_nothing_leaked(llm)
+            return [o.outputs[0].token_ids for o in outs], llm._core.scheduler.num_preemptions_total
+
+    roomy, _ = run()
+    tight, preemptions = run(max_num_batched_tokens=8, num_gpu_blocks_override=6, block_size=8)
+    assert tight == roomy and preemptions > 0, f"seed {SEED}"
