@@ -3,8 +3,8 @@
 
 Pure data, no server or engine imports: `forced_tool_choice` reads the request's tools into a `ForcedToolChoice`
 (its JSON schema constrains the output as `StructuredOutputsParams(json=...)`); the reply is read into tool calls by
-`jengine.tools.parsers.forced`, as parsed calls are, so it streams the same way. `parallel_tool_calls: false` or a named function means exactly one call;
-otherwise between 1 and MAX_TOOL_CALLS.
+`jengine.tools.parsers.forced`, as parsed calls are, so it streams the same way. `parallel_tool_calls: false` or a
+named function means exactly one call; otherwise between 1 and MAX_TOOL_CALLS.
 """
 
 from __future__ import annotations

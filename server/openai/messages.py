@@ -1,8 +1,9 @@
 """OpenAI chat messages → the dicts chat templates read: roles checked, text parts joined, tool calls checked.
 
 Every field a message may carry is read or refused (a 400 naming it), never dropped: system, developer and user
-messages carry content and a name; assistant messages also `tool_calls` (content may then be null: it reads as empty) and the previous
-turn's reasoning (`reasoning_content`, or vLLM's newer `reasoning`); tool messages the `tool_call_id` they answer.
+messages carry content and a name; assistant messages also `tool_calls` (content may then be null: it reads as
+empty) and the previous turn's reasoning (`reasoning_content`, or vLLM's newer `reasoning`); tool messages the
+`tool_call_id` they answer.
 """
 
 from __future__ import annotations

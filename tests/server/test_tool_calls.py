@@ -189,7 +189,8 @@ def test_the_template_sees_tools_tool_calls_and_tool_results(
         scripted: dict[str, tuple[ServerHandle, ScriptedChat]]) -> None:
     messages = [{"role": "user", "content": "time?"},
                 {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}]},
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
     response = scripted["hermes"][0].http.post("/tokenize", json={"messages": messages, "tools": TOOLS[:1]})
     prompt = scripted["hermes"][1].tokenizer.decode(response.json()["tokens"], skip_special_tokens=False)
