@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Any
 
 from jengine.config import ChatParsingConfig
 from jengine.llm import LLM
@@ -55,3 +56,25 @@ def test_without_parsers_the_tools_only_reach_the_template(tokenizer: Tokenizer)
     reasoning_only = _llm(tokenizer, ChatParsingConfig("deepseek_r1")).chat(
         CONVERSATION, SamplingParams(max_tokens=200), chat_template=TEMPLATE, use_tqdm=False)
     assert reasoning_only[0].outputs[0].message == ChatMessage(REPLY.split("</think>\n")[1], "Paris weather.")
+
+
+def test_a_forced_tool_choice_constrains_and_reads_calls(tokenizer: Tokenizer) -> None:
+    """tool_choice "required": the request carries the calls' grammar, and the reply (here scripted as the grammar
+    would make it) is read into calls, whatever the parser flags."""
+    reply = tokenizer.encode('[{"name":"get_weather","parameters":{"city":"Paris"}}]', add_special_tokens=False)
+    constraints = []
+
+    def script(request: Any, index: int) -> list[int]:
+        constraints.append(request.sampling_params.structured_outputs)
+        return reply + [tokenizer.eos_token_id]
+
+    llm = LLM.from_parts(make_parts(tokenizer, FakeCore(script=script), max_model_len=512))
+    [result] = llm.chat(CONVERSATION, SamplingParams(max_tokens=200), chat_template=TEMPLATE, tools=TOOLS,
+                        tool_choice="required", use_tqdm=False)
+    [call] = result.outputs[0].message.tool_calls
+    assert (call.name, json.loads(call.arguments), result.outputs[0].finish_reason) == (
+        "get_weather", {"city": "Paris"}, "tool_calls")
+    assert result.outputs[0].message.content is None
+    [constraint] = constraints
+    assert constraint.json["type"] == "array" and constraint.json["items"]["properties"]["name"] == {
+        "type": "string", "enum": ["get_weather"]}
