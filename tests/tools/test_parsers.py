@@ -119,6 +119,8 @@ def test_tool_calls_stream_to_the_non_streamed_message(parser: str, reply: str, 
     message = _check_streams(lambda: _parser(parser, None), reply)
     assert message.content == content
     assert [(c.name, c.arguments) for c in message.tool_calls] == calls
+    extracted = tool_parser(parser).extract(reply)
+    assert (extracted.content or None, [(c.name, c.arguments) for c in extracted.calls]) == (content, calls)
     for call in message.tool_calls:
         json.loads(call.arguments)
 
@@ -128,6 +130,8 @@ def test_reasoning_streams_to_the_non_streamed_message(parser: str, prompt: str,
                                                        content: str | None) -> None:
     message = _check_streams(lambda: _parser(None, parser, prompt), reply)
     assert (message.reasoning, message.content) == (reasoning, content)
+    extracted = reasoning_parser(parser, prompt).extract(reply)
+    assert (extracted.reasoning or None, extracted.content or None) == (reasoning, content)
 
 
 def test_reasoning_then_tool_calls() -> None:

@@ -48,6 +48,11 @@ class ToolParser:
     def scan(self, text: str, final: bool) -> ToolScan:
         raise NotImplementedError
 
+    def extract(self, text: str) -> ToolScan:
+        """The non-streaming reading of a whole reply (streams read through `jengine.tools.stream.ChoiceParser`,
+        which reassembles to exactly this)."""
+        return type(self)().scan(text, final=True)
+
     def new_call_id(self) -> str:
         """An id for the next call (vLLM's form; formats whose templates check ids override it)."""
         return f"chatcmpl-tool-{uuid.uuid4().hex}"

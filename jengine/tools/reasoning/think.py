@@ -37,6 +37,10 @@ class ReasoningParser:
     def __init__(self, prompt: str | None = None) -> None:
         self.opened_by_prompt = prompt is not None and prompt.rstrip().endswith(OPEN)
 
+    def extract(self, text: str) -> ReasoningScan:
+        """The non-streaming reading of a whole reply."""
+        return self.scan(text, final=True)
+
     def scan(self, text: str, final: bool) -> ReasoningScan:
         start = skip_whitespace(text, 0)
         if text.startswith(OPEN, start):
