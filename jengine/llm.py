@@ -9,6 +9,7 @@ of prompts can be given in one call.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
 import numbers
@@ -23,12 +24,15 @@ from jengine.engine.core import EngineCoreOutput
 from jengine.front.front import EngineFront
 from jengine.front.input_processor import ProcessedRequest, PromptInput
 from jengine.errors import EngineDeadError, InvalidRequestError
+from jengine.lora.request import LoRARequest
 from jengine.outputs import RequestOutput, RequestOutputKind
 from jengine.progress import progress_bar
 from jengine.request import Request, RequestStatus
 from jengine.sampling.defaults import max_tokens_when_unset
 from jengine.sampling.params import SamplingParams
 from jengine.tokenizer import Tokenizer
+from jengine.tools.request import ChatParsing, parse_tools, with_forced_calls
+from jengine.tools.stream import finish_reason
 
 OFFLINE_MAX_N = 1024  # choices per prompt offline (pass@k wants many); servers keep their own, smaller cap
 
@@ -39,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 Conversation = Sequence[Mapping[str, Any]]
 ParamsArg = SamplingParams | Sequence[SamplingParams] | None
+LoraArg = LoRARequest | Sequence[LoRARequest | None] | None
 
 
 class LLM:
@@ -78,38 +83,75 @@ class LLM:
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompts: PromptInput | Sequence[PromptInput], sampling_params: ParamsArg = None, *,
-                 use_tqdm: bool = True, lora_request: None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: LoraArg = None) -> list[RequestOutput]:
         """Complete every prompt; results in input order. A prompt: str, token ids (a list or a 1-D array),
-        {"prompt" or "prompt_token_ids"}. `lora_request` is vLLM's: only None until LoRA serving exists."""
+        {"prompt" or "prompt_token_ids"}. `lora_request`: one `LoRARequest` for every prompt or a list aligned with
+        the prompts (None: the base model); each adapter is read and checked before any prompt runs."""
         self._raise_if_dead()
-        if lora_request is not None:
-            raise InvalidRequestError("lora_request is not supported yet (LoRA serving is not built)",
-                                      param="lora_request")
         batch = [_as_plain_prompt(p) for p in _as_prompt_list(_as_plain_prompt(prompts))]
         params = _params_per_prompt(sampling_params, len(batch), self.get_default_sampling_params())
+        adapters = self._adapters_per_prompt(lora_request, len(batch))
         now = time.monotonic()
         requests = [self._front.process(p, sp, self._next_id(), arrival_time=now) for p, sp in zip(batch, params)]
-        return self._run(requests, use_tqdm)
+        return self._run(_with_adapters(requests, adapters), use_tqdm)
+
+    def _adapters_per_prompt(self, lora_request: LoraArg, count: int) -> list[LoRARequest | None]:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            adapters = [lora_request] * count
+        elif isinstance(lora_request, Sequence) and not isinstance(lora_request, str):
+            adapters = list(lora_request)
+            if len(adapters) != count:
+                raise InvalidRequestError(f"got {len(adapters)} lora_request entries for {count} prompts",
+                                          param="lora_request")
+        else:
+            raise InvalidRequestError(f"lora_request must be a LoRARequest, a list of them or None, got "
+                                      f"{type(lora_request).__name__}", param="lora_request")
+        for adapter in adapters:
+            if adapter is not None and not isinstance(adapter, LoRARequest):
+                raise InvalidRequestError(f"lora_request entries must be LoRARequest or None, got "
+                                          f"{type(adapter).__name__}", param="lora_request")
+            if adapter is not None:
+                self._core.add_lora(adapter)
+        return adapters
 
     def chat(self, messages: Conversation | Sequence[Conversation], sampling_params: ParamsArg = None, *,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             tools: list[dict[str, Any]] | None = None, tool_choice: Any = None,
+             use_tqdm: bool = True, lora_request: LoraArg = None) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them, through the chat template.
         `continue_final_message` (with add_generation_prompt=False) continues the last message instead of starting
-        a new turn; `chat_template_kwargs` are extra template variables (e.g. {"enable_thinking": False})."""
+        a new turn; `chat_template_kwargs` are extra template variables (e.g. {"enable_thinking": False});
+        `lora_request` as in `generate`. `tools` (OpenAI function tools) are listed by the template. With
+        `LLM(..., reasoning_parser=...)` or `tool_call_parser=...` each output's `message` holds the reply read apart
+        (reasoning, content, tool calls; finish_reason "tool_calls" when it made calls); `tool_choice` "none" leaves
+        calls unread, "required" or a named function constrains the reply to calls (read whatever the parsers)."""
         self._raise_if_dead()
         conversations = _as_conversation_list(messages)
         params = _params_per_prompt(sampling_params, len(conversations), self.get_default_sampling_params())
+        adapters = self._adapters_per_prompt(lora_request, len(conversations))
+        tool_request = parse_tools(tools, tool_choice)
+        constrained = any(sp.structured_outputs is not None for sp in params)
+        parsing = ChatParsing.plan_offline(self._parts.config.chat_parsing, tool_request, constrained)
+        params = [with_forced_calls(sp, tool_request) for sp in params]
+        if parsing is not None and parsing.needs_special_tokens:
+            params = [dataclasses.replace(sp, skip_special_tokens=False) for sp in params]
         now = time.monotonic()
         requests = [
             self._front.process_chat(c, sp, self._next_id(), chat_template=chat_template,
                                      add_generation_prompt=add_generation_prompt,
                                      continue_final_message=continue_final_message,
-                                     chat_template_kwargs=chat_template_kwargs, arrival_time=now)
+                                     chat_template_kwargs=chat_template_kwargs,
+                                     tools=list(tool_request.tools) if tool_request else None, arrival_time=now)
             for c, sp in zip(conversations, params)
         ]
-        return self._run(requests, use_tqdm)
+        results = self._run(_with_adapters(requests, adapters), use_tqdm)
+        if parsing is not None:
+            for result in results:
+                for output in result.outputs:
+                    output.message = parsing.read(result.prompt, output.text)
+                    output.finish_reason = finish_reason(output.finish_reason, output.message)
+        return results
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use without sampling_params: the model's generation_config.json defaults
@@ -268,6 +310,14 @@ def _as_conversation_list(messages: Conversation | Sequence[Conversation]) -> li
             return [messages]  # type: ignore[list-item]
         return list(messages)  # type: ignore[arg-type]
     raise InvalidRequestError("messages must be a list of messages or a list of conversations", param="messages")
+
+
+def _with_adapters(requests: list[ProcessedRequest], adapters: list[LoRARequest | None]) -> list[ProcessedRequest]:
+    """Each request's choices run under its adapter (None: the base model)."""
+    for request, adapter in zip(requests, adapters, strict=True):
+        for child in request.children:
+            child.lora_request = adapter
+    return requests
 
 
 def _params_per_prompt(params: ParamsArg, count: int, default: SamplingParams) -> list[SamplingParams]:

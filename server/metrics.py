@@ -39,7 +39,7 @@ from jengine.engine.stats import ITERATION_TOKEN_BUCKETS, EngineStats
 from jengine.front.input_processor import PromptInput
 from jengine.errors import CapacityError
 from jengine.outputs import RequestOutput
-from jengine.sampling.params import SamplingParams
+from jengine.sampling.params import SamplingParams, StructuredOutputsParams
 from jengine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -99,6 +99,7 @@ class _EngineStatsCollector(Collector):
             yield self._family(cls, name, doc, [read(s) for s in snapshots])
         yield self._cache_config(snapshots)
         yield from self._iteration_tokens(snapshots)
+        yield from self._lora_info(snapshots)
 
     def _cache_config(self, snapshots: list[EngineStats]) -> Metric:
         info = GaugeMetricFamily(PREFIX + "cache_config_info", "Information of the KV cache.",
@@ -120,6 +121,19 @@ class _EngineStatsCollector(Collector):
             family.add_metric([self._model, str(engine)], buckets + [("+Inf", cumulative[-1])],
                               sum_value=stats.step_tokens_sum)
         yield family
+
+    def _lora_info(self, snapshots: list[EngineStats]) -> Iterator[Metric]:
+        """vLLM's `lora_requests_info`: the adapters of running and waiting requests as labels (comma-separated),
+        valued with the time of the snapshot; only for engines serving adapters."""
+        serving = [(engine, s) for engine, s in enumerate(snapshots) if s.max_loras]
+        if not serving:
+            return
+        info = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running stats on LoRA requests.",
+                                 labels=["running_lora_adapters", "max_lora", "waiting_lora_adapters", ENGINE_LABEL])
+        for engine, stats in serving:
+            info.add_metric([",".join(stats.running_loras), str(stats.max_loras), ",".join(stats.waiting_loras),
+                             str(engine)], time.time())
+        yield info
 
     def _family(self, cls: type, name: str, doc: str, values: list[float]) -> Metric:
         family = cls(PREFIX + name, doc, labels=["model_name", ENGINE_LABEL])
@@ -192,7 +206,14 @@ class EngineMetrics:
         # The server's admission, before any engine holds the request (a router refuses once all replicas did).
         self._rejections = Counter(PREFIX + "admission_rejections", "Requests refused at admission, by reason.",
                                    ["model_name", "reason"], registry=self.registry)
+        self._structured = Counter(PREFIX + "structured_output_requests",
+                                   "Requests whose output is constrained (structured output), by kind.",
+                                   ["model_name", "kind"], registry=self.registry)
         self.registry.register(_EngineStatsCollector(self._sources, model_name))
+
+    def record_structured(self, kind: str) -> None:
+        """One request constrained by a json schema, json_object, regex, choice, grammar or structural tag."""
+        self._structured.labels(self.model_name, kind).inc()
 
     def series_for(self, request_id: str) -> EngineSeries:
         """The series of the engine serving `request_id` (engine 0 where the client cannot tell)."""
@@ -302,13 +323,18 @@ class MeteredEngineClient:
         self.metrics = metrics
 
     async def generate(self, prompt: PromptInput, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, *, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """The inner stream, unchanged; closing this generator closes (and so aborts) the inner one."""
+                       request_id: str | None = None, *, priority: int = 0,
+                       **adapter: Any) -> AsyncIterator[RequestOutput]:
+        """The inner stream, unchanged; closing this generator closes (and so aborts) the inner one. `adapter`:
+        `lora_request=` for clients that serve adapters (`LoraClient`), passed on as given."""
         params = sampling_params or SamplingParams()
         tracker = _RequestTracker(self.metrics, params.n if isinstance(params.n, int) else 1)
+        if isinstance(params.structured_outputs, StructuredOutputsParams):
+            self.metrics.record_structured(params.structured_outputs.kind)
         reason = "abort"
         try:
-            async with aclosing(self.inner.generate(prompt, params, request_id, priority=priority)) as stream:
+            async with aclosing(self.inner.generate(prompt, params, request_id, priority=priority,
+                                                    **adapter)) as stream:
                 async for output in stream:
                     tracker.observe(output)
                     yield output

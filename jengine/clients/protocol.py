@@ -11,10 +11,12 @@ import uuid
 from collections.abc import AsyncIterator, Container
 from typing import Any, Protocol, runtime_checkable
 
+from jengine.config import ChatParsingConfig
 from jengine.errors import InvalidRequestError
 
 from jengine.engine.stats import EngineStats
 from jengine.front.input_processor import PromptInput
+from jengine.lora.request import LoRARequest
 from jengine.outputs import RequestOutput
 from jengine.sampling.params import SamplingParams
 from jengine.tokenizer import Tokenizer
@@ -34,6 +36,7 @@ class ModelInfo:
     aliases: tuple[str, ...] = ()  # further names clients may put in "model"
     # core requests (choices) the engine holds at once, running or queued; 0 where unknown (a remote engine)
     max_in_flight: int = 0
+    chat_parsing: ChatParsingConfig = ChatParsingConfig()  # how chat replies are read (reasoning, tool calls)
 
 
 @runtime_checkable
@@ -70,6 +73,27 @@ class EngineClient(Protocol):
         ...
 
     def shutdown(self) -> None:
+        ...
+
+
+@runtime_checkable
+class LoraClient(Protocol):
+    """An engine client that serves LoRA adapters (the in-process engine): `generate` takes `lora_request=`."""
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters requests may name, in the order they were added."""
+        ...
+
+    def allows_runtime_lora_updating(self) -> bool:
+        """Whether adapters may be loaded and unloaded while serving (VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
+        ...
+
+    async def add_lora(self, request: LoRARequest) -> None:
+        """Read and check an adapter (AdapterError when it cannot be served); then requests may name it."""
+        ...
+
+    async def remove_lora(self, name: str) -> None:
+        """Forget an adapter; refused (InvalidRequestError, code lora_in_use) while requests use it."""
         ...
 
 

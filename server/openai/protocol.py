@@ -2,10 +2,9 @@
 
 Strict on purpose: a JSON type that is not the documented one is a 400 naming the field (no "5" for 5, though 5.0 is
 5), an unknown field is a 400 (never accepted and ignored), and a known field whose feature this server lacks and that
-would change the output (`tools`, a non-text `response_format`, `suffix`, ...) is a 400 that says so. Fields that
-change nothing about the output (`user`, `metadata`, `store`, ...) are accepted. Caps (n, logprobs, stop, nesting) are
-enforced here (the server's own: n, logprobs) or by the engine's front, which validates SamplingParams once for every
-front end, before admission.
+would change the output (`tool_choice` auto, `suffix`, ...) is a 400 that says so; fields that change nothing
+(`user`, `metadata`, ...) are accepted. Caps (n, logprobs, stop, nesting) are enforced here (n, logprobs) or by the
+engine's front, which validates SamplingParams once for every front end, before admission.
 """
 
 from __future__ import annotations
@@ -18,16 +17,20 @@ from jengine.clients.protocol import ModelInfo
 from jengine.errors import InvalidRequestError
 from jengine.sampling.defaults import Api, max_tokens_when_unset
 from jengine.sampling.params import SamplingParams
-from jengine.tokenizer.chat import check_continuation, join_text_parts
+from jengine.tokenizer.chat import check_continuation
+from jengine.tools.request import ChatParsing, ToolRequest, parse_tools
+from jengine.tools.required import ForcedToolChoice, forced_tool_choice
 from server.json_body import json_type
+from server.openai.messages import ROLES, normalize_messages
 from server.openai.refusals import refusal_message
+from server.openai.structured import STRUCTURED_FIELDS, structured_from_body
+
+__all__ = ["ROLES", "normalize_messages"]  # with the parsers below: what the server reads requests with
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs cap; the engine's --max-logprobs may lower it
 MAX_PROMPTS = 1024  # prompts in one /v1/completions batch (each also needs its own engine slots)
 MAX_REQUEST_ID_CHARS = 256
 MAX_TOKEN_ID_ENTRIES = 1024  # stop_token_ids and logit_bias: every step checks them, so they stay small
-ROLES = frozenset({"system", "developer", "user", "assistant"})
-_MESSAGE_KEYS = frozenset({"role", "content", "name"})
 
 # Accepted and without effect on the output.
 HARMLESS_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
@@ -38,10 +41,11 @@ INT_FIELDS = ("n", "seed", "top_k", "min_tokens", "prompt_logprobs")
 BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
           "detokenize")
 _SAMPLING = frozenset(NUMBER_FIELDS + INT_FIELDS + BOOL_FIELDS
-                      + ("stop", "stop_token_ids", "logit_bias", "max_tokens"))
+                      + ("stop", "stop_token_ids", "logit_bias", "max_tokens")) | STRUCTURED_FIELDS
 _COMMON = _SAMPLING | HARMLESS_FIELDS | {"model", "stream", "stream_options", "priority", "request_id"}
 CHAT_TEMPLATE_FIELDS = frozenset({"add_generation_prompt", "continue_final_message", "chat_template_kwargs"})
-CHAT_FIELDS = _COMMON | CHAT_TEMPLATE_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+CHAT_FIELDS = _COMMON | CHAT_TEMPLATE_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
+                                                "tools", "tool_choice"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo"}
 
 
@@ -51,17 +55,12 @@ def _off(value: Any) -> bool:
 
 # Known fields whose feature is missing: refused unless the value asks for nothing (predicate true).
 _REFUSED: dict[str, Callable[[Any], bool]] = {
-    "tools": lambda v: v is None or v == [],
-    "tool_choice": lambda v: v is None or v == "none",
-    "functions": lambda v: v is None or v == [],
-    "function_call": lambda v: v is None or v == "none",
-    "response_format": lambda v: v is None or v == {"type": "text"},
+    "functions": lambda v: v is None or v == [], "function_call": lambda v: v is None or v == "none",
     "modalities": lambda v: v is None or v == ["text"],
     "audio": _off, "prediction": _off, "reasoning_effort": _off, "web_search_options": _off, "suffix": _off,
-    "guided_json": _off, "guided_regex": _off, "guided_choice": _off, "guided_grammar": _off,
-    "structured_outputs": _off, "logits_processors": _off, "verbosity": _off,
+    "verbosity": _off,
     # vLLM's extras that change the output, where this server lacks them
-    "best_of": lambda v: v is None or v == 1, "truncate_prompt_tokens": _off,
+    "best_of": lambda v: v is None or v == 1, "truncate_prompt_tokens": _off, "logits_processors": _off,
     "return_tokens_as_token_ids": lambda v: v is None or v is False,
 }
 # Per endpoint: the value each endpoint always uses is accepted, another one refused.
@@ -103,6 +102,9 @@ class ChatRequest:
     priority: int
     shown_prompt_logprobs: int | None
     request_id: str | None = None  # vLLM's extra: the response id becomes chatcmpl-<request_id>
+    tools: ToolRequest | None = None  # the tools and tool_choice, checked
+    parsing: ChatParsing | None = None  # how the choices' text is read (reasoning, tool calls); None: as it is
+    forced_tools: ForcedToolChoice | None = None  # tool_choice "required" or a named function: the output is calls
 
 
 # ---------------------------------------------------------------------------------------------------------- fields
@@ -174,7 +176,7 @@ def _max_tokens(body: Mapping[str, Any], names: tuple[str, ...]) -> int | None:
 
 
 def _sampling_kwargs(body: Mapping[str, Any], max_tokens_names: tuple[str, ...], defaults: Mapping[str, Any],
-                     api: Api) -> dict[str, Any]:
+                     api: Api, forced: ForcedToolChoice | None = None) -> dict[str, Any]:
     """The request's sampling fields; those it leaves unset take the model's `defaults` (its generation config),
     except max_tokens: unset, it is the endpoint's (`max_tokens_when_unset`)."""
     kwargs: dict[str, Any] = {k: v for k, v in defaults.items() if k != "max_tokens"}
@@ -191,6 +193,7 @@ def _sampling_kwargs(body: Mapping[str, Any], max_tokens_names: tuple[str, ...],
     kwargs["logit_bias"] = bias or None
     requested = _max_tokens(body, max_tokens_names)
     kwargs["max_tokens"] = max_tokens_when_unset(defaults, api) if requested is None else requested
+    kwargs["structured_outputs"] = structured_from_body(body, forced)
     return kwargs
 
 
@@ -239,13 +242,20 @@ def parse_chat(body: Mapping[str, Any], info: ModelInfo, max_n: int = 16) -> Cha
     model = get_field(body, "model", "str")
     stream, options = _stream(body)
     prompt = {"messages": normalize_messages(body.get("messages")), **chat_template_options(body)}
-    kwargs = _sampling_kwargs(body, ("max_completion_tokens", "max_tokens"), info.sampling_defaults, "chat")
+    tools = parse_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
+    forced = forced_tool_choice(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls", True))
+    if tools is not None and tools.tools:
+        prompt["tools"] = list(tools.tools)
+    kwargs = _sampling_kwargs(body, ("max_completion_tokens", "max_tokens"), info.sampling_defaults, "chat", forced)
+    parsing = ChatParsing.plan(info.chat_parsing, tools, constrained=kwargs["structured_outputs"] is not None)
+    if parsing is not None and parsing.needs_special_tokens:
+        kwargs["skip_special_tokens"] = False  # the format's markers are special tokens: the parser reads them
     top_logprobs = _chat_logprobs(body)
     if top_logprobs is not None:
         kwargs["logprobs"] = top_logprobs
     params = _build_params(kwargs, max_n)
     return ChatRequest(model, prompt, params, stream, options, top_logprobs, _priority(body), params.prompt_logprobs,
-                       _request_id(body))
+                       _request_id(body), tools, parsing, forced)
 
 
 def chat_template_options(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -271,43 +281,6 @@ def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
     if top and not wanted:
         raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
     return (top or 0) if wanted else None
-
-
-def normalize_messages(messages: Any) -> list[dict[str, str]]:
-    """OpenAI messages → [{"role", "content"[, "name"]}] with text parts joined; other content is a 400."""
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequestError("messages must be a non-empty array of messages", param="messages")
-    return [_message(message, i) for i, message in enumerate(messages)]
-
-
-def _message(message: Any, i: int) -> dict[str, str]:
-    where = f"messages[{i}]"
-    if not isinstance(message, dict):
-        raise InvalidRequestError(f"{where} must be an object, got {json_type(message)}", param=where)
-    for key, value in message.items():
-        # null (or an empty tool_calls list) asks for nothing: what the client's own response messages carry
-        if key not in _MESSAGE_KEYS and value is not None and not (key == "tool_calls" and value == []):
-            field = f"{where}.{key}" if len(str(key)) <= 64 else f"a {where} field of {len(str(key))} characters"
-            raise InvalidRequestError(f"{field} is not supported by this server: messages carry role, content and "
-                                      f"name (tool calling is not built)", param=f"{where}.{str(key)[:64]}")
-    role = message.get("role")
-    if role not in ROLES:
-        raise InvalidRequestError(f"{where}.role must be one of {', '.join(sorted(ROLES))}", param=f"{where}.role")
-    out = {"role": role, "content": _content(message.get("content"), where)}
-    name = get_field(message, "name", "str")
-    if name is not None:
-        out["name"] = name
-    return out
-
-
-def _content(content: Any, where: str) -> str:
-    """A string, or an array of {"type": "text", "text": ...} parts joined by newlines (this model reads text only)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise InvalidRequestError(f"{where}.content must be a string or an array of text parts, got "
-                                  f"{json_type(content)}", param=f"{where}.content")
-    return join_text_parts(content, where)
 
 
 # ---------------------------------------------------------------------------------------------------------- completions
@@ -370,7 +343,7 @@ def parse_tokenize(body: Mapping[str, Any]) -> dict[str, Any]:
     """vLLM's /tokenize: {"prompt"} or {"messages"}; → the checked fields (text or messages, options)."""
     chat = "messages" in body
     allowed = {"model", "add_special_tokens", "return_token_strs"} | (
-        {"messages"} | CHAT_TEMPLATE_FIELDS if chat else {"prompt"})
+        {"messages", "tools"} | CHAT_TEMPLATE_FIELDS if chat else {"prompt"})
     check_fields(body, frozenset(allowed))
     out: dict[str, Any] = {
         "model": get_field(body, "model", "str"),
@@ -380,6 +353,9 @@ def parse_tokenize(body: Mapping[str, Any]) -> dict[str, Any]:
     if chat:
         out["messages"] = normalize_messages(body["messages"])
         out["chat"] = chat_template_options(body)
+        tools = parse_tools(body.get("tools"), "none")
+        if tools is not None:
+            out["chat"]["tools"] = list(tools.tools)
     else:
         prompt = get_field(body, "prompt", "str")
         if prompt is None:

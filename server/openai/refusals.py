@@ -5,11 +5,10 @@ from __future__ import annotations
 
 # A field missing here is a feature this server does not build.
 _WHY_REFUSED: dict[str, str] = {
-    "tools": "tool calling is not built", "tool_choice": "tool calling is not built; only \"none\" is accepted",
-    "functions": "function calling is not built", "function_call": "function calling is not built",
-    "response_format": "structured output is not built; only the type text is accepted",
+    "functions": "the deprecated function calling is not built; use tools",
+    "function_call": "the deprecated function calling is not built; use tool_choice",
     "modalities": "only text is generated", "audio": "audio is not supported", "suffix": "insertion is not built",
-    "prediction": "predicted outputs are not built", "reasoning_effort": "no reasoning parser is built",
+    "prediction": "predicted outputs are not built", "reasoning_effort": "reasoning effort cannot be set here",
     "web_search_options": "web search is not built", "verbosity": "verbosity control is not built",
     "logits_processors": "custom logits processors are not run", "best_of": "only best_of=1 (no best-of search)",
     "truncate_prompt_tokens": "prompts are never truncated; a prompt that does not fit is refused",
@@ -17,10 +16,9 @@ _WHY_REFUSED: dict[str, str] = {
     "add_special_tokens": "this endpoint always uses its own setting",
     "echo": "chat completions do not echo the prompt",
 }
-_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
 
 def refusal_message(name: str) -> str:
     """`name is not supported by this server: why` — the field named, the reason in words, never the value."""
-    why = "structured output is not built" if name in _GUIDED else _WHY_REFUSED.get(name, "it is not built")
+    why = _WHY_REFUSED.get(name, "it is not built")
     return f"{name} is not supported by this server: {why}"

@@ -7,9 +7,10 @@ import pytest
 from jengine.errors import InvalidRequestError
 from server.openai.protocol import CHAT_FIELDS, check_fields, normalize_messages
 
-LONG_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-REFUSED = {"tools": LONG_TOOLS, "tool_choice": "auto", "functions": LONG_TOOLS, "response_format": {"type": "json"},
-           "best_of": 3, "guided_json": {"type": "object"}, "truncate_prompt_tokens": 5, "audio": {"voice": "x"}}
+LONG_FUNCTIONS = [{"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+REFUSED = {"functions": LONG_FUNCTIONS, "function_call": {"name": "get_weather"}, "best_of": 3,
+           "truncate_prompt_tokens": 5, "audio": {"voice": "x"}, "modalities": ["text", "audio"],
+           "prediction": {"type": "content", "content": "x"}, "logits_processors": ["a.b"]}
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
@@ -26,5 +27,5 @@ def test_an_unknown_message_key_is_named_whole() -> None:
     with pytest.raises(InvalidRequestError) as raised:
         normalize_messages([{"role": "user", "content": "hi", "function_call_arguments_payload": {"a": 1}}])
     message = str(raised.value)
-    assert message.startswith("messages[0].function_call_arguments_payload is not supported by this server: ")
+    assert message.startswith("messages[0].function_call_arguments_payload is not supported in a user message: ")
     assert "{" not in message
