@@ -21,8 +21,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jengine.errors import CheckpointError, ConfigError
-from jengine.models.checkpoint import CheckpointReader, checkpoint_dtype, read_config
+from jengine.models.checkpoint import CheckpointReader, checkpoint_dtype
 from jengine.models.converted import converted_metadata, restore_converted, save_converted
+from jengine.models.formats import open_checkpoint, read_model_config
 from jengine.models.registry import spec_from_hf_config
 from jengine.models.spec import ModelSpec
 from jengine.models.weights import (
@@ -59,7 +60,7 @@ def resolve_dtype(requested: str, checkpoint: str | np.dtype | None, platform: s
 
 def load_spec(model_dir: str | Path) -> ModelSpec:
     """Only the config: the architecture is checked before any weight is touched."""
-    return spec_from_hf_config(read_config(model_dir))
+    return spec_from_hf_config(read_model_config(model_dir))
 
 
 def load_model(
@@ -82,7 +83,7 @@ def load_model(
     start-up), and a fresh conversion is saved there otherwise.
     """
     spec = load_spec(model_dir)
-    with CheckpointReader(model_dir) as reader:
+    with open_checkpoint(model_dir) as reader:
         spec = _tied_as_in_the_checkpoint(spec, reader)
         platform = jax.devices()[0].platform
         resolved = resolve_dtype(dtype, spec.checkpoint_dtype or checkpoint_dtype(reader), platform)

@@ -1,0 +1,36 @@
+"""Which reader a model path needs: an HF directory (`CheckpointReader`), one whose 4-bit weights are unpacked at
+load (`models/quant4/`), or a single `.gguf` file (`models/gguf/`). All three present the same interface: HF tensor
+names, `[out, in]` float tensors, the HF config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from jengine.models.checkpoint import CheckpointReader, read_config
+from jengine.models.gguf.reader import GGUFCheckpoint, is_gguf
+
+
+def read_model_config(model: str | Path) -> dict[str, Any]:
+    """config.json, or the config a GGUF file's metadata implies."""
+    if is_gguf(model):
+        with GGUFCheckpoint(model) as reader:
+            return reader.config()
+    return read_config(model)
+
+
+def open_checkpoint(model: str | Path) -> CheckpointReader | GGUFCheckpoint:
+    if is_gguf(model):
+        return GGUFCheckpoint(model)
+    return CheckpointReader(model)
+
+
+def tokenizer_dir(model: str | Path, tokenizer: str | Path | None) -> Path:
+    """The tokenizer's directory: the one given, the model's own, or a GGUF file's embedded vocabulary converted."""
+    if tokenizer is not None:
+        return Path(tokenizer)
+    if is_gguf(model):
+        from jengine.models.gguf.tokenizer import embedded_tokenizer_dir
+
+        return embedded_tokenizer_dir(model)
+    return Path(model)

@@ -1,0 +1,122 @@
+"""GGUF files written by `gguf`'s writer from tiny HF models load with HF's logits.
+
+Each file's HF model is given the weights the file holds (read back by `gguf`'s own dequantizer), so the float32
+logits must match it to 1e-4 · max|ref| (the parity tolerance): that checks the metadata → config mapping, the tensor
+names, llama's q/k row order and our dequantizers at once. Against the original float weights the logits stay within
+each format's error (stated per test).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+
+from jengine.errors import UnsupportedModelError
+from jengine.models.gguf.dequant import dequantize
+from jengine.models.loader import load_model
+from jengine.runner.simple import SimpleGenerator
+from tests.conftest import COMMON
+from tests.models.gguf_files import T, quantize, write_gguf
+
+PROMPTS = [[1, 5, 9, 77, 300, 12, 4], [1, 200, 3, 3, 8]]
+F32_TOL = 1e-4
+K_SHAPE = dict(COMMON, hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+               num_hidden_layers=2)  # k-quant rows are multiples of 256 values
+
+
+def _hf_logits(model, tokens: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float().numpy()
+
+
+def _our_logits(path) -> list[np.ndarray]:
+    spec, params, dtype = load_model(path, dtype="float32", progress=False)
+    return SimpleGenerator(spec, params, dtype, block_size=4).generate(PROMPTS, 1, return_prompt_logits=True
+                                                                       ).prompt_logits
+
+
+def _build(config, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
+
+
+def check_file(path, model, original, tolerance: float) -> None:
+    """Equal to HF on the file's weights; within `tolerance` · max|ref| of the float model's logits."""
+    for prompt, ours in zip(PROMPTS, _our_logits(path), strict=True):
+        ref = _hf_logits(model, prompt)
+        assert np.abs(ours - ref).max() <= F32_TOL * np.abs(ref).max()
+        float_ref = _hf_logits(original, prompt)
+        assert np.abs(ours - float_ref).max() <= tolerance * np.abs(float_ref).max()
+
+
+def _pair(config):
+    original = _build(config)
+    model = _build(config)
+    return model, original
+
+
+@pytest.mark.parametrize("qtype,tolerance", [(T.Q8_0, 0.02), (T.BF16, 0.02), (T.Q4_0, 0.5)])
+def test_gguf_llama_permuted_qk(tmp_path, qtype, tolerance):
+    """Llama files carry q/k rows permuted for GGML's rope; GQA (4 over 2 heads) so q and k permute differently."""
+    model, original = _pair(LlamaConfig(**COMMON))
+    path = write_gguf(tmp_path / "llama.gguf", model, "llama", lambda name, a: qtype)
+    check_file(path, model, original, tolerance)
+
+
+def test_gguf_qwen2_biases_and_tied_head(tmp_path):
+    model, original = _pair(Qwen2Config(**COMMON, tie_word_embeddings=True))
+    path = write_gguf(tmp_path / "qwen2.gguf", model, "qwen2", lambda name, a: T.Q8_0)
+    check_file(path, model, original, 0.02)
+
+
+def test_gguf_qwen3_k_quants(tmp_path, caplog):
+    """Q4_K_M's mix: Q4_K projections, Q5_K and Q6_K where llama.cpp spends more bits; the log says so."""
+    mix = {"ffn_down": T.Q6_K, "attn_v": T.Q5_K, "token_embd": T.Q6_K}
+    model, original = _pair(Qwen3Config(**K_SHAPE))
+    path = write_gguf(tmp_path / "qwen3.gguf", model, "qwen3",
+                      lambda name, a: next((q for key, q in mix.items() if key in name), T.Q4_K))
+    with caplog.at_level(logging.INFO, logger="jengine.models.gguf.reader"):
+        check_file(path, model, original, 0.5)
+    assert "11 Q4_K, 2 Q5_K, 3 Q6_K tensors are dequantized at load" in caplog.text
+
+
+def test_gguf_qwen3_moe_expert_stacks(tmp_path):
+    config = Qwen3MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                            norm_topk_prob=True)
+    model, original = _pair(config)
+    path = write_gguf(tmp_path / "moe.gguf", model, "qwen3moe", lambda name, a: T.Q8_0)
+    for prompt, ours in zip(PROMPTS, _our_logits(path), strict=True):
+        ref = _hf_logits(model, prompt)
+        assert np.abs(ours - ref).max() <= F32_TOL * np.abs(ref).max()
+
+
+def test_gguf_unsupported_type_named(tmp_path):
+    model = _build(LlamaConfig(**COMMON))
+    path = write_gguf(tmp_path / "q41.gguf", model, "llama", lambda name, a: T.Q4_1 if "ffn_up" in name else T.Q8_0)
+    with pytest.raises(UnsupportedModelError, match="Q4_1"):
+        load_model(path, dtype="float32", progress=False)
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.BF16, T.Q4_K, T.Q5_K, T.Q6_K])
+def test_dequantizers_match_gguf(qtype):
+    """Ours against `gguf.quants.dequantize` on quantized random rows and on random bytes (any bit pattern, finite
+    float16 scales)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 512)).astype(np.float32)
+    raw = quantize(x, qtype)
+    np.testing.assert_array_equal(dequantize(raw, qtype.name, x.shape).astype(np.float32),
+                                  gguf.quants.dequantize(raw, qtype))
+    if qtype != T.BF16:
+        noise = rng.integers(0, 256, size=raw.shape, dtype=np.uint8)
+        block = gguf.GGML_QUANT_SIZES[qtype][1]
+        blocks = noise.reshape(-1, block)
+        for offset in ((208,) if qtype == T.Q6_K else (0, 2) if qtype in (T.Q4_K, T.Q5_K) else (0,)):
+            blocks[:, offset:offset + 2] = rng.uniform(-1, 1, (len(blocks), 1)).astype(np.float16).view(np.uint8)
+        np.testing.assert_array_equal(dequantize(noise, qtype.name, x.shape), gguf.quants.dequantize(noise, qtype))
