@@ -193,3 +193,23 @@ def write_gguf(path: Path, model, arch: str, qtype_of: Callable[[str, np.ndarray
             held[f"model.layers.{i}.mlp.experts.down_proj"] = held.pop(f"blk.{i}.ffn_down_exps.weight")
     model.load_state_dict({n: torch.from_numpy(held.get(n, v).copy()) for n, v in state.items()}, strict=True)
     return path
+
+
+def tokenizer_writer(tokenizer_dir: Path) -> Callable[[gguf.GGUFWriter], None]:
+    """Writes a byte-level BPE `tokenizer.json`'s vocabulary as llama.cpp's `gpt2` tokenizer metadata."""
+    import json
+
+    spec = json.loads((Path(tokenizer_dir) / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    special = {t["content"] for t in spec["added_tokens"] if t["special"]}
+    tokens = sorted(vocab, key=vocab.get)
+    merges = [" ".join(m) if isinstance(m, list) else m for m in spec["model"]["merges"]]
+
+    def write(writer: gguf.GGUFWriter) -> None:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
+        writer.add_token_merges(merges)
+
+    return write

@@ -21,7 +21,8 @@ from jengine.models.gguf.dequant import dequantize
 from jengine.models.loader import load_model
 from jengine.runner.simple import SimpleGenerator
 from tests.conftest import COMMON
-from tests.models.gguf_files import T, quantize, write_gguf
+from jengine.models.gguf.tokenizer import embedded_tokenizer_dir
+from tests.models.gguf_files import T, quantize, tokenizer_writer, write_gguf
 
 PROMPTS = [[1, 5, 9, 77, 300, 12, 4], [1, 200, 3, 3, 8]]
 F32_TOL = 1e-4
@@ -120,3 +121,52 @@ def test_dequantizers_match_gguf(qtype):
         for offset in ((208,) if qtype == T.Q6_K else (0, 2) if qtype in (T.Q4_K, T.Q5_K) else (0,)):
             blocks[:, offset:offset + 2] = rng.uniform(-1, 1, (len(blocks), 1)).astype(np.float16).view(np.uint8)
         np.testing.assert_array_equal(dequantize(noise, qtype.name, x.shape), gguf.quants.dequantize(noise, qtype))
+
+
+@pytest.fixture(scope="module")
+def qwen2_file(tmp_path_factory, tiny_tokenizer_dir):
+    """A Q8_0 Qwen2 file with the tiny tokenizer's vocabulary embedded, and its reference HF model."""
+    model = _build(Qwen2Config(**COMMON))
+    path = tmp_path_factory.mktemp("gguf") / "tiny-Q8_0.gguf"
+    return write_gguf(path, model, "qwen2", lambda name, a: T.Q8_0, tokenizer=tokenizer_writer(tiny_tokenizer_dir)), model
+
+
+def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def test_llm_on_a_gguf_file_with_the_base_tokenizer(qwen2_file, tiny_tokenizer_dir):
+    from jengine import LLM, SamplingParams
+
+    path, model = qwen2_file
+    with LLM(str(path), tokenizer=str(tiny_tokenizer_dir), dtype="float32", max_model_len=64) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                               SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outputs] == [_hf_greedy(model, p, 8) for p in PROMPTS]
+
+
+def test_embedded_vocabulary_becomes_the_tokenizer(qwen2_file, tiny_tokenizer_dir, tmp_path, caplog):
+    from transformers import AutoTokenizer
+
+    path, _ = qwen2_file
+    with caplog.at_level(logging.WARNING, logger="jengine.models.gguf.tokenizer"):
+        converted = embedded_tokenizer_dir(path, cache_dir=tmp_path)
+    assert "slow" in caplog.text
+    ours, base = AutoTokenizer.from_pretrained(converted), AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    for text in ("The quick brown fox jumps over the lazy dog", "你好，世界 🙂", "Bonjour à tous!"):
+        assert ours.encode(text, add_special_tokens=False) == base.encode(text, add_special_tokens=False)
+    assert embedded_tokenizer_dir(path, cache_dir=tmp_path) == converted  # converted once per file
+
+
+def test_cli_generate_from_a_gguf_file(qwen2_file, tiny_tokenizer_dir, tmp_path):
+    from tests.test_cli import jengine
+
+    path, _ = qwen2_file
+    result = jengine("generate", "--model", str(path), "--tokenizer", str(tiny_tokenizer_dir), "--prompt", "Hello",
+                     "--max-tokens", "4", "--ignore-eos", "--max-model-len", "64", "--dtype", "float32",
+                     "--compilation-cache-dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "generated 4 tokens (length)" in result.stderr
+    assert "Q8_0 tensors are dequantized at load" in result.stderr

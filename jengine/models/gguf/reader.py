@@ -51,8 +51,11 @@ class GGUFCheckpoint:
     """Read-only view of one GGUF file with HF tensor names; `read` dequantizes (see the module docstring)."""
 
     def __init__(self, path: str | Path) -> None:
-        from gguf import GGUFReader  # the optional `gguf` extra; imported only for GGUF files
-
+        try:
+            from gguf import GGUFReader  # the optional `gguf` extra; imported only for GGUF files
+        except ImportError as e:
+            raise CheckpointError(f"{path} is a GGUF file, which needs the gguf package: pip install "
+                                  "'jengine[gguf]'") from e
         self._path = Path(path)
         try:
             self._file = GGUFReader(self._path)
