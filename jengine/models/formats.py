@@ -9,6 +9,7 @@ from typing import Any
 
 from jengine.models.checkpoint import CheckpointReader, read_config
 from jengine.models.gguf.reader import GGUFCheckpoint, is_gguf
+from jengine.models.quant4_load import Quant4Reader, read_quant4_config
 
 
 def read_model_config(model: str | Path) -> dict[str, Any]:
@@ -19,10 +20,14 @@ def read_model_config(model: str | Path) -> dict[str, Any]:
     return read_config(model)
 
 
-def open_checkpoint(model: str | Path) -> CheckpointReader | GGUFCheckpoint:
+def open_checkpoint(model: str | Path) -> CheckpointReader | GGUFCheckpoint | Quant4Reader:
+    """The reader for `model`; the hook where a checkpoint's `quantization_config` picks a 4-bit unpacking reader
+    (8-bit methods are the loader's own)."""
     if is_gguf(model):
         return GGUFCheckpoint(model)
-    return CheckpointReader(model)
+    reader = CheckpointReader(model)
+    quant = read_quant4_config(reader.config())
+    return Quant4Reader(reader, quant) if quant is not None else reader
 
 
 def tokenizer_dir(model: str | Path, tokenizer: str | Path | None) -> Path:
