@@ -61,12 +61,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--load-format", default="auto", metavar="{auto,safetensors,dummy}",
                        help="dummy: random weights from config.json alone, no checkpoint read (benchmarks); the "
                             "tokenizer still comes from the model directory or --tokenizer")
-    group.add_argument("--compile-buckets", default="lazy", choices=["all", "lazy", "auto"])
+    group.add_argument("--compile-buckets", default="auto", choices=["all", "lazy", "auto"],
+                       help="auto: every shape compiled at start-up on a GPU, on first use on the CPU")
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                        help="dispatch step N+1 before step N's tokens reach the host (default on)")
     group.add_argument("--compilation-cache-dir", type=Path, default=DEFAULT_COMPILATION_CACHE,
                        help="JAX persistent compilation cache")
-    for flag in ("--quantization", "--lora-modules", "--speculative-config", "--reasoning-parser",
+    group.add_argument("-q", "--quantization", default=None,
+                       help="fp8, compressed-tensors, awq or gptq; unset: the checkpoint's quantization_config. fp8 on a float "
+                            "checkpoint quantizes it at load")
+    for flag in ("--lora-modules", "--speculative-config", "--reasoning-parser",
                  "--tool-call-parser"):
         group.add_argument(flag, default=None, help=argparse.SUPPRESS)
     for flag in ("--enable-lora", "--enable-auto-tool-choice"):
@@ -246,7 +250,6 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
                        help="the name clients send as 'model'; several: the first answers, all are accepted")
     _add_server_args(serve, grpc=True)
-    serve.set_defaults(compile_buckets="auto")  # a server on a GPU compiles every shape before it takes traffic
 
 
 def _add_openai_parser(commands: argparse._SubParsersAction) -> None:

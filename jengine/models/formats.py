@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from jengine.errors import UnsupportedModelError
 from jengine.models.checkpoint import CheckpointReader, read_config
 from jengine.models.gguf.reader import GGUFCheckpoint, is_gguf
 from jengine.models.quant4_load import Quant4Reader, read_quant4_config
@@ -18,6 +19,19 @@ def read_model_config(model: str | Path) -> dict[str, Any]:
         with GGUFCheckpoint(model) as reader:
             return reader.config()
     return read_config(model)
+
+
+def unpacked_at_open(config: dict[str, Any], requested: str | None) -> bool:
+    """True for 4-bit checkpoints: their reader dequantizes at load, so the 8-bit planner (`models/quant_config.py`)
+    is not asked; `requested` (--quantization) must then name the checkpoint's method. (A GGUF file's config has no
+    quantization_config: the planner sees a float model.)"""
+    quant = read_quant4_config(config)
+    if quant is None:
+        return False
+    if requested not in (None, quant.method):
+        raise UnsupportedModelError(f"quantization={requested!r} does not match the checkpoint's quant_method "
+                                    f"{quant.method!r}")
+    return True
 
 
 def open_checkpoint(model: str | Path) -> CheckpointReader | GGUFCheckpoint | Quant4Reader:

@@ -118,6 +118,9 @@ class Quant4Reader:
         parts = _PARTS[quant.method]
         marker = "." + parts[0]
         self._modules = sorted(n[: -len(marker)] for n in reader.names() if n.endswith(marker))
+        if not self._modules:
+            raise CheckpointError(f"{reader.model_dir}: quantization_config says {quant.label}, but no tensor is named "
+                                  f"*.{parts[0]} (the packed weights that format stores)")
         hidden = {f"{m}.{p}" for m in self._modules for p in parts}
         self._names = sorted([n for n in reader.names() if n not in hidden] + [m + ".weight" for m in self._modules])
         self._module_set = set(self._modules)

@@ -26,8 +26,9 @@ from jengine.runner.input_batch import InputBatch, StepInputs
 from jengine.runner.kv_storage import KVPlan, allocate
 from jengine.runner import compile as compiling
 from jengine.runner.compile import RecompileGuard, StepShape, padding_inputs, pinned_shapes
+from jengine.runner.protocol import TokenMaskSource
 from jengine.runner.step import (ModelInputs, StepBatch, StepModel, StepOutput, StepState, build_step,
-                                 build_step_compiler)
+                                 build_step_compiler, forward_step, sample_phase)
 from jengine.sampling.metadata import SamplingMetadata, SamplingRowTable
 from jengine.sampling.params import SamplingParams
 from jengine.scheduler.output import RunnerOutput, SchedulerOutput, TokenLogprobs
@@ -79,6 +80,8 @@ class ModelRunner:
         self.state = StepState(allocate(spec, plan, layout.kv_cache_sharding),
                                jax.device_put(np.zeros(sched.max_num_seqs, np.int32), layout.replicated))
         model = StepModel(spec, backend, layout.mesh if layout.expert_parallel else None)
+        self._model = model
+        self.mask_words = -(-spec.vocab_size // 32)  # the sampler's token mask covers the model's whole vocabulary
         self._step = build_step(model)
         self._compile_step = build_step_compiler(model)
         self.recompile_guard = RecompileGuard()
@@ -91,14 +94,15 @@ class ModelRunner:
         """The paged KV cache (or its fp8 `QuantizedKV`), as the last dispatched step left it."""
         return self.state.kv_cache
 
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+    def execute(self, sched: SchedulerOutput, token_masks: TokenMaskSource | None = None) -> RunnerOutput:
         """One step, serially: launch it and wait for its tokens."""
-        step = self.dispatch(sched)
+        step = self.dispatch(sched) if token_masks is None else self.dispatch(sched, token_masks)
         return RunnerOutput([], [], [], {}) if step is None else self.fetch(step)
 
-    def dispatch(self, sched: SchedulerOutput) -> InFlightStep | None:
+    def dispatch(self, sched: SchedulerOutput, token_masks: TokenMaskSource | None = None) -> InFlightStep | None:
         """Applies the diff and launches the step without waiting for the device (None when nothing is scheduled).
-        Tokens of steps not fetched yet are pending: the step reads them on the device."""
+        Tokens of steps not fetched yet are pending: the step reads them on the device. `token_masks` (structured
+        output) is asked once the forward is launched, so the host fills the masks while the device runs it."""
         self.batch.apply(sched)
         for new in sched.new_requests:
             self.sampling_rows.set_row(self.batch.rows[new.request_id].row, new.sampling_params, new.choice_index,
@@ -110,7 +114,11 @@ class ModelRunner:
         prompt_plan, prompt_rows, prompt_targets, prompt_k = self._prompt_logprob_rows(inputs)
         model = ModelInputs(inputs.token_ids, inputs.metadata, inputs.logits_rows, prompt_rows, prompt_targets,
                             prompt_k)
-        self.state, out = self._step(self.params, self.state, StepBatch(model, sampling, self._sample_rows(inputs)))
+        batch = StepBatch(model, sampling, self._sample_rows(inputs))
+        if token_masks is None:
+            self.state, out = self._step(self.params, self.state, batch)
+        else:
+            self.state, out = self._masked_step(batch, token_masks)
         self.recompile_guard.check(lambda: f"tokens={len(inputs.token_ids)} seqs={len(inputs.logits_rows)} "
                                            f"blocks={inputs.metadata.block_tables.shape[1]} "
                                            f"query_len={inputs.metadata.max_query_len}")
@@ -118,6 +126,23 @@ class ModelRunner:
         self.batch.reserve_sampled(inputs.rows[inputs.samples])
         wanted = self.sampling_rows.logprobs[inputs.rows] if sampling.max_num_logprobs else None
         return InFlightStep(inputs, out, prompt_plan, wanted)
+
+    def _masked_step(self, batch: StepBatch, token_masks: TokenMaskSource) -> tuple[StepState, StepOutput]:
+        """The forward, then the host's masks (rows in scheduled order), then the sampler with them (without them
+        when no scheduled row turns out constrained)."""
+        logits, prompt, state = forward_step(self._model, self.params, self.state, batch.model)
+        masks = token_masks()
+        if masks is not None:
+            batch.token_mask = self._pad_masks(*masks, num_rows=len(batch.sample_rows))
+        return sample_phase(logits, prompt, state, batch)
+
+    def _pad_masks(self, rows: np.ndarray, words: np.ndarray, num_rows: int) -> np.ndarray:
+        """[num_rows, mask_words]: the given rows' words, all ones elsewhere; bits past the given words banned."""
+        mask = np.full((num_rows, self.mask_words), -1, np.int32)
+        width = min(words.shape[1], self.mask_words)
+        mask[rows, :width] = words[:, :width]
+        mask[rows, width:] = 0
+        return mask
 
     def fetch(self, step: InFlightStep) -> RunnerOutput:
         """Waits for a dispatched step's outputs (one device→host copy) and records its tokens in the batch."""
@@ -131,7 +156,8 @@ class ModelRunner:
     def warm_up(self, shapes: list[StepShape], progress: bool = True) -> int:
         """Compiles the step for `shapes` (greedy and sampling variants of the sampler) by running padding-only
         steps; returns the compile count."""
-        batches = [self.padding_batch(shape, sampled) for shape in shapes for sampled in (0, 1)]
+        batches = [self.padding_batch(shape, sampled, masked)
+                   for masked in (False, True) for shape in shapes for sampled in (0, 1)]
 
         def compile_one(batch: StepBatch) -> tuple[float, float]:
             return self._compile_step(self.params, self.state, batch)
@@ -142,13 +168,14 @@ class ModelRunner:
 
         return compiling.warm_up(compile_one, run_one, batches, len(shapes), progress)
 
-    def padding_batch(self, shape: StepShape, num_sampled: int) -> StepBatch:
+    def padding_batch(self, shape: StepShape, num_sampled: int, masked: bool = False) -> StepBatch:
         """A padding-only step of `shape` that samples `num_sampled` rows (0: the greedy variant) and records
-        nothing in any row."""
+        nothing in any row; `masked`: the sampler's structured-output variant (an all-ones token mask)."""
         token_ids, md, logits_rows = padding_inputs(shape, self.batch.num_slots)
         nowhere = np.full(shape.seqs, len(self.batch.num_tokens), np.int32)
+        mask = np.full((shape.seqs, self.mask_words), -1, np.int32) if masked else None
         return StepBatch(ModelInputs(token_ids, md, logits_rows, None, None), _padding_sampling(shape, num_sampled),
-                         nowhere)
+                         nowhere, mask)
 
     def _sample_rows(self, inputs: StepInputs) -> np.ndarray:
         """The batch row that records each padded row's sample; out of range (dropped) where it does not count."""
