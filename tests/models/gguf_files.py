@@ -158,6 +158,17 @@ def _metadata(writer: gguf.GGUFWriter, config) -> None:
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
 
 
+def _llama3_divisors(config) -> np.ndarray:
+    """llama.cpp's `rope_freqs.weight`: by how much Llama 3's rope divides each default frequency (from HF's own
+    rope initialisation)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    head_dim = config.head_dim
+    default = 1.0 / config.rope_parameters["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    return (default / scaled).numpy().astype(np.float32)
+
+
 def write_gguf(path: Path, model, arch: str, qtype_of: Callable[[str, np.ndarray], T],
                tokenizer: Callable[[gguf.GGUFWriter], None] | None = None) -> Path:
     """Writes `model` (HF, float32) to `path`; `qtype_of(gguf_name, array)` picks each tensor's type. Returns the
@@ -170,6 +181,8 @@ def write_gguf(path: Path, model, arch: str, qtype_of: Callable[[str, np.ndarray
     if tokenizer is not None:
         tokenizer(writer)
     held = {}
+    if (config.rope_parameters or {}).get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama3_divisors(config))
     for name, (array, hf_name) in _gguf_tensors(state, config.num_hidden_layers).items():
         qtype = T.F32 if array.ndim == 1 else qtype_of(name, array)
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):

@@ -71,6 +71,15 @@ def test_gguf_llama_permuted_qk(tmp_path, qtype, tolerance):
     check_file(path, model, original, tolerance)
 
 
+def test_gguf_llama3_rope_from_rope_freqs(tmp_path):
+    """Llama 3.x files carry their rope scaling only as the tensor rope_freqs.weight."""
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    model, original = _pair(LlamaConfig(**COMMON, head_dim=32, rope_parameters=rope))
+    path = write_gguf(tmp_path / "llama3.gguf", model, "llama", lambda name, a: T.Q8_0)
+    check_file(path, model, original, 0.02)
+
+
 def test_gguf_qwen2_biases_and_tied_head(tmp_path):
     model, original = _pair(Qwen2Config(**COMMON, tie_word_embeddings=True))
     path = write_gguf(tmp_path / "qwen2.gguf", model, "qwen2", lambda name, a: T.Q8_0)
