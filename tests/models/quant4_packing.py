@@ -64,32 +64,41 @@ def dequantized(q, zeros, scales, g_idx) -> np.ndarray:
 
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+EXPERT_PROJECTIONS = ("w1", "w2", "w3")  # Mixtral's expert names
 
 
-def quantize_checkpoint(model_dir: Path, hf_model, fmt: str, group: int, bits: int = 4, symmetric: bool = False,
-                        desc_act: bool = False, v1: bool = False, seed: int = 0) -> None:
-    """Rewrites `model_dir` (an HF float checkpoint) in `fmt` (awq, gptq, ct) and gives `hf_model` the dequantized
-    weights, so it is the exact reference."""
+def quantize_checkpoint(model_dir: Path, fmt: str, group: int, bits: int = 4, symmetric: bool = False,
+                        desc_act: bool = False, v1: bool = False, seed: int = 0):
+    """Rewrites `model_dir` (an HF float checkpoint, tensors as saved) in `fmt` (awq, gptq, ct); returns the HF
+    model holding the dequantized weights (saved beside it and loaded by transformers): the exact reference."""
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM
+
     rng = np.random.default_rng(seed)
-    state = {n: t.detach().float().numpy() for n, t in hf_model.state_dict().items()}
+    state = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        state.update(load_file(str(path)))
+        path.unlink()
     out, held = {}, {}
     for name, w in state.items():
         module = name.removesuffix(".weight")
-        if not (name.endswith(".weight") and module.split(".")[-1] in PROJECTIONS):
-            out[name] = w
+        if not (name.endswith(".weight") and module.split(".")[-1] in PROJECTIONS + EXPERT_PROJECTIONS):
+            out[name] = held[name] = w
             continue
-        w_in_out = w.T
+        w_in_out = w.astype(np.float32).T
         g_idx = rng.permutation(np.arange(w_in_out.shape[0]) // group) if desc_act else None
         q, zeros, scales, g_idx = quantize_groups(w_in_out, group, bits, symmetric, g_idx)
-        held[name] = dequantized(q, zeros, scales, g_idx).T
+        held[name] = dequantized(q, zeros, scales, g_idx).T.copy()
         out.update(_packed(module, fmt, q, zeros, scales, g_idx, bits, v1, symmetric, w.shape))
-    for path in model_dir.glob("*.safetensors"):
-        path.unlink()
+    reference_dir = model_dir.with_name(model_dir.name + "-dequantized")
+    reference_dir.mkdir()
+    (reference_dir / "config.json").write_text((model_dir / "config.json").read_text())
+    save_file(held, str(reference_dir / "model.safetensors"))
     save_file(out, str(model_dir / "model.safetensors"))
     config = json.loads((model_dir / "config.json").read_text())
     config["quantization_config"] = _quant_config(fmt, group, bits, symmetric, desc_act, v1)
     (model_dir / "config.json").write_text(json.dumps(config))
-    hf_model.load_state_dict({n: torch.from_numpy(held.get(n, v).copy()) for n, v in state.items()})
+    return AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def _packed(module, fmt, q, zeros, scales, g_idx, bits, v1, symmetric, shape) -> dict[str, np.ndarray]:

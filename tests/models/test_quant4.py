@@ -9,7 +9,7 @@ import logging
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig
+from transformers import LlamaConfig, Qwen3MoeConfig
 
 from jengine.errors import UnsupportedModelError
 from jengine.models.loader import load_model
@@ -42,11 +42,21 @@ def _check_logits(model_dir, model) -> None:
     ("ct", dict(symmetric=False)),
 ], ids=["awq", "gptq-v1-sym", "gptq-v2-asym-act-order", "gptq-8bit-v1-act-order", "ct-sym", "ct-asym"])
 def test_quantized_checkpoint_logits(build_checkpoint, fmt, kwargs, caplog):
-    model_dir, model = build_checkpoint(LlamaConfig(**COMMON))
-    quantize_checkpoint(model_dir, model, fmt, group=32, **kwargs)
+    model_dir, _ = build_checkpoint(LlamaConfig(**COMMON))
+    model = quantize_checkpoint(model_dir, fmt, group=32, **kwargs)
     with caplog.at_level(logging.INFO, logger="jengine.models.quant4_load"):
         _check_logits(model_dir, model)
     assert "21 projections unpacked and dequantized at load" in caplog.text
+
+
+def test_moe_experts_in_4_bits(build_checkpoint, caplog):
+    """Per-expert projections, as AWQ/GPTQ MoE checkpoints name them, unpack like any other (routers stay float)."""
+    config = Qwen3MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+    model_dir, _ = build_checkpoint(config)
+    model = quantize_checkpoint(model_dir, "gptq", group=32, symmetric=True, v1=True)
+    with caplog.at_level(logging.INFO, logger="jengine.models.quant4_load"):
+        _check_logits(model_dir, model)
+    assert "48 projections unpacked" in caplog.text  # 3 layers × (4 attention + 4 experts × 3)
 
 
 @pytest.mark.parametrize("group", [128, 64])
