@@ -80,6 +80,25 @@ def test_gguf_llama3_rope_from_rope_freqs(tmp_path):
     check_file(path, model, original, 0.02)
 
 
+def test_gguf_q8_0_projections_run_in_int8(tmp_path, caplog):
+    """Q8_0 projections take the int8 path (one scale per 32 inputs, Q8_0's own blocks); a Q4_0 one fused with them
+    keeps all three dequantized; the embedding is dequantized."""
+    from jengine.layers.quant import QuantizedWeight
+
+    model = _build(LlamaConfig(**COMMON))
+    path = write_gguf(tmp_path / "mixed.gguf", model, "llama",
+                      lambda name, a: T.Q4_0 if name == "blk.1.attn_v.weight" else T.Q8_0)
+    with caplog.at_level(logging.INFO, logger="jengine.models.gguf.reader"):
+        _, params, _ = load_model(path, dtype="float32", progress=False)
+    assert "18 Q8_0 projections kept in 8 bits" in caplog.text  # 3 layers × 7, less layer 1's q/k/v
+    layer0, layer1 = params["layers"][0], params["layers"][1]
+    assert isinstance(layer0["wqkv"], QuantizedWeight) and layer0["wqkv"].scheme.label == "int8-w8a16 group 32"
+    assert not isinstance(layer1["wqkv"], QuantizedWeight) and isinstance(layer1["w_down"], QuantizedWeight)
+    for prompt, ours in zip(PROMPTS, _our_logits(path), strict=True):
+        ref = _hf_logits(model, prompt)
+        assert np.abs(ours - ref).max() <= F32_TOL * np.abs(ref).max()
+
+
 def test_gguf_qwen2_biases_and_tied_head(tmp_path):
     model, original = _pair(Qwen2Config(**COMMON, tie_word_embeddings=True))
     path = write_gguf(tmp_path / "qwen2.gguf", model, "qwen2", lambda name, a: T.Q8_0)

@@ -103,3 +103,10 @@ def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.nd
         return flat.view(ml_dtypes.bfloat16).reshape(shape)
     _, _, block_bytes = next(block for block in BLOCKS.values() if block[0] == type_name)
     return _BLOCK_DEQUANT[type_name](flat.reshape(-1, block_bytes)).reshape(shape)
+
+
+def q8_0_parts(raw: np.ndarray, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """A Q8_0 tensor kept in 8 bits: (int8 values `shape`, float32 scales `shape[:-1] + (shape[-1] / 32,)`)."""
+    blocks = np.ascontiguousarray(raw).reshape(-1).view(np.uint8).reshape(-1, 34)
+    values = blocks[:, 2:].view(np.int8).reshape(shape)
+    return values, _f16(blocks, 0).reshape(*shape[:-1], shape[-1] // 32)

@@ -79,3 +79,23 @@ def unpermute_heads(tensor: np.ndarray, heads: int) -> np.ndarray:
     rows = tensor.shape[0]
     split = tensor.reshape(heads, rows // heads // 2, 2, *tensor.shape[1:])
     return split.swapaxes(1, 2).reshape(tensor.shape)
+
+
+_PROJECTION = re.compile(r"(model\.layers\.\d+)\.(self_attn|mlp|block_sparse_moe)\.(experts\.(\d+)\.)?"
+                         r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|w1|w2|w3)\.weight")
+# projections the model runs as one matmul: kept in 8 bits only together
+_FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+
+
+def int8_modules(types: dict[str, str]) -> set[str]:
+    """The HF modules (`model.layers.0.self_attn.q_proj`) of Q8_0 projections whose fused partners are Q8_0 too
+    (`types`: HF tensor name → GGUF type name); experts are stacked per projection, so each stack goes alike."""
+    sets: dict[tuple, list[tuple[str, str]]] = {}
+    for name, type_name in types.items():
+        match = _PROJECTION.fullmatch(name)
+        if match is None:
+            continue
+        layer, _, _, expert, proj = match.groups()
+        key = (layer, "experts" if expert is not None else _FUSED.get(proj, proj), proj if expert else None)
+        sets.setdefault(key, []).append((name.removesuffix(".weight"), type_name))
+    return {module for members in sets.values() if all(t == "Q8_0" for _, t in members) for module, _ in members}

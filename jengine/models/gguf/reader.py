@@ -1,8 +1,10 @@
 """A `.gguf` file read as an HF checkpoint: `CheckpointReader`'s interface (HF tensor names, `[out, in]` shapes, a
 config dict) over the file's memory-mapped tensors, each dequantized when the loader reads it.
 
-Block-quantized tensors (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) come out as float32 and are cast once by the loader to the
-model's dtype: the model runs dequantized, with the memory of a float checkpoint. Tensors of any other type are refused
+Q8_0 projections stay in 8 bits: read as int8 `weight` + float32 `weight_scale` (one per 32 inputs) under a
+compressed-tensors int8 W8A16 `quantization_config`, which the loader's 8-bit path runs. Every other block-quantized
+tensor (Q4_0, Q4_K, Q5_K, Q6_K, and Q8_0 embeddings/heads or projections fused with other types) comes out as float32
+and is cast once by the loader to the model's dtype. Tensors of any other type are refused
 by their type's name before any weight is read.
 """
 
@@ -20,8 +22,8 @@ import numpy as np
 from jengine.errors import CheckpointError, UnsupportedModelError
 from jengine.models.checkpoint import TensorInfo
 from jengine.models.gguf.config import hf_config, llama3_rope
-from jengine.models.gguf.dequant import BLOCKS, QUANTIZED, dequantize
-from jengine.models.gguf.names import IGNORED, Origin, hf_names, unpermute_heads
+from jengine.models.gguf.dequant import BLOCKS, QUANTIZED, dequantize, q8_0_parts
+from jengine.models.gguf.names import IGNORED, Origin, hf_names, int8_modules, unpermute_heads
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,14 @@ def _scalar_metadata(reader) -> dict[str, Any]:
 
     return {name: field.contents() for name, field in reader.fields.items()
             if field.types and field.types[0] != GGUFValueType.ARRAY}
+
+
+def _q8_0_config(modules: list[str]) -> dict[str, Any]:
+    """compressed-tensors' spelling of Q8_0: symmetric int8 weights, one scale per 32 inputs, float activations."""
+    weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
+    return {"quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+            "config_groups": {"q8_0": {"targets": modules, "weights": weights, "input_activations": None}},
+            "ignore": []}
 
 
 class GGUFCheckpoint:
@@ -79,6 +89,12 @@ class GGUFCheckpoint:
                 logger.warning("%s: tensor %s has no HF counterpart; ignored", self._path.name, name)
             self._origins.update(found)
         self._tensors, self._shapes = tensors, shapes
+        # Q8_0 projections stay in 8 bits: presented as compressed-tensors int8 W8A16 with group-32 scales (Q8_0's
+        # own blocks), which the loader's 8-bit path runs
+        self._int8 = int8_modules({name: self._type_name(o.tensor) for name, o in self._origins.items()})
+        self._scales = {module + ".weight_scale": module + ".weight" for module in self._int8}
+        if self._int8:
+            self._config["quantization_config"] = _q8_0_config(sorted(self._int8))
         self._check_types()
 
     def _type_name(self, gguf_name: str) -> str:
@@ -93,6 +109,11 @@ class GGUFCheckpoint:
     def _check_types(self) -> None:
         counts = collections.Counter(self._type_name(origin.tensor) for origin in self._origins.values())
         quantized = {name: n for name, n in counts.items() if name in QUANTIZED}
+        if self._int8:
+            logger.info("%s: %d Q8_0 projections kept in 8 bits (int8 weights, one scale per 32 inputs)",
+                        self._path.name, len(self._int8))
+            quantized["Q8_0"] -= len(self._int8)
+        quantized = {name: n for name, n in quantized.items() if n}
         if quantized:
             logger.info("%s: %s tensors are dequantized at load to the model dtype (the model runs unquantized)",
                         self._path.name, ", ".join(f"{n} {name}" for name, n in sorted(quantized.items())))
@@ -103,15 +124,16 @@ class GGUFCheckpoint:
         return self._path
 
     def names(self) -> list[str]:
-        return sorted(self._origins)
+        return sorted([*self._origins, *self._scales])
 
     def __contains__(self, name: object) -> bool:
-        return name in self._origins
+        return name in self._origins or name in self._scales
 
     def __len__(self) -> int:
-        return len(self._origins)
+        return len(self._origins) + len(self._scales)
 
     def _origin(self, name: str) -> Origin:
+        name = self._scales.get(name, name)
         if name not in self._origins:
             raise CheckpointError(f"tensor {name!r} not found in GGUF file {self._path}")
         return self._origins[name]
@@ -119,10 +141,14 @@ class GGUFCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         origin = self._origin(name)
         shape = self._shapes[origin.tensor]
-        return shape[1:] if origin.expert is not None else shape
+        shape = shape[1:] if origin.expert is not None else shape
+        return (*shape[:-1], shape[-1] // 32) if name in self._scales else shape
 
     def dtype(self, name: str) -> np.dtype:
-        """float32 for block-quantized tensors (what `read` returns), else the stored float dtype."""
+        """float32 for block-quantized tensors (what `read` returns), else the stored float dtype; int8 for Q8_0
+        projections kept in 8 bits (their `weight_scale` float32)."""
+        if name.removesuffix(".weight") in self._int8:
+            return np.dtype(np.int8)
         type_name = self._type_name(self._origin(name).tensor)
         if type_name == "BF16":
             import ml_dtypes
@@ -141,7 +167,11 @@ class GGUFCheckpoint:
         raw = self._tensors[origin.tensor].data
         if origin.expert is not None:
             raw = raw[origin.expert]
-        tensor = dequantize(raw, self._type_name(origin.tensor), self.shape(name))
+        if name in self._scales or name.removesuffix(".weight") in self._int8:
+            values, scales = q8_0_parts(raw, self.shape(self._scales.get(name, name)))
+            tensor = scales if name in self._scales else values
+        else:
+            tensor = dequantize(raw, self._type_name(origin.tensor), self.shape(name))
         return unpermute_heads(tensor, origin.permuted_heads) if origin.permuted_heads else tensor
 
     def config(self) -> dict[str, Any]:
