@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
 
 import numpy as np
 from jaxtyping import Float, Int
 
-from jengine.errors import CheckpointError, UnsupportedModelError
+from jengine.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
