@@ -198,3 +198,18 @@ def test_cli_generate_from_a_gguf_file(qwen2_file, tiny_tokenizer_dir, tmp_path)
     assert result.returncode == 0, result.stderr
     assert "generated 4 tokens (length)" in result.stderr
     assert "Q8_0 tensors are dequantized at load" in result.stderr
+
+
+@pytest.mark.parametrize("metadata,named", [
+    ({"general.architecture": "gemma2"}, "'gemma2' is not supported"),
+    ({"general.architecture": "qwen3moe", "qwen3moe.attention.head_count": 4, "qwen3moe.embedding_length": 64,
+      "qwen3moe.block_count": 1, "qwen3moe.expert_count": 4, "qwen3moe.expert_used_count": 2,
+      "qwen3moe.expert_shared_count": 1}, "shared experts"),
+    ({"general.architecture": "llama", "llama.attention.head_count": 4, "llama.embedding_length": 64,
+      "llama.block_count": 1, "llama.rope.scaling.type": "longrope"}, "'longrope'"),
+])
+def test_unsupported_gguf_metadata_refused_by_name(metadata, named):
+    from jengine.models.gguf.config import hf_config
+
+    with pytest.raises(UnsupportedModelError, match=named):
+        hf_config(metadata, {"token_embd.weight": (384, 64)})
