@@ -10,6 +10,8 @@ points + scales) ÷ the measured device-to-device copy rate.
 
     PYTHONPATH=. python scripts/bench_quant4.py --out $OUT/quant4.json --git-sha <sha>
     PYTHONPATH=. python scripts/bench_quant4.py --tiny --out /tmp/quant4.json     # shape check on the CPU
+    PYTHONPATH=. python scripts/bench_quant4.py --out $OUT/quant4.json --gguf /tmp/gguf-scratch   # + GGUF load time
+      (the GPU machine has no gguf package: install its wheel first, e.g. from /work/wt/wheels/quant4/)
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -114,14 +117,35 @@ def time_case(layers, rows: int, tiles, interpret: bool) -> tuple[float, float, 
     return t_bf16, best[0], best[1]
 
 
+def gguf_load(scratch: Path) -> float:
+    """Seconds from `LLM(FILE.gguf)` to its first token, on a freshly written 8B-shaped Q4_K file."""
+    from gguf_load_bench import load_to_first_token_seconds, write_q4k_file
+
+    from jengine.tokenizer.tiny import train_tiny_tokenizer
+
+    scratch.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    path = write_q4k_file(scratch / "llama-8b-shaped-Q4_K.gguf")
+    log(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - start:.0f} s")
+    seconds = load_to_first_token_seconds(path, train_tiny_tokenizer(scratch / "tokenizer", vocab_size=512))
+    log(f"GGUF Q4_K load to the first token: {seconds:.1f} s")
+    path.unlink()
+    return seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--git-sha", default="unknown")
     parser.add_argument("--tiny", action="store_true", help="small shapes, interpret mode (CPU shape check)")
     parser.add_argument("--prefill", type=int, default=4096)
+    parser.add_argument("--gguf", type=Path, default=None,
+                        help="a scratch directory: also write an 8B-shaped Q4_K GGUF file there and time its load to "
+                             "the first token (needs the gguf package; ~5 GB of disk)")
     args = parser.parse_args()
     import jax
+
+    gguf_seconds = gguf_load(args.gguf) if args.gguf else None
 
     interpret = args.tiny or jax.devices()[0].platform != "gpu"
     shape_set = TINY if args.tiny else LLAMA_31_8B
@@ -143,7 +167,7 @@ def main() -> None:
         ratios[f"w4a16_{name}_vs_bf16"] = t_bf16 / t_w4
         log(f"{name}: bf16 {t_bf16 * 1e3:.3f} ms, w4a16 {t_w4 * 1e3:.3f} ms (tile {tile})")
     ratios["w4a16_decode_b1_vs_floor"] = metrics["decode_b1_w4a16_s"] / floor
-    metrics["gguf_q4k_load_seconds"] = None  # not measured by this script (see the notes)
+    metrics["gguf_q4k_load_seconds"] = gguf_seconds  # None unless --gguf
     record = common.result_record(
         "quant4", args.git_sha, common.jax_device_name(), common.versions(), " ".join(sys.argv), metrics, ratios,
         notes="projection level (8 Llama-3.1-8B layers of q/k/v, o, gate/up, down; no attention or KV bytes in the floor); "
