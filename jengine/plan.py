@@ -124,12 +124,11 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
 def run_plan(args: argparse.Namespace) -> int:
     """Prints the per-device figures and the verdict; exit status 0 when it fits, 1 when it does not."""
     from jengine.factory import model_context_limit
-    from jengine.models.checkpoint import read_config
     from jengine.models.hub import resolve_model
-    from jengine.models.registry import spec_from_hf_config
+    from jengine.models.loader import load_spec
 
     model = resolve_model(args.model, revision=args.revision, download_dir=args.download_dir, config_only=True)
-    spec = spec_from_hf_config(read_config(model.path))
+    spec = load_spec(model.path)  # config.json (or a GGUF file's metadata) only
     request = PlanRequest(args.tensor_parallel_size, args.max_model_len or model_context_limit(spec)[0],
                           args.max_num_seqs, args.max_num_batched_tokens, args.block_size,
                           int(args.gpu_memory * GIB), args.gpu_memory_utilization, args.kv_cache_dtype,

@@ -1,7 +1,7 @@
 """A model name as vLLM takes it → a local checkpoint directory.
 
 Three kinds of name: none (or the demo's served name) is the tiny random-weight demo model, built offline; an
-existing directory is used as it is; anything else of the form `ORG/NAME` (or `NAME`) is a Hugging Face Hub model id,
+existing path (a checkpoint directory or a GGUF file) is used as it is; anything else of the form `ORG/NAME` (or `NAME`) is a Hugging Face Hub model id,
 read from the local hub cache (`models--ORG--NAME/snapshots/<sha>/`, found through `refs/<revision>`) and, unless
 `HF_HUB_OFFLINE=1`, downloaded into it by `huggingface_hub.snapshot_download` first: only the files jengine reads
 (safetensors weights, config, generation config, tokenizer and chat-template files), never pickled `*.bin`/`*.pt`.
@@ -43,12 +43,12 @@ def resolve_model(model: str | Path | None, *, revision: str | None = None,
     if model is None or str(model) == DEMO_SERVED_NAME:
         return ResolvedModel(ensure_demo_model(), DEMO_SERVED_NAME)
     local = Path(model).expanduser()
-    if local.is_dir():
+    if local.exists():  # a checkpoint directory, or a single-file checkpoint (GGUF)
         return ResolvedModel(local, str(model))
     name = str(model)
     if local.is_absolute() or name.startswith((".", "~")) or not _REPO_ID.match(name):
-        raise CheckpointError(f"model directory not found: {name} (give a local directory or a Hugging Face "
-                              f"model id such as Qwen/Qwen3-8B)")
+        raise CheckpointError(f"model directory not found: {name} (give a local directory, a GGUF file or a "
+                              f"Hugging Face model id such as Qwen/Qwen3-8B)")
     patterns = ("config.json",) if config_only else HUB_FILE_PATTERNS
     return ResolvedModel(hub_snapshot(name, revision=revision, download_dir=download_dir, patterns=patterns), name)
 

@@ -60,6 +60,9 @@ def test_offline_a_missing_model_or_revision_is_refused_in_words(hub_cache: Path
         resolve_model(REPO, revision="v9", download_dir=hub_cache)
     with pytest.raises(CheckpointError, match="model directory not found"):
         resolve_model("/no/such/dir")
+    single_file = hub_cache / "model.gguf"
+    single_file.write_bytes(b"GGUF")
+    assert resolve_model(single_file).path == single_file  # a single-file checkpoint is a local path too
     assert resolve_tokenizer(REPO, download_dir=hub_cache).endswith(SHA) and resolve_tokenizer(None) is None
 
 
