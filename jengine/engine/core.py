@@ -52,7 +52,8 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.runner = runner
         self.num_steps = 0
-        self.pipelined = config.runner.async_scheduling
+        # Speculation runs serially: the next step's drafts are proposed from this step's accepted tokens.
+        self.pipelined = config.runner.async_scheduling and config.speculative is None
         self._in_flight: tuple[SchedulerOutput, Any] | None = None  # dispatched, tokens not fetched (pipelined)
         self._landed: list[EngineCoreOutput] = []  # outputs of a step applied early, returned by the next step()
         self.step_tokens = StepTokenCounts()

@@ -47,6 +47,10 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_request_ids: set[str]  # finished or aborted since the last step: the runner drops their rows
     preempted_request_ids: set[str]  # preempted this step: the runner drops their rows; they come back as new
+    # Speculation: request id → the draft tokens scheduled after its last token (counted in its scheduled tokens)
+    scheduled_spec_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    # request id → the blocks it keeps after rejected drafts were rolled back (the runner drops the others)
+    kept_blocks: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -68,3 +72,5 @@ class RunnerOutput:
     sampled_token_ids: list[list[int]]  # empty for a request whose prefill chunk did not reach its last token
     logprobs: list[TokenLogprobs | None]  # per row, when the request asked for logprobs and sampled
     prompt_logprobs: dict[str, list[TokenLogprobs | None]]  # per request asking for them: positions of this chunk
+    # Speculation: request id → the proposer's guesses of its next tokens (requests that may speculate)
+    draft_token_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
