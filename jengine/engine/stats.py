@@ -29,6 +29,12 @@ class EngineStats:
     # last (not cumulative); () where the engine does not report them (a remote engine over gRPC).
     step_token_counts: tuple[int, ...] = ()
     step_tokens_sum: int = 0  # cumulative tokens of those steps
+    # Speculative decoding, cumulative (vLLM's spec_decode_* counters): proposals verified, their draft tokens,
+    # the accepted ones, and per draft position how many were accepted
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
 
 class StepTokenCounts:

@@ -31,7 +31,7 @@ from jengine.runner.step import (ModelInputs, StepBatch, StepModel, StepOutput, 
 from jengine.sampling.metadata import SamplingMetadata, SamplingRowTable
 from jengine.sampling.params import SamplingParams
 from jengine.scheduler.output import RunnerOutput, SchedulerOutput, TokenLogprobs
-from jengine.spec_decode.proposer import build_proposer, fallback_reason
+from jengine.spec_decode.proposer import Proposer, build_proposer, fallback_reason
 from jengine.spec_decode.rejection import VerifyOutput
 from jengine.spec_decode.verify_step import (VerifyPlan, accepted_tokens, build_verify_step, first_row_outputs,
                                              plan_verification)
@@ -66,8 +66,9 @@ class ModelRunner:
     """A `StepRunner` over this process's devices; the jitted step is `step(params, state, batch)`."""
 
     def __init__(self, spec: ModelSpec, params: dict, dtype, config: EngineConfig, plan: KVPlan,
-                 backend: AttentionBackend, layout: ParallelLayout) -> None:
-        """`params` are already placed as `layout` says; the KV cache is allocated here with its sharding."""
+                 backend: AttentionBackend, layout: ParallelLayout, proposer: Proposer | None = None) -> None:
+        """`params` are already placed as `layout` says; the KV cache is allocated here with its sharding.
+        `proposer`: speculation's, when it holds device state of its own (a draft model); else built here."""
         self.spec, self.params, self.dtype = spec, params, dtype
         self.config = config
         self.engine_seed = config.model.seed
@@ -87,7 +88,7 @@ class ModelRunner:
         self._step = build_step(model)
         self._compile_step = build_step_compiler(model)
         speculative = config.speculative
-        self.proposer = build_proposer(speculative) if speculative else None
+        self.proposer = proposer or (build_proposer(speculative) if speculative else None)
         self._verify_step = build_verify_step(model) if speculative else None
         self._speculates = np.zeros(sched.max_num_seqs, bool)  # per row: its request may speculate
         self.recompile_guard = RecompileGuard()
@@ -125,6 +126,8 @@ class ModelRunner:
         model = ModelInputs(inputs.token_ids, inputs.metadata, inputs.logits_rows, prompt_rows, prompt_targets,
                             prompt_k)
         self.state, out = self._step(self.params, self.state, StepBatch(model, sampling, self._sample_rows(inputs)))
+        if self.proposer is not None:
+            self.proposer.observe(model)
         self.recompile_guard.check(lambda: f"tokens={len(inputs.token_ids)} seqs={len(inputs.logits_rows)} "
                                            f"blocks={inputs.metadata.block_tables.shape[1]} "
                                            f"query_len={inputs.metadata.max_query_len}")
@@ -154,6 +157,7 @@ class ModelRunner:
         model = ModelInputs(inputs.token_ids, inputs.metadata, plan.logits_rows, prompt_rows, prompt_targets,
                             prompt_k)
         self.state, verdict, prompt = self._verify_step(self.params, self.state, model, sampling, plan.draft_ids)
+        self.proposer.observe(model)
         _start_copy_to_host((verdict, prompt))
         self.batch.reserve_sampled(inputs.rows[inputs.samples])
         wanted = self.sampling_rows.logprobs[inputs.rows] if sampling.max_num_logprobs else None
@@ -197,9 +201,7 @@ class ModelRunner:
         chosen = np.flatnonzero(inputs.samples & self._speculates[rows] & (self.batch.owners[rows] == inputs.owners))
         if not chosen.size:
             return {}
-        rows = rows[chosen]
-        lengths = self.batch.num_known[rows]
-        drafts = self.proposer.propose(self.batch.token_ids[rows, : int(lengths.max())], lengths)
+        drafts = self.proposer.propose(self.batch, rows[chosen])
         return {inputs.request_ids[i]: d for i, d in zip(chosen.tolist(), drafts) if d}
 
     def shutdown(self) -> None:

@@ -14,6 +14,8 @@ import numpy as np
 
 from jengine.config import SpeculativeConfig
 from jengine.errors import ConfigError
+from jengine.runner.input_batch import InputBatch
+from jengine.runner.step import ModelInputs
 from jengine.sampling.params import SamplingParams
 from jengine.spec_decode.ngram import propose_ngram
 
@@ -29,9 +31,13 @@ def fallback_reason(params: SamplingParams) -> str | None:
 class Proposer(Protocol):
     num_speculative_tokens: int
 
-    def propose(self, token_ids: np.ndarray, lengths: np.ndarray) -> list[list[int]]:
-        """Up to `num_speculative_tokens` drafts per row of `token_ids` [rows, width] (row r's first `lengths[r]`
-        tokens are known)."""
+    def observe(self, inputs: ModelInputs) -> None:
+        """Sees each target step's inputs as it is dispatched (a draft model mirrors them into its own cache)."""
+        ...
+
+    def propose(self, batch: InputBatch, rows: np.ndarray) -> list[list[int]]:
+        """Up to `num_speculative_tokens` drafts for each of the persistent batch's `rows`, whose known tokens are
+        all in the batch."""
         ...
 
 
@@ -40,8 +46,13 @@ class NgramProposer:
         self.num_speculative_tokens = config.num_speculative_tokens
         self.lookup_min, self.lookup_max = config.prompt_lookup_min, config.lookup_max
 
-    def propose(self, token_ids: np.ndarray, lengths: np.ndarray) -> list[list[int]]:
-        return propose_ngram(token_ids, lengths, self.lookup_min, self.lookup_max, self.num_speculative_tokens)
+    def observe(self, inputs: ModelInputs) -> None:
+        """Prompt lookup needs nothing from the device."""
+
+    def propose(self, batch: InputBatch, rows: np.ndarray) -> list[list[int]]:
+        lengths = batch.num_known[rows]
+        return propose_ngram(batch.token_ids[rows, : int(lengths.max())], lengths, self.lookup_min,
+                             self.lookup_max, self.num_speculative_tokens)
 
 
 def build_proposer(config: SpeculativeConfig) -> Proposer:
