@@ -1,0 +1,79 @@
+"""Speculation through `LLM`: seeded sampling stays batch-independent, requests whose options speculation cannot
+honour decode plainly beside speculating ones, `disable_by_batch_size` switches it off, and the configuration is
+checked (vLLM's JSON, EAGLE refused by name)."""
+
+from __future__ import annotations
+
+import pytest
+
+from jengine import LLM, SamplingParams
+from jengine.config import EngineConfig
+from jengine.errors import ConfigError
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def build(model_dir, **engine_args) -> LLM:
+    return LLM(str(model_dir), dtype="float32", max_model_len=128, seed=0, **engine_args)
+
+
+def prompt(cycle: list[int]) -> dict:
+    return {"prompt_token_ids": cycle * 2}
+
+
+def test_seeded_sampling_with_speculation_is_batch_independent(copying_model):
+    """Speculation at temperature > 0 (with top-p, top-k, min-p and penalties): a seeded request's tokens are the
+    same alone and beside other requests."""
+    model_dir, cycle = copying_model
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, min_p=0.01, presence_penalty=0.2,
+                            frequency_penalty=0.1, repetition_penalty=1.1, seed=7, max_tokens=24, ignore_eos=True)
+    llm = build(model_dir, speculative_config=NGRAM)
+    alone = llm.generate([prompt(cycle)], params, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, seed=s, max_tokens=20, ignore_eos=True) for s in range(3)]
+    batch = llm.generate([prompt(cycle)] * 4, [params, *others], use_tqdm=False)
+    assert batch[0].outputs[0].token_ids == alone
+    assert llm._core.scheduler.spec_counts.num_accepted_tokens > 0
+    assert llm._core.kv_manager.num_free_blocks == llm._core.kv_manager.num_blocks
+    llm.shutdown()
+
+
+def test_logprob_requests_decode_plainly_beside_speculating_ones(copying_model):
+    model_dir, cycle = copying_model
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = build(model_dir)
+    expected = plain.generate([prompt(cycle)], greedy.clone(logprobs=2), use_tqdm=False)[0].outputs[0]
+    plain.shutdown()
+    llm = build(model_dir, speculative_config=NGRAM)
+    with_logprobs, speculating = llm.generate([prompt(cycle)] * 2, [greedy.clone(logprobs=2), greedy],
+                                              use_tqdm=False)
+    assert with_logprobs.outputs[0].token_ids == speculating.outputs[0].token_ids == expected.token_ids
+    assert len(with_logprobs.outputs[0].logprobs) == 12
+    for got, want in zip(with_logprobs.outputs[0].logprobs, expected.logprobs):
+        assert got.keys() == want.keys()
+        assert all(abs(got[t].logprob - want[t].logprob) < 1e-5 for t in got)
+    assert llm._core.scheduler.spec_counts.num_drafts < 12, "only the request without logprobs speculates"
+    llm.shutdown()
+
+
+def test_disable_by_batch_size(copying_model):
+    model_dir, cycle = copying_model
+    llm = build(model_dir, speculative_config={**NGRAM, "disable_by_batch_size": 2})
+    llm.generate([prompt(cycle)] * 3, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert llm._core.scheduler.spec_counts.num_drafts == 0, "three running requests: above the limit"
+    llm.generate([prompt(cycle)] * 2, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert llm._core.scheduler.spec_counts.num_drafts > 0
+    llm.shutdown()
+
+
+def test_configuration():
+    config = EngineConfig.from_kwargs("m", speculative_config='{"method": "ngram", "num_speculative_tokens": 5}')
+    assert config.speculative.num_speculative_tokens == 5 and config.speculative.lookup_max == 5
+    for method in ("eagle", "eagle3"):
+        with pytest.raises(ConfigError, match=method):
+            EngineConfig.from_kwargs("m", speculative_config={"method": method, "num_speculative_tokens": 3,
+                                                              "model": "x"})
+    with pytest.raises(ConfigError, match="unknown speculative_config field"):
+        EngineConfig.from_kwargs("m", speculative_config={"method": "ngram", "num_speculative_tokens": 3, "k": 1})
+    with pytest.raises(ConfigError, match="needs the draft's directory"):
+        EngineConfig.from_kwargs("m", speculative_config={"method": "draft_model", "num_speculative_tokens": 3})
+    assert EngineConfig.from_kwargs("m", speculative_config=None).speculative is None
