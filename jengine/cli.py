@@ -63,8 +63,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="dispatch step N+1 before step N's tokens reach the host (default on)")
     group.add_argument("--compilation-cache-dir", type=Path, default=DEFAULT_COMPILATION_CACHE,
                        help="JAX persistent compilation cache")
-    for flag in ("--quantization", "--lora-modules", "--speculative-config", "--reasoning-parser",
-                 "--tool-call-parser"):
+    group.add_argument("--speculative-config", default=None,
+                       help='speculative decoding as JSON, vLLM\'s keys: {"method": "ngram" | "draft_model", '
+                            '"num_speculative_tokens": k, "prompt_lookup_min"/"prompt_lookup_max" (ngram), '
+                            '"model": DIR (draft_model), "disable_by_batch_size": N}')
+    for flag in ("--quantization", "--lora-modules", "--reasoning-parser", "--tool-call-parser"):
         group.add_argument(flag, default=None, help=argparse.SUPPRESS)
     for flag in ("--enable-lora", "--enable-auto-tool-choice"):
         group.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
