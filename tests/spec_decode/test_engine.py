@@ -37,6 +37,22 @@ def test_seeded_sampling_with_speculation_is_batch_independent(copying_model):
     llm.shutdown()
 
 
+def test_penalties_see_the_drafts_before_each_position(copying_model):
+    """Greedy with penalties and min_tokens: each verified position's penalties count the drafts before it, so the
+    tokens equal the plain engine's even where the penalties turn the copying model away from its cycle."""
+    model_dir, cycle = copying_model
+    params = SamplingParams(temperature=0, frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3,
+                            min_tokens=20, max_tokens=30, stop_token_ids=[cycle[3]])
+    plain = build(model_dir)
+    expected = plain.generate([prompt(cycle)], params, use_tqdm=False)[0].outputs[0].token_ids
+    plain.shutdown()
+    llm = build(model_dir, speculative_config=NGRAM)
+    assert llm.generate([prompt(cycle)], params, use_tqdm=False)[0].outputs[0].token_ids == expected
+    counts = llm._core.scheduler.spec_counts
+    assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens, "expected some drafts accepted, some not"
+    llm.shutdown()
+
+
 def test_logprob_requests_decode_plainly_beside_speculating_ones(copying_model):
     model_dir, cycle = copying_model
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -43,21 +43,36 @@ def generate(model_dir, prompts, **engine_args) -> tuple[list[list[int]], LLM]:
 
 
 VARIANTS = {
-    "alone": dict(max_num_seqs=1),
     "batched": dict(max_num_seqs=8),
     "token budget 64 and a small pool (chunked prefill, preemption)": dict(
         max_num_seqs=8, max_num_batched_tokens=64, num_gpu_blocks_override=8, block_size=16),
 }
 
 
+@pytest.fixture(scope="module")
+def plain_outputs(request, prompts) -> dict[str, list[list[int]]]:
+    """Each family's greedy tokens without speculation (batched: the engine's invariance tests show it equals
+    alone), computed once."""
+    cache: dict[str, list[list[int]]] = {}
+
+    def get(family: str) -> list[list[int]]:
+        if family not in cache:
+            tokens, llm = generate(request.getfixturevalue(f"{family}_target"), prompts, max_num_seqs=8)
+            llm.shutdown()
+            cache[family] = tokens
+        return cache[family]
+
+    return get
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 @pytest.mark.parametrize("family", ["dense", "moe"])
-def test_greedy_output_identical_with_speculation(family, method, request, prompts, small_draft):
+def test_greedy_output_identical_with_speculation(family, method, request, prompts, small_draft, plain_outputs):
     target = request.getfixturevalue(f"{family}_target")
     speculative = NGRAM if method == "ngram" else draft_config(small_draft)
-    plain, llm = generate(target, prompts, max_num_seqs=8)
-    llm.shutdown()
-    for name, engine_args in VARIANTS.items():
+    plain = plain_outputs(family)
+    variants = VARIANTS if family == "moe" else {"alone": dict(max_num_seqs=1), **VARIANTS}
+    for name, engine_args in variants.items():
         tokens, llm = generate(target, prompts, speculative_config=speculative, **engine_args)
         assert tokens == plain, f"{method} on {family}, {name}: greedy output changed (seed {SEED})"
         core = llm._core
