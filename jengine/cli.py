@@ -58,6 +58,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--generation-config", default="auto",
                        help="sampling defaults for unset request fields: auto = the model's generation_config.json, "
                             "vllm = none (SamplingParams' own), or a directory holding a generation_config.json")
+    group.add_argument("--load-format", default="auto", metavar="{auto,safetensors,dummy}",
+                       help="dummy: random weights from config.json alone, no checkpoint read (benchmarks); the "
+                            "tokenizer still comes from the model directory or --tokenizer")
     group.add_argument("--compile-buckets", default="lazy", choices=["all", "lazy", "auto"])
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                        help="dispatch step N+1 before step N's tokens reach the host (default on)")
@@ -77,7 +80,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 # vLLM flags accepted so its command lines run unchanged; the config refuses the values that would change something.
 _COMPAT_SWITCHES = ("--trust-remote-code", "--enforce-eager", "--disable-log-stats", "--disable-log-requests",
                     "--enable-log-requests")
-_COMPAT_VALUES = {"--revision": None, "--download-dir": None, "--tokenizer-mode": None, "--load-format": None,
+_COMPAT_VALUES = {"--revision": None, "--download-dir": None, "--tokenizer-mode": None,
                   "--task": None, "--swap-space": float, "--uvicorn-log-level": None}
 
 
@@ -120,7 +123,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
              "max_num_queued_reqs", "block_size", "gpu_memory_utilization", "num_gpu_blocks_override",
              "enable_prefix_caching", "kv_cache_dtype", "tensor_parallel_size", "data_parallel_size",
              "enable_expert_parallel", "coordinator_address", "num_processes", "process_id", "chat_template",
-             "max_logprobs", "generation_config", "compile_buckets", "async_scheduling", "quantization",
+             "max_logprobs", "generation_config", "load_format", "compile_buckets", "async_scheduling", "quantization",
              "lora_modules", "speculative_config", "reasoning_parser", "tool_call_parser", "enable_lora",
              "enable_auto_tool_choice")
     kwargs = {name: getattr(args, name) for name in names}

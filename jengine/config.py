@@ -37,7 +37,6 @@ NO_EFFECT: dict[str, tuple[Callable[[Any], bool], str]] = {
     "revision": (_one_of(None, "main"), "models load from a local directory"),
     "download_dir": (_one_of(None), "models load from a local directory; nothing is downloaded"),
     "tokenizer_mode": (_one_of(None, "auto", "hf"), "the HF fast tokenizer is used"),
-    "load_format": (_one_of(None, "auto", "safetensors"), "weights load from safetensors"),
     "enable_chunked_prefill": (_one_of(None, True), "prefills are always chunked by max_num_batched_tokens"),
     "pipeline_parallel_size": (_one_of(1), "use tensor_parallel_size (pipeline parallelism is not built)"),
     "task": (_one_of(None, "auto", "generate"), "jengine generates text"),
@@ -60,9 +59,13 @@ class ModelConfig:
     # sampling defaults where a request leaves a field unset: "auto" = the model's generation_config.json, "vllm" =
     # SamplingParams' own, or a directory holding a generation_config.json (jengine.sampling.defaults)
     generation_config: str = "auto"
+    # auto / safetensors: the checkpoint's safetensors files; dummy: random weights from config.json alone (benchmarks
+    # of models whose checkpoint is not at hand; a tokenizer is still needed)
+    load_format: str = "auto"
 
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +198,8 @@ class EngineConfig:
             if not names or not all(isinstance(n, str) and n for n in names):
                 raise ConfigError("served_model_name must be a name or a non-empty list of names")
             kwargs["served_model_name"], kwargs["served_model_aliases"] = names[0], tuple(names[1:])
+        if "load_format" in kwargs and kwargs["load_format"] is None:  # vLLM scripts pass None for the default
+            del kwargs["load_format"]
         if "seed" in kwargs and kwargs["seed"] is None:  # vLLM's seed=None: not reproducible from run to run
             kwargs["seed"] = secrets.randbits(63)
         speculative = SpeculativeConfig.from_value(kwargs.pop("speculative_config", None))
@@ -235,6 +240,9 @@ class EngineConfig:
             (self.scheduler.max_num_queued_reqs >= 0, "max_num_queued_reqs must be >= 0"),
             (self.model.max_model_len is None or self.model.max_model_len > 0, "max_model_len must be positive"),
             (self.model.max_logprobs >= 0, "max_logprobs must be >= 0"),
+            (self.model.load_format in LOAD_FORMATS,
+             f"load_format={self.model.load_format!r} is not supported: choose {', '.join(LOAD_FORMATS)} (weights "
+             "load from safetensors only; pickle files are never opened)"),
             (self.parallel.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
             (self.parallel.data_parallel_size >= 1, "data_parallel_size must be >= 1"),
             (self.parallel.num_processes >= 1, "num_processes must be >= 1"),

@@ -11,15 +11,16 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 
 from jengine.attention.backend import select_backend
-from jengine.config import EngineConfig
+from jengine.config import EngineConfig, ModelConfig
 from jengine.engine.core import EngineCore
-from jengine.errors import ConfigError
+from jengine.errors import CheckpointError, ConfigError
+from jengine.models.dummy import dummy_model
 from jengine.models.loader import load_model, load_spec
 from jengine.models.spec import ModelSpec
 from jengine.parallel.distributed import agree_across_processes
 from jengine.parallel.distributed import initialize as initialize_processes
 from jengine.parallel.mesh import build_mesh, replica_devices
-from jengine.parallel.sharding import plan_layout
+from jengine.parallel.sharding import ParallelLayout, plan_layout
 from jengine.parallel.step_feed import StepPublisher
 from jengine.runner.kv_storage import log_plan, plan_kv_cache
 from jengine.runner.multi_process import PublishingRunner
@@ -74,6 +75,28 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
+def check_tokenizer(tokenizer_dir: str, load_format: str) -> None:
+    """Random weights still need a tokenizer (as vLLM's dummy format does); a directory holding only config.json is
+    told how to give one."""
+    try:
+        Tokenizer.check_files(tokenizer_dir)
+    except CheckpointError as error:
+        if load_format != "dummy":
+            raise
+        raise CheckpointError(f"{error}. load_format='dummy' makes random weights but still needs a tokenizer: pass "
+                              "tokenizer=DIR (--tokenizer DIR), or copy tokenizer files into the model directory "
+                              "(scripts/moe_shapes.py writes a small one)") from None
+
+
+def load_weights(model: ModelConfig, layout: ParallelLayout) -> tuple[ModelSpec, dict, jax.numpy.dtype]:
+    """The checkpoint's weights placed by `layout`, or random ones made in place (`load_format="dummy"`)."""
+    placement = dict(dtype=model.dtype, sharding=layout.param_sharding, kv_head_repeat=layout.kv_head_repeat,
+                     projection_shards=layout.size)
+    if model.load_format == "dummy":
+        return dummy_model(model.model, seed=model.seed, **placement)
+    return load_model(model.model, **placement)
+
+
 def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = None) -> EngineParts:
     """One engine replica on `devices` (default: the first `tensor_parallel_size` devices), its model split over
     them by tensor (and expert) parallelism."""
@@ -88,19 +111,18 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
         raise ConfigError(f"tensor_parallel_size={parallel.tensor_parallel_size} but {len(devices)} devices given")
     layout = plan_layout(spec, build_mesh(devices), parallel.enable_expert_parallel)
     tokenizer_dir = config.model.tokenizer or config.model.model
-    Tokenizer.check_files(tokenizer_dir)  # a missing tokenizer fails before any weight is read
+    check_tokenizer(tokenizer_dir, config.model.load_format)  # a missing tokenizer fails before any weight is read
     # a malformed generation_config.json fails before any weight is read, as a missing tokenizer does
     sampling_defaults = load_sampling_defaults(config.model.model, config.model.generation_config)
     # Loading the tokenizer imports transformers (and torch, where installed): seconds that overlap the weights'.
     with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
         pending_tokenizer = pool.submit(Tokenizer.from_pretrained, tokenizer_dir, config.model.chat_template)
-        spec, params, dtype = load_model(config.model.model, dtype=config.model.dtype, sharding=layout.param_sharding,
-                                         kv_head_repeat=layout.kv_head_repeat, projection_shards=layout.size)
+        spec, params, dtype = load_weights(config.model, layout)
         tokenizer = pending_tokenizer.result()
     draft = None
     if config.speculative is not None and config.speculative.method == "draft_model":
         from jengine.spec_decode.draft_loading import load_draft  # before the pool is sized: its weights count
-        draft = load_draft(config, spec, layout)
+        draft = load_draft(config, spec, layout, load_weights)
     device = next(d for d in devices if d.process_index == jax.process_index())  # memory stats: local only
     plan = agree_across_processes(plan_kv_cache(spec, config.cache, config.scheduler, dtype, device,
                                                 kv_shards=layout.size))

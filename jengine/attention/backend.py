@@ -21,7 +21,8 @@ class AttentionBackend(Protocol):
     Implementations may fuse the write into the attention kernel; the cache comes back updated (it is donated).
     `kv_cache` is the paged array or, for `kv_cache_dtype="fp8"`, a `kv_cache.QuantizedKV` (float8 pages + per-layer,
     per-KV-head scales, already set for `layer` by the attention layer): writes quantize with those scales, reads
-    dequantize, and the scales come back unchanged.
+    dequantize, and the scales come back unchanged. A backend may also carry `experts`, the platform's MoE kernels
+    (`jengine.layers.mlp.PallasExperts`); without it MoE layers run their experts as XLA `ragged_dot`.
     """
 
     name: str

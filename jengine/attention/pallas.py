@@ -64,6 +64,13 @@ class PallasGpuBackend:
     # device on its own query heads and the KV heads they use (the cache is split by KV head).
     mesh: Mesh | None = None
 
+    @property
+    def experts(self):
+        """The MoE experts on this platform: the grouped-matmul kernels (`jengine.layers.mlp.PallasExperts`)."""
+        from jengine.layers.mlp import PallasExperts
+
+        return PallasExperts(interpret=self.interpret, mesh=self.mesh)
+
     def __call__(self, q, k, v, kv_cache, layer, md, *, scale, sliding_window, soft_cap):
         call = functools.partial(self._local, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
         if self.mesh is None or self.mesh.size == 1:

@@ -51,10 +51,12 @@ def _decoder_layer(
                                     precision)
     x = x + attn
     h = rms_norm(x, w["mlp_norm"], spec.rms_norm_eps)
+    kernels, num_tokens = getattr(backend, "experts", None), md.query_start_loc[-1]
     if mlp_kind == "moe" and expert_mesh is not None:
-        x = x + moe_mlp_expert_parallel(h, w, spec.moe, spec.hidden_act, precision, expert_mesh, TP_AXIS)
+        x = x + moe_mlp_expert_parallel(h, w, spec.moe, spec.hidden_act, precision, expert_mesh, TP_AXIS, kernels,
+                                        num_tokens)
     elif mlp_kind == "moe":
-        x = x + moe_mlp(h, w, spec.moe, spec.hidden_act, precision)
+        x = x + moe_mlp(h, w, spec.moe, spec.hidden_act, precision, kernels, num_tokens)
     else:
         x = x + gated_mlp(h, w, spec.hidden_act, precision, spec.projection_shards)
     return x, kv_cache

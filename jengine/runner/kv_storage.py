@@ -22,6 +22,7 @@ from jengine.config import CacheConfig, SchedulerConfig
 from jengine.errors import ConfigError
 from jengine.layers.attention import kv_cache_shape
 from jengine.models.spec import ModelSpec
+from jengine.runner.activation_memory import step_activations
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +48,9 @@ def bytes_per_block(spec: ModelSpec, block_size: int, dtype) -> int:
 
 
 def activation_reserve(spec: ModelSpec, sched: SchedulerConfig) -> int:
-    """A generous bound on the step's temporaries: float32 hidden/MLP activations and the logits rows."""
-    per_token = 4 * (4 * spec.hidden_size + 3 * spec.intermediate_size + spec.num_heads * spec.head_dim)
-    logits = 4 * 3 * sched.max_num_seqs * spec.vocab_size
-    return sched.max_num_batched_tokens * per_token + logits + (256 << 20)
+    """Bytes kept free for the largest step's temporaries (`activation_memory.step_activations`: MoE buffers at
+    tokens × k rows, logits rows, runtime slack)."""
+    return step_activations(spec, sched).total
 
 
 def plan_kv_cache(spec: ModelSpec, cache: CacheConfig, sched: SchedulerConfig, dtype, device: jax.Device,
@@ -68,7 +68,8 @@ def plan_kv_cache(spec: ModelSpec, cache: CacheConfig, sched: SchedulerConfig, d
         return KVPlan(max(blocks, 1), cache.block_size, per_block, "max_num_seqs × max_model_len (capped at 2 GiB)",
                       kv_dtype)
     budget = int(stats["bytes_limit"] * cache.gpu_memory_utilization) - stats.get("bytes_in_use", 0)
-    budget -= activation_reserve(spec, sched)
+    reserve = activation_reserve(spec, sched)
+    budget -= reserve
     blocks = budget // (per_block // kv_shards)
     min_blocks = -(-sched.max_model_len // cache.block_size)
     if blocks < min_blocks:
@@ -76,7 +77,8 @@ def plan_kv_cache(spec: ModelSpec, cache: CacheConfig, sched: SchedulerConfig, d
             f"not enough device memory for one request of max_model_len={sched.max_model_len}: {max(blocks, 0)} KV "
             f"blocks fit; raise gpu_memory_utilization or lower max_model_len"
         )
-    source = f"gpu_memory_utilization={cache.gpu_memory_utilization}"
+    source = (f"gpu_memory_utilization={cache.gpu_memory_utilization}, {reserve / (1 << 30):.2f} GiB kept for the "
+              f"activations of a {sched.max_num_batched_tokens}-token step")
     return KVPlan(int(blocks), cache.block_size, per_block, source, kv_dtype)
 
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 
 
 
 from jengine.attention.backend import select_backend
-from jengine.config import EngineConfig
+from jengine.config import EngineConfig, ModelConfig
 from jengine.errors import ConfigError
-from jengine.models.loader import load_model
 from jengine.models.spec import ModelSpec
 from jengine.parallel.sharding import ParallelLayout
 from jengine.runner.kv_storage import KVPlan, allocate, bytes_per_block
@@ -27,13 +27,14 @@ class LoadedDraft:
     dtype: object
 
 
-def load_draft(config: EngineConfig, target: ModelSpec, layout: ParallelLayout) -> LoadedDraft:
-    """The draft's weights, checked against the target (same vocabulary: its ids are the target's)."""
+def load_draft(config: EngineConfig, target: ModelSpec, layout: ParallelLayout,
+               load_weights: Callable[[ModelConfig, ParallelLayout], tuple]) -> LoadedDraft:
+    """The draft's weights, loaded as the target's are (`load_weights`: the factory's, so `load_format` applies
+    to both), checked against the target (same vocabulary: its ids are the target's)."""
     if config.parallel.tensor_parallel_size != 1:
         raise ConfigError("draft_model speculation runs with tensor_parallel_size=1")
     draft_dir = config.speculative.model
-    spec, params, dtype = load_model(draft_dir, dtype=config.model.dtype, sharding=layout.param_sharding,
-                                     progress=False)
+    spec, params, dtype = load_weights(dataclasses.replace(config.model, model=draft_dir), layout)
     if spec.vocab_size != target.vocab_size:
         raise ConfigError(f"the draft model {draft_dir} has a vocabulary of {spec.vocab_size} tokens, the target "
                           f"{target.vocab_size}: a draft must share the target's tokenizer")

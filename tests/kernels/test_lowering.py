@@ -77,3 +77,18 @@ def test_fp8_kv_write_lowers_for_h200_in_place():
     )
     assert "__gpu$xla.gpu.triton" in text
     assert "tf.aliasing_output" in text or "output_operand_alias" in text
+
+
+@pytest.mark.parametrize("tokens,weight_dtype", [(16, jnp.bfloat16), (4096, jnp.bfloat16), (64, jnp.float8_e4m3fn)])
+def test_grouped_matmul_lowers_for_h200(tokens, weight_dtype):
+    """The MoE experts' two launches at decode and prefill tiles (Qwen3-30B-A3B layer shape), narrow weights too."""
+    from pallas_kernels.grouped_matmul import ExpertWeights, moe_experts
+
+    e, d, inter, k = 128, 2048, 768, 8
+    scaled = weight_dtype != jnp.bfloat16
+    w = [S((e, d, inter), weight_dtype), S((e, d, inter), weight_dtype), S((e, inter, d), weight_dtype)]
+    scales = [S((e, inter), jnp.float32), S((e, inter), jnp.float32), S((e, d), jnp.float32)] if scaled else []
+    fn = lambda x, ex, rw, *ws: moe_experts(x, ExpertWeights(*ws), ex, rw, act=jax.nn.silu)
+    text = lower_for_h200(fn, S((tokens, d), jnp.bfloat16), S((tokens, k), i32), S((tokens, k), jnp.bfloat16),
+                          *w, *scales)
+    assert text.count("__gpu$xla.gpu.triton") == 2

@@ -1,0 +1,66 @@
+"""Token rows laid out by expert for the grouped matmul: which slot holds which (token, choice) pair.
+
+Every expert's pairs take a run of slots padded to a multiple of `block_rows`, so each tile of `block_rows` slots
+belongs to exactly one expert and a kernel program reads that expert's weights once for all its rows. Experts with
+no pairs get no tiles (their weights are never read). The number of slots is static — an upper bound for any
+routing — and tiles past `num_tiles` are empty; padding slots carry token -1 and weight 0.
+
+Pairs routed outside `[0, num_experts)` (another device's experts under expert parallelism) get no slot: their
+`pair_slot` is `num_slots`, which the combine reads as zero.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+
+class ExpertTiles(NamedTuple):
+    slot_token: Int[Array, " slots"]  # token row of each slot; -1 for padding
+    slot_weight: Float[Array, " slots"]  # routing weight of each slot (float32); 0 for padding
+    tile_expert: Int[Array, " tiles"]  # expert of each tile (the last used expert for tiles past num_tiles)
+    num_tiles: Int[Array, " 1"]  # tiles in use
+    pair_slot: Int[Array, "tokens k"]  # slot of each (token, choice); num_slots where the pair has none
+
+
+def num_slots(num_pairs: int, num_experts: int, block_rows: int) -> int:
+    """Slots enough for any routing of `num_pairs` pairs: each used expert pads at most `block_rows - 1` rows."""
+    bound = num_pairs + min(num_pairs, num_experts) * (block_rows - 1)
+    return -(-bound // block_rows) * block_rows
+
+
+def expert_tiles(experts: Int[Array, "tokens k"], weights: Float[Array, "tokens k"], num_experts: int,
+                 block_rows: int) -> ExpertTiles:
+    """The slot layout of one step's routing (see the module docstring). Pure jnp: one sort, one bincount."""
+    tokens, k = experts.shape
+    flat = experts.reshape(-1).astype(jnp.int32)
+    kept = (flat >= 0) & (flat < num_experts)
+    key = jnp.where(kept, flat, num_experts)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    sorted_key = key[order]
+    sizes = jnp.bincount(key, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+    padded = -(-sizes // block_rows) * block_rows
+    group_start = jnp.cumsum(sizes) - sizes
+    padded_end = jnp.cumsum(padded)
+    safe_key = jnp.minimum(sorted_key, num_experts - 1)
+    rank = jnp.arange(flat.shape[0], dtype=jnp.int32) - group_start[safe_key]
+    slots = num_slots(flat.shape[0], num_experts, block_rows)
+    sorted_slot = jnp.where(sorted_key < num_experts, padded_end[safe_key] - padded[safe_key] + rank, slots)
+    slot_token = jnp.full((slots,), -1, jnp.int32).at[sorted_slot].set(order // k, mode="drop")
+    slot_weight = jnp.zeros((slots,), jnp.float32).at[sorted_slot].set(
+        weights.reshape(-1)[order].astype(jnp.float32), mode="drop")
+    pair_slot = jnp.zeros((flat.shape[0],), jnp.int32).at[order].set(sorted_slot).reshape(tokens, k)
+    tile_start = jnp.arange(slots // block_rows, dtype=jnp.int32) * block_rows
+    # compare_all: one fused comparison; the default binary search is a device loop, ~0.3 ms on an H200
+    tile_expert = jnp.minimum(jnp.searchsorted(padded_end, tile_start, side="right", method="compare_all"),
+                              num_experts - 1)
+    num_tiles = (padded_end[-1] // block_rows).astype(jnp.int32).reshape(1)
+    return ExpertTiles(slot_token, slot_weight, tile_expert.astype(jnp.int32), num_tiles, pair_slot)
+
+
+def combine(slot_out: Float[Array, "slots d"], pair_slot: Int[Array, "tokens k"]) -> Float[Array, "tokens d"]:
+    """Each token's sum over its k weighted expert outputs (already scaled by the routing weight), in float32."""
+    padded = jnp.concatenate([slot_out, jnp.zeros((1, slot_out.shape[1]), slot_out.dtype)])
+    return jnp.sum(padded[pair_slot].astype(jnp.float32), axis=1).astype(slot_out.dtype)
