@@ -19,7 +19,8 @@ target; the random target in bf16 may differ after a near-tie, so agreement is r
 Each side runs in its own process (one model in memory at a time); both sides of a ratio run in the same call.
   PYTHONPATH=. python scripts/bench_spec.py --git-sha <sha> [--part ngram|worst|draft] [--out DIR]
   PYTHONPATH=. python scripts/bench_spec.py --tiny      # a small Llama on the CPU, every path in a few minutes
-Checkpoints are written under --workdir once (the 8B target is 16 GB); --merge-from merges earlier calls' files.
+Model directories (config and tokenizer; weights made on the device) go under --workdir; --merge-from merges earlier
+calls' files into the results file.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def run_side(task: dict[str, Any]) -> dict[str, Any]:
 
     engine_args = dict(dtype=task["dtype"], max_model_len=task["prompt_len"] + task["output_len"] + 16,
                        max_num_seqs=max(task["batch"], 8), max_num_batched_tokens=4096, seed=0,
-                       compilation_cache_dir=task.get("cache_dir"))
+                       compilation_cache_dir=task.get("cache_dir"), load_format="dummy")
     if task.get("speculative"):
         engine_args["speculative_config"] = task["speculative"]
     llm = LLM(task["model"], **engine_args)
@@ -205,13 +206,17 @@ def part_draft(base: dict, metrics: dict, ratios: dict, workdir: Path) -> None:
         f"(acceptance {acceptance(self_draft):.3f}), 1B draft {small['itl_ms']:.2f} ms")
 
 
-def checkpoints(workdir: Path, size: dict) -> tuple[Path, Path]:
+def model_dirs(workdir: Path, size: dict) -> tuple[Path, Path]:
+    """config.json and a tokenizer per model: the weights are random ones made on the device (load_format dummy,
+    seeded alike, so the target loaded as its own draft has the target's weights)."""
     paths = []
     for name, shape in (("target", size["target"]), ("draft", size["draft"])):
         path = workdir / f"{name}-{shape['hidden_size']}x{shape['num_hidden_layers']}"
-        if not (path / "config.json").exists():
-            log(f"writing the random {name} checkpoint to {path}")
-            e2e_checkpoint.write_random_llama(path, shape)
+        if not (path / "tokenizer.json").exists():
+            path.mkdir(parents=True, exist_ok=True)
+            (path / "config.json").write_text(json.dumps(e2e_checkpoint.llama_config(shape)))
+            (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+            e2e_checkpoint.write_tokenizer(path, shape["vocab_size"])
         paths.append(path)
     return paths[0], paths[1]
 
@@ -232,7 +237,7 @@ def main() -> int:
         return 0
     size = sizes(args.tiny)
     args.workdir.mkdir(parents=True, exist_ok=True)
-    target, draft = checkpoints(args.workdir, size)
+    target, draft = model_dirs(args.workdir, size)
     base = dict(model=str(target), draft_model=str(draft), vocab=size["target"]["vocab_size"],
                 cache_dir=str(args.workdir / "jax-cache"), **{k: v for k, v in size.items()
                                                              if k not in ("target", "draft")})
