@@ -86,7 +86,10 @@ class DraftModelProposer:
         columns = np.arange(width)[None, :]
         per_row = self.scratch_blocks_per_row(k, size)
         scratch = self.num_pool_blocks + rows[:, None] * per_row + np.clip(columns - held[:, None], 0, per_row - 1)
-        tables[:n] = np.where(columns < held[:, None], batch.block_table[rows, :width], scratch)
+        own = np.zeros((n, width), np.int32)
+        copied = min(width, batch.block_table.shape[1])
+        own[:, :copied] = batch.block_table[rows, :copied]
+        tables[:n] = np.where(columns < held[:, None], own, scratch)
         first = np.zeros(padded, np.int32)
         first[:n] = batch.token_ids[rows, last]
         positions = np.zeros(padded, np.int32)

@@ -93,3 +93,20 @@ def test_configuration():
     with pytest.raises(ConfigError, match="needs the draft's directory"):
         EngineConfig.from_kwargs("m", speculative_config={"method": "draft_model", "num_speculative_tokens": 3})
     assert EngineConfig.from_kwargs("m", speculative_config=None).speculative is None
+
+
+def test_draft_model_up_to_the_context_limit(dense_target, small_draft):
+    """Proposals near max_model_len write past the request's blocks (scratch); the output ends at the limit and
+    equals the plain engine's."""
+    prompt_ids = {"prompt_token_ids": list(range(5, 55))}
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    engine_args = dict(dtype="float32", max_model_len=64, seed=0, block_size=8)
+    plain = LLM(str(dense_target), **engine_args)
+    expected = plain.generate([prompt_ids], params, use_tqdm=False)[0].outputs[0]
+    plain.shutdown()
+    llm = LLM(str(dense_target), **engine_args,
+              speculative_config={"method": "draft_model", "model": str(small_draft), "num_speculative_tokens": 5})
+    got = llm.generate([prompt_ids], params, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == expected.token_ids and len(got.token_ids) == 14 and got.finish_reason == "length"
+    assert llm._core.kv_manager.num_free_blocks == llm._core.kv_manager.num_blocks
+    llm.shutdown()
