@@ -107,8 +107,7 @@ def run_side(task: dict[str, Any]) -> dict[str, Any]:
         make_copying(llm, successor_map(task["vocab"])[0])
     prompts = [{"prompt_token_ids": p} for p in workload(task["workload"], task["batch"], task, task["vocab"])]
     params = SamplingParams(temperature=0, max_tokens=task["output_len"], ignore_eos=True)
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=task["k"] * 3 + 8, ignore_eos=True),
-                 use_tqdm=False)  # compiles every step shape the timed run uses
+    llm.generate(prompts, params, use_tqdm=False)  # the same run first: every step shape it uses is compiled
     core = llm._core
     steps_before = core.num_steps
     counts = getattr(core.scheduler, "spec_counts", None)
