@@ -220,6 +220,21 @@ def model_dirs(workdir: Path, size: dict) -> tuple[Path, Path]:
     return paths[0], paths[1]
 
 
+def run_parts(parts: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    size = sizes(args.tiny)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    target, draft = model_dirs(args.workdir, size)
+    base = dict(model=str(target), draft_model=str(draft), vocab=size["target"]["vocab_size"],
+                cache_dir=str(args.workdir / "jax-cache"), **{k: v for k, v in size.items()
+                                                             if k not in ("target", "draft")})
+    metrics: dict[str, Any] = {"tiny": args.tiny}
+    ratios: dict[str, float] = {}
+    for part in parts:
+        {"ngram": part_ngram, "worst": part_worst, "draft": part_draft}[part](base, metrics, ratios, args.workdir)
+    device = metrics.pop("device", "unknown")  # the workers' device: this process never initialises one
+    return result_record("spec", args.git_sha, device, versions(), " ".join(sys.argv), metrics, ratios)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=PARTS, action="append", help="default: all three")
@@ -234,21 +249,13 @@ def main() -> int:
     if args.worker:
         args.worker_out.write_text(json.dumps(run_side(json.loads(args.worker.read_text()))))
         return 0
-    size = sizes(args.tiny)
-    args.workdir.mkdir(parents=True, exist_ok=True)
-    target, draft = model_dirs(args.workdir, size)
-    base = dict(model=str(target), draft_model=str(draft), vocab=size["target"]["vocab_size"],
-                cache_dir=str(args.workdir / "jax-cache"), **{k: v for k, v in size.items()
-                                                             if k not in ("target", "draft")})
-    metrics: dict[str, Any] = {"tiny": args.tiny}
-    ratios: dict[str, float] = {}
-    for part in args.part or PARTS:
-        {"ngram": part_ngram, "worst": part_worst, "draft": part_draft}[part](base, metrics, ratios, args.workdir)
-    device = metrics.pop("device", "unknown")  # the workers' device: this process never initialises one
-    record = result_record("spec", args.git_sha, device, versions(), " ".join(sys.argv), metrics, ratios)
     out = args.out / f"{datetime.date.today().isoformat()}-spec.json"
+    parts = args.part or ([] if args.merge_from else list(PARTS))  # --merge-from alone: only merge
+    record: dict[str, Any] = {}
+    if parts:
+        record = run_parts(parts, args)
     for path in [*args.merge_from, *([out] if out.exists() else [])]:
-        record = merge_records(read_record(path), record)
+        record = merge_records(read_record(path), record) if record else read_record(path)
     write_record(out, record)
     print_tables(record)
     return 0
