@@ -26,11 +26,11 @@ def test_seeded_sampling_with_speculation_is_batch_independent(copying_model):
     same alone and beside other requests."""
     model_dir, cycle = copying_model
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, min_p=0.01, presence_penalty=0.2,
-                            frequency_penalty=0.1, repetition_penalty=1.1, seed=7, max_tokens=24, ignore_eos=True)
+                            frequency_penalty=0.1, repetition_penalty=1.1, seed=7, max_tokens=16, ignore_eos=True)
     llm = build(model_dir, speculative_config=NGRAM)
     alone = llm.generate([prompt(cycle)], params, use_tqdm=False)[0].outputs[0].token_ids
-    others = [SamplingParams(temperature=1.0, seed=s, max_tokens=20, ignore_eos=True) for s in range(3)]
-    batch = llm.generate([prompt(cycle)] * 4, [params, *others], use_tqdm=False)
+    other = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+    batch = llm.generate([prompt(cycle)] * 3, [params, other, other], use_tqdm=False)
     assert batch[0].outputs[0].token_ids == alone
     assert llm._core.scheduler.spec_counts.num_accepted_tokens > 0
     assert llm._core.kv_manager.num_free_blocks == llm._core.kv_manager.num_blocks
@@ -100,7 +100,7 @@ def test_draft_model_up_to_the_context_limit(dense_target, small_draft):
     equals the plain engine's."""
     prompt_ids = {"prompt_token_ids": list(range(5, 55))}
     params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
-    engine_args = dict(dtype="float32", max_model_len=64, seed=0, block_size=8)
+    engine_args = dict(dtype="float32", max_model_len=64, seed=0)
     plain = LLM(str(dense_target), **engine_args)
     expected = plain.generate([prompt_ids], params, use_tqdm=False)[0].outputs[0]
     plain.shutdown()
