@@ -110,3 +110,29 @@ def test_draft_model_up_to_the_context_limit(dense_target, small_draft):
     assert got.token_ids == expected.token_ids and len(got.token_ids) == 14 and got.finish_reason == "length"
     assert llm._core.kv_manager.num_free_blocks == llm._core.kv_manager.num_blocks
     llm.shutdown()
+
+
+def test_prompt_logprobs_beside_a_speculating_request(copying_model):
+    """A chunked prefill asking for prompt logprobs shares verification steps with a speculating request: its
+    prompt logprobs and both outputs equal the plain engine's."""
+    model_dir, cycle = copying_model
+    long_prompt = {"prompt_token_ids": list(range(40, 100))}
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)]
+
+    def run(**engine_args):
+        llm = build(model_dir, max_num_batched_tokens=16, **engine_args)
+        outputs = llm.generate([prompt(cycle), long_prompt], params, use_tqdm=False)
+        counts = llm._core.scheduler.spec_counts
+        llm.shutdown()
+        return outputs, counts
+
+    plain, _ = run()
+    speculative, counts = run(speculative_config=NGRAM)
+    assert counts.num_accepted_tokens > 0
+    for got, want in zip(speculative, plain):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    got_lp, want_lp = speculative[1].prompt_logprobs, plain[1].prompt_logprobs
+    assert len(got_lp) == len(want_lp) == 60 and got_lp[0] is None
+    for got, want in zip(got_lp[1:], want_lp[1:]):
+        assert got.keys() == want.keys() and all(abs(got[t].logprob - want[t].logprob) < 1e-5 for t in got)
