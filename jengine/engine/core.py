@@ -52,8 +52,11 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.runner = runner
         self.num_steps = 0
-        # Speculation runs serially: the next step's drafts are proposed from this step's accepted tokens.
-        self.pipelined = config.runner.async_scheduling and config.speculative is None
+        speculative = config.speculative
+        # A draft model proposes from each step's accepted tokens, so it runs serially; prompt lookup pipelines
+        # while it finds nothing to propose (`_step_speculative`).
+        self.pipelined = config.runner.async_scheduling and (speculative is None or speculative.method == "ngram")
+        self.speculative = speculative is not None
         self._in_flight: tuple[SchedulerOutput, Any] | None = None  # dispatched, tokens not fetched (pipelined)
         self._landed: list[EngineCoreOutput] = []  # outputs of a step applied early, returned by the next step()
         self.step_tokens = StepTokenCounts()
@@ -87,7 +90,7 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """One step's outputs: this step's when serial, the previous step's when pipelined."""
         if self.pipelined:
-            return self._step_pipelined()
+            return self._step_speculative() if self.speculative else self._step_pipelined()
         sched = self._schedule()
         runner_out = self.runner.execute(sched)
         if sched.is_empty:
@@ -102,6 +105,29 @@ class EngineCore:
         done, self._in_flight = self._in_flight, None if launched is None else (sched, launched)
         if done is not None:
             outputs += self._apply(done[0], self.runner.fetch(done[1]))
+        return outputs
+
+    def _step_speculative(self) -> list[EngineCoreOutput]:
+        """Pipelined while no request holds drafts (the proposer runs on each fetched step's tokens, one step
+        behind). Once one does, the step in flight lands first (its fetch proposes again from every token), and a
+        step that verifies drafts runs to completion before the next is scheduled: its accepted tokens are the next
+        step's inputs."""
+        if self._in_flight is not None and self.scheduler.holds_drafts():
+            self._land_in_flight()
+        if self._in_flight is None:
+            outputs, self._landed = self._landed, []
+            sched = self._schedule()
+            if sched.scheduled_spec_tokens:
+                return outputs + self._apply(sched, self.runner.execute(sched))
+            self._landed = outputs
+            launched = self.runner.dispatch(sched)
+            if launched is not None:
+                self._in_flight = (sched, launched)
+            return self._take_landed()
+        return self._step_pipelined()
+
+    def _take_landed(self) -> list[EngineCoreOutput]:
+        outputs, self._landed = self._landed, []
         return outputs
 
     def _schedule(self) -> SchedulerOutput:

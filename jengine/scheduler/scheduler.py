@@ -91,6 +91,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def holds_drafts(self) -> bool:
+        """Whether a running request has proposed tokens waiting to be verified."""
+        return any(request.spec_token_ids for request in self.running)
+
     def stats(self) -> SchedulerStats:
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.num_preemptions_total)
 
@@ -131,7 +135,9 @@ class Scheduler:
             samples = num_new <= budget
             if not samples:
                 num_new = budget
-            drafts = drafts_to_schedule(request, budget) if request.spec_token_ids and num_new == 1 else None
+            # drafts follow a request's last token: never while that token is still pending (a pipelined step)
+            drafts = (drafts_to_schedule(request, budget) if request.spec_token_ids and num_new == 1 and not pending
+                      else None)
             if drafts:
                 num_new += len(drafts)
             if not has_room(request, num_new):
@@ -226,8 +232,8 @@ class Scheduler:
                     self._roll_back(request, len(drafts), len(tokens) - 1)
                 tokens, finished = self._append_output(request, tokens)
                 updates.append(RequestUpdate(request, tokens, [logprobs] * len(tokens), prompt, finished))
-                if not finished and request_id in out.draft_token_ids:
-                    request.spec_token_ids = out.draft_token_ids[request_id]
+                if not finished and (out.draft_token_ids or request.spec_token_ids):  # older guesses are stale
+                    request.spec_token_ids = out.draft_token_ids.get(request_id, [])
             elif prompt:
                 updates.append(RequestUpdate(request, tokens, [], prompt, False))
         return updates

@@ -136,3 +136,25 @@ def test_prompt_logprobs_beside_a_speculating_request(copying_model):
     assert len(got_lp) == len(want_lp) == 60 and got_lp[0] is None
     for got, want in zip(got_lp[1:], want_lp[1:]):
         assert got.keys() == want.keys() and all(abs(got[t].logprob - want[t].logprob) < 1e-5 for t in got)
+
+
+def test_prompt_lookup_pipelines_steps_while_it_finds_nothing(dense_target):
+    """With nothing to propose the engine keeps dispatching a step before the previous one's tokens arrive; its
+    tokens are the plain engine's."""
+    from jengine.request import Request
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt_ids = list(range(10, 40))
+    plain = build(dense_target)
+    expected = plain.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)[0].outputs[0].token_ids
+    plain.shutdown()
+    llm = build(dense_target, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                  "prompt_lookup_min": 6})
+    core = llm._core
+    core.add_request(Request("a", prompt_ids, params))
+    tokens, overlapped = [], 0
+    while core.has_unfinished():
+        tokens += [t for out in core.step() for t in out.new_token_ids]
+        overlapped += core._in_flight is not None
+    assert tokens == expected and overlapped >= 3
+    llm.shutdown()
