@@ -8,6 +8,9 @@ Pipelined (`async_scheduling`, the default), a step schedules and dispatches ste
 tokens and applies them: the host's bookkeeping for N and N+2 runs while the device computes N+1. The scheduler
 counts N's samples as pending tokens and the runner feeds them to N+1 on the device, so outputs equal the serial
 engine's; what N+1 computes for a request that N finished is discarded.
+
+With speculative decoding, a step that verifies drafts runs to completion before the next one is scheduled (the
+proposer needs its accepted tokens); prompt lookup pipelines the steps in between, while it has nothing to verify.
 """
 
 from __future__ import annotations
