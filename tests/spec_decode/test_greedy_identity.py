@@ -21,14 +21,15 @@ def draft_config(draft_dir) -> dict:
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    """Four 30-token prompts that fill an 8-block pool (each needs a third block at its 33rd token), then prompts
-    with repeated segments (n-gram matches) sharing a prefix."""
+    """Four 30-token prompts that fill an 8-block pool (each needs a third block at its 33rd token), prompts with
+    repeated segments (n-gram matches), and one sharing a full block with the first."""
     rng = np.random.default_rng(SEED)
     vocab = COMMON["vocab_size"]
     fill_pool = [rng.integers(3, vocab, size=30).tolist() for _ in range(4)]
     segment = rng.integers(3, vocab, size=7).tolist()
     repeating = [segment * 3, segment * 2 + rng.integers(3, vocab, size=5).tolist(), segment[:3] * 4]
-    return fill_pool + repeating
+    shared_block = fill_pool[0][:20] + segment[:4]  # its first 16 tokens are another prompt's: a prefix-cache hit
+    return fill_pool + repeating + [shared_block]
 
 
 def generate(model_dir, prompts, **engine_args) -> tuple[list[list[int]], LLM]:
@@ -79,6 +80,8 @@ def test_greedy_output_identical_with_speculation(family, method, request, promp
         assert core.scheduler.spec_counts.num_draft_tokens > 0, "nothing was speculated"
         if "preemption" in name:
             assert core.scheduler.num_preemptions_total > 0, "the small pool should force preemptions"
+        if name == "batched":
+            assert core.kv_manager.prefix_cache_stats.hits > 0, "the shared block should hit the prefix cache"
         llm.shutdown()
 
 
