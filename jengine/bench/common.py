@@ -41,11 +41,12 @@ def build_dataset(args: argparse.Namespace, tokenizer: Any, max_total_len: int |
 def acceptance_metrics(llm: Any) -> dict[str, float]:
     """Speculative decoding's acceptance over everything the engine ran (vLLM's bench figures): the rate over draft
     tokens, and the mean tokens a verification step emits per request (1 + accepted ÷ drafts); {} without it."""
-    counts = getattr(getattr(llm._core, "scheduler", None), "spec_counts", None)
-    if counts is None or not counts.num_drafts:
+    core = llm._core
+    if not getattr(core, "speculative", False):
         return {}
+    counts = core.scheduler.spec_counts
     return {"spec_decode_acceptance_rate": counts.acceptance_rate,
-            "spec_decode_acceptance_length": 1 + counts.num_accepted_tokens / counts.num_drafts,
+            "spec_decode_acceptance_length": 1 + counts.num_accepted_tokens / max(counts.num_drafts, 1),
             "spec_decode_num_drafts": counts.num_drafts, "spec_decode_num_draft_tokens": counts.num_draft_tokens,
             "spec_decode_num_accepted_tokens": counts.num_accepted_tokens}
 
