@@ -61,16 +61,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--load-format", default="auto", metavar="{auto,safetensors,dummy}",
                        help="dummy: random weights from config.json alone, no checkpoint read (benchmarks); the "
                             "tokenizer still comes from the model directory or --tokenizer")
-    group.add_argument("--compile-buckets", default="lazy", choices=["all", "lazy", "auto"])
+    group.add_argument("--compile-buckets", default="auto", choices=["all", "lazy", "auto"],
+                       help="auto: every shape compiled at start-up on a GPU, on first use on the CPU")
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                        help="dispatch step N+1 before step N's tokens reach the host (default on)")
     group.add_argument("--compilation-cache-dir", type=Path, default=DEFAULT_COMPILATION_CACHE,
                        help="JAX persistent compilation cache")
+    group.add_argument("-q", "--quantization", default=None,
+                       help="fp8 or compressed-tensors; unset: the checkpoint's quantization_config. fp8 on a float "
+                            "checkpoint quantizes it at load")
     group.add_argument("--speculative-config", default=None,
                        help='speculative decoding as JSON, vLLM\'s keys: {"method": "ngram" | "draft_model", '
                             '"num_speculative_tokens": k, "prompt_lookup_min"/"prompt_lookup_max" (ngram), '
                             '"model": DIR (draft_model), "disable_by_batch_size": N}')
-    for flag in ("--quantization", "--lora-modules", "--reasoning-parser", "--tool-call-parser"):
+    for flag in ("--lora-modules", "--reasoning-parser", "--tool-call-parser"):
         group.add_argument(flag, default=None, help=argparse.SUPPRESS)
     for flag in ("--enable-lora", "--enable-auto-tool-choice"):
         group.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
@@ -249,7 +253,6 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
                        help="the name clients send as 'model'; several: the first answers, all are accepted")
     _add_server_args(serve, grpc=True)
-    serve.set_defaults(compile_buckets="auto")  # a server on a GPU compiles every shape before it takes traffic
 
 
 def _add_openai_parser(commands: argparse._SubParsersAction) -> None:

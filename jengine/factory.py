@@ -14,6 +14,7 @@ from jengine.attention.backend import select_backend
 from jengine.config import EngineConfig, ModelConfig
 from jengine.engine.core import EngineCore
 from jengine.errors import CheckpointError, ConfigError
+from jengine.layers.quant import workspace_bytes
 from jengine.models.dummy import dummy_model
 from jengine.models.loader import load_model, load_spec
 from jengine.models.spec import ModelSpec
@@ -93,8 +94,10 @@ def load_weights(model: ModelConfig, layout: ParallelLayout) -> tuple[ModelSpec,
     placement = dict(dtype=model.dtype, sharding=layout.param_sharding, kv_head_repeat=layout.kv_head_repeat,
                      projection_shards=layout.size)
     if model.load_format == "dummy":
+        if model.quantization is not None:
+            raise ConfigError("quantization with load_format='dummy' is not supported (dummy weights are float)")
         return dummy_model(model.model, seed=model.seed, **placement)
-    return load_model(model.model, **placement)
+    return load_model(model.model, quantization=model.quantization, **placement)
 
 
 def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = None) -> EngineParts:
@@ -125,7 +128,8 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
         draft = load_draft(config, spec, layout, load_weights)
     device = next(d for d in devices if d.process_index == jax.process_index())  # memory stats: local only
     plan = agree_across_processes(plan_kv_cache(spec, config.cache, config.scheduler, dtype, device,
-                                                kv_shards=layout.size))
+                                                kv_shards=layout.size,
+                                                workspace=workspace_bytes(params, dtype) // layout.size))
     if plan.num_tokens < config.scheduler.max_model_len:
         raise ConfigError(
             f"the KV cache holds {plan.num_tokens} tokens, fewer than one request of max_model_len="

@@ -37,7 +37,7 @@ def test_generate_prints_one_completion_per_prompt(model_dir, tmp_path):
 
 def test_features_not_built_are_refused_not_ignored(model_dir):
     result = jengine("generate", "--model", str(model_dir), "--quantization", "awq")
-    assert result.returncode == 1 and "quantization is not available" in result.stderr
+    assert result.returncode == 1 and "quantization='awq' is not supported" in result.stderr
     result = jengine("generate", "--model", str(model_dir), "-pp", "2")
     assert result.returncode == 1 and "pipeline_parallel_size=2 is not supported" in result.stderr
 

@@ -38,11 +38,15 @@ def test_all_buckets_compile_at_start_and_steady_state_compiles_nothing(model_di
 
 
 def test_auto_compiles_up_front_only_with_a_kernel_backend(model_dir):
-    """`auto` (the server default) pins and precompiles with a kernel backend; with the jnp reference (the CPU) it
-    compiles lazily, so a CPU server starts in seconds."""
+    """`auto` (the default of every entry point) pins and precompiles with a kernel backend; with the jnp reference
+    (the CPU) it compiles lazily, so a CPU engine starts in seconds."""
+    from jengine.cli import build_parser
+
+    for command in (["serve", "m"], ["generate", "--model", "m"], ["bench", "throughput", "--model", "m"]):
+        assert build_parser().parse_args(command).compile_buckets == "auto", command
     before = num_compiled_shapes()
-    with LLM(str(model_dir), dtype="float32", max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32,
-             compile_buckets="auto") as llm:
+    with LLM(str(model_dir), dtype="float32", max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32) as llm:
+        assert llm._core.config.runner.compile_buckets == "auto"
         assert llm._core.runner.backend.name == "reference"
         assert not llm._core.runner.batch.pin_shapes
         assert num_compiled_shapes() == before

@@ -1,4 +1,6 @@
-"""Plain dense projections. Weights are stored `[in, out]` (transposed from HF) so activations multiply on the left."""
+"""Dense projections. Weights are stored `[in, out]` (transposed from HF) so activations multiply on the left; an
+8-bit weight (`layers/quant.py:QuantizedWeight`) takes its own matmul, so every projection of every family runs
+quantized checkpoints."""
 
 from __future__ import annotations
 
@@ -7,16 +9,21 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
+from jengine.layers.quant import QuantizedWeight, quantized_matmul
+
 Precision = jax.lax.Precision | None
 
 
 def linear(
     x: Float[Array, "... d_in"],
-    w: Float[Array, "d_in d_out"],
+    w: Float[Array, "d_in d_out"] | QuantizedWeight,
     b: Float[Array, " d_out"] | None = None,
     precision: Precision = None,
 ) -> Float[Array, "... d_out"]:
-    y = jnp.dot(x, w, precision=precision)
+    if isinstance(w, QuantizedWeight):
+        y = quantized_matmul(x.reshape(-1, x.shape[-1]), w, precision).reshape(*x.shape[:-1], w.shape[-1])
+    else:
+        y = jnp.dot(x, w, precision=precision)
     return y + b if b is not None else y
 
 

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from jengine.layers.linear import ACTIVATIONS, Precision, linear, split_fused
+from jengine.layers.quant import QuantizedWeight, column_scales, dequantize
 from jengine.models.spec import MoeSpec
 
 
@@ -41,6 +42,24 @@ def route(
     return weights.astype(x.dtype), experts
 
 
+def expert_stacks(w: dict, dtype) -> tuple[tuple[Array, Array, Array], tuple[Array, ...]]:
+    """The experts' (gate, up, down) as the grouped-matmul kernels take them, and their scales: float stacks as they
+    are (no scales); 8-bit ones with a scale per (expert, output column) as stored, 8 bits read, with those scales
+    (gate, up, down); 8-bit ones with block or group scales dequantized to `dtype` (no scales)."""
+    stacks = tuple(w[name] for name in ("we_gate", "we_up", "we_down"))
+    if not any(isinstance(s, QuantizedWeight) for s in stacks):
+        return stacks, ()
+    scales = tuple(column_scales(s) for s in stacks)
+    if all(scale is not None for scale in scales):
+        return tuple(s.weight for s in stacks), scales
+    return tuple(dequantize(s, dtype) for s in stacks), ()
+
+
+def expert_float(w: Array | QuantizedWeight, dtype) -> Array:
+    """One expert stack for `ragged_dot`: 8-bit ones dequantized to `dtype`."""
+    return dequantize(w, dtype) if isinstance(w, QuantizedWeight) else w
+
+
 @dataclasses.dataclass(frozen=True)
 class PallasExperts:
     """The experts as the Pallas grouped-matmul kernels (hashable: part of the step's static model). The kernels
@@ -53,17 +72,20 @@ class PallasExperts:
     def __call__(self, x, w: dict[str, Array], experts, weights, act: str, precision: Precision):
         from pallas_kernels.grouped_matmul import ExpertWeights, moe_experts  # Pallas imported only where used
 
-        def local(x, experts, weights, gate, up, down):
-            return moe_experts(x, ExpertWeights(gate, up, down), experts, weights, act=ACTIVATIONS[act],
+        def local(x, experts, weights, gate, up, down, *scales):
+            return moe_experts(x, ExpertWeights(gate, up, down, *scales), experts, weights, act=ACTIVATIONS[act],
                                precision=precision, interpret=self.interpret)
 
+        stacks, scales = expert_stacks(w, x.dtype)
         if self.mesh is None or self.mesh.size == 1:
-            return local(x, experts, weights, w["we_gate"], w["we_up"], w["we_down"])
+            return local(x, experts, weights, *stacks, *scales)
         axis = self.mesh.axis_names[0]
         cols, rows = P(None, None, axis), P(None, axis, None)
+        scale_specs = (P(None, axis), P(None, axis), P()) if scales else ()
         partial = jax.shard_map(lambda *a: jax.lax.psum(local(*a), axis), mesh=self.mesh,
-                                in_specs=(P(), P(), P(), cols, cols, rows), out_specs=P(), check_vma=False)
-        return partial(x, experts, weights, w["we_gate"], w["we_up"], w["we_down"])
+                                in_specs=(P(), P(), P(), cols, cols, rows, *scale_specs), out_specs=P(),
+                                check_vma=False)
+        return partial(x, experts, weights, *stacks, *scales)
 
 
 def skip_padding(experts: Int[Array, "tokens k"], num_tokens: Int[Array, ""] | None) -> Int[Array, "tokens k"]:
@@ -123,7 +145,7 @@ def _ragged_experts(x, weights, local_expert, we: tuple[Array, Array, Array], ac
     x_sorted = x[order // k]
 
     def grouped(lhs: Array, rhs: Array) -> Array:
-        return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision)
+        return jax.lax.ragged_dot(lhs, expert_float(rhs, lhs.dtype), group_sizes, precision=precision)
 
     hidden = ACTIVATIONS[act](grouped(x_sorted, we_gate)) * grouped(x_sorted, we_up)
     out_sorted = jnp.where(mine.reshape(-1)[order][:, None], grouped(hidden, we_down), 0)

@@ -23,6 +23,8 @@ from tqdm.auto import tqdm
 from jengine.errors import CheckpointError, ConfigError
 from jengine.models.checkpoint import CheckpointReader, checkpoint_dtype, read_config
 from jengine.models.converted import converted_metadata, restore_converted, save_converted
+from jengine.models.quant_config import QuantConfig, read_quant_config
+from jengine.models.quant_load import QUANTIZED_LEAVES, dequantized_float, leaf_quant, module_quant, place, read_leaf
 from jengine.models.registry import spec_from_hf_config
 from jengine.models.spec import ModelSpec
 from jengine.models.weights import (
@@ -70,6 +72,7 @@ def load_model(
     converted_dir: str | Path | None = None,
     kv_head_repeat: int = 1,
     projection_shards: int = 1,
+    quantization: str | None = None,
 ) -> tuple[ModelSpec, dict, jnp.dtype]:
     """Reads, checks, casts and places every parameter; returns (spec, params, dtype).
 
@@ -79,9 +82,15 @@ def load_model(
     `models/weights.py`), and the returned spec records it for the model to split them.
 
     With `converted_dir`, a conversion saved there for the same checkpoint, dtype and layout is restored instead (fast
-    start-up), and a fresh conversion is saved there otherwise.
+    start-up), and a fresh conversion is saved there otherwise (float models only).
+
+    `quantization` is vLLM's `--quantization`: None reads the checkpoint's own `quantization_config`; `fp8` also
+    quantizes a float checkpoint at load (`models/quant_config.py`). The 8-bit projections become `QuantizedWeight`s.
     """
     spec = load_spec(model_dir)
+    quant = read_quant_config(read_config(model_dir), quantization)
+    if quant is not None:
+        converted_dir = None
     with CheckpointReader(model_dir) as reader:
         spec = _tied_as_in_the_checkpoint(spec, reader)
         platform = jax.devices()[0].platform
@@ -96,8 +105,11 @@ def load_model(
             logger.info("restoring converted weights from %s", converted_dir)
             params = restore_converted(converted_dir, _abstract_params(sources, resolved, sharding_for))
             return spec, _with_kv_scales(params, spec, kv_scales, sharding_for), resolved
-        _check_sources(reader, sources)
-        params = _place_all(reader, sources, resolved, sharding_for, progress)
+        plans = _quant_plans(reader, sources, quant, platform)
+        _check_sources(reader, sources, plans)
+        params = _place_all(reader, sources, resolved, sharding_for, progress, plans)
+    if quant is not None:
+        _log_quantized(quant, plans, params, resolved)
     if converted_dir:
         save_converted(converted_dir, params, {"fingerprint": fingerprint, "source": str(model_dir)})
     logger.info("loaded %s (%s) from %s in %s", spec.architecture, spec.family, model_dir, resolved.name)
@@ -151,9 +163,11 @@ def _sharding_function(sharding: jax.sharding.Sharding | ShardingFor | None) -> 
     return sharding
 
 
-def _check_sources(reader: CheckpointReader, sources: dict) -> None:
-    """Every tensor present, with the shape the config implies and a floating dtype, before any is read."""
-    for leaf in _single_tensors(sources):
+def _check_sources(reader: CheckpointReader, sources: dict, plans: dict) -> None:
+    """Every tensor present, with the shape the config implies and a floating dtype, before any is read (8-bit
+    leaves are checked as they are read)."""
+    float_sources = {k: v for k, v in _flat_sources(sources) if plans.get(k) is None}
+    for leaf in _single_tensors(float_sources):
         expected = leaf.checkpoint_shape
         for name in leaf.names.flat:
             reader.info(name)  # raises CheckpointError naming the missing tensor
@@ -164,7 +178,7 @@ def _check_sources(reader: CheckpointReader, sources: dict) -> None:
             if reader.dtype(name).type not in _FLOAT_KINDS:
                 raise CheckpointError(
                     f"tensor {name} has dtype {reader.dtype(name)}; only float16/bfloat16/float32 weights are "
-                    "supported (quantized checkpoints are not)"
+                    "supported without a quantization_config (an 8-bit checkpoint names its format there)"
                 )
 
 
@@ -174,7 +188,43 @@ def _single_tensors(sources: dict) -> Iterator[LeafSource]:
         yield from (source.parts if isinstance(source, FusedSource) else (source,))
 
 
-def _place_all(reader: CheckpointReader, sources: dict, dtype: jnp.dtype, sharding_for: ShardingFor, progress: bool):
+def _flat_sources(sources: dict) -> list[tuple[str, Source]]:
+    return [(jax.tree_util.keystr(path), leaf)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(sources, is_leaf=is_source)[0]]
+
+
+def _quant_plans(reader: CheckpointReader, sources: dict, quant: QuantConfig | None, platform: str) -> dict:
+    """Leaf path → ("run", ModuleQuant) for a projection run in 8 bits, ("float", ModuleQuant) for an 8-bit
+    module run in float (a quantized LM head), absent for float leaves."""
+    if quant is None:
+        return {}
+    plans = {}
+    for path, leaf in _flat_sources(sources):
+        name = path.rsplit("['", 1)[-1].rstrip("']")
+        if name in QUANTIZED_LEAVES:
+            how = leaf_quant(quant, reader, leaf)
+            if how is not None:
+                plans[path] = ("run", how, "reference" if platform == "cpu" else "xla")
+        elif name == "lm_head" and quant.method != "fp8-at-load":
+            how = module_quant(quant, reader, "lm_head")
+            if how is not None:
+                plans[path] = ("float", how, None)
+    return plans
+
+
+def _log_quantized(quant: QuantConfig, plans: dict, params: dict, dtype: jnp.dtype) -> None:
+    run = [path for path, plan in plans.items() if plan[0] == "run"]
+    schemes = sorted({plan[1].scheme.label for plan in plans.values()})
+    total = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+    logger.info("quantization: %s; %d projections in 8 bits (%s), the rest in %s; weights take %.2f GiB",
+                quant.label, len(run), ", ".join(schemes), dtype.name, total / (1 << 30))
+    for path, plan in plans.items():
+        if plan[0] == "float":
+            logger.info("%s is stored in 8 bits and runs dequantized to %s", path, dtype.name)
+
+
+def _place_all(reader: CheckpointReader, sources: dict, dtype: jnp.dtype, sharding_for: ShardingFor, progress: bool,
+               plans: dict):
     paths_and_leaves = jax.tree_util.tree_flatten_with_path(sources, is_leaf=is_source)
     flat, treedef = paths_and_leaves
     total = sum(int(np.prod(leaf.shape)) * dtype.itemsize for _, leaf in flat)
@@ -183,13 +233,26 @@ def _place_all(reader: CheckpointReader, sources: dict, dtype: jnp.dtype, shardi
     # transfer to the device.
     with (ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="weights") as pool,
           tqdm(total=total, unit="B", unit_scale=True, desc="Loading weights", disable=not progress) as bar):
-        futures = [pool.submit(_place_leaf, reader, leaf, dtype, sharding_for(jax.tree_util.keystr(path), leaf.shape))
+        futures = [pool.submit(_place_any, reader, leaf, dtype, sharding_for, jax.tree_util.keystr(path),
+                               plans.get(jax.tree_util.keystr(path)))
                    for path, leaf in flat]
         for future, (_, leaf) in zip(futures, flat, strict=True):
             placed.append(future.result())
             bar.update(int(np.prod(leaf.shape)) * dtype.itemsize)
     return jax.tree.unflatten(treedef, placed)
 
+
+
+def _place_any(reader: CheckpointReader, leaf: Source, dtype: jnp.dtype, sharding_for: ShardingFor, path: str,
+               plan: tuple | None):
+    """A float leaf, an 8-bit one (`QuantizedWeight`), or an 8-bit module dequantized to `dtype`."""
+    if plan is None:
+        return _place_leaf(reader, leaf, dtype, sharding_for(path, leaf.shape))
+    kind, how, impl = plan
+    if kind == "run":
+        return place(read_leaf(reader, leaf, how), path, sharding_for, impl)
+    full = np.asarray(dequantized_float(reader, str(leaf.names), how), dtype=dtype)
+    return jax.make_array_from_callback(leaf.shape, sharding_for(path, leaf.shape), lambda index: full[index])
 
 
 def _place_leaf(reader: CheckpointReader, leaf: Source, dtype: jnp.dtype, sharding) -> jax.Array:

@@ -36,6 +36,10 @@ _RULES: dict[str, tuple] = {
 }
 
 
+# 8-bit expert stacks keep the float layout [experts, K, N] (layers/quant.py)
+_EXPERT_WEIGHTS = tuple(f"['{name}'].weight" for name in ("we_gate", "we_up", "we_down"))
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelLayout:
     """How one engine's model and KV cache sit on its mesh. Hashable: it is a static argument of the jitted step."""
@@ -68,8 +72,20 @@ class ParallelLayout:
         return P(*((None,) * (ndim - len(resolved)) + resolved))
 
     def param_sharding(self, path: str, shape: tuple[int, ...]) -> NamedSharding:
-        """The loader's callback: where each parameter goes (each device reads only its slice)."""
-        return NamedSharding(self.mesh, self.param_spec(path, len(shape)))
+        """The loader's callback: where each parameter goes (each device reads only its slice). The scales of an
+        8-bit projection (`...['wo'].weight`, `.scale`; `layers/quant.py`) follow the float weight's rule on each
+        axis they can split evenly (a block scale splits with its weight's blocks) and are replicated along the
+        others (one row of per-channel scales, a static input scale)."""
+        if path.endswith(".weight") and not path.endswith(_EXPERT_WEIGHTS):
+            # stored [..., K / g, N, g]: K's rule on the groups, or on g when there is one group
+            *lead, k_axis, n_axis = self.param_spec(path, len(shape) - 1) or (None,) * (len(shape) - 1)
+            spec = P(*lead, None, n_axis, k_axis) if shape[-3] == 1 else P(*lead, k_axis, n_axis, None)
+        else:
+            spec = self.param_spec(path, len(shape))
+        if path.endswith((".weight", ".scale", ".input_scale")):
+            spec = P(*(axis if axis is None or size % self.size == 0 else None
+                       for axis, size in zip(tuple(spec) + (None,) * (len(shape) - len(spec)), shape)))
+        return NamedSharding(self.mesh, spec)
 
     def _axis(self, logical: str | None) -> str | None:
         if logical == "vocab":

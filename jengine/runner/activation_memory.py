@@ -19,7 +19,7 @@ from jengine.config import SchedulerConfig
 from jengine.models.spec import ModelSpec
 
 ELEMENT_BYTES = 4  # every activation counted as float32
-MOE_BLOCK_ROWS = 128  # rows of one grouped-matmul tile: each expert's rows are padded up to a multiple of it
+MOE_BLOCK_ROWS = 64  # the largest row tile of the grouped matmul (`pallas_kernels.grouped_matmul.tile_configs`)
 SAMPLER_COPIES = 6  # [rows, vocab] float32 buffers in sampling: logits, penalty counts, scaled, sorted, probs, noise
 PROMPT_LOGIT_COPIES = 2  # prompt-logprob rows: their logits and log-softmax
 RUNTIME_SLACK_BYTES = 256 << 20  # the runtime's own scratch, compiled programs' constants

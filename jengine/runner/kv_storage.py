@@ -2,7 +2,9 @@
 
 The pool size follows vLLM's rule on devices that report memory: `gpu_memory_utilization` × device memory, minus
 what the weights already use and an activation reserve for the largest step. Where the device reports no memory (the
-CPU) the pool holds `max_num_seqs × max_model_len` tokens, capped at 2 GiB. `num_gpu_blocks_override` is exact.
+CPU) the pool holds `max_num_seqs × max_model_len` tokens, capped at 2 GiB. `num_gpu_blocks_override` is exact. The
+weights are counted as placed, so 8-bit weights leave their saving to the pool (less the temporary copies their
+matmuls make, reserved beside the activations).
 Blocks are counted in the cache's own element type: `kv_cache_dtype="fp8"` stores 1 byte per element, so twice as
 many blocks fit as in bfloat16, at any size (the GPU kernels address a float8 cache through a 2-byte view:
 `pallas_kernels/addressing.py`).
@@ -54,9 +56,10 @@ def activation_reserve(spec: ModelSpec, sched: SchedulerConfig) -> int:
 
 
 def plan_kv_cache(spec: ModelSpec, cache: CacheConfig, sched: SchedulerConfig, dtype, device: jax.Device,
-                  kv_shards: int = 1) -> KVPlan:
+                  kv_shards: int = 1, workspace: int = 0) -> KVPlan:
     """`device` is one of the engine's devices (they are alike); with `kv_shards` devices sharing the KV heads,
-    each holds 1/kv_shards of every block, so its memory fits that many more blocks."""
+    each holds 1/kv_shards of every block, so its memory fits that many more blocks. `workspace`: bytes per device
+    the step needs besides the activations (8-bit weights' temporary copies, `layers/quant.py:workspace_bytes`)."""
     kv_dtype = kv_cache.cache_dtype(cache.kv_cache_dtype, dtype)
     per_block = bytes_per_block(spec, cache.block_size, kv_dtype)
     if cache.num_gpu_blocks_override:
@@ -69,7 +72,7 @@ def plan_kv_cache(spec: ModelSpec, cache: CacheConfig, sched: SchedulerConfig, d
                       kv_dtype)
     budget = int(stats["bytes_limit"] * cache.gpu_memory_utilization) - stats.get("bytes_in_use", 0)
     reserve = activation_reserve(spec, sched)
-    budget -= reserve
+    budget -= reserve + workspace
     blocks = budget // (per_block // kv_shards)
     min_blocks = -(-sched.max_model_len // cache.block_size)
     if blocks < min_blocks:
@@ -78,7 +81,8 @@ def plan_kv_cache(spec: ModelSpec, cache: CacheConfig, sched: SchedulerConfig, d
             f"blocks fit; raise gpu_memory_utilization or lower max_model_len"
         )
     source = (f"gpu_memory_utilization={cache.gpu_memory_utilization}, {reserve / (1 << 30):.2f} GiB kept for the "
-              f"activations of a {sched.max_num_batched_tokens}-token step")
+              f"activations of a {sched.max_num_batched_tokens}-token step"
+              + (f" and {workspace / (1 << 30):.2f} GiB of 8-bit weights' copies" if workspace else ""))
     return KVPlan(int(blocks), cache.block_size, per_block, source, kv_dtype)
 
 

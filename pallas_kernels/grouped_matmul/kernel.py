@@ -58,10 +58,14 @@ def _tile_rows(slot_token_ref, t, block_rows: int):
     return slots, jnp.maximum(token, 0), token >= 0
 
 
-def _weight_tile(w_ref, e, ks, cols, k_dim: int, n_dim: int, dtype):
+def _weight_tile(w_ref, e, ks, cols, k_dim: int, n_dim: int, dtype, cfg: TileConfig):
+    """One expert's `[block_k, block_n]` weight tile in the compute dtype. Edges are masked only where the shape
+    has them (static), and masked lanes zeroed after the cast: Triton cannot splat a fill value into float8."""
+    index = w_ref.at[e, ks[:, None], cols[None, :]]
+    if k_dim % cfg.block_k == 0 and n_dim % cfg.block_n == 0:
+        return pltr.load(index).astype(dtype)
     mask = (ks[:, None] < k_dim) & (cols[None, :] < n_dim)
-    w = pltr.load(w_ref.at[e, ks[:, None], cols[None, :]], mask=mask, other=0)
-    return w.astype(dtype)
+    return jnp.where(mask, pltr.load(index, mask=mask).astype(dtype), 0)
 
 
 def _column_scale(scale_ref, e, cols, n_dim: int):
@@ -84,9 +88,9 @@ def _gate_up_kernel(x_ref, wg_ref, wu_ref, sg_ref, su_ref, slot_token_ref, tile_
         def step(i, acc):
             ks = _arange(i * cfg.block_k, cfg.block_k)
             x = pltr.load(x_ref.at[token[:, None], ks[None, :]], mask=real[:, None] & (ks[None, :] < k_dim), other=0)
-            gate = jnp.dot(x, _weight_tile(wg_ref, e, ks, cols, k_dim, n_dim, x.dtype),
+            gate = jnp.dot(x, _weight_tile(wg_ref, e, ks, cols, k_dim, n_dim, x.dtype, cfg),
                            preferred_element_type=jnp.float32, precision=precision)
-            up = jnp.dot(x, _weight_tile(wu_ref, e, ks, cols, k_dim, n_dim, x.dtype),
+            up = jnp.dot(x, _weight_tile(wu_ref, e, ks, cols, k_dim, n_dim, x.dtype, cfg),
                          preferred_element_type=jnp.float32, precision=precision)
             return acc[0] + gate, acc[1] + up
 
@@ -112,7 +116,7 @@ def _down_kernel(h_ref, wd_ref, sd_ref, slot_weight_ref, tile_expert_ref, num_ti
         def step(i, acc):
             ks = _arange(i * cfg.block_k, cfg.block_k)
             h = pltr.load(h_ref.at[slots[:, None], ks[None, :]], mask=ks[None, :] < k_dim, other=0)
-            return acc + jnp.dot(h, _weight_tile(wd_ref, e, ks, cols, k_dim, n_dim, h.dtype),
+            return acc + jnp.dot(h, _weight_tile(wd_ref, e, ks, cols, k_dim, n_dim, h.dtype, cfg),
                                  preferred_element_type=jnp.float32, precision=precision)
 
         acc = lax.fori_loop(0, pl.cdiv(k_dim, cfg.block_k), step,

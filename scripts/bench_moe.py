@@ -1,0 +1,148 @@
+"""A whole MoE model on the GPU with the grouped-matmul kernels: greedy parity, decode steps ÷ the bytes floor, and
+the engine at its defaults serving the sharegpt-like mixed set. Random weights made on the device (`load_format=
+"dummy"`), shapes from `scripts/moe_shapes.py`.
+
+    PYTHONPATH=. python scripts/bench_moe.py --out DIR --part parity decode      # Qwen3-30B-A3B, 48 layers
+    PYTHONPATH=. python scripts/bench_moe.py --out DIR --part mixed-qwen mixed-mixtral
+
+Decode: 256-token prompts at batch 1, 16, 64, 256; the step time is the difference of a 65-token and a 1-token
+generation ÷ 64 (each timed after a warm-up of the same shapes). Its floor: the bytes of every layer's attention
+projections, norms and router, the distinct experts the step reads (E·(1 − (1 − k/E)^batch) per layer for uniform
+routing), the LM head, the embedding rows and the KV read, ÷ the copy bandwidth measured in the same call.
+Writes into `DIR/<date>-moe.json` (merged with `scripts/bench_moe_kernels.py`'s figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_bench_common import (copy_bandwidth, jax_device_name, log, merge_records, read_record,  # noqa: E402
+                              result_record, versions, write_record)
+from moe_shapes import write_shape  # noqa: E402
+
+PROMPT_LEN, NEW_TOKENS = 256, 64
+BATCHES = (1, 16, 64, 256)
+
+
+def greedy_tokens(model_dir: Path, **kw) -> list[list[int]]:
+    from jengine import LLM, SamplingParams
+
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(3, 500, n).tolist()} for n in (7, 40, 300)]
+    with LLM(str(model_dir), load_format="dummy", dtype="float32", max_model_len=512, **kw) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, min_tokens=24), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def parity(tmp: Path) -> dict:
+    """float32 reduced Qwen3-MoE: kernels (default backend) vs the reference backend (ragged_dot)."""
+    small = write_shape("qwen3-30b-a3b", tmp / "small", num_layers=3, hidden_size=256, moe_intermediate_size=128,
+                        num_experts=16, num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=64, torch_dtype="float32")
+    ours, ref = greedy_tokens(small), greedy_tokens(small, attention_backend="reference")
+    same = sum(a == b for a, b in zip(ours, ref))
+    log(f"parity: {same}/{len(ref)} greedy outputs identical")
+    assert same == len(ref), (ours, ref)
+    return {"greedy_identical_fraction": same / len(ref)}
+
+
+def floor_bytes(config: dict, batch: int, context: int) -> int:
+    d, layers, e, k = (config[x] for x in ("hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_tok"))
+    heads, kv, hd, inter = (config[x] for x in ("num_attention_heads", "num_key_value_heads", "head_dim",
+                                                "moe_intermediate_size"))
+    attention = 2 * d * heads * hd + 2 * d * kv * hd + 2 * d + 2 * hd + d * e  # q and o, k and v, norms, router
+    distinct = e * (1 - (1 - k / e) ** batch)
+    experts = distinct * 3 * d * inter
+    kv_read = batch * context * layers * 2 * kv * hd
+    elements = layers * (attention + experts) + config["vocab_size"] * d + batch * d + kv_read
+    return int(elements * 2)
+
+
+def decode(tmp: Path, copy_rate: float, batches: list[int], save) -> tuple[dict, dict]:
+    from jengine import LLM, SamplingParams
+
+    model_dir = write_shape("qwen3-30b-a3b", tmp / "qwen3")
+    config = json.loads((model_dir / "config.json").read_text())
+    metrics, ratios = {}, {}
+    rng = np.random.default_rng(1)
+    # no prefix caching: the timed repeat of a warm-up would hit the cache, change the prefill's shape and compile
+    with LLM(str(model_dir), load_format="dummy", max_model_len=1024, max_num_seqs=max(batches),
+             enable_prefix_caching=False) as llm:
+        for batch in batches:
+            prompts = [{"prompt_token_ids": rng.integers(3, 500, PROMPT_LEN).tolist()} for _ in range(batch)]
+
+            def run(n: int) -> float:
+                params = SamplingParams(temperature=0, max_tokens=n, min_tokens=n, ignore_eos=True)
+                llm.generate(prompts, params, use_tqdm=False)  # warm-up: the same shapes compiled
+                start = time.perf_counter()
+                llm.generate(prompts, params, use_tqdm=False)
+                return time.perf_counter() - start
+
+            step = (run(NEW_TOKENS + 1) - run(1)) / NEW_TOKENS
+            floor = floor_bytes(config, batch, PROMPT_LEN + NEW_TOKENS // 2) / copy_rate
+            metrics[f"moe_decode_b{batch}_ms"] = step * 1e3
+            metrics[f"moe_decode_b{batch}_floor_ms"] = floor * 1e3
+            ratios[f"moe_decode_b{batch}_vs_floor"] = step / floor
+            log(f"decode b{batch}: {step * 1e3:.3f} ms/step, floor {floor * 1e3:.3f} ms → {step / floor:.2f}×")
+            save(metrics, ratios)  # a long call keeps what it measured
+    return metrics, ratios
+
+
+def mixed(tmp: Path, shape: str) -> float:
+    """`jengine bench throughput` at its defaults on the sharegpt-like set, 1,000 requests, in its own process."""
+    model_dir = write_shape(shape, tmp / shape)
+    out = tmp / f"{shape}.json"
+    cmd = [sys.executable, "-m", "jengine", "bench", "throughput", "--model", str(model_dir), "--load-format",
+           "dummy", "--dataset-name", "sharegpt-like", "--num-prompts", "1000", "--output-json", str(out)]
+    subprocess.run(cmd, check=True)
+    tps = json.loads(out.read_text())["output_throughput"]
+    log(f"mixed {shape}: {tps:.0f} output tok/s")
+    return tps
+
+
+def save(out: str, metrics: dict, ratios: dict) -> None:
+    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    record = result_record("moe", sha or "unknown", jax_device_name(), versions(), " ".join(["python", *sys.argv]),
+                           metrics, ratios)
+    path = Path(out) / f"{datetime.date.today().isoformat()}-moe.json"
+    if path.exists():
+        record = merge_records(read_record(path), record)
+    write_record(path, record)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--part", nargs="+", choices=("parity", "decode", "mixed-qwen", "mixed-mixtral"), required=True)
+    ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    args = ap.parse_args()
+    metrics: dict = {}
+    ratios: dict = {}
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        if "parity" in args.part:
+            ratios["moe_gpu_greedy_identical_fraction"] = parity(tmp)["greedy_identical_fraction"]
+            save(args.out, metrics, ratios)
+        if "decode" in args.part:
+            _, copy_rate = copy_bandwidth()
+            metrics["copy_bandwidth_gbs"] = copy_rate / 1e9
+            decode(tmp, copy_rate, args.batches, lambda m, r: save(args.out, metrics | m, ratios | r))
+        for part, shape, key in (("mixed-qwen", "qwen3-30b-a3b", "moe_mixed_tokens_per_s"),
+                                 ("mixed-mixtral", "mixtral-8x7b", "mixtral_mixed_tokens_per_s")):
+            if part in args.part:
+                metrics[key] = mixed(tmp, shape)
+                save(args.out, metrics, ratios)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""The 8-bit matmuls (`layers/quant.py`) against float64 numpy on the dequantized weights, for every scheme, at few
+tokens (the decode shapes) and at many (past the batched-group path's limit), ragged K included.
+
+Tolerances, `max|ours − ref| ≤ tol · max|ref|`: the reference implementation and the Pallas decode kernel 1e-5; the
+device math with float8 activations 8e-2 (3 mantissa bits, per-token or per-128-group scales), int8 activations
+2e-2, weight-only 1e-5.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jengine.layers.linear import linear
+from jengine.layers.quant import GROUPED_MAX_TOKENS, QuantizedWeight, QuantScheme, quantize_activations
+
+TOL = {"reference": 1e-5, "fp8": 8e-2, "int8": 2e-2, None: 1e-5}
+SCHEMES = {
+    "fp8-channel": QuantScheme("fp8", "fp8"),
+    "fp8-block": QuantScheme("fp8", "fp8", 32, 32, 32),
+    "fp8-block-per-column": QuantScheme("fp8", "fp8", 32, 1, 32),
+    "fp8-weight-only": QuantScheme("fp8", None),
+    "int8-w8a8": QuantScheme("int8", "int8"),
+    "int8-w8a16-channel": QuantScheme("int8", None),
+    "int8-w8a16-group": QuantScheme("int8", None, 16, 1),
+    "int8-w8a8-block-per-token": QuantScheme("int8", "int8", 32, 32),
+}
+
+
+def random_quantized(rng, scheme: QuantScheme, k: int, n: int, static: float | None = None):
+    """Random 8-bit values and positive scales of the scheme's block shape; returns the weight and its float64
+    dequantization, computed here from the same numbers."""
+    kg = 1 if scheme.block_k == 0 else -(-k // scheme.block_k)
+    ng = -(-n // scheme.block_n)
+    scale = rng.uniform(0.5, 2.0, (kg, ng)).astype(np.float32) / 100
+    if scheme.weight_dtype == "fp8":
+        values = np.clip(rng.normal(0, 100, (k, n)), -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    else:
+        values = rng.integers(-127, 128, (k, n)).astype(np.int8)
+    rows = k if scheme.block_k == 0 else scheme.block_k
+    full = np.repeat(np.repeat(scale.astype(np.float64), rows, 0), scheme.block_n, 1)[:k, :n]
+    q = QuantizedWeight.from_kn(jnp.asarray(values), jnp.asarray(scale),
+                                None if static is None else jnp.float32(static), scheme)
+    return q, values.astype(np.float64) * full
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "pallas_interpret"])
+@pytest.mark.parametrize("tokens", [1, 8, GROUPED_MAX_TOKENS + 9])
+@pytest.mark.parametrize("name", SCHEMES)
+def test_quantized_matmul_matches_the_dequantized_weight(name, tokens, impl):
+    rng = np.random.default_rng(zlib.crc32(f"{name}{tokens}".encode()))
+    k, n = 80, 72  # not multiples of the 32-wide blocks: partial edge blocks
+    q, real = random_quantized(rng, dataclass_replace(SCHEMES[name], impl=impl), k, n)
+    x = rng.normal(0, 1, (tokens, k)).astype(np.float32)
+    ours = np.asarray(jax.jit(linear)(jnp.asarray(x), q))
+    ref = x.astype(np.float64) @ real
+    pallas = impl == "pallas_interpret" and q.scheme.block_k == 0 and tokens <= 16  # the kernel: weight-only math
+    tol = TOL["reference"] if impl == "reference" or pallas else TOL[q.scheme.activations]
+    assert np.abs(ours - ref).max() <= tol * np.abs(ref).max()
+
+
+def test_a_static_activation_scale_is_used_as_given():
+    rng = np.random.default_rng(0)
+    q, real = random_quantized(rng, QuantScheme("fp8", "fp8", impl="xla"), 64, 32, static=0.01)
+    x = rng.normal(0, 1, (4, 64)).astype(np.float32)
+    ours = np.asarray(linear(jnp.asarray(x), q))
+    # x / 0.01 reaches 448 at 4.48: every |x| here is smaller, so the only error is float8's rounding of x
+    x8 = (x / np.float32(0.01)).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * 0.01
+    assert np.abs(ours - x8 @ real).max() <= 1e-5 * np.abs(x8 @ real).max()
+
+
+def test_activation_quantization_clips_instead_of_overflowing_to_nan():
+    x = jnp.asarray([[1e4, -3.0, 0.5, 0.0]], jnp.float32)
+    for kind in ("fp8", "int8"):
+        xq, scale = quantize_activations(x, kind, static_scale=jnp.float32(1.0))
+        assert np.isfinite(np.asarray(xq.astype(jnp.float32))).all()
+        assert float(xq.astype(jnp.float32)[0, 0]) == (448.0 if kind == "fp8" else 127.0)
+
+
+def dataclass_replace(scheme: QuantScheme, **changes) -> QuantScheme:
+    import dataclasses
+
+    return dataclasses.replace(scheme, **changes)
+
+
+@pytest.mark.parametrize("weight_dtype", [jnp.float8_e4m3fn, jnp.int8])
+def test_the_decode_kernel_lowers_for_h200(weight_dtype):
+    """The Triton lowering's own checks (interpret mode lets more through), on a Llama-3-8B q/k/v projection."""
+    from pallas_kernels.quant_matmul import few_token_matmul
+    from tests.kernels.test_lowering import S, lower_for_h200
+
+    text = lower_for_h200(few_token_matmul, S((1, 4096), jnp.bfloat16), S((6144, 4096), weight_dtype),
+                          S((6144,), jnp.float32))
+    assert text.count("__gpu$xla.gpu.triton") == 1

@@ -1,0 +1,198 @@
+"""8-bit checkpoints: each on-disk format gives the logits of the same model with the dequantized weights.
+
+Tolerances (float32 models, `max|ours − ref| ≤ tol · max|ref|` over every prompt position): the CPU reference
+(dequantize, then matmul) 1e-4, like the float parity tests; the device math on the CPU (activations quantized in the
+step) 1.5e-1 with float8 activations (3 mantissa bits), 5e-2 with int8 activations, 1e-4 weight-only. The packing of
+the test writers is checked against the compressed-tensors library's own compress/decompress.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, Qwen3MoeConfig
+
+from jengine.errors import UnsupportedModelError
+from jengine.layers.quant import QuantizedWeight
+from jengine.models.loader import load_model
+from jengine.runner.simple import SimpleGenerator
+from tests.conftest import COMMON
+from tests.models import quant_checkpoints as qc
+
+PROMPTS = [[5, 9, 33, 70, 2, 11, 40], [7, 100, 3]]
+REFERENCE_TOL = 1e-4
+DEVICE_TOL = {"fp8": 1.5e-1, "int8": 5e-2, None: 1e-4}
+
+FORMATS = {
+    "fp8-tensor-dynamic": ({"quant_method": "fp8", "activation_scheme": "dynamic"}, qc.fp8_tensor()),
+    "fp8-tensor-static": ({"quant_method": "fp8", "activation_scheme": "static"}, qc.fp8_tensor(input_scale=0.02)),
+    "fp8-block": ({"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                   "weight_block_size": [32, 32]}, qc.fp8_block(32, 32)),
+    "ct-float-channel-token": (qc.ct_config("float-quantized", {"type": "float", "strategy": "channel"},
+                                            {"type": "float", "strategy": "token", "dynamic": True}),
+                               qc.channel("float", torch.bfloat16)),
+    "ct-float-tensor-static": (qc.ct_config("float-quantized", {"type": "float", "strategy": "tensor"},
+                                            {"type": "float", "strategy": "tensor", "dynamic": False}),
+                               qc.fp8_tensor(input_scale=0.02)),
+    "ct-float-block": (qc.ct_config("float-quantized", {"type": "float", "strategy": "block",
+                                                        "block_structure": [32, 32]},
+                                    {"type": "float", "strategy": "group", "group_size": 32, "dynamic": True}),
+                       qc.fp8_block(32, 32, scale_name="weight_scale")),
+    "ct-int-channel-token": (qc.ct_config("int-quantized", {"type": "int", "strategy": "channel"},
+                                          {"type": "int", "strategy": "token", "dynamic": True}), qc.channel("int")),
+    "ct-naive-int-w8a16": (qc.ct_config("naive-quantized", {"type": "int", "strategy": "channel"}, None),
+                           qc.channel("int")),
+    "ct-pack8-channel": (qc.ct_config("pack-quantized", {"type": "int", "strategy": "channel"}, None),
+                         qc.packed(qc.channel("int"))),
+    "ct-pack8-group32": (qc.ct_config("pack-quantized", {"type": "int", "strategy": "group", "group_size": 32},
+                                      None), qc.packed(qc.int_group(32))),
+}
+
+
+@pytest.fixture(scope="module")
+def llama(build_checkpoint):
+    return build_checkpoint(LlamaConfig(**{**COMMON, "num_hidden_layers": 2}), seed=4)[0]
+
+
+def prompt_logits(model_dir, impl: str | None = None, **kwargs) -> np.ndarray:
+    spec, params, dtype = load_model(model_dir, dtype="float32", progress=False, **kwargs)
+    if impl is not None:
+        params = jax.tree.map(lambda leaf: _with_impl(leaf, impl), params,
+                              is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    result = SimpleGenerator(spec, params, dtype, block_size=4).generate(PROMPTS, 1, return_prompt_logits=True)
+    return np.concatenate(result.prompt_logits)
+
+
+def _with_impl(leaf, impl: str):
+    if not isinstance(leaf, QuantizedWeight):
+        return leaf
+    import dataclasses
+    return dataclasses.replace(leaf, scheme=dataclasses.replace(leaf.scheme, impl=impl))
+
+
+def _relative(ours: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_each_format_gives_the_dequantized_models_logits(llama, tmp_path, name):
+    config, quantize = FORMATS[name]
+    quantized, dequantized = qc.write_quantized(llama, tmp_path, config, quantize)
+    ref = prompt_logits(dequantized)
+    _, params, _ = load_model(quantized, dtype="float32", progress=False)
+    layer = params["layers"][0]
+    assert all(isinstance(layer[k], QuantizedWeight) for k in ("wqkv", "wo", "w_gate_up", "w_down"))
+    assert layer["wqkv"].weight.dtype.itemsize == 1 and not isinstance(params["lm_head"], QuantizedWeight)
+    assert _relative(prompt_logits(quantized), ref) <= REFERENCE_TOL
+    acts = layer["wqkv"].scheme.activations
+    device = _relative(prompt_logits(quantized, impl="xla"), ref)
+    print(f"{name}: device math vs dequantized float32, max rel. logit error {device:.2e}")
+    assert device <= DEVICE_TOL[acts]
+
+
+def test_fp8_at_load_quantizes_a_float_checkpoint_per_channel(llama, tmp_path):
+    """`quantization="fp8"` on a float checkpoint: what the float8 per-channel checkpoint of it would give."""
+    _, dequantized = qc.write_quantized(llama, tmp_path, {}, qc.channel("float"))
+    ref = prompt_logits(dequantized)
+    assert _relative(prompt_logits(llama, quantization="fp8"), ref) <= REFERENCE_TOL
+    assert _relative(prompt_logits(llama, impl="xla", quantization="fp8"), ref) <= DEVICE_TOL["fp8"]
+    float_logits = prompt_logits(llama)
+    agreement = np.mean(prompt_logits(llama, impl="xla", quantization="fp8").argmax(-1) == float_logits.argmax(-1))
+    print(f"fp8 at load: greedy agreement with the float model {agreement:.2f}")
+    assert agreement >= 0.7
+
+
+def test_moe_experts_in_fp8_blocks_run_through_the_expert_path(build_checkpoint, tmp_path):
+    config = Qwen3MoeConfig(**{**COMMON, "num_hidden_layers": 2}, moe_intermediate_size=32, num_experts=4,
+                            num_experts_per_tok=2, norm_topk_prob=True)
+    src, _ = build_checkpoint(config, seed=5)
+    fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32]}
+    quantized, dequantized = qc.write_quantized(src, tmp_path, fp8, qc.fp8_block(32, 32))
+    _, params, _ = load_model(quantized, dtype="float32", progress=False)
+    experts = params["layers"][0]["we_gate"]
+    assert isinstance(experts, QuantizedWeight) and experts.shape == (4, 64, 32)
+    assert experts.scale.shape == (4, 2, 1)
+    assert _relative(prompt_logits(quantized), prompt_logits(dequantized)) <= REFERENCE_TOL
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"quant_method": "awq", "bits": 4}, "quant_method 'awq' is not supported"),
+    ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not supported"),
+    ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
+    (qc.ct_config("pack-quantized", {"type": "int", "strategy": "group", "group_size": 128, "num_bits": 4}, None),
+     "4-bit int weights are not supported"),
+    (qc.ct_config("nvfp4-pack-quantized", {"type": "float", "strategy": "tensor_group", "num_bits": 4}, None),
+     "format 'nvfp4-pack-quantized'"),
+    (qc.ct_config("int-quantized", {"type": "int", "strategy": "channel", "symmetric": False}, None),
+     "asymmetric"),
+    ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},
+     "weight_block_size [128, 128] with activation_scheme 'static'"),
+])
+def test_unsupported_quantization_is_refused_by_name(llama, tmp_path, config, message):
+    quantized, _ = qc.write_quantized(llama, tmp_path, config, qc.fp8_tensor())
+    with pytest.raises(UnsupportedModelError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_model(quantized, dtype="float32", progress=False)
+
+
+def test_a_quantization_flag_that_does_not_match_the_checkpoint_is_refused(llama, tmp_path):
+    quantized, _ = qc.write_quantized(llama, tmp_path, FORMATS["ct-int-channel-token"][0], qc.channel("int"))
+    with pytest.raises(UnsupportedModelError, match="does not match the checkpoint's quant_method"):
+        load_model(quantized, quantization="fp8", progress=False)
+    with pytest.raises(UnsupportedModelError, match="quantization='awq' is not supported"):
+        load_model(llama, quantization="awq", progress=False)
+
+
+def test_the_engine_serves_a_quantized_checkpoint_alike_over_two_devices(build_checkpoint, tiny_tokenizer_dir,
+                                                                        tmp_path, caplog, name="fp8-block"):
+    """Through `LLM`, on one device and split over two (the scales sharded with their weights): the same greedy
+    tokens, chosen-token logprobs within 1e-4; the start-up log names the format."""
+    from jengine import LLM, SamplingParams
+
+    src, _ = build_checkpoint(LlamaConfig(**{**COMMON, "num_hidden_layers": 2}), seed=4,
+                              tokenizer_dir=tiny_tokenizer_dir)
+    config, quantize = FORMATS[name]
+    quantized, _ = qc.write_quantized(src, tmp_path, config, quantize)
+    params = SamplingParams(temperature=0, max_tokens=6, min_tokens=6, logprobs=1)
+    results = []
+    for tp in (1, 2):
+        with caplog.at_level("INFO", logger="jengine.models.loader"):
+            with LLM(str(quantized), dtype="float32", max_model_len=64, tensor_parallel_size=tp) as llm:
+                out = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        results.append([(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                                                 o.outputs[0].token_ids)])
+                        for o in out])
+    assert [tokens for tokens, _ in results[0]] == [tokens for tokens, _ in results[1]]
+    assert np.abs(np.array([lp for _, lp in results[0]]) - np.array([lp for _, lp in results[1]])).max() <= 1e-4
+    assert f"quantization: {config['quant_method']}" in caplog.text and "projections in 8 bits" in caplog.text
+
+
+class _Gpu:
+    """A device that reports memory: `in_use` bytes already taken (the placed weights)."""
+
+    def __init__(self, in_use: int) -> None:
+        self.in_use = in_use
+
+    def memory_stats(self):
+        return {"bytes_limit": 1 << 30, "bytes_in_use": self.in_use}
+
+
+def test_the_kv_pool_gets_what_8bit_weights_save(llama, tmp_path):
+    from jengine.config import CacheConfig, SchedulerConfig
+    from jengine.layers.quant import workspace_bytes
+    from jengine.runner.kv_storage import plan_kv_cache
+
+    quantized, _ = qc.write_quantized(llama, tmp_path, FORMATS["fp8-block"][0], FORMATS["fp8-block"][1])
+    cache, sched = CacheConfig(gpu_memory_utilization=1.0), SchedulerConfig(max_model_len=64)
+    plans = []
+    for model_dir in (llama, quantized):
+        spec, params, dtype = load_model(model_dir, dtype="bfloat16", progress=False)
+        weights = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+        workspace = workspace_bytes(params, dtype)
+        plans.append((plan_kv_cache(spec, cache, sched, dtype, _Gpu(weights), workspace=workspace), weights,
+                      workspace))
+    (float_plan, float_bytes, none), (quant_plan, quant_bytes, workspace) = plans
+    assert none == 0 and 0 < workspace < float_bytes - quant_bytes
+    gained = (float_bytes - quant_bytes - workspace) / float_plan.bytes_per_block
+    assert abs(quant_plan.num_blocks - float_plan.num_blocks - gained) <= 1
