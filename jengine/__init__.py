@@ -14,12 +14,13 @@ if TYPE_CHECKING:
     from jengine.clients.async_engine import AsyncEngine
     from jengine.llm import LLM
     from jengine.outputs import CompletionOutput, Logprob, RequestOutput
-    from jengine.sampling.params import SamplingParams
+    from jengine.sampling.params import SamplingParams, StructuredOutputsParams
 
 _LAZY = {
     "LLM": "jengine.llm",
     "AsyncEngine": "jengine.clients.async_engine",
     "SamplingParams": "jengine.sampling.params",
+    "StructuredOutputsParams": "jengine.sampling.params",
     "EngineConfig": "jengine.config",
     "RequestOutput": "jengine.outputs",
     "CompletionOutput": "jengine.outputs",

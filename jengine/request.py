@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from jengine.sampling.params import SamplingParams
@@ -69,6 +69,9 @@ class Request:
     priority: int = 0  # lower runs first, as in vLLM; FCFS within a priority
     cache_salt: str | None = None  # isolates prefix-cache sharing (e.g. per tenant)
     choice_index: int = 0  # which of the n choices of its parent request (seeds differ per choice)
+    # Structured output: the request's own grammar matcher (structured.masks.RequestGrammar), made in the front and
+    # advanced by the core with each accepted token; None for a free request.
+    grammar: Any = None
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0

@@ -33,6 +33,7 @@ from server.errors import ERROR_TABLE
 from server.grpc_convert import (
     OutputDecoder, fill_prompt, messages_to_proto, model_info_from_proto, sampling_to_proto, stats_from_proto,
 )
+from server.grpc_structured import structured_to_proto
 from server.grpc_service import ERROR_CODE_KEY, ERROR_PARAM_KEY, ERROR_TYPE_KEY, SERVICE_NAME
 
 logger = logging.getLogger(__name__)
@@ -151,7 +152,8 @@ def _generate_request(prompt: PromptInput, params: SamplingParams, request_id: s
         raise InvalidRequestError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise InvalidRequestError(f"priority must be an integer, got {type(priority).__name__}", param="priority")
-    request = pb.GenerateRequest(request_id=request_id, sampling=sampling_to_proto(params), priority=priority)
+    request = pb.GenerateRequest(request_id=request_id, sampling=sampling_to_proto(params), priority=priority,
+                                 response_format=structured_to_proto(params.structured_outputs))
     return request, fill_prompt(request, prompt)
 
 

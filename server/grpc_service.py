@@ -36,6 +36,7 @@ from server.grpc_convert import (
     OutputEncoder, chat_options_from_proto, messages_from_proto, model_info_to_proto, prompt_from_request,
     sampling_from_proto, stats_to_proto,
 )
+from server.grpc_structured import structured_from_proto
 from server.request_work import RequestWork, prepare_prompts
 
 logger = logging.getLogger(__name__)
@@ -158,6 +159,9 @@ class EngineService(pb_grpc.EngineServicer):
         try:
             _refuse_unsupported(request)
             params = sampling_from_proto(request.sampling)
+            structured = structured_from_proto(request)
+            if structured is not None:
+                params = params.clone(structured_outputs=structured)
             prompt = prompt_from_request(request)
             [prompt] = await self._work.run(prepare_prompts, self._client.get_tokenizer(),
                                             self._client.get_model_info(), [prompt], params)
@@ -252,11 +256,6 @@ def _refuse_unsupported(request: pb.GenerateRequest) -> None:
     """Fields the proto reserves for features not built yet: refused, never ignored."""
     if request.lora_name:
         raise InvalidRequestError("lora_name is not supported yet (LoRA serving is not built)", param="lora_name")
-    response_format = request.response_format
-    if request.HasField("response_format") and (response_format.type not in ("", "text") or response_format.json_schema
-                                                or response_format.regex):
-        raise InvalidRequestError("response_format is not supported yet (structured output is not built)",
-                                  param="response_format")
 
 
 class _Health(health.aio.HealthServicer):

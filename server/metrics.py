@@ -37,7 +37,7 @@ from jengine.engine.stats import ITERATION_TOKEN_BUCKETS, EngineStats
 from jengine.front.input_processor import PromptInput
 from jengine.errors import CapacityError
 from jengine.outputs import RequestOutput
-from jengine.sampling.params import SamplingParams
+from jengine.sampling.params import SamplingParams, StructuredOutputsParams
 from jengine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -204,7 +204,14 @@ class EngineMetrics:
         # The server's admission, before any engine holds the request (a router refuses once all replicas did).
         self._rejections = Counter(PREFIX + "admission_rejections", "Requests refused at admission, by reason.",
                                    ["model_name", "reason"], registry=self.registry)
+        self._structured = Counter(PREFIX + "structured_output_requests",
+                                   "Requests whose output is constrained (structured output), by kind.",
+                                   ["model_name", "kind"], registry=self.registry)
         self.registry.register(_EngineStatsCollector(self._sources, model_name))
+
+    def record_structured(self, kind: str) -> None:
+        """One request constrained by a json schema, json_object, regex, choice, grammar or structural tag."""
+        self._structured.labels(self.model_name, kind).inc()
 
     def series_for(self, request_id: str) -> EngineSeries:
         """The series of the engine serving `request_id` (engine 0 where the client cannot tell)."""
@@ -293,6 +300,8 @@ class MeteredEngineClient:
         """The inner stream, unchanged; closing this generator closes (and so aborts) the inner one."""
         params = sampling_params or SamplingParams()
         tracker = _RequestTracker(self.metrics, params.n if isinstance(params.n, int) else 1)
+        if isinstance(params.structured_outputs, StructuredOutputsParams):
+            self.metrics.record_structured(params.structured_outputs.kind)
         reason = "abort"
         try:
             async with aclosing(self.inner.generate(prompt, params, request_id, priority=priority)) as stream:

@@ -84,6 +84,10 @@ class AsyncEngine:
     async def generate(self, prompt: PromptInput, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Stream delta outputs (the last has finished=True); leaving the loop early aborts the request."""
+        if sampling_params is not None and sampling_params.structured_outputs is not None:
+            # Compiling a grammar (and, the first time, the tokenizer's llguidance view) takes a while: off the loop;
+            # the check at admission then finds it compiled.
+            await asyncio.get_running_loop().run_in_executor(None, self._front.compile_grammar, sampling_params)
         stream = self._admit(prompt, sampling_params or SamplingParams(), request_id, priority)
         try:
             while True:

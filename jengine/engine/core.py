@@ -18,15 +18,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from jengine.cache.kv_cache_manager import KVCacheManager
 from jengine.config import EngineConfig
 from jengine.engine.stats import StepTokenCounts
 from jengine.request import Request, RequestStatus
-from jengine.runner.protocol import StepRunner
+from jengine.runner.protocol import StepRunner, TokenMaskSource
 from jengine.scheduler.output import RunnerOutput, SchedulerOutput, TokenLogprobs
 from jengine.scheduler.scheduler import Scheduler, SchedulerStats
+from jengine.structured.masks import MaskFiller, advance
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +67,15 @@ class EngineCore:
         self._in_flight: tuple[SchedulerOutput, Any] | None = None  # dispatched, tokens not fetched (pipelined)
         self._landed: list[EngineCoreOutput] = []  # outputs of a step applied early, returned by the next step()
         self.step_tokens = StepTokenCounts()
+        self.masks = MaskFiller()  # structured output: the constrained rows' allowed tokens, filled per step
+        self._constrained: set[str] = set()  # ids of constrained requests added and maybe unfinished (pruned lazily)
 
     def add_request(self, request: Request, *, enforce_queue_bound: bool = True) -> None:
         if self._in_flight is not None and request.request_id in self._in_flight[0].num_scheduled_tokens:
             self._land_in_flight()  # an earlier request of this id is in the step in flight: its outputs go first
         self.scheduler.add_request(request, enforce_queue_bound=enforce_queue_bound)
+        if request.grammar is not None:
+            self._constrained.add(request.request_id)
 
     def abort(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
               ) -> list[EngineCoreOutput]:
@@ -95,19 +103,30 @@ class EngineCore:
         if self.pipelined:
             return self._step_speculative() if self.speculative else self._step_pipelined()
         sched = self._schedule()
-        runner_out = self.runner.execute(sched)
+        masks = self._token_masks(sched, lambda: None)
+        runner_out = self.runner.execute(sched) if masks is None else self.runner.execute(sched, masks)
         if sched.is_empty:
             return []
         return self._apply(sched, runner_out)
 
     def _step_pipelined(self) -> list[EngineCoreOutput]:
-        """Schedule and dispatch the next step, then fetch and apply the one in flight (if any)."""
+        """Schedule and dispatch the next step, then fetch and apply the one in flight (if any). With constrained
+        requests scheduled, the one in flight is applied between the new step's forward and its sampler (the
+        masks need its tokens), while the device runs that forward."""
         outputs, self._landed = self._landed, []
         sched = self._schedule()
-        launched = self.runner.dispatch(sched)
-        done, self._in_flight = self._in_flight, None if launched is None else (sched, launched)
-        if done is not None:
-            outputs += self._apply(done[0], self.runner.fetch(done[1]))
+        done, self._in_flight = self._in_flight, None
+
+        def land() -> None:
+            nonlocal done
+            if done is not None:
+                landing, done = done, None
+                outputs.extend(self._apply(landing[0], self.runner.fetch(landing[1])))
+
+        masks = self._token_masks(sched, land)
+        launched = self.runner.dispatch(sched) if masks is None else self.runner.dispatch(sched, masks)
+        self._in_flight = None if launched is None else (sched, launched)
+        land()
         return outputs
 
     def _step_speculative(self) -> list[EngineCoreOutput]:
@@ -120,10 +139,12 @@ class EngineCore:
         if self._in_flight is None:
             outputs, self._landed = self._landed, []
             sched = self._schedule()
+            masks = self._token_masks(sched, lambda: None)  # nothing in flight: every token has been applied
             if sched.scheduled_spec_tokens:
-                return outputs + self._apply(sched, self.runner.execute(sched))
+                runner_out = self.runner.execute(sched) if masks is None else self.runner.execute(sched, masks)
+                return outputs + self._apply(sched, runner_out)
             self._landed = outputs
-            launched = self.runner.dispatch(sched)
+            launched = self.runner.dispatch(sched) if masks is None else self.runner.dispatch(sched, masks)
             if launched is not None:
                 self._in_flight = (sched, launched)
             return self._take_landed()
@@ -132,6 +153,23 @@ class EngineCore:
     def _take_landed(self) -> list[EngineCoreOutput]:
         outputs, self._landed = self._landed, []
         return outputs
+
+    def _token_masks(self, sched: SchedulerOutput, land: Callable[[], None]) -> TokenMaskSource | None:
+        """The mask source of a step with constrained requests (None otherwise): it applies the step in flight
+        first (`land`), so every matcher has consumed every earlier token."""
+        if not self._constrained:  # the free engine's step: no per-request work at all
+            return None
+        requests = self.scheduler.requests
+        self._constrained.intersection_update(requests)
+        scheduled = [requests.get(request_id) for request_id in sched.num_scheduled_tokens]
+        if not any(r is not None and r.grammar is not None for r in scheduled):
+            return None
+
+        def fill() -> tuple[np.ndarray, np.ndarray] | None:
+            land()
+            return self.masks.fill(scheduled)
+
+        return fill
 
     def _schedule(self) -> SchedulerOutput:
         """The scheduler's plan; requests scheduled for the very first time are stamped (a request resumed after a
@@ -152,6 +190,9 @@ class EngineCore:
 
     def _apply(self, sched: SchedulerOutput, runner_out: RunnerOutput) -> list[EngineCoreOutput]:
         updates = self.scheduler.update_from_output(sched, runner_out)
+        for update in updates:
+            if update.request.grammar is not None:
+                advance(update.request, update.new_token_ids)
         self.num_steps += 1
         self.step_tokens.add(sched.total_num_scheduled_tokens)
         now = time.monotonic()

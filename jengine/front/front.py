@@ -54,6 +54,10 @@ class EngineFront:
         """Validate the parameters (InvalidRequestError naming the field): before admission, before any text work."""
         self.processor.check_params(params)
 
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile (into the cache) the grammar of a constrained request; any thread may call it."""
+        self.processor.compile_grammar(params)
+
     def prepare(self, prompt: PromptInput, params: SamplingParams, request_id: str, *, priority: int = 0,
                 arrival_time: float) -> ProcessedRequest:
         """Tokenize (chats rendered), check the prompt, resolve max_tokens, fan out; `params` passed `check`."""

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from jengine.errors import ContextLengthExceededError, InvalidRequestError
 from jengine.request import Request
-from jengine.sampling.params import SamplingParams
+from jengine.sampling.params import SamplingParams, StructuredOutputsParams
+from jengine.structured.source import GrammarSource
 from jengine.tokenizer import Tokenizer
 from jengine.tokenizer.chat import CHAT_PROMPT_KEYS, render_chat
 from jengine.tokenizer.tokenizer import read_template_argument
@@ -69,6 +70,7 @@ class InputProcessor:
         *,
         model_eos_token_ids: Iterable[int] = (),
         stop_at_context_end: bool = False,
+        structured_outputs: bool = True,
     ) -> None:
         """`vocab_size` is the model's (its embedding may be padded past the tokenizer; the smaller bound wins).
         `stop_at_context_end` (offline use, as vLLM's LLM): a max_tokens reaching past max_model_len ends the output
@@ -81,6 +83,8 @@ class InputProcessor:
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model_eos_token_ids)
         self.stop_at_context_end = stop_at_context_end
         self._warned_context_end = False
+        self._grammars = GrammarSource(tokenizer)  # structured output: compiled on first use, cached
+        self.structured_outputs = structured_outputs  # False: this engine cannot constrain (several processes)
 
     @classmethod
     def from_parts(cls, parts: EngineParts, max_n: int = 16, *, stop_at_context_end: bool = False
@@ -89,7 +93,7 @@ class InputProcessor:
         return cls(
             parts.tokenizer, parts.spec.vocab_size, parts.config.scheduler.max_model_len,
             parts.config.model.max_logprobs, max_n, model_eos_token_ids=parts.spec.eos_token_ids,
-            stop_at_context_end=stop_at_context_end,
+            stop_at_context_end=stop_at_context_end, structured_outputs=parts.config.parallel.num_processes == 1,
         )
 
     def process(self, prompt: PromptInput, params: SamplingParams, request_id: str, *, priority: int = 0,
@@ -106,7 +110,8 @@ class InputProcessor:
         self._check_token_ids(ids)
         resolved = self._resolve_lengths(len(ids), params)
         children = [
-            Request(child_id, list(ids), resolved, self.eos_token_ids, arrival_time, priority, choice_index=index)
+            Request(child_id, list(ids), resolved, self.eos_token_ids, arrival_time, priority, choice_index=index,
+                    grammar=self._grammars.for_request(params.structured_outputs))
             for index, child_id in enumerate(child_request_ids(request_id, params.n))
         ]
         return ProcessedRequest(request_id, text, ids, resolved, children)
@@ -142,6 +147,16 @@ class InputProcessor:
         params.validate(self.vocab_size, self.max_logprobs, self.max_n)
         if params.stop and not params.detokenize:
             raise InvalidRequestError("stop strings need detokenize=True (they match text)", param="stop")
+        if params.structured_outputs is not None:
+            if not self.structured_outputs:
+                raise InvalidRequestError("structured output is not available on a multi-process engine",
+                                          param="structured_outputs", code="unsupported_parameter")
+            self.compile_grammar(params)  # a bad schema is a 400 before admission
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile `params`' constraint for this tokenizer, cached (InvalidRequestError naming the problem)."""
+        if isinstance(params.structured_outputs, StructuredOutputsParams):
+            self._grammars.check(params.structured_outputs)
 
     def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of any accepted prompt form, chats rendered; an empty prompt is refused before

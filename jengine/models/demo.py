@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jengine.tokenizer.tiny import CHATML_TEMPLATE, train_tiny_tokenizer
+from jengine.tokenizer.tiny import CHATML_TEMPLATE, pad_vocabulary, train_tiny_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +33,15 @@ def ensure_demo_model(out_dir: str | Path = DEFAULT_DEMO_DIR) -> Path:
 
 def build_random_llama(out_dir: str | Path, *, hidden_size: int, intermediate_size: int, num_hidden_layers: int,
                        num_attention_heads: int, num_key_value_heads: int, head_dim: int | None = None,
-                       max_position_embeddings: int = DEMO_MAX_POSITIONS) -> Path:
-    """A Llama-format checkpoint of any shape with random weights and the tiny tokenizer (GPU checks use it too)."""
+                       max_position_embeddings: int = DEMO_MAX_POSITIONS, vocab_size: int | None = None,
+                       write_weights: bool = True) -> Path:
+    """A Llama-format checkpoint of any shape with random weights and the tiny tokenizer (GPU checks use it too);
+    `vocab_size` pads the tokenizer's vocabulary to a real model's size (`pad_vocabulary`); without `write_weights`
+    only config and tokenizer are written (for `load_format="dummy"`)."""
     out = Path(out_dir)
     train_tiny_tokenizer(out, vocab_size=512, chat_template=CHATML_TEMPLATE)
+    if vocab_size is not None:
+        pad_vocabulary(out, vocab_size)
     from tokenizers import Tokenizer
 
     vocab = Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
@@ -44,7 +49,8 @@ def build_random_llama(out_dir: str | Path, *, hidden_size: int, intermediate_si
                  num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
                  head_dim=head_dim or hidden_size // num_attention_heads)
     config = _config(vocab, shape, max_position_embeddings)
-    _write_weights(out, config)
+    if write_weights:
+        _write_weights(out, config)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     return out

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import jax
 
 from jengine.parallel.step_feed import StepPublisher, StepSubscriber
-from jengine.runner.protocol import StepRunner
+from jengine.runner.protocol import StepRunner, TokenMaskSource
 from jengine.scheduler.codec import step_from_json, step_to_json
 from jengine.scheduler.output import RunnerOutput, SchedulerOutput
 
@@ -40,11 +40,13 @@ class PublishingRunner:
         self.runner = runner
         self._publisher = publisher
 
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+    def execute(self, sched: SchedulerOutput, token_masks: TokenMaskSource | None = None) -> RunnerOutput:
+        _refuse_masks(token_masks)
         self._publisher.publish(encode_call("execute", sched))
         return self.runner.execute(sched)
 
-    def dispatch(self, sched: SchedulerOutput) -> Any | None:
+    def dispatch(self, sched: SchedulerOutput, token_masks: TokenMaskSource | None = None) -> Any | None:
+        _refuse_masks(token_masks)
         self._publisher.publish(encode_call("dispatch", sched))
         return self.runner.dispatch(sched)
 
@@ -55,6 +57,12 @@ class PublishingRunner:
     def shutdown(self) -> None:
         self._publisher.publish(encode_call("stop"))
         self.runner.shutdown()
+
+
+def _refuse_masks(token_masks: TokenMaskSource | None) -> None:
+    """The other processes would sample without the masks (they are not published): refused, never diverged."""
+    if token_masks is not None:
+        raise NotImplementedError("structured output is not available on a multi-process engine")
 
 
 def replay(runner: StepRunner, subscriber: StepSubscriber) -> int:

@@ -6,18 +6,26 @@ other processes of a multi-process engine run them too. The core holds either wi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
+
+import numpy as np
 
 from jengine.scheduler.output import RunnerOutput, SchedulerOutput
 
+# Structured output: called once per step, after the forward is launched, for (rows in scheduled order, their
+# packed [k, words] int32 allowed-token bits), or None when no scheduled row is constrained.
+TokenMaskSource = Callable[[], tuple[np.ndarray, np.ndarray] | None]
+
 
 class StepRunner(Protocol):
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+    def execute(self, sched: SchedulerOutput, token_masks: TokenMaskSource | None = None) -> RunnerOutput:
         """One step, serially: launch it and wait for its tokens."""
         ...
 
-    def dispatch(self, sched: SchedulerOutput) -> Any | None:
-        """Launches a step without waiting for the device; a handle for `fetch`, or None when nothing is scheduled."""
+    def dispatch(self, sched: SchedulerOutput, token_masks: TokenMaskSource | None = None) -> Any | None:
+        """Launches a step without waiting for the device; a handle for `fetch`, or None when nothing is scheduled.
+        `token_masks` gives the constrained rows' allowed tokens; it is asked once, after the forward is launched."""
         ...
 
     def fetch(self, step: Any) -> RunnerOutput:

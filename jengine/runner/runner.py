@@ -26,15 +26,15 @@ from jengine.runner.input_batch import InputBatch, StepInputs
 from jengine.runner.kv_storage import KVPlan, allocate
 from jengine.runner import compile as compiling
 from jengine.runner.compile import RecompileGuard, StepShape, padding_inputs, pinned_shapes
+from jengine.runner.protocol import TokenMaskSource
 from jengine.runner.step import (ModelInputs, StepBatch, StepModel, StepOutput, StepState, build_step,
-                                 build_step_compiler)
+                                 build_step_compiler, forward_step, sample_phase)
 from jengine.sampling.metadata import SamplingMetadata, SamplingRowTable
 from jengine.sampling.params import SamplingParams
 from jengine.scheduler.output import RunnerOutput, SchedulerOutput, TokenLogprobs
 from jengine.spec_decode.proposer import Proposer, build_proposer, fallback_reason
-from jengine.spec_decode.rejection import VerifyOutput
-from jengine.spec_decode.verify_step import (VerifyPlan, accepted_tokens, build_verify_step, first_row_outputs,
-                                             plan_verification)
+from jengine.spec_decode.rejection import VerifyOutput, verify
+from jengine.spec_decode.verify_step import VerifyPlan, accepted_tokens, first_row_outputs, plan_verification
 
 logger = logging.getLogger(__name__)
 
@@ -85,11 +85,12 @@ class ModelRunner:
         self.state = StepState(allocate(spec, plan, layout.kv_cache_sharding),
                                jax.device_put(np.zeros(sched.max_num_seqs, np.int32), layout.replicated))
         model = StepModel(spec, backend, layout.mesh if layout.expert_parallel else None)
+        self._model = model
+        self.mask_words = -(-spec.vocab_size // 32)  # the sampler's token mask covers the model's whole vocabulary
         self._step = build_step(model)
         self._compile_step = build_step_compiler(model)
         speculative = config.speculative
         self.proposer = proposer or (build_proposer(speculative) if speculative else None)
-        self._verify_step = build_verify_step(model) if speculative else None
         self._speculates = np.zeros(sched.max_num_seqs, bool)  # per row: its request may speculate
         self.recompile_guard = RecompileGuard()
         if pin:
@@ -102,14 +103,15 @@ class ModelRunner:
         """The paged KV cache (or its fp8 `QuantizedKV`), as the last dispatched step left it."""
         return self.state.kv_cache
 
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+    def execute(self, sched: SchedulerOutput, token_masks: TokenMaskSource | None = None) -> RunnerOutput:
         """One step, serially: launch it and wait for its tokens."""
-        step = self.dispatch(sched)
+        step = self.dispatch(sched) if token_masks is None else self.dispatch(sched, token_masks)
         return RunnerOutput([], [], [], {}) if step is None else self.fetch(step)
 
-    def dispatch(self, sched: SchedulerOutput) -> InFlightStep | None:
+    def dispatch(self, sched: SchedulerOutput, token_masks: TokenMaskSource | None = None) -> InFlightStep | None:
         """Applies the diff and launches the step without waiting for the device (None when nothing is scheduled).
-        Tokens of steps not fetched yet are pending: the step reads them on the device."""
+        Tokens of steps not fetched yet are pending: the step reads them on the device. `token_masks` (structured
+        output) is asked once the forward is launched, so the host fills the masks while the device runs it."""
         self.batch.apply(sched)
         for new in sched.new_requests:
             row = self.batch.rows[new.request_id].row
@@ -120,12 +122,16 @@ class ModelRunner:
             return None
         inputs = self.batch.prepare(sched)
         if sched.scheduled_spec_tokens:
-            return self._dispatch_verification(sched, inputs)
+            return self._dispatch_verification(sched, inputs, token_masks)
         sampling = self._sampling_metadata(inputs)
         prompt_plan, prompt_rows, prompt_targets, prompt_k = self._prompt_logprob_rows(inputs)
         model = ModelInputs(inputs.token_ids, inputs.metadata, inputs.logits_rows, prompt_rows, prompt_targets,
                             prompt_k)
-        self.state, out = self._step(self.params, self.state, StepBatch(model, sampling, self._sample_rows(inputs)))
+        batch = StepBatch(model, sampling, self._sample_rows(inputs))
+        if token_masks is None:
+            self.state, out = self._step(self.params, self.state, batch)
+        else:
+            self.state, out = self._masked_step(batch, token_masks)
         if self.proposer is not None:
             self.proposer.observe(model)
         self.recompile_guard.check(lambda: f"tokens={len(inputs.token_ids)} seqs={len(inputs.logits_rows)} "
@@ -135,6 +141,23 @@ class ModelRunner:
         self.batch.reserve_sampled(inputs.rows[inputs.samples])
         wanted = self.sampling_rows.logprobs[inputs.rows] if sampling.max_num_logprobs else None
         return InFlightStep(inputs, out, prompt_plan, wanted)
+
+    def _masked_step(self, batch: StepBatch, token_masks: TokenMaskSource) -> tuple[StepState, StepOutput]:
+        """The forward, then the host's masks (rows in scheduled order), then the sampler with them (without them
+        when no scheduled row turns out constrained)."""
+        logits, prompt, state = forward_step(self._model, self.params, self.state, batch.model)
+        masks = token_masks()
+        if masks is not None:
+            batch.token_mask = self._pad_masks(*masks, num_rows=len(batch.sample_rows))
+        return sample_phase(logits, prompt, state, batch)
+
+    def _pad_masks(self, rows: np.ndarray, words: np.ndarray, num_rows: int) -> np.ndarray:
+        """[num_rows, mask_words]: the given rows' words, all ones elsewhere; bits past the given words banned."""
+        mask = np.full((num_rows, self.mask_words), -1, np.int32)
+        width = min(words.shape[1], self.mask_words)
+        mask[rows, :width] = words[:, :width]
+        mask[rows, width:] = 0
+        return mask
 
     def fetch(self, step: InFlightStep) -> RunnerOutput:
         """Waits for a dispatched step's outputs (one device→host copy) and records its tokens in the batch; with
@@ -149,14 +172,19 @@ class ModelRunner:
         return result
 
     # ------------------------------------------------------------------ speculative decoding
-    def _dispatch_verification(self, sched: SchedulerOutput, inputs: StepInputs) -> InFlightStep:
-        """A step whose requests with drafts are scored at their last k + 1 tokens and verified."""
+    def _dispatch_verification(self, sched: SchedulerOutput, inputs: StepInputs,
+                               token_masks: TokenMaskSource | None) -> InFlightStep:
+        """A step whose requests with drafts are scored at their last k + 1 tokens and verified. Constrained
+        requests never have drafts: each one's mask goes to its one row."""
         plan = plan_verification(inputs, sched.scheduled_spec_tokens, self.buckets.tokens[-1])
         sampling = self._verify_sampling(inputs, plan)
         prompt_plan, prompt_rows, prompt_targets, prompt_k = self._prompt_logprob_rows(inputs)
         model = ModelInputs(inputs.token_ids, inputs.metadata, plan.logits_rows, prompt_rows, prompt_targets,
                             prompt_k)
-        self.state, verdict, prompt = self._verify_step(self.params, self.state, model, sampling, plan.draft_ids)
+        logits, prompt, self.state = forward_step(self._model, self.params, self.state, model)
+        masks = token_masks() if token_masks is not None else None
+        mask = None if masks is None else self._pad_masks(plan.first_rows[masks[0]], masks[1], len(plan.draft_ids))
+        verdict = verify(logits, sampling, plan.draft_ids, mask)
         self.proposer.observe(model)
         _start_copy_to_host((verdict, prompt))
         self.batch.reserve_sampled(inputs.rows[inputs.samples])
@@ -211,7 +239,8 @@ class ModelRunner:
     def warm_up(self, shapes: list[StepShape], progress: bool = True) -> int:
         """Compiles the step for `shapes` (greedy and sampling variants of the sampler) by running padding-only
         steps; returns the compile count."""
-        batches = [self.padding_batch(shape, sampled) for shape in shapes for sampled in (0, 1)]
+        batches = [self.padding_batch(shape, sampled, masked)
+                   for masked in (False, True) for shape in shapes for sampled in (0, 1)]
 
         def compile_one(batch: StepBatch) -> tuple[float, float]:
             return self._compile_step(self.params, self.state, batch)
@@ -222,13 +251,14 @@ class ModelRunner:
 
         return compiling.warm_up(compile_one, run_one, batches, len(shapes), progress)
 
-    def padding_batch(self, shape: StepShape, num_sampled: int) -> StepBatch:
+    def padding_batch(self, shape: StepShape, num_sampled: int, masked: bool = False) -> StepBatch:
         """A padding-only step of `shape` that samples `num_sampled` rows (0: the greedy variant) and records
-        nothing in any row."""
+        nothing in any row; `masked`: the sampler's structured-output variant (an all-ones token mask)."""
         token_ids, md, logits_rows = padding_inputs(shape, self.batch.num_slots)
         nowhere = np.full(shape.seqs, len(self.batch.num_tokens), np.int32)
+        mask = np.full((shape.seqs, self.mask_words), -1, np.int32) if masked else None
         return StepBatch(ModelInputs(token_ids, md, logits_rows, None, None), _padding_sampling(shape, num_sampled),
-                         nowhere)
+                         nowhere, mask)
 
     def _sample_rows(self, inputs: StepInputs) -> np.ndarray:
         """The batch row that records each padded row's sample; out of range (dropped) where it does not count."""

@@ -33,6 +33,7 @@ from jengine.models.spec import ModelSpec
 from jengine.runner.input_batch import PENDING_BASE
 from jengine.sampling.metadata import SamplingMetadata
 from jengine.sampling.sampler import SamplerOutput, raw_logprobs, sample
+from jengine.structured.device import apply_token_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +76,9 @@ class StepBatch:
     model: ModelInputs
     sampling: SamplingMetadata  # one row per request bucket row
     sample_rows: Int[Array, " seqs"]  # batch row that records each sample; out of range where it does not count
+    # Packed allowed-token bits of each row (structured output; free rows all ones); None: no row is constrained,
+    # and the sampler compiles without it.
+    token_mask: Int[Array, "seqs words"] | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -112,9 +116,13 @@ def forward_step(model: StepModel, params: dict, state: StepState, inputs: Model
 
 @jax.jit
 def sample_step(logits: Float[Array, "seqs vocab"], sampling: SamplingMetadata, row_tokens: Int[Array, " rows"],
-                sample_rows: Int[Array, " seqs"]) -> tuple[SamplerOutput, Int[Array, " rows"]]:
+                sample_rows: Int[Array, " seqs"], token_mask: Int[Array, "seqs words"] | None = None
+                ) -> tuple[SamplerOutput, Int[Array, " rows"]]:
     """Samples one token per row and records it as the last token of its persistent-batch row (`sample_rows`;
-    out of range for rows whose sample does not count); pending ids in the penalties' histories are resolved."""
+    out of range for rows whose sample does not count); pending ids in the penalties' histories are resolved.
+    A token mask bans the tokens each constrained row's grammar does not allow, before anything else."""
+    if token_mask is not None:
+        logits = apply_token_mask(logits.astype(jnp.float32), token_mask)
     if sampling.output_token_ids.shape[1]:
         sampling = dataclasses.replace(sampling,
                                        output_token_ids=resolve_pending(sampling.output_token_ids, row_tokens))
@@ -131,10 +139,17 @@ def build_step(model: StepModel) -> StepFn:
 
     def step(params: dict, state: StepState, batch: StepBatch) -> tuple[StepState, StepOutput]:
         logits, prompt, state = forward_step(model, params, state, batch.model)
-        sampled, row_tokens = sample_step(logits, batch.sampling, state.row_tokens, batch.sample_rows)
-        return StepState(state.kv_cache, row_tokens), StepOutput(sampled, prompt)
+        return sample_phase(logits, prompt, state, batch)
 
     return step
+
+
+def sample_phase(logits: Float[Array, "seqs vocab"], prompt: SamplerOutput | None, state: StepState,
+                 batch: StepBatch) -> tuple[StepState, StepOutput]:
+    """The step's second program, on the forward's outputs: a runner that must fill `batch.token_mask` on the host
+    launches the forward (`forward_step`) first and this once the mask is ready."""
+    sampled, row_tokens = sample_step(logits, batch.sampling, state.row_tokens, batch.sample_rows, batch.token_mask)
+    return StepState(state.kv_cache, row_tokens), StepOutput(sampled, prompt)
 
 
 def build_step_compiler(model: StepModel) -> Callable[[dict, StepState, StepBatch], tuple[float, float]]:
@@ -143,11 +158,16 @@ def build_step_compiler(model: StepModel) -> Callable[[dict, StepState, StepBatc
     Returns the seconds spent (tracing and lowering, XLA compiling or loading from the persistent cache)."""
 
     def compile_step(params: dict, state: StepState, batch: StepBatch) -> tuple[float, float]:
-        compiled, lower_f, compile_f = _lower_and_compile(forward_step, model, params, state, batch.model)
-        logits = compiled.out_info[0]
-        logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=logits.sharding)
+        if batch.token_mask is not None:  # the masked sampler; the same forward compiles with the free variant
+            logits = jax.eval_shape(forward_step, model, params, state, batch.model)[0]
+            sharding, lower_f, compile_f = state.row_tokens.sharding, 0.0, 0.0  # logits come replicated likewise
+        else:
+            compiled, lower_f, compile_f = _lower_and_compile(forward_step, model, params, state, batch.model)
+            logits = compiled.out_info[0]
+            sharding = logits.sharding
+        logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=sharding)
         _, lower_s, compile_s = _lower_and_compile(sample_step, logits, batch.sampling, state.row_tokens,
-                                                   batch.sample_rows)
+                                                   batch.sample_rows, batch.token_mask)
         return lower_f + lower_s, compile_f + compile_s
 
     return compile_step

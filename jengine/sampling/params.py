@@ -14,6 +14,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from jengine.errors import InvalidRequestError
+from jengine.structured.params import StructuredOutputsParams
+
+__all__ = ["SamplingParams", "StructuredOutputsParams"]
 
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily, as in vLLM
 MAX_STOP_STRINGS = 64  # OpenAI caps `stop` at 4, vLLM not at all; eval harnesses send a dozen and more
@@ -46,6 +49,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True  # detokenizer option, as in vLLM
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
     detokenize: bool = True  # produce text at all (token ids are always returned)
+    structured_outputs: StructuredOutputsParams | None = None  # the output must match a schema, regex, grammar...
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # the dataclass is frozen; canonicalise once here
@@ -83,6 +87,11 @@ class SamplingParams:
         _check_logit_bias(self.logit_bias, vocab_size)
         if self.seed is not None:
             _check_int("seed", self.seed, _SEED_LOW, _SEED_HIGH - 1)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise InvalidRequestError("structured_outputs must be StructuredOutputsParams",
+                                          param="structured_outputs")
+            self.structured_outputs.validate()
 
     def _validate_lengths(self) -> None:
         if self.max_tokens is not None:

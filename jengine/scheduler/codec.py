@@ -10,7 +10,7 @@ import dataclasses
 import json
 from typing import Any
 
-from jengine.sampling.params import SamplingParams
+from jengine.sampling.params import SamplingParams, StructuredOutputsParams
 from jengine.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 
 
@@ -57,5 +57,7 @@ def _new_from_json(data: dict[str, Any]) -> NewRequestData:
     params = dict(data["sampling_params"])
     if params["logit_bias"] is not None:
         params["logit_bias"] = {int(k): v for k, v in params["logit_bias"]}
+    if params.get("structured_outputs") is not None:
+        params["structured_outputs"] = StructuredOutputsParams(**params["structured_outputs"])
     return NewRequestData(**data | {"sampling_params": SamplingParams(**params),
                                     "eos_token_ids": frozenset(data["eos_token_ids"])})

@@ -22,9 +22,12 @@ from jengine.spec_decode.ngram import propose_ngram
 
 def fallback_reason(params: SamplingParams) -> str | None:
     """Why a request decodes without speculation (None: it speculates). Per-token logprobs are one entry per step
-    in the step contract; a verification step emits several tokens, so those requests decode plainly."""
+    in the step contract, and a grammar's token mask is built for one position at a time; a verification step
+    emits several tokens, so those requests decode plainly."""
     if params.logprobs is not None:
         return "logprobs are reported one step at a time"
+    if params.structured_outputs is not None:
+        return "structured output masks one position at a time"
     return None
 
 

@@ -24,6 +24,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jengine.sampling.metadata import SamplingMetadata
 from jengine.sampling.sampler import SamplerOutput, apply_logits_processors, raw_logprobs, row_keys, sampling_logits
+from jengine.structured.device import apply_token_mask
 
 
 @jax.tree_util.register_dataclass
@@ -35,10 +36,13 @@ class VerifyOutput:
 
 
 @jax.jit
-def verify(logits: Float[Array, "rows vocab"], md: SamplingMetadata, draft_ids: Int[Array, " rows"]
-           ) -> VerifyOutput:
-    """Per row: whether its draft (-1: none, a bonus row) is accepted and the token emitted if not."""
+def verify(logits: Float[Array, "rows vocab"], md: SamplingMetadata, draft_ids: Int[Array, " rows"],
+           token_mask: Int[Array, "rows words"] | None = None) -> VerifyOutput:
+    """Per row: whether its draft (-1: none, a bonus row) is accepted and the token emitted if not. A token mask
+    (structured output's rows) bans tokens first, as in the plain sampler."""
     raw = logits.astype(jnp.float32)
+    if token_mask is not None:
+        raw = apply_token_mask(raw, token_mask)
     processed = apply_logits_processors(raw, md)
     greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     if md.all_greedy:

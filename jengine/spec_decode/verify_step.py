@@ -9,15 +9,12 @@ one program. Host work is vectorised numpy over those rows.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-
 import numpy as np
 
 from jengine.runner.buckets import pick, powers_of_two
 from jengine.runner.input_batch import StepInputs
-from jengine.runner.step import ModelInputs, StepModel, StepState, forward_step
 from jengine.sampling.sampler import SamplerOutput
-from jengine.spec_decode.rejection import VerifyOutput, verify
+from jengine.spec_decode.rejection import VerifyOutput
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,19 +45,6 @@ def plan_verification(inputs: StepInputs, spec_tokens: dict[str, list[int]], max
         draft_ids[:total][has_draft] = np.concatenate([spec_tokens[r] for r, k in zip(inputs.request_ids,
                                                                                        num_drafts) if k])
     return VerifyPlan(num_drafts, first, request_of_row, offset, draft_ids, logits_rows)
-
-
-VerifyFn = Callable[..., tuple[StepState, VerifyOutput, SamplerOutput | None]]
-
-
-def build_verify_step(model: StepModel) -> VerifyFn:
-    """Forward over the ragged batch, then verification of every row: (state, verdicts, prompt logprobs)."""
-
-    def step(params: dict, state: StepState, inputs: ModelInputs, sampling, draft_ids):
-        logits, prompt, state = forward_step(model, params, state, inputs)
-        return state, verify(logits, sampling, draft_ids), prompt
-
-    return step
 
 
 def accepted_tokens(plan: VerifyPlan, candidates: np.ndarray, accepted: np.ndarray) -> tuple[list[list[int]],

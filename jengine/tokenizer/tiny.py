@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 from collections import Counter
 from pathlib import Path
 from typing import Any, Literal
@@ -74,6 +75,27 @@ def train_tiny_tokenizer(
     _save(tokenizer, out, chat_template)
     logger.debug("trained %s tokenizer with %d tokens in %s", kind, tokenizer.get_vocab_size(), out)
     return out
+
+
+def pad_vocabulary(out_dir: str | Path, vocab_size: int, seed: int = 0) -> int:
+    """Grow a saved byte-level tokenizer's BPE vocabulary to `vocab_size` tokens with random distinct words (never
+    produced by encoding: they have no merges), so vocabulary-wide work (logits, grammar token masks) costs what it
+    costs at a real model's size. Returns the new size."""
+    path = Path(out_dir) / "tokenizer.json"
+    data = json.loads(path.read_text(encoding="utf-8"))
+    vocab: dict[str, int] = data["model"]["vocab"]
+    taken = set(vocab) | {t["content"] for t in data.get("added_tokens", [])}
+    next_id = 1 + max([*vocab.values(), *(t["id"] for t in data.get("added_tokens", []))])
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.,:\"{}[]"
+    while next_id < vocab_size:
+        word = ("Ġ" if rng.random() < 0.5 else "") + "".join(rng.choices(letters, k=rng.randint(2, 9)))
+        if word not in taken:
+            taken.add(word)
+            vocab[word] = next_id
+            next_id += 1
+    path.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    return next_id
 
 
 def _corpus() -> list[str]:

@@ -88,14 +88,22 @@ class SamplingParams(_message.Message):
     def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., detokenize: _Optional[bool] = ...) -> None: ...
 
 class ResponseFormat(_message.Message):
-    __slots__ = ("type", "json_schema", "regex")
+    __slots__ = ("type", "json_schema", "regex", "choice", "grammar", "structural_tag", "any_whitespace")
     TYPE_FIELD_NUMBER: _ClassVar[int]
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURAL_TAG_FIELD_NUMBER: _ClassVar[int]
+    ANY_WHITESPACE_FIELD_NUMBER: _ClassVar[int]
     type: str
     json_schema: str
     regex: str
-    def __init__(self, type: _Optional[str] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ...) -> None: ...
+    choice: _containers.RepeatedScalarFieldContainer[str]
+    grammar: str
+    structural_tag: str
+    any_whitespace: bool
+    def __init__(self, type: _Optional[str] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Iterable[str]] = ..., grammar: _Optional[str] = ..., structural_tag: _Optional[str] = ..., any_whitespace: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "messages", "sampling", "priority", "lora_name", "response_format")

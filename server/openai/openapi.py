@@ -12,6 +12,7 @@ from server.openai.protocol import (
     BOOL_FIELDS, CHAT_FIELDS, CHAT_TEMPLATE_FIELDS, COMPLETION_FIELDS, HARMLESS_FIELDS, INT_FIELDS, MAX_LOGPROBS,
     MAX_PROMPTS, MAX_REQUEST_ID_CHARS, MAX_TOKEN_ID_ENTRIES, NUMBER_FIELDS, ROLES,
 )
+from server.openai.structured import FIELD_SCHEMAS as STRUCTURED_FIELD_SCHEMAS
 from jengine.sampling.params import MAX_STOP_STRINGS
 
 _INT = {"type": "integer"}
@@ -42,6 +43,7 @@ _SPECIAL: dict[str, dict[str, Any]] = {  # fields whose type is more than number
     "add_generation_prompt": {"type": "boolean"}, "continue_final_message": {"type": "boolean"},
     "chat_template_kwargs": {"type": "object"},
     **{name: {} for name in HARMLESS_FIELDS}, "user": _STR, "metadata": {"type": "object"},
+    **STRUCTURED_FIELD_SCHEMAS,
 }
 _KIND = {**{n: {"type": "number"} for n in NUMBER_FIELDS}, **{n: _INT for n in INT_FIELDS},
          **{n: {"type": "boolean"} for n in BOOL_FIELDS}}

@@ -2,10 +2,9 @@
 
 Strict on purpose: a JSON type that is not the documented one is a 400 naming the field (no "5" for 5, though 5.0 is
 5), an unknown field is a 400 (never accepted and ignored), and a known field whose feature this server lacks and that
-would change the output (`tools`, a non-text `response_format`, `suffix`, ...) is a 400 that says so. Fields that
-change nothing about the output (`user`, `metadata`, `store`, ...) are accepted. Caps (n, logprobs, stop, nesting) are
-enforced here (the server's own: n, logprobs) or by the engine's front, which validates SamplingParams once for every
-front end, before admission.
+would change the output (`tool_choice` auto, `suffix`, ...) is a 400 that says so; fields that change nothing
+(`user`, `metadata`, ...) are accepted. Caps (n, logprobs, stop, nesting) are enforced here (n, logprobs) or by the
+engine's front, which validates SamplingParams once for every front end, before admission.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from jengine.sampling.defaults import Api, max_tokens_when_unset
 from jengine.sampling.params import SamplingParams
 from jengine.tokenizer.chat import check_continuation, join_text_parts
 from server.json_body import json_type
+from server.openai.structured import STRUCTURED_FIELDS, ForcedToolChoice, forced_tools, structured_from_body
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs cap; the engine's --max-logprobs may lower it
 MAX_PROMPTS = 1024  # prompts in one /v1/completions batch (each also needs its own engine slots)
@@ -38,7 +38,7 @@ INT_FIELDS = ("n", "seed", "top_k", "min_tokens", "prompt_logprobs")
 BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
           "detokenize")
 _SAMPLING = frozenset(NUMBER_FIELDS + INT_FIELDS + BOOL_FIELDS
-                      + ("stop", "stop_token_ids", "logit_bias", "max_tokens"))
+                      + ("stop", "stop_token_ids", "logit_bias", "max_tokens")) | STRUCTURED_FIELDS
 _COMMON = _SAMPLING | HARMLESS_FIELDS | {"model", "stream", "stream_options", "priority", "request_id"}
 CHAT_TEMPLATE_FIELDS = frozenset({"add_generation_prompt", "continue_final_message", "chat_template_kwargs"})
 CHAT_FIELDS = _COMMON | CHAT_TEMPLATE_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
@@ -53,15 +53,12 @@ def _off(value: Any) -> bool:
 _REFUSED: dict[str, Callable[[Any], bool]] = {
     "tools": lambda v: v is None or v == [],
     "tool_choice": lambda v: v is None or v == "none",
-    "functions": lambda v: v is None or v == [],
-    "function_call": lambda v: v is None or v == "none",
-    "response_format": lambda v: v is None or v == {"type": "text"},
+    "functions": lambda v: v is None or v == [], "function_call": lambda v: v is None or v == "none",
     "modalities": lambda v: v is None or v == ["text"],
     "audio": _off, "prediction": _off, "reasoning_effort": _off, "web_search_options": _off, "suffix": _off,
-    "guided_json": _off, "guided_regex": _off, "guided_choice": _off, "guided_grammar": _off,
-    "structured_outputs": _off, "logits_processors": _off, "verbosity": _off,
+    "verbosity": _off,
     # vLLM's extras that change the output, where this server lacks them
-    "best_of": lambda v: v is None or v == 1, "truncate_prompt_tokens": _off,
+    "best_of": lambda v: v is None or v == 1, "truncate_prompt_tokens": _off, "logits_processors": _off,
     "return_tokens_as_token_ids": lambda v: v is None or v is False,
 }
 # Per endpoint: the value each endpoint always uses is accepted, another one refused.
@@ -103,6 +100,7 @@ class ChatRequest:
     priority: int
     shown_prompt_logprobs: int | None
     request_id: str | None = None  # vLLM's extra: the response id becomes chatcmpl-<request_id>
+    forced_tools: ForcedToolChoice | None = None  # tool_choice "required" or a named function: the output is calls
 
 
 # ---------------------------------------------------------------------------------------------------------- fields
@@ -175,7 +173,7 @@ def _max_tokens(body: Mapping[str, Any], names: tuple[str, ...]) -> int | None:
 
 
 def _sampling_kwargs(body: Mapping[str, Any], max_tokens_names: tuple[str, ...], defaults: Mapping[str, Any],
-                     api: Api) -> dict[str, Any]:
+                     api: Api, forced: ForcedToolChoice | None = None) -> dict[str, Any]:
     """The request's sampling fields; those it leaves unset take the model's `defaults` (its generation config),
     except max_tokens: unset, it is the endpoint's (`max_tokens_when_unset`)."""
     kwargs: dict[str, Any] = {k: v for k, v in defaults.items() if k != "max_tokens"}
@@ -192,6 +190,7 @@ def _sampling_kwargs(body: Mapping[str, Any], max_tokens_names: tuple[str, ...],
     kwargs["logit_bias"] = bias or None
     requested = _max_tokens(body, max_tokens_names)
     kwargs["max_tokens"] = max_tokens_when_unset(defaults, api) if requested is None else requested
+    kwargs["structured_outputs"] = structured_from_body(body, forced)
     return kwargs
 
 
@@ -236,17 +235,18 @@ def _request_id(body: Mapping[str, Any]) -> str | None:
 # ---------------------------------------------------------------------------------------------------------- chat
 def parse_chat(body: Mapping[str, Any], info: ModelInfo, max_n: int = 16) -> ChatRequest:
     """A /v1/chat/completions body → ChatRequest (every check here; the template is rendered after admission)."""
-    check_fields(body, CHAT_FIELDS, _CHAT_REFUSED)
+    forced, checked = forced_tools(body)  # with tool_choice required or named, the tools fields are taken
+    check_fields(checked, CHAT_FIELDS, _CHAT_REFUSED)
     model = get_field(body, "model", "str")
     stream, options = _stream(body)
     prompt = {"messages": normalize_messages(body.get("messages")), **chat_template_options(body)}
-    kwargs = _sampling_kwargs(body, ("max_completion_tokens", "max_tokens"), info.sampling_defaults, "chat")
+    kwargs = _sampling_kwargs(body, ("max_completion_tokens", "max_tokens"), info.sampling_defaults, "chat", forced)
     top_logprobs = _chat_logprobs(body)
     if top_logprobs is not None:
         kwargs["logprobs"] = top_logprobs
     params = _build_params(kwargs, max_n)
     return ChatRequest(model, prompt, params, stream, options, top_logprobs, _priority(body), params.prompt_logprobs,
-                       _request_id(body))
+                       _request_id(body), forced)
 
 
 def chat_template_options(body: Mapping[str, Any]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from server.errors import openai_error
+from server.openai.structured import forced_tool_message
 from jengine.outputs import CompletionOutput, Logprob, RequestOutput
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
@@ -234,15 +235,18 @@ def echo_text(prompt: PromptTotals, decoders: Decoders) -> str:
 
 
 def chat_response(meta: ResponseMeta, acc: Accumulator, top_logprobs: int | None,
-                  shown_prompt_logprobs: int | None, decoders: Decoders) -> dict[str, Any]:
-    """The whole /v1/chat/completions answer (non-streaming)."""
+                  shown_prompt_logprobs: int | None, decoders: Decoders, forced_tools: bool = False
+                  ) -> dict[str, Any]:
+    """The whole /v1/chat/completions answer (non-streaming); `forced_tools`: the outputs are tool calls."""
     choices = []
     for index, choice in enumerate(acc.choices):
         block = None
         if top_logprobs is not None:
             block = chat_logprobs(sampled_rows(choice.token_ids, choice.logprobs, decoders.token), top_logprobs)
-        choices.append({"index": index, "message": {"role": "assistant", "content": choice.text},
-                        "logprobs": block, "finish_reason": choice.finish_reason,
+        message, finish = {"role": "assistant", "content": choice.text}, choice.finish_reason
+        if forced_tools:
+            message, finish = forced_tool_message(choice.text, finish) or (message, finish)
+        choices.append({"index": index, "message": message, "logprobs": block, "finish_reason": finish,
                         "stop_reason": choice.stop_reason})
     body = {**meta.head(), "choices": choices, "usage": acc.usage()}
     if shown_prompt_logprobs is not None:

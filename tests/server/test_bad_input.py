@@ -111,7 +111,7 @@ CASES: list[tuple[str, str, str, Any, int, str]] = [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]), 400, "tool_calls"),
     ("chat-tools", "POST", H, h(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     ("chat-tool-choice", "POST", H, h(tool_choice="auto"), 400, "tool_choice"),
-    ("chat-json-mode", "POST", H, h(response_format={"type": "json_object"}), 400, "response_format"),
+    ("chat-json-mode", "POST", H, h(response_format={"type": "xml"}), 400, "response_format"),
     ("chat-functions", "POST", H, h(functions=[{"name": "f"}]), 400, "functions"),
     ("chat-audio", "POST", H, h(audio={"voice": "alloy"}), 400, "audio"),
     ("chat-top-logprobs-alone", "POST", H, h(top_logprobs=5), 400, "top_logprobs"),

@@ -96,7 +96,8 @@ def test_generated_code_is_current() -> None:
 
 def test_sampling_fields_mirror_sampling_params() -> None:
     proto_fields = set(pb.SamplingParams.DESCRIPTOR.fields_by_name)
-    assert proto_fields == {f.name for f in dataclasses.fields(SamplingParams)}
+    # structured_outputs travels as the request's response_format
+    assert proto_fields == {f.name for f in dataclasses.fields(SamplingParams)} - {"structured_outputs"}
     grouped = (*grpc_convert.INT_FIELDS, *grpc_convert.FLOAT_FIELDS, *grpc_convert.BOOL_FIELDS,
                *grpc_convert.LIST_FIELDS, *grpc_convert.MAP_FIELDS)
     assert sorted(grouped) == sorted(proto_fields)
@@ -209,14 +210,16 @@ def test_health_and_reflection_are_open(harness: GrpcHarness) -> None:
     (dict(token_ids=pb.TokenIds(ids=[5, TOKENIZER_VOCAB]), sampling=GREEDY), "prompt_token_ids"),
     (dict(token_ids=pb.TokenIds(ids=[5] * MAX_MODEL_LEN), sampling=GREEDY), "prompt"),
     (dict(text="hi", sampling=GREEDY, lora_name="my-adapter"), "lora_name"),
-    (dict(text="hi", sampling=GREEDY, response_format=pb.ResponseFormat(type="json_object")), "response_format"),
+    (dict(text="hi", sampling=GREEDY, response_format=pb.ResponseFormat(type="xml")), "response_format"),
+    (dict(text="hi", sampling=GREEDY, response_format=pb.ResponseFormat(type="json_schema", json_schema='{"type": 5}')),
+     "json_schema"),
     (dict(sampling=GREEDY), "prompt"),
 ])
 def test_bad_requests_are_invalid_argument(harness: GrpcHarness, fields: dict, param: str) -> None:
     error = _status(lambda: _generate(harness, **fields))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
     assert dict(error.trailing_metadata())["jengine-error-param"] == param
-    if param in ("lora_name", "response_format"):
+    if param == "lora_name":
         assert "not supported yet" in error.details()
 
 
@@ -453,3 +456,4 @@ def test_an_undecodable_message_is_invalid_argument(harness: GrpcHarness) -> Non
     assert _status(lambda: tokenize(b"\x0a\xff", metadata=auth(), timeout=10)).code() == \
         grpc.StatusCode.INVALID_ARGUMENT
     assert _generate(harness, text="Hello", sampling=GREEDY)  # still serving
+

@@ -1,0 +1,95 @@
+"""Offline structured output (`SamplingParams(structured_outputs=...)`): valid outputs with random weights, the same
+tokens pipelined and serial, n choices each with its own matcher, and the bitmask applied as a float64 reference."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import jsonschema
+import numpy as np
+import pytest
+from transformers import LlamaConfig
+
+import jengine
+from jengine import LLM, SamplingParams, StructuredOutputsParams
+from jengine.errors import InvalidRequestError
+from jengine.sampling import params as params_module
+from jengine.structured.device import apply_token_mask
+from tests.conftest import COMMON
+
+SCHEMA = {"type": "object", "properties": {"k": {"enum": ["a", "b"]}, "v": {"type": "integer", "minimum": -3,
+                                                                             "maximum": 3}},
+          "required": ["k", "v"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def model_dir(build_checkpoint, tiny_tokenizer_dir):
+    return build_checkpoint(LlamaConfig(**{**COMMON, "max_position_embeddings": 256}),
+                            tokenizer_dir=tiny_tokenizer_dir)[0]
+
+
+def _outputs(model_dir, params: list[SamplingParams], **engine_args) -> list[tuple[list[int], str, str]]:
+    with LLM(str(model_dir), dtype="float32", max_model_len=128, max_num_seqs=4, **engine_args) as llm:
+        outs = llm.generate(["the", "a b", "c", "dd", "e"], params, use_tqdm=False)
+    return [(list(c.token_ids), c.text, c.finish_reason) for o in outs for c in o.outputs]
+
+
+def test_constrained_rows_validate_and_pipelining_changes_nothing(model_dir) -> None:
+    """Constrained rows (json, regex, n=2 choice) beside free ones, more requests than rows: every constrained output
+    is valid, and pipelined (masks filled while the forward runs) equals serial token for token."""
+    json_params = StructuredOutputsParams(json=SCHEMA)
+    params = [SamplingParams(temperature=1.0, seed=1, max_tokens=40, structured_outputs=json_params),
+              SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=2, max_tokens=12,
+                             structured_outputs=StructuredOutputsParams(regex=r"[0-9]{2,4}x")),
+              SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=8,
+                             structured_outputs=StructuredOutputsParams(choice=["up", "down"])),
+              SamplingParams(temperature=1.0, seed=4, max_tokens=8)]
+    pipelined = _outputs(model_dir, params, async_scheduling=True)
+    assert pipelined == _outputs(model_dir, params, async_scheduling=False)
+    (_, first, reason), _, (_, regex, _), (_, up, _), (_, down, _), _ = pipelined
+    assert reason == "stop"
+    jsonschema.validate(json.loads(first), SCHEMA)
+    assert re.fullmatch(r"[0-9]{2,4}x", regex) and {up, down} <= {"up", "down"}
+
+
+def test_exports_and_errors() -> None:
+    assert jengine.StructuredOutputsParams is StructuredOutputsParams is params_module.StructuredOutputsParams
+    with pytest.raises(InvalidRequestError, match="exactly one"):
+        SamplingParams(structured_outputs=StructuredOutputsParams(regex="a", choice=["a"])).validate(100)
+    with pytest.raises(InvalidRequestError) as caught:
+        StructuredOutputsParams(json="{not json")
+    assert caught.value.param == "json"
+
+
+def test_invalid_schema_is_refused_before_admission(model_dir) -> None:
+    with LLM(str(model_dir), dtype="float32", max_model_len=128) as llm:
+        bad = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object",
+                                                                             "properties": {"a": {"type": "strin"}}}))
+        with pytest.raises(InvalidRequestError, match="strin") as caught:
+            llm.generate(["x"], bad, use_tqdm=False)
+        assert caught.value.param == "json_schema"
+
+
+def test_token_mask_matches_a_numpy_reference() -> None:
+    """Bit t % 32 of word t // 32 allows token t; tokens past the words (padded vocabulary rows) are banned."""
+    rng = np.random.default_rng(0)
+    vocab, words = 100, 3  # 96 bits: tokens 96..99 have no bit
+    logits = rng.standard_normal((4, vocab))
+    mask = rng.integers(-(2**31), 2**31, size=(4, words), dtype=np.int64).astype(np.int32)
+    mask[0] = -1  # a free row: every bit set
+    bits = np.unpackbits(mask.view(np.uint8), bitorder="little").reshape(4, -1).astype(bool)
+    expected = np.where(np.pad(bits, ((0, 0), (0, vocab - 96))), logits, -np.inf)
+    got = np.asarray(apply_token_mask(jnp.asarray(logits, jnp.float32), jnp.asarray(mask)), np.float64)
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    assert np.isinf(got[0, 96:]).all() and np.isfinite(got[0, :96]).all()
+
+
+def test_the_core_imports_no_grammar_library() -> None:
+    probe = "import sys, jengine.engine.core, jengine.runner.step; print('llguidance' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
