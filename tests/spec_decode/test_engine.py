@@ -4,9 +4,11 @@ checked (vLLM's JSON, EAGLE refused by name)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from jengine import LLM, SamplingParams
+from jengine import LLM, SamplingParams, StructuredOutputsParams
 from jengine.config import EngineConfig
 from jengine.errors import ConfigError
 
@@ -158,3 +160,24 @@ def test_prompt_lookup_pipelines_steps_while_it_finds_nothing(dense_target):
         overlapped += core._in_flight is not None
     assert tokens == expected and overlapped >= 3
     llm.shutdown()
+
+
+def test_structured_output_request_beside_a_speculating_one(copying_model):
+    """A constrained request decodes plainly (its mask reaches its row of each verification step) while another
+    speculates: both outputs equal the plain engine's."""
+    model_dir, cycle = copying_model
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12,
+                             structured_outputs=StructuredOutputsParams(regex=r"[0-9]{2,4}x"))]
+
+    def run(**engine_args):
+        llm = build(model_dir, **engine_args)
+        outputs = llm.generate([prompt(cycle), prompt(cycle)], params, use_tqdm=False)
+        counts = llm._core.scheduler.spec_counts
+        llm.shutdown()
+        return [(o.outputs[0].token_ids, o.outputs[0].text) for o in outputs], counts
+
+    plain, _ = run()
+    speculative, counts = run(speculative_config=NGRAM)
+    assert speculative == plain and counts.num_accepted_tokens > 0
+    assert re.fullmatch(r"[0-9]{2,4}x", speculative[1][1])
