@@ -13,11 +13,13 @@ if TYPE_CHECKING:
     from jengine.config import EngineConfig
     from jengine.clients.async_engine import AsyncEngine
     from jengine.llm import LLM
+    from jengine.lora.request import LoRARequest
     from jengine.outputs import CompletionOutput, Logprob, RequestOutput
     from jengine.sampling.params import SamplingParams, StructuredOutputsParams
 
 _LAZY = {
     "LLM": "jengine.llm",
+    "LoRARequest": "jengine.lora.request",
     "AsyncEngine": "jengine.clients.async_engine",
     "SamplingParams": "jengine.sampling.params",
     "StructuredOutputsParams": "jengine.sampling.params",

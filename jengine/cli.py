@@ -70,14 +70,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("-q", "--quantization", default=None,
                        help="fp8 or compressed-tensors; unset: the checkpoint's quantization_config. fp8 on a float "
                             "checkpoint quantizes it at load")
+    group.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters over the base model")
+    group.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="PEFT adapter directories loaded at start-up (name=path or a JSON object with name, "
+                            "path); requests name them in `model`")
+    group.add_argument("--max-loras", type=int, default=1, help="distinct adapters in one step (device slots)")
+    group.add_argument("--max-cpu-loras", type=int, default=None,
+                       help="adapters kept in host memory (default: --max-loras)")
+    group.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank served")
     group.add_argument("--speculative-config", default=None,
                        help='speculative decoding as JSON, vLLM\'s keys: {"method": "ngram" | "draft_model", '
                             '"num_speculative_tokens": k, "prompt_lookup_min"/"prompt_lookup_max" (ngram), '
                             '"model": DIR (draft_model), "disable_by_batch_size": N}')
-    for flag in ("--lora-modules", "--reasoning-parser", "--tool-call-parser"):
+    for flag in ("--reasoning-parser", "--tool-call-parser"):
         group.add_argument(flag, default=None, help=argparse.SUPPRESS)
-    for flag in ("--enable-lora", "--enable-auto-tool-choice"):
-        group.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+    group.add_argument("--enable-auto-tool-choice", action="store_true", help=argparse.SUPPRESS)
     _add_vllm_compat_args(parser)
 
 
@@ -119,6 +126,16 @@ def _token_count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a token count: {text!r} (e.g. 4096, 32k, 128K)") from None
 
 
+def _lora_module_arg(text: str) -> str | dict:
+    """vLLM's two spellings of a --lora-modules entry: name=path, or a JSON object."""
+    if text.lstrip().startswith("{"):
+        try:
+            return json.loads(text)
+        except ValueError:
+            raise SystemExit(f"--lora-modules: {text!r} is not valid JSON") from None
+    return text
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """Flags → `EngineConfig.from_kwargs` keywords (the config refuses features that are not built yet)."""
     from jengine.config import NO_EFFECT
@@ -129,8 +146,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
              "enable_expert_parallel", "coordinator_address", "num_processes", "process_id", "chat_template",
              "max_logprobs", "generation_config", "load_format", "compile_buckets", "async_scheduling", "quantization",
              "lora_modules", "speculative_config", "reasoning_parser", "tool_call_parser", "enable_lora",
-             "enable_auto_tool_choice")
+             "enable_auto_tool_choice", "max_loras", "max_cpu_loras", "max_lora_rank")
     kwargs = {name: getattr(args, name) for name in names}
+    kwargs["lora_modules"] = [_lora_module_arg(m) for m in kwargs["lora_modules"] or ()]
     kwargs["compilation_cache_dir"] = str(args.compilation_cache_dir) if args.compilation_cache_dir else None
     for name in NO_EFFECT:  # vLLM's flags that change nothing here; the config checks each value
         value = getattr(args, name, None)

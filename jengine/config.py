@@ -19,7 +19,6 @@ from jengine.errors import ConfigError
 
 # Flags users know from vLLM whose features are not built yet: refused with a clear message instead of ignored.
 _NOT_YET_AVAILABLE = {
-    "enable_lora": False, "lora_modules": None,
     "reasoning_parser": None, "enable_auto_tool_choice": False, "tool_call_parser": None,
 }
 
@@ -187,6 +186,25 @@ class SpeculativeConfig:
                 raise ConfigError(message)
 
 
+RUNTIME_LORA_ENV = ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "JENGINE_ALLOW_RUNTIME_LORA_UPDATING")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    enable_lora: bool = False  # serve LoRA adapters over the base model
+    max_loras: int = 1  # distinct adapters in one step (device slots)
+    max_cpu_loras: int | None = None  # adapters kept loaded in host memory (LRU); default and minimum: max_loras
+    max_lora_rank: int = 16  # the largest adapter rank; the slots are padded to it
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) adapters loaded at start-up
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter allowed (env VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, or
+    # JENGINE_ALLOW_RUNTIME_LORA_UPDATING)
+    allow_runtime_lora_updating: bool = False
+
+    @property
+    def cpu_capacity(self) -> int:
+        return max(self.max_cpu_loras or self.max_loras, self.max_loras)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -194,6 +212,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     runner: RunnerConfig
+    lora: LoraConfig = LoraConfig()
     speculative: SpeculativeConfig | None = None  # speculative decoding; None: off
 
     @classmethod
@@ -213,7 +232,7 @@ class EngineConfig:
         speculative = SpeculativeConfig.from_value(kwargs.pop("speculative_config", None))
         parts = {}
         for name, part in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
-                           ("parallel", ParallelConfig), ("runner", RunnerConfig)):
+                           ("parallel", ParallelConfig), ("runner", RunnerConfig), ("lora", LoraConfig)):
             fields = {f.name for f in dataclasses.fields(part)} - {"model"}
             parts[name] = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
         if kwargs:
@@ -224,7 +243,8 @@ class EngineConfig:
         model_part = ModelConfig(model=str(model), **parts["model"])
         sched = dict(parts["scheduler"], max_model_len=model_part.max_model_len or 0)
         config = cls(model_part, CacheConfig(**parts["cache"]), SchedulerConfig(**sched),
-                     ParallelConfig(**parts["parallel"]), RunnerConfig(**parts["runner"]), speculative)
+                     ParallelConfig(**parts["parallel"]), RunnerConfig(**parts["runner"]),
+                     lora=_lora_config(parts["lora"]), speculative=speculative)
         config.validate()
         return config
 
@@ -262,6 +282,9 @@ class EngineConfig:
             (self.runner.compile_buckets in ("all", "lazy", "auto"), "compile_buckets must be 'all', 'lazy' or 'auto'"),
             (self.speculative is None or self.parallel.num_processes == 1,
              "speculative decoding runs on one host (num_processes=1)"),
+
+
+            *_lora_checks(self.lora, self.parallel),
         ]
         for ok, message in checks:
             if not ok:
@@ -312,6 +335,41 @@ class ServerConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+
+
+def _lora_config(kwargs: dict[str, Any]) -> LoraConfig:
+    """LoRA settings; `lora_modules` as vLLM takes them: "name=path" strings, {"name", "path"} dicts, or pairs."""
+    modules = kwargs.get("lora_modules") or ()
+    kwargs["lora_modules"] = tuple(_lora_module(m) for m in ([modules] if isinstance(modules, str) else modules))
+    kwargs.setdefault("allow_runtime_lora_updating", any(
+        os.environ.get(name, "").strip().lower() in ("1", "true") for name in RUNTIME_LORA_ENV))
+    return LoraConfig(**kwargs)
+
+
+def _lora_module(module: Any) -> tuple[str, str]:
+    if isinstance(module, str) and "=" in module:
+        name, path = module.split("=", 1)
+    elif isinstance(module, dict) and {"name", "path"} <= set(module):
+        name, path = module["name"], module["path"]
+    elif isinstance(module, (tuple, list)) and len(module) == 2:
+        name, path = module
+    else:
+        raise ConfigError(f"lora_modules entries are name=path (or {{\"name\", \"path\"}}), got {module!r}")
+    if not name or not path:
+        raise ConfigError(f"lora_modules entry {module!r} needs a name and a path")
+    return str(name), str(path)
+
+
+def _lora_checks(lora: LoraConfig, parallel: ParallelConfig) -> list[tuple[bool, str]]:
+    single = parallel.tensor_parallel_size == 1 and parallel.data_parallel_size == 1 and parallel.num_processes == 1
+    return [
+        (lora.max_loras >= 1, "max_loras must be >= 1"),
+        (lora.max_cpu_loras is None or lora.max_cpu_loras >= lora.max_loras, "max_cpu_loras must be >= max_loras"),
+        (1 <= lora.max_lora_rank <= 512, "max_lora_rank must be in [1, 512]"),
+        (lora.enable_lora or not lora.lora_modules, "lora_modules needs enable_lora"),
+        (not lora.enable_lora or single,
+         "enable_lora runs on one device for now (tensor_parallel_size, data_parallel_size and num_processes 1)"),
+    ]
 
 
 def _multi_host_from_environment(parallel: dict[str, Any]) -> dict[str, Any]:

@@ -68,3 +68,11 @@ class UnsupportedModelError(ConfigError):
 
 class CheckpointError(JengineError, OSError):
     """A model directory or weight file that is missing, unreadable or inconsistent."""
+
+
+class AdapterError(InvalidRequestError):
+    """A LoRA adapter that cannot be served: missing or unreadable, an option not supported, a rank over the limit,
+    shapes that do not fit the base model (HTTP 400, gRPC INVALID_ARGUMENT)."""
+
+    def __init__(self, message: str, *, param: str | None = "lora_path") -> None:
+        super().__init__(message, param=param, code="invalid_lora_adapter")

@@ -15,6 +15,11 @@ from jengine.config import EngineConfig, ModelConfig
 from jengine.engine.core import EngineCore
 from jengine.errors import CheckpointError, ConfigError
 from jengine.layers.quant import workspace_bytes
+from jengine.lora.device import DeviceLoraSlots
+from jengine.lora.host_cache import AdapterCache
+from jengine.lora.peft import LoraAdapter, read_adapter
+from jengine.lora.request import LoRARequest
+from jengine.lora.runner_slots import RunnerLora
 from jengine.models.dummy import dummy_model
 from jengine.models.loader import load_model, load_spec
 from jengine.models.spec import ModelSpec
@@ -127,6 +132,7 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
         from jengine.spec_decode.draft_loading import load_draft  # before the pool is sized: its weights count
         draft = load_draft(config, spec, layout, load_weights)
     device = next(d for d in devices if d.process_index == jax.process_index())  # memory stats: local only
+    adapters, runner_lora = build_lora(config, spec, dtype, layout.replicated)  # before the KV pool takes the rest
     plan = agree_across_processes(plan_kv_cache(spec, config.cache, config.scheduler, dtype, device,
                                                 kv_shards=layout.size,
                                                 workspace=workspace_bytes(params, dtype) // layout.size))
@@ -144,11 +150,33 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
     log_plan(plan, config.scheduler.max_model_len)
     backend = select_backend(device.platform, config.runner.attention_backend, head_dim=spec.head_dim,
                              mesh=layout.mesh)
-    runner: StepRunner = ModelRunner(spec, params, dtype, config, plan, backend, layout, proposer)
+    runner: StepRunner = ModelRunner(spec, params, dtype, config, plan, backend, layout, runner_lora, proposer)
     if parallel.num_processes > 1 and jax.process_index() == 0:  # the workers replay process 0's runner calls
         runner = PublishingRunner(runner, StepPublisher())
-    core = EngineCore(config, runner, plan.num_blocks)
+    core = EngineCore(config, runner, plan.num_blocks, adapters)
+    for name, path in config.lora.lora_modules:  # --lora-modules: read and checked before serving starts
+        core.add_lora(LoRARequest(name, index_of_lora(core), path))
     return EngineParts(core, tokenizer, spec, config, sampling_defaults)
+
+
+def build_lora(config: EngineConfig, spec: ModelSpec, dtype, sharding) -> tuple[AdapterCache | None,
+                                                                                 RunnerLora | None]:
+    """The host cache of adapters and the runner's device slots, when LoRA is enabled."""
+    lora = config.lora
+    if not lora.enable_lora:
+        return None, None
+
+    def read(request: LoRARequest) -> LoraAdapter:
+        return read_adapter(request.lora_name, request.lora_path, spec, lora.max_lora_rank)
+
+    cache = AdapterCache(lora.cpu_capacity, read)
+    slots = DeviceLoraSlots(spec, lora.max_loras, lora.max_lora_rank, dtype, sharding)
+    return cache, RunnerLora(slots, cache)
+
+
+def index_of_lora(core: EngineCore) -> int:
+    """A fresh `lora_int_id` for an adapter added by name and path alone."""
+    return max((r.lora_int_id for r in core.list_loras()), default=0) + 1
 
 
 def build_replicated_engine(config: EngineConfig) -> EngineParts:

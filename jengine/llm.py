@@ -24,6 +24,7 @@ from jengine.engine.core import EngineCoreOutput
 from jengine.front.front import EngineFront
 from jengine.front.input_processor import ProcessedRequest, PromptInput
 from jengine.errors import EngineDeadError, InvalidRequestError
+from jengine.lora.request import LoRARequest
 from jengine.outputs import RequestOutput, RequestOutputKind
 from jengine.request import Request, RequestStatus
 from jengine.sampling.defaults import max_tokens_when_unset
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 Conversation = Sequence[Mapping[str, Any]]
 ParamsArg = SamplingParams | Sequence[SamplingParams] | None
+LoraArg = LoRARequest | Sequence[LoRARequest | None] | None
 
 
 class LLM:
@@ -71,29 +73,49 @@ class LLM:
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompts: PromptInput | Sequence[PromptInput], sampling_params: ParamsArg = None, *,
-                 use_tqdm: bool = True, lora_request: None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: LoraArg = None) -> list[RequestOutput]:
         """Complete every prompt; results in input order. A prompt: str, token ids (a list or a 1-D array),
-        {"prompt" or "prompt_token_ids"}. `lora_request` is vLLM's: only None until LoRA serving exists."""
+        {"prompt" or "prompt_token_ids"}. `lora_request`: one `LoRARequest` for every prompt or a list aligned with
+        the prompts (None: the base model); each adapter is read and checked before any prompt runs."""
         self._raise_if_dead()
-        if lora_request is not None:
-            raise InvalidRequestError("lora_request is not supported yet (LoRA serving is not built)",
-                                      param="lora_request")
         batch = [_as_plain_prompt(p) for p in _as_prompt_list(_as_plain_prompt(prompts))]
         params = _params_per_prompt(sampling_params, len(batch), self.get_default_sampling_params())
+        adapters = self._adapters_per_prompt(lora_request, len(batch))
         now = time.monotonic()
         requests = [self._front.process(p, sp, self._next_id(), arrival_time=now) for p, sp in zip(batch, params)]
-        return self._run(requests, use_tqdm)
+        return self._run(_with_adapters(requests, adapters), use_tqdm)
+
+    def _adapters_per_prompt(self, lora_request: LoraArg, count: int) -> list[LoRARequest | None]:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            adapters = [lora_request] * count
+        elif isinstance(lora_request, Sequence) and not isinstance(lora_request, str):
+            adapters = list(lora_request)
+            if len(adapters) != count:
+                raise InvalidRequestError(f"got {len(adapters)} lora_request entries for {count} prompts",
+                                          param="lora_request")
+        else:
+            raise InvalidRequestError(f"lora_request must be a LoRARequest, a list of them or None, got "
+                                      f"{type(lora_request).__name__}", param="lora_request")
+        for adapter in adapters:
+            if adapter is not None and not isinstance(adapter, LoRARequest):
+                raise InvalidRequestError(f"lora_request entries must be LoRARequest or None, got "
+                                          f"{type(adapter).__name__}", param="lora_request")
+            if adapter is not None:
+                self._core.add_lora(adapter)
+        return adapters
 
     def chat(self, messages: Conversation | Sequence[Conversation], sampling_params: ParamsArg = None, *,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, lora_request: LoraArg = None) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them, through the chat template.
         `continue_final_message` (with add_generation_prompt=False) continues the last message instead of starting
-        a new turn; `chat_template_kwargs` are extra template variables (e.g. {"enable_thinking": False})."""
+        a new turn; `chat_template_kwargs` are extra template variables (e.g. {"enable_thinking": False});
+        `lora_request` as in `generate`."""
         self._raise_if_dead()
         conversations = _as_conversation_list(messages)
         params = _params_per_prompt(sampling_params, len(conversations), self.get_default_sampling_params())
+        adapters = self._adapters_per_prompt(lora_request, len(conversations))
         now = time.monotonic()
         requests = [
             self._front.process_chat(c, sp, self._next_id(), chat_template=chat_template,
@@ -102,7 +124,7 @@ class LLM:
                                      chat_template_kwargs=chat_template_kwargs, arrival_time=now)
             for c, sp in zip(conversations, params)
         ]
-        return self._run(requests, use_tqdm)
+        return self._run(_with_adapters(requests, adapters), use_tqdm)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use without sampling_params: the model's generation_config.json defaults
@@ -261,6 +283,14 @@ def _as_conversation_list(messages: Conversation | Sequence[Conversation]) -> li
             return [messages]  # type: ignore[list-item]
         return list(messages)  # type: ignore[arg-type]
     raise InvalidRequestError("messages must be a list of messages or a list of conversations", param="messages")
+
+
+def _with_adapters(requests: list[ProcessedRequest], adapters: list[LoRARequest | None]) -> list[ProcessedRequest]:
+    """Each request's choices run under its adapter (None: the base model)."""
+    for request, adapter in zip(requests, adapters, strict=True):
+        for child in request.children:
+            child.lora_request = adapter
+    return requests
 
 
 def _params_per_prompt(params: ParamsArg, count: int, default: SamplingParams) -> list[SamplingParams]:

@@ -8,6 +8,7 @@ import enum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from jengine.lora.request import LoRARequest
     from jengine.sampling.params import SamplingParams
 
 
@@ -69,6 +70,7 @@ class Request:
     priority: int = 0  # lower runs first, as in vLLM; FCFS within a priority
     cache_salt: str | None = None  # isolates prefix-cache sharing (e.g. per tenant)
     choice_index: int = 0  # which of the n choices of its parent request (seeds differ per choice)
+    lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
     # Structured output: the request's own grammar matcher (structured.masks.RequestGrammar), made in the front and
     # advanced by the core with each accepted token; None for a free request.
     grammar: Any = None
@@ -83,6 +85,7 @@ class Request:
     # Set by the scheduler when it admits the request:
     stop_rule: StopRule = dataclasses.field(init=False, repr=False)
     request_counter: int = dataclasses.field(init=False, default=-1)  # engine-unique: seeds unseeded randomness
+    lora_slot: int = dataclasses.field(init=False, default=-1)  # the adapter's device slot while admitted
     # Tokens sampled by steps whose outputs have not been applied yet (the pipelined engine runs ahead).
     num_pending_tokens: int = dataclasses.field(init=False, default=0)
     # Prompt-logprob entries received in the current pass over the prompt, and the most ever sent: a preempted
@@ -108,6 +111,10 @@ class Request:
             return None
         self.first_scheduled_reported = True
         return self.first_scheduled_time
+
+    @property
+    def lora_name(self) -> str | None:
+        return None if self.lora_request is None else self.lora_request.lora_name
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -22,7 +22,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from jengine.config import ServerConfig
-from jengine.clients.protocol import EngineClient
+from jengine.clients.protocol import EngineClient, LoraClient
 from server.metrics import EngineMetrics, MeteredEngineClient
 from jengine.errors import (
     AuthenticationError, EngineDeadError, InvalidRequestError, JengineError, NotFoundError, RequestTooLargeError,
@@ -66,6 +66,11 @@ class ServerState:
         return cls(MeteredEngineClient(engine, metrics), engine, config, metrics, RequestWork())
 
 
+def _lora_client(state: ServerState) -> LoraClient | None:
+    """The engine as the server of LoRA adapters, when it is one (the in-process engine)."""
+    return state.engine if isinstance(state.engine, LoraClient) else None
+
+
 STATE = web.AppKey("jengine_state", ServerState)
 ROUTES = web.AppKey("jengine_openai_routes", OpenAIRoutes)
 
@@ -84,7 +89,8 @@ def build_app(state: ServerState) -> web.Application:
     app[STATE] = state
     app[ROUTES] = OpenAIRoutes(state.client, state.work, fingerprint=f"fp_jengine_{version()}",
                                max_n=state.config.max_n, max_body_bytes=state.config.max_body_bytes,
-                               request_timeout=state.config.request_timeout)
+                               request_timeout=state.config.request_timeout,
+                               lora=_lora_client(state))
     app[ROUTES].register(app)
     app.router.add_get("/health", _health)
     app.router.add_route("*", "/ping", _health)  # vLLM's (SageMaker's) liveness route, GET or POST
@@ -246,7 +252,7 @@ async def _start_grpc(state: ServerState) -> Any:
         return None
     config = state.config
     grpc_server = await start_grpc_server(state.client, config.host, config.grpc_port, config.api_key,
-                                          work=state.work)
+                                          work=state.work, lora=_lora_client(state))
     logger.info("gRPC service on %s:%d", config.host, config.grpc_port)
     return grpc_server
 

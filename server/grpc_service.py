@@ -23,11 +23,13 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from jengine.clients.protocol import EngineClient
+from jengine.clients.protocol import EngineClient, LoraClient
 from jengine.tokenizer.chat import chat_text
 from jengine.errors import (
-    AuthenticationError, DeadlineExceededError, InvalidRequestError, JengineError, ServiceUnavailableError,
+    AuthenticationError, DeadlineExceededError, InvalidRequestError, JengineError, NotFoundError,
+    ServiceUnavailableError,
 )
+from jengine.lora.request import LoRARequest
 from jengine.outputs import RequestOutput
 from jengine.v1 import jengine_pb2 as pb
 from jengine.v1 import jengine_pb2_grpc as pb_grpc
@@ -149,15 +151,17 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> N
 class EngineService(pb_grpc.EngineServicer):
     """The four methods of jengine.v1.Engine; every engine interaction goes through the EngineClient protocol."""
 
-    def __init__(self, client: EngineClient, work: RequestWork) -> None:
+    def __init__(self, client: EngineClient, work: RequestWork, lora: LoraClient | None = None) -> None:
+        """`lora`: the client whose adapters `lora_name` names (None: a request naming one is refused)."""
         self._client = client
         self._work = work  # tokenizing and chat rendering run there, off the event loop
+        self._lora = lora
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.GenerateResponse]:
         deadline = _deadline(context)
         try:
-            _refuse_unsupported(request)
+            adapter = self._adapter(request.lora_name)
             params = sampling_from_proto(request.sampling)
             structured = structured_from_proto(request)
             if structured is not None:
@@ -167,12 +171,21 @@ class EngineService(pb_grpc.EngineServicer):
                                             self._client.get_model_info(), [prompt], params)
             encoder = OutputEncoder(params)
             stream = self._client.generate(prompt, params, request.request_id or uuid.uuid4().hex,
-                                           priority=request.priority)
+                                           priority=request.priority, **adapter)
             async with contextlib.aclosing(stream):  # closing it early aborts the request in the engine
                 async for output in _until(stream, deadline):
                     yield encoder.encode(output)
         except Exception as exc:  # a cancelled call raises CancelledError (not an Exception): nobody to tell
             await abort_with(context, exc)
+
+    def _adapter(self, name: str) -> dict[str, LoRARequest]:
+        """`lora_request=` for the generate call when `lora_name` names a loaded adapter ({} for none)."""
+        if not name:
+            return {}
+        known = [r for r in self._lora.list_loras() if r.lora_name == name] if self._lora is not None else []
+        if not known:
+            raise NotFoundError(f"no LoRA adapter named {name[:100]!r} is loaded", code="lora_not_found")
+        return {"lora_request": known[0]}
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         return await _unary(context, lambda: self._work.run(self._tokenize, request))
@@ -250,12 +263,6 @@ async def _unary(context: grpc.aio.ServicerContext, fn: Callable[[], Any]) -> An
         return await result if asyncio.iscoroutine(result) else result
     except Exception as exc:
         await abort_with(context, exc)
-
-
-def _refuse_unsupported(request: pb.GenerateRequest) -> None:
-    """Fields the proto reserves for features not built yet: refused, never ignored."""
-    if request.lora_name:
-        raise InvalidRequestError("lora_name is not supported yet (LoRA serving is not built)", param="lora_name")
 
 
 class _Health(health.aio.HealthServicer):
@@ -341,12 +348,14 @@ class JengineGrpcServer(grpc.aio.Server):
 
 
 async def start_grpc_server(client: EngineClient, host: str, port: int, api_key: str | None = None, *,
-                            work: RequestWork | None = None) -> JengineGrpcServer:
+                            work: RequestWork | None = None, lora: LoraClient | None = None) -> JengineGrpcServer:
     """Serve jengine.v1.Engine, health and reflection on host:port (0 = a free port, see `.port`); started.
-    `work`: the pool for tokenizing (the HTTP app's, when both serve; else one of its own)."""
+    `work`: the pool for tokenizing (the HTTP app's, when both serve; else one of its own). `lora`: the client
+    serving the adapters `lora_name` names (default: `client`, when it serves them)."""
     gate = _Gate(api_key)
     server = grpc.aio.server(interceptors=[_GateInterceptor(gate)])
-    pb_grpc.add_EngineServicer_to_server(EngineService(client, work or RequestWork()), server)
+    lora = lora if lora is not None else client if isinstance(client, LoraClient) else None
+    pb_grpc.add_EngineServicer_to_server(EngineService(client, work or RequestWork(), lora), server)
     health_servicer = _Health(gate, client)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -103,6 +103,7 @@ class _EngineStatsCollector(Collector):
             yield self._family(cls, name, doc, [read(s) for s in snapshots])
         yield self._cache_config(snapshots)
         yield from self._iteration_tokens(snapshots)
+        yield from self._lora_info(snapshots)
         yield from self._accepted_per_position(snapshots)
 
     def _accepted_per_position(self, snapshots: list[EngineStats]) -> Iterator[Metric]:
@@ -137,6 +138,19 @@ class _EngineStatsCollector(Collector):
             family.add_metric([self._model, str(engine)], buckets + [("+Inf", cumulative[-1])],
                               sum_value=stats.step_tokens_sum)
         yield family
+
+    def _lora_info(self, snapshots: list[EngineStats]) -> Iterator[Metric]:
+        """vLLM's `lora_requests_info`: the adapters of running and waiting requests as labels (comma-separated),
+        valued with the time of the snapshot; only for engines serving adapters."""
+        serving = [(engine, s) for engine, s in enumerate(snapshots) if s.max_loras]
+        if not serving:
+            return
+        info = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running stats on LoRA requests.",
+                                 labels=["running_lora_adapters", "max_lora", "waiting_lora_adapters", ENGINE_LABEL])
+        for engine, stats in serving:
+            info.add_metric([",".join(stats.running_loras), str(stats.max_loras), ",".join(stats.waiting_loras),
+                             str(engine)], time.time())
+        yield info
 
     def _family(self, cls: type, name: str, doc: str, values: list[float]) -> Metric:
         family = cls(PREFIX + name, doc, labels=["model_name", ENGINE_LABEL])
@@ -296,15 +310,18 @@ class MeteredEngineClient:
         self.metrics = metrics
 
     async def generate(self, prompt: PromptInput, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, *, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """The inner stream, unchanged; closing this generator closes (and so aborts) the inner one."""
+                       request_id: str | None = None, *, priority: int = 0,
+                       **adapter: Any) -> AsyncIterator[RequestOutput]:
+        """The inner stream, unchanged; closing this generator closes (and so aborts) the inner one. `adapter`:
+        `lora_request=` for clients that serve adapters (`LoraClient`), passed on as given."""
         params = sampling_params or SamplingParams()
         tracker = _RequestTracker(self.metrics, params.n if isinstance(params.n, int) else 1)
         if isinstance(params.structured_outputs, StructuredOutputsParams):
             self.metrics.record_structured(params.structured_outputs.kind)
         reason = "abort"
         try:
-            async with aclosing(self.inner.generate(prompt, params, request_id, priority=priority)) as stream:
+            async with aclosing(self.inner.generate(prompt, params, request_id, priority=priority,
+                                                    **adapter)) as stream:
                 async for output in stream:
                     tracker.observe(output)
                     yield output

@@ -2,7 +2,7 @@
 
 A block's hash commits to its parent's hash, so equal hashes mean equal *prefixes*, not just equal blocks: the K/V
 of a block depends on every token before it. sha256 (not Python's `hash`) so that one tenant cannot forge a
-collision and read another's cached K/V. Extra keys (the cache salt, later a LoRA name) go into every block, so
+collision and read another's cached K/V. Extra keys (the cache salt, the LoRA adapter's name) go into every block, so
 requests that must not share never produce the same hash.
 """
 
@@ -31,14 +31,16 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: Seque
 
 
 def hash_blocks(token_ids: Sequence[int], block_size: int, *, cache_salt: str | None = None,
-                known: Sequence[bytes] = ()) -> list[bytes]:
+                known: Sequence[bytes] = (), lora_name: str | None = None) -> list[bytes]:
     """The hashes of the full blocks of `token_ids` after the `known` leading ones, in order.
 
     `known` are the hashes an earlier call returned for a prefix of these tokens (with the same salt), so a growing
     sequence is hashed once per block: the chain continues from the last known hash. A partial last block is never
-    hashed (its content will still change). Pure: the request's owner, the router and the replicas all call this.
+    hashed (its content will still change). `lora_name`: the adapter the K/V is computed under. Pure: the request's
+    owner, the router and the replicas all call this.
     """
-    extra_keys = () if cache_salt is None else (f"salt={cache_salt}",)  # tagged, so keys never collide
+    extra_keys = tuple(f"{tag}={value}" for tag, value in (("salt", cache_salt), ("lora", lora_name))
+                       if value is not None)  # tagged, so keys never collide
     parent = known[-1] if known else None
     hashes = []
     for start in range(len(known) * block_size, len(token_ids) // block_size * block_size, block_size):

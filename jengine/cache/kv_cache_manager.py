@@ -223,5 +223,6 @@ class KVCacheManager:
         """The request's block hashes, first extended over any block of its known tokens that became full."""
         hashes, tokens = request.block_hashes, request.all_token_ids
         if len(tokens) >= (len(hashes) + 1) * self.block_size:
-            hashes += hash_blocks(tokens, self.block_size, cache_salt=request.cache_salt, known=hashes)
+            hashes += hash_blocks(tokens, self.block_size, cache_salt=request.cache_salt, known=hashes,
+                                  lora_name=request.lora_name)
         return hashes

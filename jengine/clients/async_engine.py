@@ -26,7 +26,8 @@ from jengine.engine.core import EngineCore, EngineCoreOutput
 from jengine.engine.core_loop import CoreLoop, StatsReader
 from jengine.front.front import EngineFront
 from jengine.front.input_processor import ProcessedRequest, PromptInput
-from jengine.errors import CapacityError, EngineDeadError, InvalidRequestError
+from jengine.errors import CapacityError, EngineDeadError, InvalidRequestError, NotFoundError
+from jengine.lora.request import LoRARequest
 from jengine.outputs import RequestOutput, RequestOutputKind
 from jengine.request import RequestStatus
 from jengine.sampling.params import SamplingParams
@@ -69,6 +70,8 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: EngineDeadError | None = None
         self._shut_down = False
+        # adapters requests may name; the core holds their weights (reads and unloads run on its thread)
+        self._loras: dict[str, LoRARequest] = {r.lora_name: r for r in _core_loras(parts.core)}
         self._core_loop = CoreLoop(parts.core, self._outputs_from_core, self._death_from_core,
                                    read_stats=_stats_reader(parts.core))
         self._core_loop.start()
@@ -82,13 +85,18 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ EngineClient
     async def generate(self, prompt: PromptInput, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, *, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Stream delta outputs (the last has finished=True); leaving the loop early aborts the request."""
+                       request_id: str | None = None, *, priority: int = 0,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream delta outputs (the last has finished=True); leaving the loop early aborts the request.
+        `lora_request`: an adapter added before (`add_lora`, --lora-modules); None: the base model."""
         if sampling_params is not None and sampling_params.structured_outputs is not None:
             # Compiling a grammar (and, the first time, the tokenizer's llguidance view) takes a while: off the loop;
             # the check at admission then finds it compiled.
             await asyncio.get_running_loop().run_in_executor(None, self._front.compile_grammar, sampling_params)
-        stream = self._admit(prompt, sampling_params or SamplingParams(), request_id, priority)
+        # From this check to the core's queue nothing awaits: an unload queued after it finds this request there.
+        if lora_request is not None and self._loras.get(lora_request.lora_name) != lora_request:
+            raise NotFoundError(f"no LoRA adapter named {lora_request.lora_name!r} is loaded", code="lora_not_found")
+        stream = self._admit(prompt, sampling_params or SamplingParams(), request_id, priority, lora_request)
         try:
             while True:
                 item = await stream.queue.get()
@@ -119,6 +127,33 @@ class AsyncEngine:
     def is_healthy(self) -> bool:
         return self._dead is None
 
+    # ------------------------------------------------------------------ LoRA adapters (LoraClient)
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self._loras.values())
+
+    def allows_runtime_lora_updating(self) -> bool:
+        lora = self._parts.config.lora
+        return lora.enable_lora and lora.allow_runtime_lora_updating
+
+    async def add_lora(self, request: LoRARequest) -> None:
+        """Reads and checks the adapter on the core thread, between steps; then requests may name it."""
+        self._raise_if_dead()
+        await asyncio.wrap_future(self._core_loop.call(lambda core: core.add_lora(request)))
+        self._loras[request.lora_name] = request
+
+    async def remove_lora(self, name: str) -> None:
+        """Refused while requests use the adapter (they keep running under it); new requests stop finding it at
+        once, and find it again if the core refuses."""
+        self._raise_if_dead()
+        request = self._loras.pop(name, None)
+        if request is None:
+            raise NotFoundError(f"no LoRA adapter named {name!r} is loaded", code="lora_not_found")
+        try:
+            await asyncio.wrap_future(self._core_loop.call(lambda core: core.remove_lora(name)))
+        except BaseException:
+            self._loras.setdefault(name, request)
+            raise
+
     def stats(self) -> EngineStats:
         """The snapshot the core thread published after its latest step (never touches the core itself)."""
         return self._core_loop.stats
@@ -148,7 +183,7 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ admission
     def _admit(self, prompt: PromptInput, params: SamplingParams, request_id: str | None,
-               priority: int) -> _Stream:
+               priority: int, lora_request: LoRARequest | None = None) -> _Stream:
         """Check the parameters, reserve slots (atomic: no await before the increment), then tokenize."""
         with self._lock:
             self._raise_if_dead()
@@ -158,6 +193,8 @@ class AsyncEngine:
         try:
             processed = self._front.prepare(prompt, params, request_id or uuid.uuid4().hex, priority=priority,
                                             arrival_time=time.monotonic())
+            for child in processed.children:
+                child.lora_request = lora_request
             with self._lock:
                 self._raise_if_dead()
                 self._check_unique(processed)
@@ -288,15 +325,25 @@ def _stats_reader(core: object) -> StatsReader | None:
     if not isinstance(core, EngineCore):
         return None
 
+    max_loras = core.config.lora.max_loras if core.adapters is not None else 0
+
     def read() -> EngineStats:
         sched, kv = core.stats(), core.kv_manager
         prefix, spec = kv.prefix_cache_stats, core.scheduler.spec_counts
         return EngineStats(sched.num_running, sched.num_waiting, sched.kv_cache_usage, sched.num_preemptions_total,
                            prefix.queries, prefix.hits, kv.num_blocks, kv.block_size, tuple(core.step_tokens.counts),
-                           core.step_tokens.total_tokens, spec.num_drafts, spec.num_draft_tokens,
-                           spec.num_accepted_tokens, tuple(spec.accepted_per_pos))
+                           core.step_tokens.total_tokens, max_loras, sched.running_loras, sched.waiting_loras,
+                           spec_decode_num_drafts=spec.num_drafts, spec_decode_num_draft_tokens=spec.num_draft_tokens,
+                           spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+                           spec_decode_num_accepted_tokens_per_pos=tuple(spec.accepted_per_pos))
 
     return read
+
+
+def _core_loras(core: object) -> list[LoRARequest]:
+    """The adapters a core was built with (--lora-modules); none for cores without LoRA (test fakes too)."""
+    list_loras = getattr(core, "list_loras", None)
+    return list_loras() if list_loras is not None else []
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -15,6 +15,7 @@ from jengine.errors import InvalidRequestError
 
 from jengine.engine.stats import EngineStats
 from jengine.front.input_processor import PromptInput
+from jengine.lora.request import LoRARequest
 from jengine.outputs import RequestOutput
 from jengine.sampling.params import SamplingParams
 from jengine.tokenizer import Tokenizer
@@ -70,6 +71,27 @@ class EngineClient(Protocol):
         ...
 
     def shutdown(self) -> None:
+        ...
+
+
+@runtime_checkable
+class LoraClient(Protocol):
+    """An engine client that serves LoRA adapters (the in-process engine): `generate` takes `lora_request=`."""
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters requests may name, in the order they were added."""
+        ...
+
+    def allows_runtime_lora_updating(self) -> bool:
+        """Whether adapters may be loaded and unloaded while serving (VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
+        ...
+
+    async def add_lora(self, request: LoRARequest) -> None:
+        """Read and check an adapter (AdapterError when it cannot be served); then requests may name it."""
+        ...
+
+    async def remove_lora(self, name: str) -> None:
+        """Forget an adapter; refused (InvalidRequestError, code lora_in_use) while requests use it."""
         ...
 
 

@@ -26,6 +26,10 @@ import numpy as np
 from jengine.cache.kv_cache_manager import KVCacheManager
 from jengine.config import EngineConfig
 from jengine.engine.stats import StepTokenCounts
+from jengine.errors import InvalidRequestError
+from jengine.lora.host_cache import AdapterCache
+from jengine.lora.request import LoRARequest
+from jengine.lora.slots import LoraSlotTable
 from jengine.request import Request, RequestStatus
 from jengine.runner.protocol import StepRunner, TokenMaskSource
 from jengine.scheduler.output import RunnerOutput, SchedulerOutput, TokenLogprobs
@@ -53,10 +57,14 @@ class EngineCoreOutput:
 class EngineCore:
     """Single-threaded: callers (the core loop thread, or `LLM`) own it exclusively."""
 
-    def __init__(self, config: EngineConfig, runner: StepRunner, num_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, runner: StepRunner, num_blocks: int,
+                 adapters: AdapterCache | None = None) -> None:
+        """`adapters`: the LoRA adapters the engine knows (LoRA enabled; the runner loads its slots from them)."""
         self.config = config
         self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+        self.adapters = adapters
+        slots = None if adapters is None else LoraSlotTable(config.lora.max_loras)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, slots)
         self.runner = runner
         self.num_steps = 0
         speculative = config.speculative
@@ -71,6 +79,8 @@ class EngineCore:
         self._constrained: set[str] = set()  # ids of constrained requests added and maybe unfinished (pruned lazily)
 
     def add_request(self, request: Request, *, enforce_queue_bound: bool = True) -> None:
+        if request.lora_request is not None:
+            self.add_lora(request.lora_request)
         if self._in_flight is not None and request.request_id in self._in_flight[0].num_scheduled_tokens:
             self._land_in_flight()  # an earlier request of this id is in the step in flight: its outputs go first
         self.scheduler.add_request(request, enforce_queue_bound=enforce_queue_bound)
@@ -94,6 +104,27 @@ class EngineCore:
         """Forget every cached prefix (vLLM's reset_prefix_cache, e.g. between benchmark runs); refused (False)
         while a request holds blocks."""
         return self.kv_manager.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def add_lora(self, request: LoRARequest) -> None:
+        """Reads and checks an adapter (once per name); AdapterError when it cannot be served."""
+        if self.adapters is None:
+            raise InvalidRequestError("LoRA adapters need an engine started with enable_lora", param="lora_request")
+        self.adapters.add(request)
+
+    def remove_lora(self, name: str) -> None:
+        """Forgets an adapter. Refused while requests use it (running or waiting): they would lose their weights."""
+        if self.adapters is None:
+            raise InvalidRequestError("LoRA adapters need an engine started with enable_lora", param="lora_name")
+        users = sum(r.lora_name == name for r in self.scheduler.requests.values())
+        if users:
+            raise InvalidRequestError(f"LoRA adapter {name!r} is in use by {users} request(s); unload it once they "
+                                      f"finish", param="lora_name", code="lora_in_use")
+        self.adapters.remove(name)
+        self.scheduler.lora_slots.forget(name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [] if self.adapters is None else self.adapters.known()
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

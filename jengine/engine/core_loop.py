@@ -9,12 +9,13 @@ the same interface.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import queue
 import threading
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from jengine.engine.stats import EngineStats
 from jengine.engine.core import EngineCoreOutput
@@ -53,7 +54,16 @@ class _Stop:
     pass
 
 
-_Command = _Add | _Abort | _Stop
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """Run `fn(core)` on the core thread between steps (adapter loads and unloads); its result or error goes to
+    `future`."""
+
+    fn: Callable[[CoreLike], Any]
+    future: concurrent.futures.Future
+
+
+_Command = _Add | _Abort | _Stop | _Call
 
 
 class CoreLoop:
@@ -86,6 +96,12 @@ class CoreLoop:
         """Queue an abort; the core frees the requests before its next step and reports them finished."""
         if request_ids:
             self._commands.put(_Abort(list(request_ids), status))
+
+    def call(self, fn: Callable[[CoreLike], Any]) -> concurrent.futures.Future:
+        """Queue `fn(core)` for the core thread; the future holds what it returns or raises."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Call(fn, future))
+        return future
 
     def shutdown(self, timeout: float = 30.0) -> bool:
         """Stop after the current step and wait for the thread; True when it has ended (the core is free then)."""
@@ -139,6 +155,19 @@ class CoreLoop:
             if isinstance(command, _Add):
                 for request in command.children:
                     self._core.add_request(request, enforce_queue_bound=False)
+            elif isinstance(command, _Call):
+                _run_call(self._core, command)
             else:
                 outputs.extend(self._core.abort(command.request_ids, command.status))
         return outputs, True
+
+
+def _run_call(core: CoreLike, command: _Call) -> None:
+    """A call's own error goes back to its caller; the core is not left in an unknown state by it. A call whose
+    caller gave up before it ran is skipped."""
+    if not command.future.set_running_or_notify_cancel():
+        return
+    try:
+        command.future.set_result(command.fn(core))
+    except Exception as exc:
+        command.future.set_exception(exc)

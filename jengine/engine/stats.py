@@ -29,6 +29,9 @@ class EngineStats:
     # last (not cumulative); () where the engine does not report them (a remote engine over gRPC).
     step_token_counts: tuple[int, ...] = ()
     step_tokens_sum: int = 0  # cumulative tokens of those steps
+    max_loras: int = 0  # LoRA device slots (0: LoRA not enabled)
+    running_loras: tuple[str, ...] = ()  # adapters of the running requests, sorted
+    waiting_loras: tuple[str, ...] = ()  # adapters of the waiting requests, sorted
     # Speculative decoding, cumulative (vLLM's spec_decode_* counters): proposals verified, their draft tokens,
     # the accepted ones, and per draft position how many were accepted
     spec_decode_num_drafts: int = 0

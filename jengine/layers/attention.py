@@ -12,6 +12,7 @@ from jengine.attention.backend import AttentionBackend
 from jengine.attention.kv_cache import KVCache, QuantizedKV, allocate, calibrate
 from jengine.attention.metadata import AttentionMetadata
 from jengine.layers.linear import Precision, linear, split_fused
+from jengine.layers.lora import LayerLora
 from jengine.layers.norm import rms_norm
 from jengine.layers.rotary import apply_rotary
 from jengine.models.spec import ModelSpec
@@ -28,10 +29,15 @@ def self_attention(
     rope: tuple[Float[Array, " half_rot"], float],
     backend: AttentionBackend,
     precision: Precision = None,
+    lora: LayerLora | None = None,
 ) -> tuple[Float[Array, "tokens d"], KVCache]:
+    """`lora`: the rows' adapters add to the q/k/v and o projections (`layers/lora.py`)."""
     tokens, hd = x.shape[0], spec.head_dim
     widths = (spec.num_heads * hd, spec.num_kv_heads * hd, spec.num_kv_heads * hd)
-    q, k, v = split_fused(linear(x, w["wqkv"], w.get("bqkv"), precision), widths, spec.projection_shards)
+    qkv = linear(x, w["wqkv"], w.get("bqkv"), precision)
+    if lora is not None:
+        qkv = qkv + lora.delta("qkv", x, precision)
+    q, k, v = split_fused(qkv, widths, spec.projection_shards)
     q = q.reshape(tokens, spec.num_heads, hd)
     k, v = (a.reshape(tokens, spec.num_kv_heads, hd) for a in (k, v))
     if spec.qk_norm:  # Qwen3: RMSNorm over each head before the rotation
@@ -46,8 +52,11 @@ def self_attention(
         q, k, v, kv_cache, layer, md,
         scale=hd**-0.5, sliding_window=window, soft_cap=spec.attn_logit_softcap,
     )
-    out = linear(out.reshape(tokens, spec.num_heads * hd), w["wo"], w.get("bo"), precision)
-    return out, kv_cache
+    out = out.reshape(tokens, spec.num_heads * hd)
+    projected = linear(out, w["wo"], w.get("bo"), precision)
+    if lora is not None:
+        projected = projected + lora.delta("o", out, precision)
+    return projected, kv_cache
 
 
 def kv_cache_shape(spec: ModelSpec, num_blocks: int, block_size: int) -> tuple[int, ...]:

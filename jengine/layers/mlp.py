@@ -16,18 +16,26 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from jengine.layers.linear import ACTIVATIONS, Precision, linear, split_fused
+from jengine.layers.lora import LayerLora
 from jengine.layers.quant import QuantizedWeight, column_scales, dequantize
 from jengine.models.spec import MoeSpec
 
 
 def gated_mlp(
-    x: Float[Array, "tokens d"], w: dict[str, Array], act: str, precision: Precision = None, shards: int = 1
+    x: Float[Array, "tokens d"], w: dict[str, Array], act: str, precision: Precision = None, shards: int = 1,
+    lora: LayerLora | None = None,
 ) -> Float[Array, "tokens d"]:
     """down(act(gate(x)) * up(x)), with the optional biases some Llama configs ask for; gate and up are one fused
-    projection whose columns are grouped per `shards` (see `split_fused`)."""
+    projection whose columns are grouped per `shards` (see `split_fused`); `lora`: the rows' adapters add to the
+    three projections."""
     inter = w["w_down"].shape[0]
-    gate, up = split_fused(linear(x, w["w_gate_up"], w.get("b_gate_up"), precision), (inter, inter), shards)
-    return linear(ACTIVATIONS[act](gate) * up, w["w_down"], w.get("b_down"), precision)
+    gate_up = linear(x, w["w_gate_up"], w.get("b_gate_up"), precision)
+    if lora is not None:
+        gate_up = gate_up + lora.delta("gate_up", x, precision)
+    gate, up = split_fused(gate_up, (inter, inter), shards)
+    hidden = ACTIVATIONS[act](gate) * up
+    out = linear(hidden, w["w_down"], w.get("b_down"), precision)
+    return out if lora is None else out + lora.delta("down", hidden, precision)
 
 
 def route(

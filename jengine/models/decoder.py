@@ -24,6 +24,7 @@ from jengine.attention.metadata import AttentionMetadata
 from jengine.attention.reference import KVCache
 from jengine.layers.attention import self_attention
 from jengine.layers.linear import Precision
+from jengine.layers.lora import LayerLora, LoraSegments
 from jengine.layers.mlp import gated_mlp, moe_mlp, moe_mlp_expert_parallel
 from jengine.layers.norm import rms_norm
 from jengine.layers.rotary import inverse_frequencies
@@ -42,13 +43,13 @@ def matmul_precision(dtype) -> Precision:
                                              "expert_mesh"))
 def _decoder_layer(
     x: Float[Array, "tokens d"], kv_cache: KVCache, w: dict[str, Array], layer: Int[Array, ""],
-    window: Int[Array, ""], md: AttentionMetadata, inv_freq: Float[Array, " half_rot"], *, spec: ModelSpec,
-    mlp_kind: MlpKind, backend: AttentionBackend, rope_scaling: float, precision: Precision,
-    expert_mesh: jax.sharding.Mesh | None,
+    window: Int[Array, ""], md: AttentionMetadata, inv_freq: Float[Array, " half_rot"],
+    lora: LayerLora | None, *, spec: ModelSpec, mlp_kind: MlpKind, backend: AttentionBackend, rope_scaling: float,
+    precision: Precision, expert_mesh: jax.sharding.Mesh | None,
 ) -> tuple[Float[Array, "tokens d"], KVCache]:
     h = rms_norm(x, w["attn_norm"], spec.rms_norm_eps)
     attn, kv_cache = self_attention(spec, w, h, kv_cache, layer, window, md, (inv_freq, rope_scaling), backend,
-                                    precision)
+                                    precision, lora)
     x = x + attn
     h = rms_norm(x, w["mlp_norm"], spec.rms_norm_eps)
     kernels, num_tokens = getattr(backend, "experts", None), md.query_start_loc[-1]
@@ -58,7 +59,7 @@ def _decoder_layer(
     elif mlp_kind == "moe":
         x = x + moe_mlp(h, w, spec.moe, spec.hidden_act, precision, kernels, num_tokens)
     else:
-        x = x + gated_mlp(h, w, spec.hidden_act, precision, spec.projection_shards)
+        x = x + gated_mlp(h, w, spec.hidden_act, precision, spec.projection_shards, lora)
     return x, kv_cache
 
 
@@ -70,19 +71,22 @@ def forward(
     token_ids: Int[Array, " tokens"],
     md: AttentionMetadata,
     expert_mesh: jax.sharding.Mesh | None = None,
+    lora_segments: LoraSegments | None = None,
 ) -> tuple[Float[Array, "tokens d"], KVCache]:
     """Runs every layer over a flattened ragged batch; returns the final-normed hidden states and the cache.
 
     `expert_mesh`: the MoE experts are split whole over its `tp` axis (expert parallelism); without it GSPMD
-    partitions everything from the parameter shardings alone.
+    partitions everything from the parameter shardings alone. `lora_segments`: the rows' adapter slots, whose
+    arrays are `params["lora"][layer]` (`lora/device.py`).
     """
     precision = matmul_precision(params["embed"].dtype)
     inv_freq, scaling = inverse_frequencies(spec.rope, spec.head_dim)
     x = params["embed"][token_ids]
     for layer, (w, kind, window) in enumerate(zip(params["layers"], spec.mlp_kinds, spec.layer_windows,
                                                   strict=True)):
-        x, kv_cache = _decoder_layer(x, kv_cache, w, np.int32(layer), np.int32(window), md, inv_freq, spec=spec,
-                                     mlp_kind=kind, backend=backend, rope_scaling=float(scaling),
+        lora = None if lora_segments is None else LayerLora(params["lora"][layer], lora_segments)
+        x, kv_cache = _decoder_layer(x, kv_cache, w, np.int32(layer), np.int32(window), md, inv_freq, lora,
+                                     spec=spec, mlp_kind=kind, backend=backend, rope_scaling=float(scaling),
                                      precision=precision, expert_mesh=expert_mesh)
     return rms_norm(x, params["final_norm"], spec.rms_norm_eps), kv_cache
 

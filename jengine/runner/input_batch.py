@@ -65,6 +65,7 @@ class InputBatch:
         self.num_drafts = np.zeros(max_num_seqs, np.int32)  # draft tokens after the known ones, this step only
         self.num_prompt = np.zeros(max_num_seqs, np.int32)
         self.num_prompt_logprobs = np.full(max_num_seqs, -1, np.int32)  # -1: prompt logprobs not asked
+        self.lora_slot = np.full(max_num_seqs, -1, np.int32)  # the row's adapter slot; -1: the base model
         self.block_table = np.zeros((max_num_seqs, max(buckets.blocks[-1], max_blocks)), np.int32)
         self.num_blocks = np.zeros(max_num_seqs, np.int32)
         self.rows: dict[str, RowInfo] = {}
@@ -109,6 +110,7 @@ class InputBatch:
         self.num_prompt[row] = new.num_prompt_tokens
         wanted = new.sampling_params.prompt_logprobs
         self.num_prompt_logprobs[row] = -1 if wanted is None else wanted
+        self.lora_slot[row] = new.lora_slot
         self.num_blocks[row] = 0
         self._append_blocks(row, new.block_ids)
 

@@ -19,6 +19,9 @@ import numpy as np
 from jengine.attention.backend import AttentionBackend
 from jengine.attention.kv_cache import KVCache
 from jengine.config import EngineConfig
+from jengine.layers.lora import LoraSegments
+from jengine.lora.runner_slots import RunnerLora
+from jengine.lora.segments import build_segments
 from jengine.models.spec import ModelSpec
 from jengine.parallel.sharding import ParallelLayout
 from jengine.runner.buckets import StepBuckets, pick, powers_of_two
@@ -66,10 +69,13 @@ class ModelRunner:
     """A `StepRunner` over this process's devices; the jitted step is `step(params, state, batch)`."""
 
     def __init__(self, spec: ModelSpec, params: dict, dtype, config: EngineConfig, plan: KVPlan,
-                 backend: AttentionBackend, layout: ParallelLayout, proposer: Proposer | None = None) -> None:
+                 backend: AttentionBackend, layout: ParallelLayout, lora: RunnerLora | None = None,
+                 proposer: Proposer | None = None) -> None:
         """`params` are already placed as `layout` says; the KV cache is allocated here with its sharding.
-        `proposer`: speculation's, when it holds device state of its own (a draft model); else built here."""
+        `lora`: the adapters' device slots and the host cache they load from (LoRA enabled). `proposer`:
+        speculation's, when it holds device state of its own (a draft model); else built here."""
         self.spec, self.params, self.dtype = spec, params, dtype
+        self.lora = lora
         self.config = config
         self.engine_seed = config.model.seed
         sched = config.scheduler
@@ -113,6 +119,8 @@ class ModelRunner:
         Tokens of steps not fetched yet are pending: the step reads them on the device. `token_masks` (structured
         output) is asked once the forward is launched, so the host fills the masks while the device runs it."""
         self.batch.apply(sched)
+        if self.lora is not None:
+            self.lora.apply(sched.lora_loads)
         for new in sched.new_requests:
             row = self.batch.rows[new.request_id].row
             self.sampling_rows.set_row(row, new.sampling_params, new.choice_index, new.request_counter,
@@ -126,10 +134,11 @@ class ModelRunner:
         sampling = self._sampling_metadata(inputs)
         prompt_plan, prompt_rows, prompt_targets, prompt_k = self._prompt_logprob_rows(inputs)
         model = ModelInputs(inputs.token_ids, inputs.metadata, inputs.logits_rows, prompt_rows, prompt_targets,
-                            prompt_k)
+                            prompt_k, self._lora_segments(self.batch.lora_slot[inputs.rows], inputs.num_scheduled,
+                                                          len(inputs.token_ids)))
         batch = StepBatch(model, sampling, self._sample_rows(inputs))
         if token_masks is None:
-            self.state, out = self._step(self.params, self.state, batch)
+            self.state, out = self._step(self.step_params, self.state, batch)
         else:
             self.state, out = self._masked_step(batch, token_masks)
         if self.proposer is not None:
@@ -145,7 +154,7 @@ class ModelRunner:
     def _masked_step(self, batch: StepBatch, token_masks: TokenMaskSource) -> tuple[StepState, StepOutput]:
         """The forward, then the host's masks (rows in scheduled order), then the sampler with them (without them
         when no scheduled row turns out constrained)."""
-        logits, prompt, state = forward_step(self._model, self.params, self.state, batch.model)
+        logits, prompt, state = forward_step(self._model, self.step_params, self.state, batch.model)
         masks = token_masks()
         if masks is not None:
             batch.token_mask = self._pad_masks(*masks, num_rows=len(batch.sample_rows))
@@ -180,8 +189,9 @@ class ModelRunner:
         sampling = self._verify_sampling(inputs, plan)
         prompt_plan, prompt_rows, prompt_targets, prompt_k = self._prompt_logprob_rows(inputs)
         model = ModelInputs(inputs.token_ids, inputs.metadata, plan.logits_rows, prompt_rows, prompt_targets,
-                            prompt_k)
-        logits, prompt, self.state = forward_step(self._model, self.params, self.state, model)
+                            prompt_k, self._lora_segments(self.batch.lora_slot[inputs.rows], inputs.num_scheduled,
+                                                          len(inputs.token_ids)))
+        logits, prompt, self.state = forward_step(self._model, self.step_params, self.state, model)
         masks = token_masks() if token_masks is not None else None
         mask = None if masks is None else self._pad_masks(plan.first_rows[masks[0]], masks[1], len(plan.draft_ids))
         verdict = verify(logits, sampling, plan.draft_ids, mask)
@@ -243,10 +253,10 @@ class ModelRunner:
                    for masked in (False, True) for shape in shapes for sampled in (0, 1)]
 
         def compile_one(batch: StepBatch) -> tuple[float, float]:
-            return self._compile_step(self.params, self.state, batch)
+            return self._compile_step(self.step_params, self.state, batch)
 
         def run_one(batch: StepBatch) -> StepState:
-            self.state, _ = self._step(self.params, self.state, batch)
+            self.state, _ = self._step(self.step_params, self.state, batch)
             return self.state
 
         return compiling.warm_up(compile_one, run_one, batches, len(shapes), progress)
@@ -257,8 +267,20 @@ class ModelRunner:
         token_ids, md, logits_rows = padding_inputs(shape, self.batch.num_slots)
         nowhere = np.full(shape.seqs, len(self.batch.num_tokens), np.int32)
         mask = np.full((shape.seqs, self.mask_words), -1, np.int32) if masked else None
-        return StepBatch(ModelInputs(token_ids, md, logits_rows, None, None), _padding_sampling(shape, num_sampled),
-                         nowhere, mask)
+        lora = self._lora_segments(np.zeros(0, np.int32), np.zeros(0, np.int32), len(token_ids))
+        return StepBatch(ModelInputs(token_ids, md, logits_rows, None, None, lora=lora),
+                         _padding_sampling(shape, num_sampled), nowhere, mask)
+
+    @property
+    def step_params(self) -> dict:
+        """The weights the step reads: the model's, and the adapters' slot arrays under "lora" (LoRA enabled)."""
+        return self.params if self.lora is None else {**self.params, "lora": self.lora.slots.arrays}
+
+    def _lora_segments(self, row_slots: np.ndarray, num_scheduled: np.ndarray, num_tokens: int
+                       ) -> LoraSegments | None:
+        if self.lora is None:
+            return None
+        return build_segments(row_slots, num_scheduled, num_tokens, self.lora.slots.num_slots)
 
     def _sample_rows(self, inputs: StepInputs) -> np.ndarray:
         """The batch row that records each padded row's sample; out of range (dropped) where it does not count."""

@@ -28,6 +28,7 @@ from jaxtyping import Array, Float, Int
 from jengine.attention.backend import AttentionBackend
 from jengine.attention.kv_cache import KVCache
 from jengine.attention.metadata import AttentionMetadata
+from jengine.layers.lora import LoraSegments
 from jengine.models.decoder import compute_logits, forward
 from jengine.models.spec import ModelSpec
 from jengine.runner.input_batch import PENDING_BASE
@@ -65,6 +66,7 @@ class ModelInputs:
     prompt_rows: Int[Array, " prompt_rows"] | None  # rows whose logits score the next prompt token; None: none asked
     prompt_targets: Int[Array, " prompt_rows"] | None  # the prompt token each of those rows scores
     num_prompt_logprobs: int = dataclasses.field(default=0, metadata=dict(static=True))  # top-K width of those
+    lora: LoraSegments | None = None  # rows grouped by adapter slot (params["lora"] holds the slots); None: no LoRA
 
 
 @jax.tree_util.register_dataclass
@@ -105,7 +107,7 @@ def forward_step(model: StepModel, params: dict, state: StepState, inputs: Model
     if state.row_tokens is not None:
         token_ids = resolve_pending(token_ids, state.row_tokens)
     hidden, kv_cache = forward(model.spec, model.backend, params, state.kv_cache, token_ids, inputs.attention,
-                               model.expert_mesh)
+                               model.expert_mesh, inputs.lora)
     logits = compute_logits(model.spec, params, hidden[inputs.logits_rows])
     prompt = None
     if inputs.prompt_rows is not None:

@@ -27,6 +27,7 @@ class NewRequestData:
     num_output_tokens: int  # generated tokens among token_ids (resumed requests keep theirs)
     eos_token_ids: frozenset[int]  # banned while min_tokens is not reached
     request_counter: int  # engine-unique number: seeds the randomness of requests without their own seed
+    lora_slot: int = -1  # the device slot of its LoRA adapter; -1: the base model
 
 
 @dataclasses.dataclass(slots=True)
@@ -47,6 +48,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_request_ids: set[str]  # finished or aborted since the last step: the runner drops their rows
     preempted_request_ids: set[str]  # preempted this step: the runner drops their rows; they come back as new
+    # adapters to write into device slots before this step runs (slot → adapter name); the slot held another or none
+    lora_loads: dict[int, str] = dataclasses.field(default_factory=dict)
     # Speculation: request id → the draft tokens scheduled after its last token (counted in its scheduled tokens)
     scheduled_spec_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     # request id → the blocks it keeps after rejected drafts were rolled back (the runner drops the others)

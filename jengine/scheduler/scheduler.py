@@ -19,6 +19,7 @@ import logging
 from jengine.cache.kv_cache_manager import KVCacheManager
 from jengine.config import SchedulerConfig
 from jengine.errors import CapacityError
+from jengine.lora.slots import LoraSlotTable
 from jengine.request import Request, RequestStatus, StopRule
 from jengine.scheduler.output import (
     CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput, TokenLogprobs,
@@ -46,12 +47,21 @@ class SchedulerStats:
     num_waiting: int
     kv_cache_usage: float
     num_preemptions_total: int
+    running_loras: tuple[str, ...] = ()  # adapters of the running requests (LoRA enabled), sorted
+    waiting_loras: tuple[str, ...] = ()
+
+
+def _adapter_names(requests) -> tuple[str, ...]:
+    return tuple(sorted({r.lora_name for r in requests if r.lora_name is not None}))
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
+                 lora_slots: LoraSlotTable | None = None) -> None:
+        """`lora_slots`: the adapters' device slots (LoRA enabled); a request is admitted only with one."""
         self.config = config
         self.kv = kv_manager
+        self.lora_slots = lora_slots
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
@@ -96,7 +106,10 @@ class Scheduler:
         return any(request.spec_token_ids for request in self.running)
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.num_preemptions_total)
+        if self.lora_slots is None:
+            return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.num_preemptions_total)
+        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.num_preemptions_total,
+                              _adapter_names(self.running), _adapter_names(self.waiting))
 
     # ---------------------------------------------------------------- one step
     def schedule(self) -> SchedulerOutput:
@@ -106,14 +119,15 @@ class Scheduler:
         new: list[NewRequestData] = []
         preempted: set[str] = set()
         spec_tokens: dict[str, list[int]] = {}
+        lora_loads: dict[int, str] = {}
 
         budget = self._schedule_running(budget, scheduled, cached, preempted, spec_tokens)
         if not preempted:
-            self._schedule_waiting(budget, scheduled, new)
+            self._schedule_waiting(budget, scheduled, new, lora_loads)
         finished, self._finished_ids = self._finished_ids, set()
         kept, self._kept_blocks = self._kept_blocks, {}
         return SchedulerOutput(new, cached, scheduled, sum(scheduled.values()), finished, preempted - finished,
-                               spec_tokens, {r: n for r, n in kept.items() if r in self.requests})
+                               lora_loads, spec_tokens, {r: n for r, n in kept.items() if r in self.requests})
 
     def _schedule_running(self, budget: int, scheduled: dict[str, int], cached: list[CachedRequestData],
                           preempted: set[str], spec_tokens: dict[str, list[int]]) -> int:
@@ -171,10 +185,14 @@ class Scheduler:
             if victim is request:
                 return None
 
-    def _schedule_waiting(self, budget: int, scheduled: dict[str, int], new: list[NewRequestData]) -> None:
+    def _schedule_waiting(self, budget: int, scheduled: dict[str, int], new: list[NewRequestData],
+                          lora_loads: dict[int, str]) -> None:
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if request.num_pending_tokens:  # preempted while its last token was in flight: wait for it
+                break
+            lora = request.lora_name
+            if lora is not None and not self.lora_slots.can_acquire(lora):  # every slot serves running requests
                 break
             computed_blocks, num_cached = [], 0
             if request.sampling_params.prompt_logprobs is None:  # cached positions would have no prompt logprobs
@@ -184,6 +202,10 @@ class Scheduler:
             if new_blocks is None:
                 break
             self.waiting.pop()
+            if lora is not None:
+                request.lora_slot, load = self.lora_slots.acquire(lora)
+                if load:
+                    lora_loads[request.lora_slot] = lora
             if request.status == RequestStatus.WAITING:
                 request.num_cached_prompt_tokens = num_cached
             request.status = RequestStatus.RUNNING
@@ -196,12 +218,19 @@ class Scheduler:
                 request.request_id, list(request.all_token_ids), request.num_prompt_tokens,
                 self.kv.block_ids(request.request_id), num_cached, request.sampling_params,
                 request.choice_index, request.num_output_tokens, request.eos_token_ids, request.request_counter,
+                request.lora_slot,
             ))
             budget -= num_new
+
+    def _release_lora_slot(self, request: Request) -> None:
+        if request.lora_slot >= 0:
+            self.lora_slots.release(request.lora_slot)
+            request.lora_slot = -1
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free(request)
+        self._release_lora_slot(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -291,6 +320,7 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.kv.free(request)
+        self._release_lora_slot(request)
         self.requests.pop(request.request_id, None)
         self.waiting.forget(request.request_id)
         self._finished_ids.add(request.request_id)

@@ -20,7 +20,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from jengine.clients.protocol import EngineClient
+from jengine.clients.protocol import EngineClient, LoraClient
+from jengine.lora.request import LoRARequest
 from jengine.errors import (
     DeadlineExceededError, InvalidRequestError, JengineError, NotFoundError, RequestTooLargeError,
     ServiceUnavailableError,
@@ -29,6 +30,7 @@ from jengine.tokenizer.chat import chat_text
 from jengine.tokenizer import NoChatTemplateError
 from server.errors import openai_error_body
 from server.json_body import parse_json_body
+from server.openai.lora_routes import LoraRoutes
 from server.openai.chunks import ChatStreamFormatter, CompletionStreamFormatter, StreamFormatter
 from server.openai.protocol import (
     ChatRequest, CompletionRequest, parse_chat, parse_completion, parse_detokenize, parse_tokenize,
@@ -70,7 +72,8 @@ class OpenAIRoutes:
     """Handlers bound to one client; the model's limits are read once (they do not change while serving)."""
 
     def __init__(self, client: EngineClient, work: RequestWork, *, fingerprint: str, max_n: int,
-                 max_body_bytes: int, request_timeout: float | None = None) -> None:
+                 max_body_bytes: int, request_timeout: float | None = None, lora: LoraClient | None = None) -> None:
+        """`lora`: the client that serves adapters (requests then name them in `model`), else None."""
         self.client = client
         self.work = work  # parsing, tokenizing and response encoding run there, off the event loop
         self.request_timeout = request_timeout  # seconds per generation request; None: no limit
@@ -83,6 +86,8 @@ class OpenAIRoutes:
         self._streaming: set[asyncio.Task[Any]] = set()  # handlers writing an SSE stream now (what a drain cuts)
         tokenizer = self.tokenizer
         self.decoders = Decoders(lambda t: tokenizer.decode([t], skip_special_tokens=False), tokenizer.decode)
+        self.adapters = LoraRoutes(lora, self.info.name, self.created,
+                                   lambda request: read_body(request, self.max_body_bytes))
 
     def register(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -91,29 +96,30 @@ class OpenAIRoutes:
         app.router.add_get("/v1/models/{model:.+}", self.get_model)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
+        self.adapters.register(app)
 
     # ------------------------------------------------------------------ generation
     async def completions(self, request: web.Request) -> web.StreamResponse:
         parsed = await self._parse(request, parse_completion)
-        self._check_model(parsed.model)
+        lora = self._check_model(parsed.model)
         prompts = await self.work.run(prepare_prompts, self.tokenizer, self.info, parsed.prompts, parsed.params)
         meta = ResponseMeta.new("completion", self.info.name, self.fingerprint, parsed.request_id)
         acc = Accumulator(len(parsed.prompts), parsed.params.n, drop_generated=parsed.echo_only)
         formatter = CompletionStreamFormatter(meta, acc, parsed, self.decoders) if parsed.stream else None
-        streamed = await self._generate(request, prompts, parsed, meta, acc, formatter)
+        streamed = await self._generate(request, prompts, parsed, meta, acc, formatter, lora)
         return streamed or await self._encoded(completion_response, meta, acc, parsed.echo, parsed.logprobs,
                                                parsed.shown_prompt_logprobs, self.decoders)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         parsed = await self._parse(request, parse_chat)
-        self._check_model(parsed.model)
+        lora = self._check_model(parsed.model)
         if not self.tokenizer.has_chat_template:
             raise NoChatTemplateError()  # before any template work
         prompts = await self.work.run(prepare_prompts, self.tokenizer, self.info, [parsed.prompt], parsed.params)
         meta = ResponseMeta.new("chat", self.info.name, self.fingerprint, parsed.request_id)
         acc = Accumulator(1, parsed.params.n)
         formatter = ChatStreamFormatter(meta, acc, parsed, self.decoders) if parsed.stream else None
-        streamed = await self._generate(request, prompts, parsed, meta, acc, formatter)
+        streamed = await self._generate(request, prompts, parsed, meta, acc, formatter, lora)
         return streamed or await self._encoded(chat_response, meta, acc, parsed.top_logprobs,
                                                parsed.shown_prompt_logprobs, self.decoders,
                                                parsed.forced_tools is not None)
@@ -128,15 +134,16 @@ class OpenAIRoutes:
         return encoded_json_response(await self.work.run(lambda: encode_json(build(*args))))
 
     async def _generate(self, request: web.Request, prompts: list[Any], parsed: ChatRequest | CompletionRequest,
-                        meta: ResponseMeta, acc: Accumulator, formatter: StreamFormatter | None
-                        ) -> web.StreamResponse | None:
+                        meta: ResponseMeta, acc: Accumulator, formatter: StreamFormatter | None,
+                        lora: LoRARequest | None = None) -> web.StreamResponse | None:
         """Admit, then stream SSE (returns the response) or gather every output into `acc` (returns None).
 
         Past the deadline the engine's streams are closed (which aborts them) and the client hears 504 `timeout`."""
         deadline = None if self.request_timeout is None else asyncio.get_running_loop().time() + self.request_timeout
         try:
             async with asyncio.timeout_at(deadline):
-                streams = await RequestStreams.open(self.client, prompts, parsed.params, meta.id, parsed.priority)
+                streams = await RequestStreams.open(self.client, prompts, parsed.params, meta.id, parsed.priority,
+                                                    lora)
                 if formatter is None:
                     async with streams:
                         async for index, output in streams:
@@ -172,11 +179,13 @@ class OpenAIRoutes:
     # ------------------------------------------------------------------ models and tokens
     async def list_models(self, request: web.Request) -> web.Response:
         names = (self.info.name, *self.info.aliases)
-        return json_response({"object": "list", "data": [self._model_card(name) for name in names]})
+        cards = [self._model_card(name) for name in names] + self.adapters.cards()
+        return json_response({"object": "list", "data": cards})
 
     async def get_model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
-        self._check_model(name)
+        if self._check_model(name) is not None:
+            return json_response(next(c for c in self.adapters.cards() if c["id"] == name))
         return json_response(self._model_card(name))
 
     async def tokenize(self, request: web.Request) -> web.Response:
@@ -212,10 +221,15 @@ class OpenAIRoutes:
         return {"id": name, "object": "model", "created": self.created, "owned_by": "jengine",
                 "root": self.info.name, "parent": None, "max_model_len": self.info.max_model_len}
 
-    def _check_model(self, model: str | None) -> None:
-        """An absent model means the served one (vLLM's habit), as does any of its names; another is a 404."""
-        if model is not None and model != self.info.name and model not in self.info.aliases:
+    def _check_model(self, model: str | None) -> LoRARequest | None:
+        """An absent model means the served one (vLLM's habit), as does any of its names; an adapter's name means
+        that adapter (returned); another is a 404."""
+        if model is None or model == self.info.name or model in self.info.aliases:
+            return None
+        lora = self.adapters.resolve(model)
+        if lora is None:
             raise NotFoundError(f"the model {model[:100]!r} does not exist; this server serves {self.info.name!r}")
+        return lora
 
 
 async def _stream(request: web.Request, streams: RequestStreams, formatter: StreamFormatter, deadline: float | None,

@@ -16,6 +16,7 @@ from typing import Any
 
 from jengine.clients.protocol import EngineClient
 from jengine.outputs import RequestOutput
+from jengine.lora.request import LoRARequest
 from jengine.sampling.params import SamplingParams
 
 _END = object()
@@ -36,15 +37,17 @@ class RequestStreams:
 
     @classmethod
     async def open(cls, client: EngineClient, prompts: Sequence[Any], params: SamplingParams, request_id: str,
-                   priority: int = 0) -> RequestStreams:
-        """Admit every prompt (stopping at the first refusal) and wait for each one's first output."""
+                   priority: int = 0, lora_request: LoRARequest | None = None) -> RequestStreams:
+        """Admit every prompt (stopping at the first refusal) and wait for each one's first output; with
+        `lora_request`, under that adapter (the client is a `LoraClient` then)."""
+        adapter = {} if lora_request is None else {"lora_request": lora_request}
         streams: list[AsyncIterator[RequestOutput]] = []
         tasks: list[asyncio.Task[RequestOutput]] = []
         loop = asyncio.get_running_loop()
         try:
             for i, prompt in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-p{i}"
-                streams.append(client.generate(prompt, params, rid, priority=priority))
+                streams.append(client.generate(prompt, params, rid, priority=priority, **adapter))
                 # Eager: the first step, and so the admission, runs right here, before the next prompt is submitted.
                 tasks.append(asyncio.Task(_first(streams[-1]), loop=loop, eager_start=True))
                 if tasks[-1].done() and tasks[-1].exception() is not None:

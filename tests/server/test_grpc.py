@@ -209,7 +209,6 @@ def test_health_and_reflection_are_open(harness: GrpcHarness) -> None:
     (dict(text="hi", sampling=pb.SamplingParams(n=0)), "n"),
     (dict(token_ids=pb.TokenIds(ids=[5, TOKENIZER_VOCAB]), sampling=GREEDY), "prompt_token_ids"),
     (dict(token_ids=pb.TokenIds(ids=[5] * MAX_MODEL_LEN), sampling=GREEDY), "prompt"),
-    (dict(text="hi", sampling=GREEDY, lora_name="my-adapter"), "lora_name"),
     (dict(text="hi", sampling=GREEDY, response_format=pb.ResponseFormat(type="xml")), "response_format"),
     (dict(text="hi", sampling=GREEDY, response_format=pb.ResponseFormat(type="json_schema", json_schema='{"type": 5}')),
      "json_schema"),
@@ -219,8 +218,11 @@ def test_bad_requests_are_invalid_argument(harness: GrpcHarness, fields: dict, p
     error = _status(lambda: _generate(harness, **fields))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
     assert dict(error.trailing_metadata())["jengine-error-param"] == param
-    if param == "lora_name":
-        assert "not supported yet" in error.details()
+
+
+def test_an_unknown_lora_name_is_not_found(harness: GrpcHarness) -> None:
+    error = _status(lambda: _generate(harness, text="hi", sampling=GREEDY, lora_name="my-adapter"))
+    assert error.code() == grpc.StatusCode.NOT_FOUND and "my-adapter" in error.details()
 
 
 def test_api_key_is_required_except_for_health(harness: GrpcHarness) -> None:

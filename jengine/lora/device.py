@@ -1,0 +1,83 @@
+"""The runner's LoRA slots: per layer, stacked A and B arrays with one entry per slot, padded to `max_lora_rank`.
+
+A fused projection is one shrink and one expand: `qkv_a [slots, d, 3R]` holds the q, k and v A matrices side by
+side, `qkv_b [slots, 3R, q+k+v]` their B matrices block-diagonally (`gate_up_*` likewise), so a layer runs four
+shrinks and four expands whatever the adapters target. A module an adapter does not target, and the ranks past an
+adapter's own, are zeros, so they add nothing. Loading writes one slot with one
+jitted update whose shapes never change (the slot index is traced): loading never compiles a new program, and the
+step's programs see arrays of the same shapes whatever the slots hold.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jengine.lora.peft import LoraAdapter, module_shapes
+from jengine.models.spec import ModelSpec
+
+# shrink group → the projections that share it, in the order their A matrices sit side by side
+GROUPS = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
+ATTENTION_GROUPS = ("qkv", "o")
+
+
+def layer_groups(spec: ModelSpec, layer: int) -> tuple[str, ...]:
+    """The shrink groups a layer's slots hold (MoE layers: attention only)."""
+    return ATTENTION_GROUPS if spec.mlp_kinds[layer] == "moe" else tuple(GROUPS)
+
+
+def slot_image(spec: ModelSpec, adapter: LoraAdapter | None, max_rank: int, dtype) -> list[dict[str, np.ndarray]]:
+    """One slot's arrays on the host, per layer (zeros where the adapter has nothing; None: an empty slot).
+
+    A group's B is block-diagonal: part i's rows `[i·R, i·R + r)` feed only part i's columns, so one expand gives
+    the whole fused projection's addition, in its column order."""
+    shapes = module_shapes(spec)
+    image = []
+    for layer in range(spec.num_layers):
+        pairs = adapter.layers[layer] if adapter is not None else {}
+        arrays = {}
+        for group in layer_groups(spec, layer):
+            parts = GROUPS[group]
+            widths = [shapes[p][1] for p in parts]
+            a = np.zeros((shapes[parts[0]][0], len(parts) * max_rank), np.float32)
+            b = np.zeros((len(parts) * max_rank, sum(widths)), np.float32)
+            for i, part in enumerate(parts):
+                if part in pairs:
+                    a_part, b_part = pairs[part]
+                    rows, column = i * max_rank, sum(widths[:i])
+                    a[:, rows:rows + a_part.shape[1]] = a_part
+                    b[rows:rows + b_part.shape[0], column:column + widths[i]] = b_part
+            arrays[f"{group}_a"], arrays[f"{group}_b"] = a.astype(dtype), b.astype(dtype)
+        image.append(arrays)
+    return image
+
+
+# The stacked arrays are donated: a load costs no second copy of every slot. Steps dispatched before read them first
+# (the runtime orders the write after their reads).
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_slot(slots: list[dict[str, jax.Array]], image: list[dict[str, jax.Array]], slot: jax.Array
+                ) -> list[dict[str, jax.Array]]:
+    return jax.tree_util.tree_map(lambda stacked, one: stacked.at[slot].set(one), slots, image)
+
+
+class DeviceLoraSlots:
+    """`arrays[layer][name]`: `<group>_a [slots, in, parts·R]` and `<group>_b [slots, parts·R, out]` in the model
+    dtype. One device (the fused columns are in the unsharded order)."""
+
+    def __init__(self, spec: ModelSpec, num_slots: int, max_rank: int, dtype, sharding=None) -> None:
+        if spec.projection_shards != 1:
+            raise ValueError("LoRA slots are built for one device (tensor_parallel_size 1)")
+        self.spec, self.num_slots, self.max_rank, self.dtype = spec, num_slots, max_rank, jnp.dtype(dtype)
+        empty = slot_image(spec, None, max_rank, self.dtype)
+        stacked = jax.tree_util.tree_map(lambda a: np.zeros((num_slots,) + a.shape, a.dtype), empty)
+        self.arrays = jax.device_put(stacked, sharding)
+        self.loaded: list[str | None] = [None] * num_slots
+
+    def load(self, slot: int, adapter: LoraAdapter) -> None:
+        """Writes `adapter` into `slot`, in place (steps dispatched before read their inputs first)."""
+        image = slot_image(self.spec, adapter, self.max_rank, self.dtype)
+        self.arrays = _write_slot(self.arrays, image, np.int32(slot))
+        self.loaded[slot] = adapter.name
