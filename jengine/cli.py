@@ -82,10 +82,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help='speculative decoding as JSON, vLLM\'s keys: {"method": "ngram" | "draft_model", '
                             '"num_speculative_tokens": k, "prompt_lookup_min"/"prompt_lookup_max" (ngram), '
                             '"model": DIR (draft_model), "disable_by_batch_size": N}')
-    for flag in ("--reasoning-parser", "--tool-call-parser"):
-        group.add_argument(flag, default=None, help=argparse.SUPPRESS)
-    group.add_argument("--enable-auto-tool-choice", action="store_true", help=argparse.SUPPRESS)
+    _add_chat_parsing_args(parser)
     _add_vllm_compat_args(parser)
+
+
+def _add_chat_parsing_args(parser: argparse.ArgumentParser) -> None:
+    from jengine.config import REASONING_PARSERS, TOOL_CALL_PARSERS
+
+    group = parser.add_argument_group("chat replies (vLLM's flags)")
+    group.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                       help="read the <think> span of chat replies into `reasoning` (and `reasoning_content`)")
+    group.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                       help="the format tool calls are read in for tool_choice \"auto\"")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="allow tool_choice \"auto\" (the default when a request has tools); needs "
+                            "--tool-call-parser")
 
 
 # vLLM flags accepted so its command lines run unchanged; the config refuses the values that would change something.

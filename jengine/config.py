@@ -19,7 +19,6 @@ from jengine.errors import ConfigError
 
 # Flags users know from vLLM whose features are not built yet: refused with a clear message instead of ignored.
 _NOT_YET_AVAILABLE = {
-    "reasoning_parser": None, "enable_auto_tool_choice": False, "tool_call_parser": None,
 }
 
 # vLLM flags that change nothing here at the values they accept (so vLLM command lines and scripts run as they are);
@@ -186,6 +185,27 @@ class SpeculativeConfig:
                 raise ConfigError(message)
 
 
+REASONING_PARSERS = ("qwen3", "deepseek_r1")  # the names jengine.tools.reasoning registers
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")  # the names jengine.tools.parsers registers
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatParsingConfig:
+    """How chat replies are read by the front ends (vLLM's flags); the engine core never sees text."""
+
+    reasoning_parser: str | None = None  # qwen3 | deepseek_r1: the <think> span goes to `reasoning`
+    tool_call_parser: str | None = None  # hermes | llama3_json | mistral | pythonic: the format tool calls are read in
+    enable_auto_tool_choice: bool = False  # allow tool_choice "auto" (the default with tools); needs tool_call_parser
+
+    def validate(self) -> None:
+        for name, value, known in (("reasoning_parser", self.reasoning_parser, REASONING_PARSERS),
+                                   ("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)):
+            if value is not None and value not in known:
+                raise ConfigError(f"{name}={value!r} is not one of {', '.join(known)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError("enable_auto_tool_choice needs tool_call_parser (the format calls are read in)")
+
+
 RUNTIME_LORA_ENV = ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "JENGINE_ALLOW_RUNTIME_LORA_UPDATING")
 
 
@@ -213,6 +233,7 @@ class EngineConfig:
     parallel: ParallelConfig
     runner: RunnerConfig
     lora: LoraConfig = LoraConfig()
+    chat_parsing: ChatParsingConfig = ChatParsingConfig()
     speculative: SpeculativeConfig | None = None  # speculative decoding; None: off
 
     @classmethod
@@ -232,7 +253,8 @@ class EngineConfig:
         speculative = SpeculativeConfig.from_value(kwargs.pop("speculative_config", None))
         parts = {}
         for name, part in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
-                           ("parallel", ParallelConfig), ("runner", RunnerConfig), ("lora", LoraConfig)):
+                           ("parallel", ParallelConfig), ("runner", RunnerConfig), ("lora", LoraConfig),
+                           ("chat_parsing", ChatParsingConfig)):
             fields = {f.name for f in dataclasses.fields(part)} - {"model"}
             parts[name] = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
         if kwargs:
@@ -244,7 +266,8 @@ class EngineConfig:
         sched = dict(parts["scheduler"], max_model_len=model_part.max_model_len or 0)
         config = cls(model_part, CacheConfig(**parts["cache"]), SchedulerConfig(**sched),
                      ParallelConfig(**parts["parallel"]), RunnerConfig(**parts["runner"]),
-                     lora=_lora_config(parts["lora"]), speculative=speculative)
+                     lora=_lora_config(parts["lora"]), chat_parsing=ChatParsingConfig(**parts["chat_parsing"]),
+                     speculative=speculative)
         config.validate()
         return config
 
@@ -289,6 +312,7 @@ class EngineConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        self.chat_parsing.validate()
 
 
 API_KEY_ENV = "JENGINE_API_KEY"

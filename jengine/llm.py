@@ -9,6 +9,7 @@ of prompts can be given in one call.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
 import numbers
@@ -30,6 +31,8 @@ from jengine.request import Request, RequestStatus
 from jengine.sampling.defaults import max_tokens_when_unset
 from jengine.sampling.params import SamplingParams
 from jengine.tokenizer import Tokenizer
+from jengine.tools.request import ChatParsing, parse_tools, with_forced_calls
+from jengine.tools.stream import finish_reason
 
 OFFLINE_MAX_N = 1024  # choices per prompt offline (pass@k wants many); servers keep their own, smaller cap
 
@@ -107,24 +110,41 @@ class LLM:
     def chat(self, messages: Conversation | Sequence[Conversation], sampling_params: ParamsArg = None, *,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
+             tools: list[dict[str, Any]] | None = None, tool_choice: Any = None,
              use_tqdm: bool = True, lora_request: LoraArg = None) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them, through the chat template.
         `continue_final_message` (with add_generation_prompt=False) continues the last message instead of starting
         a new turn; `chat_template_kwargs` are extra template variables (e.g. {"enable_thinking": False});
-        `lora_request` as in `generate`."""
+        `lora_request` as in `generate`. `tools` (OpenAI function tools) are listed by the template. With
+        `LLM(..., reasoning_parser=...)` or `tool_call_parser=...` each output's `message` holds the reply read apart
+        (reasoning, content, tool calls; finish_reason "tool_calls" when it made calls); `tool_choice` "none" leaves
+        calls unread, "required" or a named function constrains the reply to calls (read whatever the parsers)."""
         self._raise_if_dead()
         conversations = _as_conversation_list(messages)
         params = _params_per_prompt(sampling_params, len(conversations), self.get_default_sampling_params())
         adapters = self._adapters_per_prompt(lora_request, len(conversations))
+        tool_request = parse_tools(tools, tool_choice)
+        constrained = any(sp.structured_outputs is not None for sp in params)
+        parsing = ChatParsing.plan_offline(self._parts.config.chat_parsing, tool_request, constrained)
+        params = [with_forced_calls(sp, tool_request) for sp in params]
+        if parsing is not None and parsing.needs_special_tokens:
+            params = [dataclasses.replace(sp, skip_special_tokens=False) for sp in params]
         now = time.monotonic()
         requests = [
             self._front.process_chat(c, sp, self._next_id(), chat_template=chat_template,
                                      add_generation_prompt=add_generation_prompt,
                                      continue_final_message=continue_final_message,
-                                     chat_template_kwargs=chat_template_kwargs, arrival_time=now)
+                                     chat_template_kwargs=chat_template_kwargs,
+                                     tools=list(tool_request.tools) if tool_request else None, arrival_time=now)
             for c, sp in zip(conversations, params)
         ]
-        return self._run(_with_adapters(requests, adapters), use_tqdm)
+        results = self._run(_with_adapters(requests, adapters), use_tqdm)
+        if parsing is not None:
+            for result in results:
+                for output in result.outputs:
+                    output.message = parsing.read(result.prompt, output.text)
+                    output.finish_reason = finish_reason(output.finish_reason, output.message)
+        return results
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use without sampling_params: the model's generation_config.json defaults

@@ -34,6 +34,29 @@ PromptLogprobs = list[dict[int, Logprob] | None]
 """One entry per prompt token; the first is None (nothing precedes it to predict it from)."""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One function call the model made, as OpenAI returns it: `arguments` is the JSON text of the arguments."""
+
+    id: str
+    name: str
+    arguments: str
+    type: str = "function"
+
+    def to_openai(self) -> dict[str, object]:
+        return {"id": self.id, "type": self.type, "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatMessage:
+    """A chat choice's text as a reasoning and a tool-call parser read it: the reasoning span apart, the tool calls
+    apart, what is left as `content` (None when nothing is)."""
+
+    content: str | None
+    reasoning: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+
+
 @dataclasses.dataclass
 class CompletionOutput:
     """One choice (`index` of the request's `n`): its text, token ids and why it stopped."""
@@ -45,6 +68,9 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"; None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it; None for EOS/length
+    # `LLM.chat` under a reasoning or tool-call parser: the text read by them (finish_reason then "tool_calls" when
+    # calls were made); None otherwise
+    message: ChatMessage | None = None
 
     def finished(self) -> bool:
         """vLLM's spelling: a method, so `output.finished()` reads the same in ported code."""

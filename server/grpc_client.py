@@ -243,7 +243,7 @@ class RemoteTokenizer:
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                             continue_final_message: bool = False, tools: Any = None, **template_kwargs: Any) -> str:
-        """The rendered prompt text (tools are not carried by jengine.v1: refused if given)."""
+        """The rendered prompt text (`tools` listed by the template, as in-process)."""
         return self._tokenize_chat(messages, add_generation_prompt, continue_final_message, tools,
                                    template_kwargs).prompt
 
@@ -255,9 +255,7 @@ class RemoteTokenizer:
     def _tokenize_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
                        continue_final_message: bool, tools: Any, template_kwargs: dict[str, Any]
                        ) -> pb.TokenizeResponse:
-        if tools:
-            raise InvalidRequestError("tools cannot be sent to a remote engine's chat template", param="tools")
-        chat = messages_to_proto(messages, add_generation_prompt, continue_final_message, template_kwargs)
+        chat = messages_to_proto(messages, add_generation_prompt, continue_final_message, template_kwargs, tools)
         return self._client.unary("Tokenize", pb.TokenizeRequest(messages=chat, add_special_tokens=False))
 
     @property

@@ -23,8 +23,13 @@ from jengine.sampling.params import SamplingParams
 from jengine.tokenizer import Tokenizer
 from jengine.tokenizer.chat import CHAT_PROMPT_KEYS, chat_options, check_messages
 from jengine.v1 import jengine_pb2 as pb
+from jengine.tools.request import ChatParsing
+from server.grpc_tools import (
+    MESSAGE_TOOL_KEYS, ChatReader, chat_parsing_fields, chat_parsing_from_proto, fill_message_tool_fields,
+    fill_tools, message_tool_fields, tools_option,
+)
 from server.json_body import parse_json_object
-from server.openai.protocol import ROLES
+from server.openai.messages import normalize_messages
 
 # SamplingParams fields by how they travel. Optional fields are sent only when not None (or, for those whose default
 # is not the zero value, always set on the Python side); plain ones always (zero is their default).
@@ -120,24 +125,21 @@ def _wire_map(value: Any) -> Mapping[Any, Any]:
 
 # ------------------------------------------------------------------------------------------------- prompts
 
-def messages_from_proto(msg: pb.ChatMessages) -> list[dict[str, str]]:
-    """Chat messages as the chat template reads them."""
+def messages_from_proto(msg: pb.ChatMessages) -> list[dict[str, Any]]:
+    """Chat messages as the chat template reads them, checked as over HTTP (the same roles and fields)."""
     out = []
-    for i, m in enumerate(msg.messages):
-        if m.role not in ROLES:  # the roles the HTTP API takes, no others
-            raise InvalidRequestError(f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}",
-                                      param=f"messages[{i}].role")
-        message = {"role": m.role, "content": m.content}
+    for m in msg.messages:
+        message: dict[str, Any] = {"role": m.role, "content": m.content, **message_tool_fields(m)}
         if m.HasField("name"):
             message["name"] = m.name
         out.append(message)
-    return out
+    return normalize_messages(out)
 
 
 def messages_to_proto(messages: Any, add_generation_prompt: Any = True, continue_final_message: Any = False,
-                      chat_template_kwargs: Any = None) -> pb.ChatMessages:
-    """Only what v1 carries (role, content text, name; the template options); anything else is refused, never
-    dropped. Template kwargs travel as a JSON object."""
+                      chat_template_kwargs: Any = None, tools: Any = None) -> pb.ChatMessages:
+    """Only what v1 carries (role, content text, name, tool fields; the template options and tools); anything else
+    is refused, never dropped. Template kwargs travel as a JSON object."""
     check_messages(messages)
     flags, _ = chat_options({"add_generation_prompt": add_generation_prompt,
                              "continue_final_message": continue_final_message,
@@ -151,6 +153,7 @@ def messages_to_proto(messages: Any, add_generation_prompt: Any = True, continue
                                       param="chat_template_kwargs") from None
     for message in messages:
         msg.messages.append(_message_to_proto(message))
+    fill_tools(msg, tools)
     return msg
 
 
@@ -163,20 +166,22 @@ def chat_options_from_proto(msg: pb.ChatMessages) -> dict[str, Any]:
     if msg.chat_template_kwargs_json:
         options["chat_template_kwargs"] = parse_json_object(msg.chat_template_kwargs_json, "chat_template_kwargs_json",
                                                             param="chat_template_kwargs")
-    return options
+    return options | tools_option(msg)
 
 
 def _message_to_proto(message: Any) -> pb.ChatMessage:
     if not isinstance(message, Mapping):
         raise InvalidRequestError("each message must be an object", param="messages")
-    extra = sorted(str(k) for k in message if k not in ("role", "content", "name"))
+    extra = sorted(str(k) for k in message if k not in ("role", "content", "name", *MESSAGE_TOOL_KEYS))
     if extra:
         raise InvalidRequestError(f"message field(s) {', '.join(extra)[:100]} cannot be sent to a remote engine "
-                                  "(jengine.v1 carries role, content and name)", param="messages")
+                                  "(jengine.v1 carries role, content, name and the tool fields)", param="messages")
     fields = {k: message.get(k) for k in ("role", "content", "name") if message.get(k) is not None}
     if not all(isinstance(v, str) for v in fields.values()):
         raise InvalidRequestError("message role, content and name must be strings", param="messages")
-    return pb.ChatMessage(**fields)
+    msg = pb.ChatMessage(**fields)
+    fill_message_tool_fields(msg, message)
+    return msg
 
 
 def prompt_from_request(request: pb.GenerateRequest) -> PromptInput:
@@ -212,7 +217,7 @@ def _fill_mapping(request: pb.GenerateRequest, prompt: Mapping[str, Any]) -> str
         _refuse_keys(prompt, CHAT_PROMPT_KEYS)
         request.messages.CopyFrom(messages_to_proto(
             prompt["messages"], prompt.get("add_generation_prompt", True), prompt.get("continue_final_message", False),
-            prompt.get("chat_template_kwargs")))
+            prompt.get("chat_template_kwargs"), prompt.get("tools")))
         return None
     _refuse_keys(prompt, ("prompt", "prompt_token_ids"))
     text = prompt.get("prompt")
@@ -269,7 +274,10 @@ def logprob_from_proto(msg: pb.TokenLogprob, *, prompt: bool = False) -> dict[in
 class OutputEncoder:
     """Server side of one stream: RequestOutput deltas → GenerateResponse, with the running usage counts."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, parsing: ChatParsing | None = None) -> None:
+        """`parsing`: a chat whose replies the server reads; each delta then carries its `chat` reading."""
+        self._reader = None if parsing is None else ChatReader(parsing)
+        self._prompt: str | None = None
         self._num_top = params.logprobs or 0
         self._num_prompt_top = params.prompt_logprobs or 0
         self._first = True
@@ -281,6 +289,7 @@ class OutputEncoder:
         msg = pb.GenerateResponse(request_id=out.request_id, finished=out.finished, usage=pb.Usage(
             prompt_tokens=len(out.prompt_token_ids), completion_tokens=self._completion_tokens,
             cached_tokens=out.num_cached_tokens))
+        self._prompt = out.prompt if out.prompt is not None else self._prompt
         msg.outputs.extend(self._choice(c) for c in out.outputs)
         if self._first:
             self._first = False
@@ -303,6 +312,8 @@ class OutputEncoder:
             msg.stop_str = choice.stop_reason
         elif isinstance(choice.stop_reason, int):
             msg.stop_token_id = choice.stop_reason
+        if self._reader is not None:
+            msg.chat.CopyFrom(self._reader.read(choice, self._prompt))
         return msg
 
 
@@ -371,14 +382,14 @@ def model_info_to_proto(info: ModelInfo, tokenizer: Tokenizer) -> pb.GetModelInf
     return pb.GetModelInfoResponse(name=info.name, path=info.path, max_model_len=info.max_model_len,
                                    vocab_size=info.vocab_size, max_logprobs=info.max_logprobs, tokenizer=tok,
                                    sampling_defaults=info.sampling_defaults, aliases=info.aliases,
-                                   max_in_flight=info.max_in_flight)
+                                   max_in_flight=info.max_in_flight, **chat_parsing_fields(info.chat_parsing))
 
 
 def model_info_from_proto(msg: pb.GetModelInfoResponse) -> ModelInfo:
     kinds = {target: kind for target, kind in generation_defaults.FIELDS.values()}
     defaults = {name: kinds.get(name, float)(value) for name, value in msg.sampling_defaults.items()}
     return ModelInfo(msg.name, msg.path, msg.max_model_len, msg.vocab_size, msg.max_logprobs, defaults,
-                     tuple(msg.aliases), msg.max_in_flight)
+                     tuple(msg.aliases), msg.max_in_flight, chat_parsing_from_proto(msg))
 
 
 def stats_to_proto(stats: EngineStats) -> pb.GetStatsResponse:

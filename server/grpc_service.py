@@ -38,6 +38,7 @@ from server.grpc_convert import (
     OutputEncoder, chat_options_from_proto, messages_from_proto, model_info_to_proto, prompt_from_request,
     sampling_from_proto, stats_to_proto,
 )
+from server.grpc_tools import chat_parsing
 from server.grpc_structured import structured_from_proto
 from server.request_work import RequestWork, prepare_prompts
 
@@ -167,9 +168,10 @@ class EngineService(pb_grpc.EngineServicer):
             if structured is not None:
                 params = params.clone(structured_outputs=structured)
             prompt = prompt_from_request(request)
-            [prompt] = await self._work.run(prepare_prompts, self._client.get_tokenizer(),
-                                            self._client.get_model_info(), [prompt], params)
-            encoder = OutputEncoder(params)
+            info = self._client.get_model_info()
+            parsing, params = chat_parsing(request, info.chat_parsing, params)
+            [prompt] = await self._work.run(prepare_prompts, self._client.get_tokenizer(), info, [prompt], params)
+            encoder = OutputEncoder(params, parsing)
             stream = self._client.generate(prompt, params, request.request_id or uuid.uuid4().hex,
                                            priority=request.priority, **adapter)
             async with contextlib.aclosing(stream):  # closing it early aborts the request in the engine

@@ -18,3 +18,21 @@ def test_config_takes_vllm_arguments_that_change_nothing_and_refuses_the_rest():
             EngineConfig.from_kwargs("m", **{name: value})
     with pytest.raises(ConfigError, match="unknown engine argument.*frobnicate"):
         EngineConfig.from_kwargs("m", frobnicate=1)
+
+
+def test_chat_parsing_takes_vllm_flags_and_refuses_unknown_parsers():
+    from jengine.cli import build_parser, engine_kwargs
+
+    args = build_parser().parse_args(["serve", "/m", "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes",
+                                      "--enable-auto-tool-choice"])
+    parsing = EngineConfig.from_kwargs("/m", **engine_kwargs(args)).chat_parsing
+    assert (parsing.reasoning_parser, parsing.tool_call_parser, parsing.enable_auto_tool_choice) == (
+        "qwen3", "hermes", True)
+    with pytest.raises(ConfigError, match="tool_call_parser='json' is not one of"):
+        EngineConfig.from_kwargs("m", tool_call_parser="json")
+    with pytest.raises(ConfigError, match="reasoning_parser='o1' is not one of"):
+        EngineConfig.from_kwargs("m", reasoning_parser="o1")
+    with pytest.raises(ConfigError, match="enable_auto_tool_choice needs tool_call_parser"):
+        EngineConfig.from_kwargs("m", enable_auto_tool_choice=True)
+    with pytest.raises(SystemExit):  # argparse lists the parsers it knows
+        build_parser().parse_args(["serve", "--tool-call-parser", "json"])

@@ -122,7 +122,8 @@ class AsyncEngine:
         model = self._parts.config.model
         return ModelInfo(model.served_model_name or model.model, model.model,
                          self._parts.config.scheduler.max_model_len, self._front.vocab_size, model.max_logprobs,
-                         dict(self._parts.sampling_defaults), model.served_model_aliases, self._bound)
+                         dict(self._parts.sampling_defaults), model.served_model_aliases, self._bound,
+                         self._parts.config.chat_parsing)
 
     def is_healthy(self) -> bool:
         return self._dead is None

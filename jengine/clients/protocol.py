@@ -11,6 +11,7 @@ import uuid
 from collections.abc import AsyncIterator, Container
 from typing import Any, Protocol, runtime_checkable
 
+from jengine.config import ChatParsingConfig
 from jengine.errors import InvalidRequestError
 
 from jengine.engine.stats import EngineStats
@@ -35,6 +36,7 @@ class ModelInfo:
     aliases: tuple[str, ...] = ()  # further names clients may put in "model"
     # core requests (choices) the engine holds at once, running or queued; 0 where unknown (a remote engine)
     max_in_flight: int = 0
+    chat_parsing: ChatParsingConfig = ChatParsingConfig()  # how chat replies are read (reasoning, tool calls)
 
 
 @runtime_checkable

@@ -126,16 +126,18 @@ class InputProcessor:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         priority: int = 0,
         arrival_time: float,
     ) -> ProcessedRequest:
-        """Render the chat template (sandboxed), then process the result as token ids with the rendered text."""
+        """Render the chat template (sandboxed; `tools` listed by it), then process the result as token ids with the
+        rendered text."""
         self.check_params(params)  # before rendering: a bad request costs no template work
         tokenizer = self.tokenizer
         if chat_template is not None:  # a file, or the template text, as LLM(chat_template=) takes it
             tokenizer = Tokenizer(tokenizer.hf_tokenizer, chat_template=read_template_argument(chat_template))
         options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
-                   "chat_template_kwargs": chat_template_kwargs}
+                   "chat_template_kwargs": chat_template_kwargs, "tools": tools}
         prompt = render_chat(tokenizer, messages, options)
         return self.prepare(prompt, params, request_id, priority=priority, arrival_time=arrival_time)
 

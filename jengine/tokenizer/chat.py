@@ -30,8 +30,9 @@ MAX_ERROR_CHARS = 300
 
 Message = Mapping[str, Any]
 
-CHAT_PROMPT_KEYS = frozenset({"messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"})
-"""The keys of a chat prompt dict: the messages and the template options."""
+CHAT_PROMPT_KEYS = frozenset({"messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+                              "tools"})
+"""The keys of a chat prompt dict: the messages, the template options, and the tools the template is shown."""
 
 
 class NoChatTemplateError(InvalidRequestError):
@@ -70,7 +71,7 @@ TEMPLATE_ARGUMENTS = frozenset({
 
 def check_template_kwargs(kwargs: Any) -> None:
     """Extra template variables: an object with string keys, none of them the renderer's own (a `tools` there
-    would slip past a server's refusal of tools; `add_generation_prompt` would clash with the flag)."""
+    would slip past the checks of the request's tools; `add_generation_prompt` would clash with the flag)."""
     if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
         raise InvalidRequestError("chat_template_kwargs must be an object", param="chat_template_kwargs")
     taken = sorted(name for name in kwargs if name in TEMPLATE_ARGUMENTS)
@@ -108,13 +109,46 @@ def join_text_parts(parts: Sequence[Any], where: str) -> str:
     return "\n".join(texts)
 
 
-def _with_text_content(message: Any, index: int) -> Any:
-    """A message whose content is a list of parts, with them joined (`join_text_parts`), as the server does; the
-    template then sees a string. Other messages pass as they are (the template decides what it accepts)."""
-    content = message.get("content") if isinstance(message, Mapping) else None
-    if not isinstance(content, list):
+def template_tool_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls` in OpenAI's shape (`[{"id", "type": "function", "function": {"name",
+    "arguments"}}]`), checked, with each arguments JSON text parsed into the object chat templates read (HF's
+    convention: templates write `arguments | tojson`). Arguments already an object pass as they are."""
+    if not isinstance(tool_calls, Sequence) or isinstance(tool_calls, str):
+        raise InvalidRequestError(f"{where}.tool_calls must be an array of tool calls", param=f"{where}.tool_calls")
+    return [_template_tool_call(call, f"{where}.tool_calls[{i}]") for i, call in enumerate(tool_calls)]
+
+
+def _template_tool_call(call: Any, where: str) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str) or (
+            call.get("type", "function") != "function"):
+        raise InvalidRequestError(f"{where} must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+                                  f"\"arguments\"}}}}", param=where)
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            raise InvalidRequestError(f"{where}.function.arguments must be JSON text", param=where) from None
+    if not isinstance(arguments, Mapping):
+        raise InvalidRequestError(f"{where}.function.arguments must be a JSON object", param=where)
+    if call.get("id") is not None and not isinstance(call["id"], str):
+        raise InvalidRequestError(f"{where}.id must be a string", param=where)
+    return {**call, "type": "function", "function": {**function, "arguments": dict(arguments)}}
+
+
+def _template_message(message: Any, index: int) -> Any:
+    """A message as the template reads it: content parts joined (`join_text_parts`), as the server does, so the
+    template sees a string, and tool calls' arguments as objects (`template_tool_calls`). Anything else passes as it
+    is (the template decides what it accepts)."""
+    if not isinstance(message, Mapping):
         return message
-    return {**message, "content": join_text_parts(content, f"messages[{index}]")}
+    content, tool_calls = message.get("content"), message.get("tool_calls")
+    if isinstance(content, list):
+        message = {**message, "content": join_text_parts(content, f"messages[{index}]")}
+    if tool_calls:
+        message = {**message, "tool_calls": template_tool_calls(tool_calls, f"messages[{index}]")}
+    return message
 
 
 # --- chats → prompts -----------------------------------------------------------------------------------------------
@@ -122,11 +156,15 @@ def _with_text_content(message: Any, index: int) -> Any:
 
 def chat_text(tokenizer: Tokenizer, messages: Any, options: Mapping[str, Any] | None = None) -> str:
     """The chat rendered by the tokenizer's template. `options`: a chat prompt dict's rendering keys
-    (`chat_options`). Raises NoChatTemplateError for a model without a template."""
+    (`chat_options`) and its `tools` (OpenAI tool objects, which the template lists for the model). Raises
+    NoChatTemplateError for a model without a template."""
     check_messages(messages)
     flags, kwargs = chat_options(options)
-    return tokenizer.apply_chat_template([_with_text_content(m, i) for i, m in enumerate(messages)], **flags,
-                                         **kwargs)
+    tools = (options or {}).get("tools") or None
+    if tools is not None and (not isinstance(tools, Sequence) or isinstance(tools, str)):
+        raise InvalidRequestError("tools must be a list of tools", param="tools")
+    return tokenizer.apply_chat_template([_template_message(m, i) for i, m in enumerate(messages)], **flags,
+                                         **kwargs, tools=tools)
 
 
 def render_chat(tokenizer: Tokenizer, messages: Any, options: Mapping[str, Any] | None = None) -> dict[str, Any]:

@@ -2,16 +2,14 @@
 {"name": one of the offered functions, "parameters": arguments valid against that function's schema}.
 
 Pure data, no server or engine imports: `forced_tool_choice` reads the request's tools into a `ForcedToolChoice`
-(its JSON schema constrains the output as `StructuredOutputsParams(json=...)`), and `tool_calls_from_text` turns the
-constrained output into OpenAI `tool_calls`. `parallel_tool_calls: false` or a named function means exactly one call;
-otherwise between 1 and MAX_TOOL_CALLS.
+(its JSON schema constrains the output as `StructuredOutputsParams(json=...)`); the reply is read into tool calls by
+`jengine.tools.parsers.forced`, as parsed calls are, so it streams the same way. `parallel_tool_calls: false` or a
+named function means exactly one call; otherwise between 1 and MAX_TOOL_CALLS.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -56,21 +54,6 @@ def tool_call_schema(functions: Mapping[str, dict[str, Any]], single: bool) -> d
              for name, parameters in functions.items()]
     item = calls[0] if len(calls) == 1 else {"anyOf": calls}
     return {"type": "array", "items": item, "minItems": 1, "maxItems": 1 if single else MAX_TOOL_CALLS}
-
-
-def tool_calls_from_text(text: str) -> list[dict[str, Any]] | None:
-    """OpenAI `tool_calls` from a complete constrained output; None when it is not a whole array of calls (cut by
-    max_tokens: the caller keeps the text)."""
-    try:
-        calls = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(calls, list) or not all(isinstance(c, dict) and "name" in c for c in calls):
-        return None
-    return [{"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
-             "function": {"name": call["name"],
-                          "arguments": json.dumps(call.get("parameters", {}), ensure_ascii=False)}}
-            for call in calls]
 
 
 def _functions(tools: Any) -> dict[str, dict[str, Any]]:

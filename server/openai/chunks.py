@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 from jengine.outputs import CompletionOutput, RequestOutput
+from jengine.tools.stream import ChoiceParsers
 from server.openai.protocol import ChatRequest, CompletionRequest, StreamOptions
-from server.openai.structured import forced_tool_message, tool_call_deltas
 from server.openai.translate import (
     Accumulator, Decoders, ResponseMeta, chat_delta_choice, chat_logprobs, chunk, completion_choice,
-    completion_logprobs, echo_text, error_chunk, prompt_rows, sampled_rows,
+    completion_logprobs, delta_json, echo_text, error_chunk, prompt_rows, sampled_rows,
 )
 
 
@@ -65,7 +65,7 @@ class ChatStreamFormatter(StreamFormatter):
     def __init__(self, meta: ResponseMeta, acc: Accumulator, request: ChatRequest, decoders: Decoders) -> None:
         super().__init__(meta, acc, request.stream_options, decoders)
         self.top_logprobs = request.top_logprobs
-        self.forced_tools = request.forced_tools is not None  # calls are sent whole once the choice ends
+        self.parsers = None if request.parsing is None else ChoiceParsers(request.parsing.choice)
 
     def start(self) -> list[dict[str, Any]]:
         return [self._chunk([chat_delta_choice(i, {"role": "assistant", "content": ""})])
@@ -76,24 +76,23 @@ class ChatStreamFormatter(StreamFormatter):
         if self.top_logprobs is not None and delta.token_ids:
             rows = sampled_rows(delta.token_ids, delta.logprobs or [], self.decoders.token)
             block = chat_logprobs(rows, self.top_logprobs)
-        if self.forced_tools:
-            return self._tool_choice(index, delta, block)
+        if self.parsers is not None:
+            return self._parsed_choice(index, delta, block)
         if not delta.text and block is None and delta.finish_reason is None:
             return None
         content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
         return chat_delta_choice(index, content, block, delta.finish_reason, delta.stop_reason)
 
-    def _tool_choice(self, index: int, delta: CompletionOutput, block: dict[str, Any] | None
-                     ) -> dict[str, Any] | None:
-        """A forced tool call streams nothing until it ends, then its calls (or, cut short, its text)."""
-        if delta.finish_reason is None:
-            return None if block is None else chat_delta_choice(index, {}, block)
-        text = self.acc.choices[index].text
-        message = forced_tool_message(text, delta.finish_reason)
-        if message is None:
-            return chat_delta_choice(index, {"content": text}, block, delta.finish_reason, delta.stop_reason)
-        return chat_delta_choice(index, {"tool_calls": tool_call_deltas(message[0]["tool_calls"])}, block,
-                                 message[1], delta.stop_reason)
+    def _parsed_choice(self, index: int, delta: CompletionOutput, block: dict[str, Any] | None
+                       ) -> dict[str, Any] | None:
+        """The delta as the choice's parser reads it: reasoning, content and tool-call deltas apart."""
+        assert self.parsers is not None
+        prompt = self.acc.prompts[index // self.acc.n].text
+        read, reason = self.parsers.feed(index, prompt, delta.text, delta.finish_reason)
+        fields = delta_json(read)
+        if not fields and block is None and reason is None:
+            return None
+        return chat_delta_choice(index, fields, block, reason, delta.stop_reason)
 
 
 class CompletionStreamFormatter(StreamFormatter):

@@ -14,15 +14,32 @@ from server.openai.protocol import (
 )
 from server.openai.structured import FIELD_SCHEMAS as STRUCTURED_FIELD_SCHEMAS
 from jengine.sampling.params import MAX_STOP_STRINGS
+from jengine.tools.request import MAX_TOOLS
 
 _INT = {"type": "integer"}
 _STR = {"type": "string"}
 _IDS = {"type": "array", "items": _INT, "minItems": 1}
 _TEXT_PART = {"type": "object", "additionalProperties": False, "required": ["type", "text"],
               "properties": {"type": {"const": "text"}, "text": _STR}}
-_MESSAGE = {"type": "object", "additionalProperties": False, "required": ["role", "content"], "properties": {
+_TOOL_CALL = {"type": "object", "required": ["function"], "properties": {
+    "id": _STR, "type": {"const": "function"}, "function": {"type": "object", "required": ["name"], "properties": {
+        "name": _STR, "arguments": {"type": "string", "description": "a JSON object's text"}}}}}
+_MESSAGE = {"type": "object", "additionalProperties": False, "required": ["role"], "properties": {
     "role": {"enum": sorted(ROLES)}, "name": _STR,
-    "content": {"oneOf": [_STR, {"type": "array", "items": _TEXT_PART}]}}}
+    "content": {"oneOf": [_STR, {"type": "array", "items": _TEXT_PART}, {"type": "null"}]},
+    "tool_calls": {"type": "array", "items": _TOOL_CALL, "description": "assistant messages only"},
+    "tool_call_id": {"type": "string", "description": "tool messages (required there)"},
+    "reasoning_content": _STR, "reasoning": _STR}}
+_TOOL = {"type": "object", "additionalProperties": False, "required": ["type", "function"], "properties": {
+    "type": {"const": "function"}, "function": {
+        "type": "object", "additionalProperties": False, "required": ["name"], "properties": {
+            "name": {"type": "string", "minLength": 1, "maxLength": 64}, "description": _STR,
+            "parameters": {"type": "object", "description": "a JSON schema"}, "strict": {"type": "boolean"}}}}}
+_TOOL_CHOICE = {"oneOf": [{"enum": ["none", "auto", "required"]}, {
+    "type": "object", "required": ["type", "function"], "properties": {
+        "type": {"const": "function"}, "function": {"type": "object", "required": ["name"],
+                                                    "properties": {"name": _STR}}}}],
+    "description": '"auto" (the default with tools) needs the server started with --enable-auto-tool-choice'}
 _SPECIAL: dict[str, dict[str, Any]] = {  # fields whose type is more than number, integer or boolean
     "model": _STR, "stream": {"type": "boolean"}, "priority": _INT, "echo": {"type": "boolean"},
     "request_id": {"type": "string", "minLength": 1, "maxLength": MAX_REQUEST_ID_CHARS},
@@ -42,7 +59,9 @@ _SPECIAL: dict[str, dict[str, Any]] = {  # fields whose type is more than number
                          {"type": "array", "items": _IDS, "minItems": 1, "maxItems": MAX_PROMPTS}]},
     "add_generation_prompt": {"type": "boolean"}, "continue_final_message": {"type": "boolean"},
     "chat_template_kwargs": {"type": "object"},
+    "tools": {"type": "array", "items": _TOOL, "maxItems": MAX_TOOLS}, "tool_choice": _TOOL_CHOICE,
     **{name: {} for name in HARMLESS_FIELDS}, "user": _STR, "metadata": {"type": "object"},
+    "parallel_tool_calls": {"type": "boolean", "description": "false: at most one call"},
     **STRUCTURED_FIELD_SCHEMAS,
 }
 _KIND = {**{n: {"type": "number"} for n in NUMBER_FIELDS}, **{n: _INT for n in INT_FIELDS},
@@ -61,7 +80,7 @@ def field_schema(name: str, fields: frozenset[str], required: list[str],
 
 
 def request_schemas() -> dict[str, dict[str, Any]]:
-    tokenize_fields = frozenset({"model", "add_special_tokens", "return_token_strs", "prompt", "messages"})
+    tokenize_fields = frozenset({"model", "add_special_tokens", "return_token_strs", "prompt", "messages", "tools"})
     return {
         "CompletionRequest": field_schema("CompletionRequest", COMPLETION_FIELDS, ["prompt"], {
             "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}}),

@@ -18,16 +18,19 @@ from jengine.clients.protocol import ModelInfo
 from jengine.errors import InvalidRequestError
 from jengine.sampling.defaults import Api, max_tokens_when_unset
 from jengine.sampling.params import SamplingParams
-from jengine.tokenizer.chat import check_continuation, join_text_parts
+from jengine.tokenizer.chat import check_continuation
+from jengine.tools.request import ChatParsing, ToolRequest, parse_tools
+from jengine.tools.required import ForcedToolChoice, forced_tool_choice
 from server.json_body import json_type
-from server.openai.structured import STRUCTURED_FIELDS, ForcedToolChoice, forced_tools, structured_from_body
+from server.openai.messages import ROLES, normalize_messages
+from server.openai.structured import STRUCTURED_FIELDS, structured_from_body
+
+__all__ = ["ROLES", "normalize_messages"]  # with the parsers below: what the server reads requests with
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs cap; the engine's --max-logprobs may lower it
 MAX_PROMPTS = 1024  # prompts in one /v1/completions batch (each also needs its own engine slots)
 MAX_REQUEST_ID_CHARS = 256
 MAX_TOKEN_ID_ENTRIES = 1024  # stop_token_ids and logit_bias: every step checks them, so they stay small
-ROLES = frozenset({"system", "developer", "user", "assistant"})
-_MESSAGE_KEYS = frozenset({"role", "content", "name"})
 
 # Accepted and without effect on the output.
 HARMLESS_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
@@ -41,7 +44,8 @@ _SAMPLING = frozenset(NUMBER_FIELDS + INT_FIELDS + BOOL_FIELDS
                       + ("stop", "stop_token_ids", "logit_bias", "max_tokens")) | STRUCTURED_FIELDS
 _COMMON = _SAMPLING | HARMLESS_FIELDS | {"model", "stream", "stream_options", "priority", "request_id"}
 CHAT_TEMPLATE_FIELDS = frozenset({"add_generation_prompt", "continue_final_message", "chat_template_kwargs"})
-CHAT_FIELDS = _COMMON | CHAT_TEMPLATE_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+CHAT_FIELDS = _COMMON | CHAT_TEMPLATE_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
+                                                "tools", "tool_choice"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo"}
 
 
@@ -51,8 +55,6 @@ def _off(value: Any) -> bool:
 
 # Known fields whose feature is missing: refused unless the value asks for nothing (predicate true).
 _REFUSED: dict[str, Callable[[Any], bool]] = {
-    "tools": lambda v: v is None or v == [],
-    "tool_choice": lambda v: v is None or v == "none",
     "functions": lambda v: v is None or v == [], "function_call": lambda v: v is None or v == "none",
     "modalities": lambda v: v is None or v == ["text"],
     "audio": _off, "prediction": _off, "reasoning_effort": _off, "web_search_options": _off, "suffix": _off,
@@ -100,6 +102,8 @@ class ChatRequest:
     priority: int
     shown_prompt_logprobs: int | None
     request_id: str | None = None  # vLLM's extra: the response id becomes chatcmpl-<request_id>
+    tools: ToolRequest | None = None  # the tools and tool_choice, checked
+    parsing: ChatParsing | None = None  # how the choices' text is read (reasoning, tool calls); None: as it is
     forced_tools: ForcedToolChoice | None = None  # tool_choice "required" or a named function: the output is calls
 
 
@@ -235,18 +239,24 @@ def _request_id(body: Mapping[str, Any]) -> str | None:
 # ---------------------------------------------------------------------------------------------------------- chat
 def parse_chat(body: Mapping[str, Any], info: ModelInfo, max_n: int = 16) -> ChatRequest:
     """A /v1/chat/completions body → ChatRequest (every check here; the template is rendered after admission)."""
-    forced, checked = forced_tools(body)  # with tool_choice required or named, the tools fields are taken
-    check_fields(checked, CHAT_FIELDS, _CHAT_REFUSED)
+    check_fields(body, CHAT_FIELDS, _CHAT_REFUSED)
     model = get_field(body, "model", "str")
     stream, options = _stream(body)
     prompt = {"messages": normalize_messages(body.get("messages")), **chat_template_options(body)}
+    tools = parse_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
+    forced = forced_tool_choice(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls", True))
+    if tools is not None and tools.tools:
+        prompt["tools"] = list(tools.tools)
     kwargs = _sampling_kwargs(body, ("max_completion_tokens", "max_tokens"), info.sampling_defaults, "chat", forced)
+    parsing = ChatParsing.plan(info.chat_parsing, tools, constrained=kwargs["structured_outputs"] is not None)
+    if parsing is not None and parsing.needs_special_tokens:
+        kwargs["skip_special_tokens"] = False  # the format's markers are special tokens: the parser reads them
     top_logprobs = _chat_logprobs(body)
     if top_logprobs is not None:
         kwargs["logprobs"] = top_logprobs
     params = _build_params(kwargs, max_n)
     return ChatRequest(model, prompt, params, stream, options, top_logprobs, _priority(body), params.prompt_logprobs,
-                       _request_id(body), forced)
+                       _request_id(body), tools, parsing, forced)
 
 
 def chat_template_options(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -272,42 +282,6 @@ def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
     if top and not wanted:
         raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
     return (top or 0) if wanted else None
-
-
-def normalize_messages(messages: Any) -> list[dict[str, str]]:
-    """OpenAI messages → [{"role", "content"[, "name"]}] with text parts joined; other content is a 400."""
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequestError("messages must be a non-empty array of messages", param="messages")
-    return [_message(message, i) for i, message in enumerate(messages)]
-
-
-def _message(message: Any, i: int) -> dict[str, str]:
-    where = f"messages[{i}]"
-    if not isinstance(message, dict):
-        raise InvalidRequestError(f"{where} must be an object, got {json_type(message)}", param=where)
-    for key, value in message.items():
-        # null (or an empty tool_calls list) asks for nothing: what the client's own response messages carry
-        if key not in _MESSAGE_KEYS and value is not None and not (key == "tool_calls" and value == []):
-            raise InvalidRequestError(f"{where}.{str(key)[:40]} is not supported by this server (no tool use)",
-                                      param=f"{where}.{str(key)[:40]}")
-    role = message.get("role")
-    if role not in ROLES:
-        raise InvalidRequestError(f"{where}.role must be one of {', '.join(sorted(ROLES))}", param=f"{where}.role")
-    out = {"role": role, "content": _content(message.get("content"), where)}
-    name = get_field(message, "name", "str")
-    if name is not None:
-        out["name"] = name
-    return out
-
-
-def _content(content: Any, where: str) -> str:
-    """A string, or an array of {"type": "text", "text": ...} parts joined by newlines (this model reads text only)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise InvalidRequestError(f"{where}.content must be a string or an array of text parts, got "
-                                  f"{json_type(content)}", param=f"{where}.content")
-    return join_text_parts(content, where)
 
 
 # ---------------------------------------------------------------------------------------------------------- completions
@@ -370,7 +344,7 @@ def parse_tokenize(body: Mapping[str, Any]) -> dict[str, Any]:
     """vLLM's /tokenize: {"prompt"} or {"messages"}; → the checked fields (text or messages, options)."""
     chat = "messages" in body
     allowed = {"model", "add_special_tokens", "return_token_strs"} | (
-        {"messages"} | CHAT_TEMPLATE_FIELDS if chat else {"prompt"})
+        {"messages", "tools"} | CHAT_TEMPLATE_FIELDS if chat else {"prompt"})
     check_fields(body, frozenset(allowed))
     out: dict[str, Any] = {
         "model": get_field(body, "model", "str"),
@@ -380,6 +354,9 @@ def parse_tokenize(body: Mapping[str, Any]) -> dict[str, Any]:
     if chat:
         out["messages"] = normalize_messages(body["messages"])
         out["chat"] = chat_template_options(body)
+        tools = parse_tools(body.get("tools"), "none")
+        if tools is not None:
+            out["chat"]["tools"] = list(tools.tools)
     else:
         prompt = get_field(body, "prompt", "str")
         if prompt is None:

@@ -121,8 +121,7 @@ class OpenAIRoutes:
         formatter = ChatStreamFormatter(meta, acc, parsed, self.decoders) if parsed.stream else None
         streamed = await self._generate(request, prompts, parsed, meta, acc, formatter, lora)
         return streamed or await self._encoded(chat_response, meta, acc, parsed.top_logprobs,
-                                               parsed.shown_prompt_logprobs, self.decoders,
-                                               parsed.forced_tools is not None)
+                                               parsed.shown_prompt_logprobs, self.decoders, parsed.parsing)
 
     async def _parse(self, request: web.Request, parse: Callable[..., Any]) -> Any:
         """The body read, then decoded and checked by `parse` on the work pool (a 4 MB body takes a while)."""

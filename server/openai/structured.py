@@ -13,7 +13,7 @@ from typing import Any
 
 from jengine.errors import InvalidRequestError
 from jengine.sampling.params import StructuredOutputsParams
-from jengine.tools.required import ForcedToolChoice, forced_tool_choice, tool_calls_from_text
+from jengine.tools.required import ForcedToolChoice
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
@@ -34,15 +34,6 @@ FIELD_SCHEMAS = {
 }
 _STRUCTURED_KEYS = frozenset({"json", "regex", "choice", "grammar", "json_object", "structural_tag",
                               "disable_any_whitespace", "disable_additional_properties"})
-
-
-def forced_tools(body: Mapping[str, Any]) -> tuple[ForcedToolChoice | None, Mapping[str, Any]]:
-    """tool_choice "required" or a named function (None otherwise), and the body left for the field checks: the
-    tools fields are consumed here when forced (any other tool use stays the protocol's to accept or refuse)."""
-    forced = forced_tool_choice(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls", True))
-    if forced is None:
-        return None, body
-    return forced, {k: v for k, v in body.items() if k not in ("tools", "tool_choice")}
 
 
 def structured_from_body(body: Mapping[str, Any], forced: ForcedToolChoice | None = None
@@ -105,17 +96,3 @@ def _guided(name: str, key: str, value: Any) -> StructuredOutputsParams:
     if key in ("regex", "grammar") and not isinstance(value, str):
         raise InvalidRequestError(f"{name} must be a string", param=name)
     return StructuredOutputsParams(**{key: value})
-
-
-def forced_tool_message(text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None] | None:
-    """The assistant message of a finished `required`/named-function choice: its calls, finish_reason "tool_calls";
-    None when the output is not a whole array of calls (cut by max_tokens: the text stays content)."""
-    calls = tool_calls_from_text(text) if finish_reason == "stop" else None
-    if calls is None:
-        return None
-    return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
-
-
-def tool_call_deltas(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The streamed form of finished calls: each with its index, id, name and whole arguments."""
-    return [{"index": i, **call} for i, call in enumerate(calls)]

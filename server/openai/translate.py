@@ -16,8 +16,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from server.errors import openai_error
-from server.openai.structured import forced_tool_message
-from jengine.outputs import CompletionOutput, Logprob, RequestOutput
+from jengine.outputs import ChatMessage, CompletionOutput, Logprob, RequestOutput
+from jengine.tools.request import ChatParsing
+from jengine.tools.stream import MessageDelta, finish_reason
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 DONE = b"data: [DONE]\n\n"
@@ -235,23 +236,48 @@ def echo_text(prompt: PromptTotals, decoders: Decoders) -> str:
 
 
 def chat_response(meta: ResponseMeta, acc: Accumulator, top_logprobs: int | None,
-                  shown_prompt_logprobs: int | None, decoders: Decoders, forced_tools: bool = False
+                  shown_prompt_logprobs: int | None, decoders: Decoders, parsing: ChatParsing | None = None
                   ) -> dict[str, Any]:
-    """The whole /v1/chat/completions answer (non-streaming); `forced_tools`: the outputs are tool calls."""
+    """The whole /v1/chat/completions answer (non-streaming); `parsing` reads reasoning and tool calls out of the
+    text."""
     choices = []
     for index, choice in enumerate(acc.choices):
         block = None
         if top_logprobs is not None:
             block = chat_logprobs(sampled_rows(choice.token_ids, choice.logprobs, decoders.token), top_logprobs)
-        message, finish = {"role": "assistant", "content": choice.text}, choice.finish_reason
-        if forced_tools:
-            message, finish = forced_tool_message(choice.text, finish) or (message, finish)
-        choices.append({"index": index, "message": message, "logprobs": block, "finish_reason": finish,
+        message, parsed = {"role": "assistant", "content": choice.text}, None
+        if parsing is not None:
+            parsed = parsing.read(acc.prompts[0].text, choice.text)
+            message = message_json(parsed, parsing)
+        choices.append({"index": index, "message": message, "logprobs": block,
+                        "finish_reason": finish_reason(choice.finish_reason, parsed),
                         "stop_reason": choice.stop_reason})
     body = {**meta.head(), "choices": choices, "usage": acc.usage()}
     if shown_prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs_json(acc.prompts[0], shown_prompt_logprobs)
     return body
+
+
+def message_json(message: ChatMessage, parsing: ChatParsing) -> dict[str, Any]:
+    """A parsed assistant message as OpenAI (and vLLM) shape it: the reasoning under both of vLLM's names."""
+    out: dict[str, Any] = {"role": "assistant", "content": message.content}
+    if parsing.reasoning_parser is not None:
+        out["reasoning"] = out["reasoning_content"] = message.reasoning
+    if parsing.tool_call_parser is not None or message.tool_calls:
+        out["tool_calls"] = [call.to_openai() for call in message.tool_calls]
+    return out
+
+
+def delta_json(delta: MessageDelta) -> dict[str, Any]:
+    """A stream chunk's `delta` of a parsed choice: only what it gained."""
+    out: dict[str, Any] = {}
+    if delta.reasoning:
+        out["reasoning"] = out["reasoning_content"] = delta.reasoning
+    if delta.content:
+        out["content"] = delta.content
+    if delta.tool_calls:
+        out["tool_calls"] = [call.to_openai() for call in delta.tool_calls]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------- chunks

@@ -45,3 +45,26 @@ def test_response_format_constrains_the_output(harness: GrpcHarness) -> None:
 ])
 def test_wire_form_round_trips(params: StructuredOutputsParams) -> None:
     assert structured_from_proto(pb.GenerateRequest(response_format=structured_to_proto(params))) == params
+
+
+def test_a_forced_tool_choice_streams_calls_over_grpc(harness: GrpcHarness) -> None:
+    """tool_choice "required" in the chat: the grammar makes the reply calls, read into ChatDelta tool calls that
+    put together give valid arguments (random weights)."""
+    parameters = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+                  "required": ["city"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": parameters}}]
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="weather?")], tools_json=json.dumps(tools),
+                           tool_choice=pb.ToolChoice(mode="required"), parallel_tool_calls=False)
+    responses = list(harness.stub.Generate(pb.GenerateRequest(
+        messages=chat, sampling=pb.SamplingParams(temperature=1.0, seed=3, max_tokens=60)), metadata=auth(),
+        timeout=30))
+    deltas = [c.chat for r in responses for c in r.outputs]
+    calls: dict[int, list[str]] = {}
+    for delta in deltas:
+        for call in delta.tool_calls:
+            if call.id:
+                calls[call.index] = [call.name, ""]
+            calls[call.index][1] += call.arguments
+    assert [name for name, _ in calls.values()] == ["get_weather"] and deltas[-1].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(calls[0][1]), parameters)
+    assert not "".join(d.content for d in deltas)

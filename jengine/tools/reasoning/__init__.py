@@ -1,0 +1,20 @@
+"""Reasoning parsers by the name `--reasoning-parser` takes (vLLM's names)."""
+
+from __future__ import annotations
+
+from jengine.errors import ConfigError
+from jengine.tools.reasoning.think import DeepSeekR1Parser, Qwen3Parser, ReasoningParser, ReasoningScan
+
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+    parser.name: parser for parser in (Qwen3Parser, DeepSeekR1Parser)
+}
+
+
+def reasoning_parser(name: str, prompt: str | None = None) -> ReasoningParser:
+    """A parser for one choice; `prompt` (the rendered prompt text) tells whether the template opened the thinking."""
+    if name not in REASONING_PARSERS:
+        raise ConfigError(f"unknown reasoning parser {name!r}; choose from {', '.join(sorted(REASONING_PARSERS))}")
+    return REASONING_PARSERS[name](prompt)
+
+
+__all__ = ["REASONING_PARSERS", "ReasoningParser", "ReasoningScan", "reasoning_parser"]
