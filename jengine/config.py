@@ -18,8 +18,7 @@ from typing import Any, Literal
 from jengine.errors import ConfigError
 
 # Flags users know from vLLM whose features are not built yet: refused with a clear message instead of ignored.
-_NOT_YET_AVAILABLE = {
-}
+_NOT_YET_AVAILABLE: dict[str, Any] = {}
 
 # vLLM flags that change nothing here at the values they accept (so vLLM command lines and scripts run as they are);
 # other values are refused, naming what this engine does instead.
