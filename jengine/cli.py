@@ -68,7 +68,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--compilation-cache-dir", type=Path, default=DEFAULT_COMPILATION_CACHE,
                        help="JAX persistent compilation cache")
     group.add_argument("-q", "--quantization", default=None,
-                       help="fp8 or compressed-tensors; unset: the checkpoint's quantization_config. fp8 on a float "
+                       help="fp8, compressed-tensors, awq or gptq; unset: the checkpoint's quantization_config. fp8 on a float "
                             "checkpoint quantizes it at load")
     group.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters over the base model")
     group.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",

@@ -64,7 +64,7 @@ class ModelConfig:
     quantization: str | None = None
 
 
-QUANTIZATION_METHODS = (None, "fp8", "compressed-tensors")
+QUANTIZATION_METHODS = (None, "fp8", "compressed-tensors", "awq", "gptq")  # awq/gptq: 4-bit, dequantized at load
 
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
@@ -292,7 +292,7 @@ class EngineConfig:
             (self.model.max_logprobs >= 0, "max_logprobs must be >= 0"),
             (self.model.quantization in QUANTIZATION_METHODS,
              f"quantization={self.model.quantization!r} is not supported; choose fp8 or compressed-tensors (8-bit "
-             "checkpoints), or leave it unset to read the checkpoint's quantization_config"),
+             "checkpoints), awq or gptq (4-bit ones), or leave it unset to read the checkpoint's quantization_config"),
             (self.model.load_format in LOAD_FORMATS,
              f"load_format={self.model.load_format!r} is not supported: choose {', '.join(LOAD_FORMATS)} (weights "
              "load from safetensors only; pickle files are never opened)"),

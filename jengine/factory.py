@@ -21,6 +21,7 @@ from jengine.lora.peft import LoraAdapter, read_adapter
 from jengine.lora.request import LoRARequest
 from jengine.lora.runner_slots import RunnerLora
 from jengine.models.dummy import dummy_model
+from jengine.models.formats import tokenizer_dir as resolve_tokenizer_dir
 from jengine.models.loader import load_model, load_spec
 from jengine.models.spec import ModelSpec
 from jengine.parallel.distributed import agree_across_processes
@@ -118,7 +119,7 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
     elif len(devices) != parallel.tensor_parallel_size:
         raise ConfigError(f"tensor_parallel_size={parallel.tensor_parallel_size} but {len(devices)} devices given")
     layout = plan_layout(spec, build_mesh(devices), parallel.enable_expert_parallel)
-    tokenizer_dir = config.model.tokenizer or config.model.model
+    tokenizer_dir = str(resolve_tokenizer_dir(config.model.model, config.model.tokenizer))
     check_tokenizer(tokenizer_dir, config.model.load_format)  # a missing tokenizer fails before any weight is read
     # a malformed generation_config.json fails before any weight is read, as a missing tokenizer does
     sampling_defaults = load_sampling_defaults(config.model.model, config.model.generation_config)

@@ -21,8 +21,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jengine.errors import CheckpointError, ConfigError
-from jengine.models.checkpoint import CheckpointReader, checkpoint_dtype, read_config
+from jengine.models.checkpoint import CheckpointReader, checkpoint_dtype
 from jengine.models.converted import converted_metadata, restore_converted, save_converted
+from jengine.models.formats import open_checkpoint, read_model_config, unpacked_at_open
 from jengine.models.quant_config import QuantConfig, read_quant_config
 from jengine.models.quant_load import QUANTIZED_LEAVES, dequantized_float, leaf_quant, module_quant, place, read_leaf
 from jengine.models.registry import spec_from_hf_config
@@ -61,7 +62,7 @@ def resolve_dtype(requested: str, checkpoint: str | np.dtype | None, platform: s
 
 def load_spec(model_dir: str | Path) -> ModelSpec:
     """Only the config: the architecture is checked before any weight is touched."""
-    return spec_from_hf_config(read_config(model_dir))
+    return spec_from_hf_config(read_model_config(model_dir))
 
 
 def load_model(
@@ -88,10 +89,12 @@ def load_model(
     quantizes a float checkpoint at load (`models/quant_config.py`). The 8-bit projections become `QuantizedWeight`s.
     """
     spec = load_spec(model_dir)
-    quant = read_quant_config(read_config(model_dir), quantization)
+    config = read_model_config(model_dir)
+    # GGUF files and 4-bit checkpoints are read as float ones (their reader dequantizes); 8-bit ones are planned here
+    quant = None if unpacked_at_open(config, quantization) else read_quant_config(config, quantization)
     if quant is not None:
         converted_dir = None
-    with CheckpointReader(model_dir) as reader:
+    with open_checkpoint(model_dir) as reader:
         spec = _tied_as_in_the_checkpoint(spec, reader)
         platform = jax.devices()[0].platform
         resolved = resolve_dtype(dtype, spec.checkpoint_dtype or checkpoint_dtype(reader), platform)

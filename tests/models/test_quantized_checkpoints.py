@@ -118,11 +118,11 @@ def test_moe_experts_in_fp8_blocks_run_through_the_expert_path(build_checkpoint,
 
 
 @pytest.mark.parametrize(("config", "message"), [
-    ({"quant_method": "awq", "bits": 4}, "quant_method 'awq' is not supported"),
-    ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not supported"),
+    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "AWQ version 'gemv' is not supported"),
+    ({"quant_method": "gptq", "bits": 3}, "GPTQ with 3 bits is not supported"),
     ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
-    (qc.ct_config("pack-quantized", {"type": "int", "strategy": "group", "group_size": 128, "num_bits": 4}, None),
-     "4-bit int weights are not supported"),
+    (qc.ct_config("pack-quantized", {"type": "int", "strategy": "group", "group_size": 128, "num_bits": 4},
+                  {"type": "int", "strategy": "token", "num_bits": 8}), "W4A16 only"),
     (qc.ct_config("nvfp4-pack-quantized", {"type": "float", "strategy": "tensor_group", "num_bits": 4}, None),
      "format 'nvfp4-pack-quantized'"),
     (qc.ct_config("int-quantized", {"type": "int", "strategy": "channel", "symmetric": False}, None),

@@ -1,0 +1,55 @@
+"""The W4A16 Triton kernel (interpret mode) and its reference against a float64 matmul of the dequantized weight
+(packed by the tests' GPTQ-layout packer); both tile shapes lower for the H200."""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.w4a16 import w4a16_matmul, w4a16_matmul_reference
+from tests.conftest import fresh_seed
+from tests.models.quant4_packing import pack_rows
+
+GROUP = 128
+
+
+def _case(m: int, k: int, n: int, seed: int):
+    rng = np.random.default_rng(seed)
+    q = rng.integers(0, 16, size=(k, n))
+    zeros = rng.integers(0, 16, size=(k // GROUP, n)).astype(np.float32)
+    scales = rng.uniform(0.005, 0.05, size=(k // GROUP, n)).astype(np.float32)
+    x = rng.normal(size=(m, k)).astype(np.float32)
+    exact = x.astype(np.float64) @ ((q - np.repeat(zeros, GROUP, 0)) * np.repeat(scales, GROUP, 0))
+    return (jnp.asarray(x), jnp.asarray(pack_rows(q, 4)), jnp.asarray(zeros), jnp.asarray(scales)), exact
+
+
+@pytest.mark.parametrize("m,k,n,block_m,block_n", [(1, 256, 64, 16, 64), (5, 384, 128, 16, 32),
+                                                   (33, 256, 128, 64, 128)])
+def test_kernel_and_reference_match_float64(m, k, n, block_m, block_n):
+    seed = fresh_seed()
+    args, exact = _case(m, k, n, seed)
+    scale = np.abs(exact).max()
+    for fn in (functools.partial(w4a16_matmul, interpret=True), w4a16_matmul_reference):
+        out = np.asarray(fn(*args, group=GROUP, block_m=block_m, block_n=block_n))
+        assert out.shape == (m, n)
+        assert np.abs(out - exact).max() <= 1e-5 * scale, f"seed {seed}"
+
+
+def test_shapes_the_kernel_cannot_tile_are_refused():
+    args, _ = _case(2, 256, 96, 0)
+    with pytest.raises(ValueError, match="block_n"):
+        w4a16_matmul(*args, group=GROUP, block_n=64, interpret=True)
+
+
+@pytest.mark.parametrize("m,block_m,block_n", [(1, 16, 64), (4096, 64, 128)])
+def test_w4a16_lowers_for_h200(m, block_m, block_n):
+    """Llama-3-8B's fused q/k/v projection, decode and prefill tiles."""
+    from tests.kernels.test_lowering import S, lower_for_h200
+
+    fn = functools.partial(w4a16_matmul, group=GROUP, block_m=block_m, block_n=block_n)
+    text = lower_for_h200(fn, S((m, 4096), jnp.bfloat16), S((512, 6144), jnp.int32), S((32, 6144), jnp.bfloat16),
+                          S((32, 6144), jnp.bfloat16))
+    assert text.count("__gpu$xla.gpu.triton") == 1

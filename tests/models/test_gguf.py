@@ -1,0 +1,215 @@
+"""GGUF files written by `gguf`'s writer from tiny HF models load with HF's logits.
+
+Each file's HF model is given the weights the file holds (read back by `gguf`'s own dequantizer), so the float32
+logits must match it to 1e-4 · max|ref| (the parity tolerance): that checks the metadata → config mapping, the tensor
+names, llama's q/k row order and our dequantizers at once. Against the original float weights the logits stay within
+each format's error (stated per test).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+
+from jengine.errors import UnsupportedModelError
+from jengine.models.gguf.dequant import dequantize
+from jengine.models.loader import load_model
+from jengine.runner.simple import SimpleGenerator
+from tests.conftest import COMMON
+from jengine.models.gguf.tokenizer import embedded_tokenizer_dir
+from tests.models.gguf_files import T, quantize, tokenizer_writer, write_gguf
+
+PROMPTS = [[1, 5, 9, 77, 300, 12, 4], [1, 200, 3, 3, 8]]
+F32_TOL = 1e-4
+K_SHAPE = dict(COMMON, hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+               num_hidden_layers=2)  # k-quant rows are multiples of 256 values
+
+
+def _hf_logits(model, tokens: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float().numpy()
+
+
+def _our_logits(path) -> list[np.ndarray]:
+    spec, params, dtype = load_model(path, dtype="float32", progress=False)
+    return SimpleGenerator(spec, params, dtype, block_size=4).generate(PROMPTS, 1, return_prompt_logits=True
+                                                                       ).prompt_logits
+
+
+def _build(config, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
+
+
+def check_file(path, model, original, tolerance: float) -> None:
+    """Equal to HF on the file's weights; within `tolerance` · max|ref| of the float model's logits."""
+    for prompt, ours in zip(PROMPTS, _our_logits(path), strict=True):
+        ref = _hf_logits(model, prompt)
+        assert np.abs(ours - ref).max() <= F32_TOL * np.abs(ref).max()
+        float_ref = _hf_logits(original, prompt)
+        assert np.abs(ours - float_ref).max() <= tolerance * np.abs(float_ref).max()
+
+
+def _pair(config):
+    original = _build(config)
+    model = _build(config)
+    return model, original
+
+
+@pytest.mark.parametrize("qtype,tolerance", [(T.Q8_0, 0.02), (T.BF16, 0.02), (T.Q4_0, 0.5)])
+def test_gguf_llama_permuted_qk(tmp_path, qtype, tolerance):
+    """Llama files carry q/k rows permuted for GGML's rope; GQA (4 over 2 heads) so q and k permute differently."""
+    model, original = _pair(LlamaConfig(**COMMON))
+    path = write_gguf(tmp_path / "llama.gguf", model, "llama", lambda name, a: qtype)
+    check_file(path, model, original, tolerance)
+
+
+def test_gguf_llama3_rope_from_rope_freqs(tmp_path):
+    """Llama 3.x files carry their rope scaling only as the tensor rope_freqs.weight."""
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    model, original = _pair(LlamaConfig(**COMMON, head_dim=32, rope_parameters=rope))
+    path = write_gguf(tmp_path / "llama3.gguf", model, "llama", lambda name, a: T.Q8_0)
+    check_file(path, model, original, 0.02)
+
+
+def test_gguf_q8_0_projections_run_in_int8(tmp_path, caplog):
+    """Q8_0 projections take the int8 path (one scale per 32 inputs, Q8_0's own blocks); a Q4_0 one fused with them
+    keeps all three dequantized; the embedding is dequantized."""
+    from jengine.layers.quant import QuantizedWeight
+
+    model = _build(LlamaConfig(**COMMON))
+    path = write_gguf(tmp_path / "mixed.gguf", model, "llama",
+                      lambda name, a: T.Q4_0 if name == "blk.1.attn_v.weight" else T.Q8_0)
+    with caplog.at_level(logging.INFO, logger="jengine.models.gguf.reader"):
+        _, params, _ = load_model(path, dtype="float32", progress=False)
+    assert "18 Q8_0 projections kept in 8 bits" in caplog.text  # 3 layers × 7, less layer 1's q/k/v
+    layer0, layer1 = params["layers"][0], params["layers"][1]
+    assert isinstance(layer0["wqkv"], QuantizedWeight) and layer0["wqkv"].scheme.label == "int8-w8a16 group 32"
+    assert not isinstance(layer1["wqkv"], QuantizedWeight) and isinstance(layer1["w_down"], QuantizedWeight)
+    for prompt, ours in zip(PROMPTS, _our_logits(path), strict=True):
+        ref = _hf_logits(model, prompt)
+        assert np.abs(ours - ref).max() <= F32_TOL * np.abs(ref).max()
+
+
+def test_gguf_qwen2_biases_and_tied_head(tmp_path):
+    model, original = _pair(Qwen2Config(**COMMON, tie_word_embeddings=True))
+    path = write_gguf(tmp_path / "qwen2.gguf", model, "qwen2", lambda name, a: T.Q8_0)
+    check_file(path, model, original, 0.02)
+
+
+def test_gguf_qwen3_k_quants(tmp_path, caplog):
+    """Q4_K_M's mix: Q4_K projections, Q5_K and Q6_K where llama.cpp spends more bits; the log says so."""
+    mix = {"ffn_down": T.Q6_K, "attn_v": T.Q5_K, "token_embd": T.Q6_K}
+    model, original = _pair(Qwen3Config(**K_SHAPE))
+    path = write_gguf(tmp_path / "qwen3.gguf", model, "qwen3",
+                      lambda name, a: next((q for key, q in mix.items() if key in name), T.Q4_K))
+    with caplog.at_level(logging.INFO, logger="jengine.models.gguf.reader"):
+        check_file(path, model, original, 0.5)
+    assert "11 Q4_K, 2 Q5_K, 3 Q6_K tensors are dequantized at load" in caplog.text
+
+
+def test_gguf_qwen3_moe_expert_stacks(tmp_path):
+    config = Qwen3MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                            norm_topk_prob=True)
+    model, original = _pair(config)
+    path = write_gguf(tmp_path / "moe.gguf", model, "qwen3moe", lambda name, a: T.Q8_0)
+    for prompt, ours in zip(PROMPTS, _our_logits(path), strict=True):
+        ref = _hf_logits(model, prompt)
+        assert np.abs(ours - ref).max() <= F32_TOL * np.abs(ref).max()
+
+
+def test_gguf_unsupported_type_named(tmp_path):
+    model = _build(LlamaConfig(**COMMON))
+    path = write_gguf(tmp_path / "q41.gguf", model, "llama", lambda name, a: T.Q4_1 if "ffn_up" in name else T.Q8_0)
+    with pytest.raises(UnsupportedModelError, match="Q4_1"):
+        load_model(path, dtype="float32", progress=False)
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.BF16, T.Q4_K, T.Q5_K, T.Q6_K])
+def test_dequantizers_match_gguf(qtype):
+    """Ours against `gguf.quants.dequantize` on quantized random rows and on random bytes (any bit pattern, finite
+    float16 scales)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 512)).astype(np.float32)
+    raw = quantize(x, qtype)
+    np.testing.assert_array_equal(dequantize(raw, qtype.name, x.shape).astype(np.float32),
+                                  gguf.quants.dequantize(raw, qtype))
+    if qtype != T.BF16:
+        noise = rng.integers(0, 256, size=raw.shape, dtype=np.uint8)
+        block = gguf.GGML_QUANT_SIZES[qtype][1]
+        blocks = noise.reshape(-1, block)
+        for offset in ((208,) if qtype == T.Q6_K else (0, 2) if qtype in (T.Q4_K, T.Q5_K) else (0,)):
+            blocks[:, offset:offset + 2] = rng.uniform(-1, 1, (len(blocks), 1)).astype(np.float16).view(np.uint8)
+        np.testing.assert_array_equal(dequantize(noise, qtype.name, x.shape), gguf.quants.dequantize(noise, qtype))
+
+
+@pytest.fixture(scope="module")
+def qwen2_file(tmp_path_factory, tiny_tokenizer_dir):
+    """A Q8_0 Qwen2 file with the tiny tokenizer's vocabulary embedded, and its reference HF model."""
+    model = _build(Qwen2Config(**COMMON))
+    path = tmp_path_factory.mktemp("gguf") / "tiny-Q8_0.gguf"
+    return write_gguf(path, model, "qwen2", lambda name, a: T.Q8_0, tokenizer=tokenizer_writer(tiny_tokenizer_dir)), model
+
+
+def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def test_llm_on_a_gguf_file_with_the_base_tokenizer(qwen2_file, tiny_tokenizer_dir):
+    from jengine import LLM, SamplingParams
+
+    path, model = qwen2_file
+    with LLM(str(path), tokenizer=str(tiny_tokenizer_dir), dtype="float32", max_model_len=64) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                               SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outputs] == [_hf_greedy(model, p, 8) for p in PROMPTS]
+
+
+def test_embedded_vocabulary_becomes_the_tokenizer(qwen2_file, tiny_tokenizer_dir, tmp_path, caplog):
+    from transformers import AutoTokenizer
+
+    path, _ = qwen2_file
+    with caplog.at_level(logging.WARNING, logger="jengine.models.gguf.tokenizer"):
+        converted = embedded_tokenizer_dir(path, cache_dir=tmp_path)
+    assert "slow" in caplog.text
+    ours, base = AutoTokenizer.from_pretrained(converted), AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    for text in ("The quick brown fox jumps over the lazy dog", "你好，世界 🙂", "Bonjour à tous!"):
+        assert ours.encode(text, add_special_tokens=False) == base.encode(text, add_special_tokens=False)
+    assert embedded_tokenizer_dir(path, cache_dir=tmp_path) == converted  # converted once per file
+
+
+def test_cli_generate_from_a_gguf_file(qwen2_file, tiny_tokenizer_dir, tmp_path):
+    from tests.test_cli import jengine
+
+    path, _ = qwen2_file
+    result = jengine("generate", "--model", str(path), "--tokenizer", str(tiny_tokenizer_dir), "--prompt", "Hello",
+                     "--max-tokens", "4", "--ignore-eos", "--max-model-len", "64", "--dtype", "float32",
+                     "--compilation-cache-dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "generated 4 tokens (length)" in result.stderr
+    assert "Q8_0 tensors are dequantized at load" in result.stderr
+
+
+@pytest.mark.parametrize("metadata,named", [
+    ({"general.architecture": "gemma2"}, "'gemma2' is not supported"),
+    ({"general.architecture": "qwen3moe", "qwen3moe.attention.head_count": 4, "qwen3moe.embedding_length": 64,
+      "qwen3moe.block_count": 1, "qwen3moe.expert_count": 4, "qwen3moe.expert_used_count": 2,
+      "qwen3moe.expert_shared_count": 1}, "shared experts"),
+    ({"general.architecture": "llama", "llama.attention.head_count": 4, "llama.embedding_length": 64,
+      "llama.block_count": 1, "llama.rope.scaling.type": "longrope"}, "'longrope'"),
+])
+def test_unsupported_gguf_metadata_refused_by_name(metadata, named):
+    from jengine.models.gguf.config import hf_config
+
+    with pytest.raises(UnsupportedModelError, match=named):
+        hf_config(metadata, {"token_embd.weight": (384, 64)})

@@ -1,0 +1,108 @@
+"""AWQ, GPTQ and compressed-tensors W4A16 checkpoints, packed by the tests' own packers (`quant4_packing.py`), load
+with the logits of the HF model holding the same dequantized weights (float32, 1e-4 · max|ref|); the unpackers
+agree with compressed-tensors' own unpack; unsupported variants are refused by name."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, Qwen3MoeConfig
+
+from jengine.errors import UnsupportedModelError
+from jengine.models.loader import load_model
+from jengine.models.quant4 import unpack_awq, unpack_compressed_tensors, unpack_gptq
+from jengine.models.quant4_load import read_quant4_config
+from jengine.runner.simple import SimpleGenerator
+from tests.conftest import COMMON
+from tests.models.quant4_packing import (
+    _ct_words, dequantized, pack_awq, pack_columns, pack_rows, quantize_checkpoint, quantize_groups)
+
+PROMPTS = [[1, 5, 9, 77, 300, 12, 4], [1, 200, 3, 3, 8]]
+
+
+def _check_logits(model_dir, model) -> None:
+    spec, params, dtype = load_model(model_dir, dtype="float32", progress=False)
+    logits = SimpleGenerator(spec, params, dtype, block_size=4).generate(PROMPTS, 1, return_prompt_logits=True
+                                                                         ).prompt_logits
+    for prompt, ours in zip(PROMPTS, logits, strict=True):
+        with torch.no_grad():
+            ref = model(torch.tensor([prompt])).logits[0].numpy()
+        assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("fmt,kwargs", [
+    ("awq", {}),
+    ("gptq", dict(symmetric=True, v1=True)),
+    ("gptq", dict(symmetric=False, v1=False, desc_act=True)),
+    ("gptq", dict(bits=8, symmetric=False, v1=True, desc_act=True)),
+    ("ct", dict(symmetric=True)),
+    ("ct", dict(symmetric=False)),
+], ids=["awq", "gptq-v1-sym", "gptq-v2-asym-act-order", "gptq-8bit-v1-act-order", "ct-sym", "ct-asym"])
+def test_quantized_checkpoint_logits(build_checkpoint, fmt, kwargs, caplog):
+    model_dir, _ = build_checkpoint(LlamaConfig(**COMMON))
+    model = quantize_checkpoint(model_dir, fmt, group=32, **kwargs)
+    with caplog.at_level(logging.INFO, logger="jengine.models.quant4_load"):
+        _check_logits(model_dir, model)
+    assert "21 projections unpacked and dequantized at load" in caplog.text
+
+
+def test_moe_experts_in_4_bits(build_checkpoint, caplog):
+    """Per-expert projections, as AWQ/GPTQ MoE checkpoints name them, unpack like any other (routers stay float)."""
+    config = Qwen3MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+    model_dir, _ = build_checkpoint(config)
+    model = quantize_checkpoint(model_dir, "gptq", group=32, symmetric=True, v1=True)
+    with caplog.at_level(logging.INFO, logger="jengine.models.quant4_load"):
+        _check_logits(model_dir, model)
+    assert "48 projections unpacked" in caplog.text  # 3 layers × (4 attention + 4 experts × 3)
+
+
+@pytest.mark.parametrize("group", [128, 64])
+def test_awq_unpack_groups(group):
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(256, 64)).astype(np.float32)
+    q, zeros, scales, g_idx = quantize_groups(w, group, 4, symmetric=False)
+    unpacked = unpack_awq(pack_awq(q), pack_awq(zeros), scales.astype(np.float16), group)
+    np.testing.assert_array_equal(unpacked.values, q)
+    np.testing.assert_allclose(unpacked.dequantize(), dequantized(q, zeros, scales, g_idx), rtol=0, atol=1e-6)
+
+
+def test_gptq_act_order_perm_makes_groups_contiguous():
+    rng = np.random.default_rng(1)
+    w = rng.normal(size=(256, 32)).astype(np.float32)
+    g_idx = rng.permutation(np.arange(256) // 64)
+    q, zeros, scales, g_idx = quantize_groups(w, 64, 4, symmetric=False, g_idx=g_idx)
+    unpacked = unpack_gptq(pack_rows(q, 4), pack_columns(zeros, 4), scales, g_idx.astype(np.int32), 4, 64, False)
+    assert unpacked.perm is not None and np.all(np.diff(unpacked.g_idx[unpacked.perm]) >= 0)
+    np.testing.assert_allclose(unpacked.dequantize(), dequantized(q, zeros, scales, g_idx), atol=1e-6)
+
+
+def test_compressed_tensors_unpack_agrees_with_the_library():
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    rng = np.random.default_rng(2)
+    signed = rng.integers(-8, 8, size=(32, 128))
+    zero_signed = rng.integers(-8, 8, size=(32, 2))
+    packed = pack_to_int32(torch.from_numpy(signed).to(torch.int8), 4).numpy()
+    zp = pack_to_int32(torch.from_numpy(zero_signed).to(torch.int8), 4, packed_dim=0).numpy()
+    scale = rng.uniform(0.01, 0.1, size=(32, 2)).astype(np.float32)
+    unpacked = unpack_compressed_tensors(packed, scale, zp, (32, 128))
+    expected = (signed - np.repeat(zero_signed, 64, axis=1)) * np.repeat(scale, 64, axis=1)
+    np.testing.assert_allclose(unpacked.dequantize().T, expected, rtol=1e-6)
+    np.testing.assert_array_equal(pack_columns(signed + 8, 4), packed)  # the tests' packer writes the same words
+    np.testing.assert_array_equal(_ct_words(zero_signed.T + 8), zp)
+
+
+@pytest.mark.parametrize("qc,named", [
+    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "gemv"),
+    ({"quant_method": "awq", "bits": 4, "version": "exllama"}, "exllama"),
+    ({"quant_method": "gptq", "bits": 3}, "3 bits"),
+    ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "Marlin"),
+    ({"quant_method": "gptq", "bits": 4, "is_marlin_format": True}, "Marlin"),
+    ({"quant_method": "awq_marlin"}, "Marlin"),
+])
+def test_unsupported_variants_refused_by_name(qc, named):
+    with pytest.raises(UnsupportedModelError, match=named):
+        read_quant4_config({"quantization_config": qc})
