@@ -83,7 +83,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-cpu-loras", type=int, default=None,
                        help="adapters kept in host memory (default: --max-loras)")
     group.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank served")
-    group.add_argument("--speculative-config", default=None, help=argparse.SUPPRESS)
+    group.add_argument("--speculative-config", default=None,
+                       help='speculative decoding as JSON, vLLM\'s keys: {"method": "ngram" | "draft_model", '
+                            '"num_speculative_tokens": k, "prompt_lookup_min"/"prompt_lookup_max" (ngram), '
+                            '"model": DIR (draft_model), "disable_by_batch_size": N}')
     _add_chat_parsing_args(parser)
     _add_vllm_compat_args(parser)
 

@@ -8,6 +8,7 @@ only module that reads environment variables.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import secrets
 from pathlib import Path
@@ -17,9 +18,7 @@ from typing import Any, Literal
 from jengine.errors import ConfigError
 
 # Flags users know from vLLM whose features are not built yet: refused with a clear message instead of ignored.
-_NOT_YET_AVAILABLE = {
-    "speculative_config": None,
-}
+_NOT_YET_AVAILABLE: dict[str, Any] = {}
 
 # vLLM flags that change nothing here at the values they accept (so vLLM command lines and scripts run as they are);
 # other values are refused, naming what this engine does instead.
@@ -117,6 +116,72 @@ class RunnerConfig:
     async_scheduling: bool = True
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+_EAGLE_METHODS = ("eagle", "eagle3")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config`: a proposer guesses tokens, the target model verifies them in one step."""
+
+    method: str  # ngram (prompt lookup) | draft_model (a smaller model with the same tokenizer)
+    num_speculative_tokens: int  # k: tokens proposed per request per step
+    prompt_lookup_min: int = 1  # ngram: shortest suffix n-gram looked up in the request's own tokens
+    prompt_lookup_max: int | None = None  # ngram: longest; default prompt_lookup_min's value or 5 when both unset
+    model: str | None = None  # draft_model: its directory (same vocabulary as the target)
+    disable_by_batch_size: int | None = None  # no speculation while more requests than this run
+
+    @classmethod
+    def from_value(cls, value: Any) -> SpeculativeConfig | None:
+        """From a dict (the offline API) or its JSON text (`--speculative-config`); None or {} turns it off."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--speculative-config is not valid JSON: {e}") from None
+        if not value:
+            return None
+        if not isinstance(value, dict):
+            raise ConfigError("speculative_config must be a dict (or its JSON text)")
+        value = dict(value)
+        method = value.get("method") or ("draft_model" if value.get("model") else None)
+        if method in _EAGLE_METHODS:
+            raise ConfigError(f"speculative method {method!r} is not supported yet: EAGLE heads are not built; "
+                              f"use {' or '.join(SPECULATIVE_METHODS)}")
+        if method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                              f"got {method!r}")
+        value["method"] = method
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"unknown speculative_config field(s): {', '.join(unknown)}")
+        if "num_speculative_tokens" not in value:
+            raise ConfigError("speculative_config needs num_speculative_tokens")
+        config = cls(**value)
+        config.validate()
+        return config
+
+    @property
+    def lookup_max(self) -> int:
+        return self.prompt_lookup_max if self.prompt_lookup_max is not None else max(self.prompt_lookup_min, 5)
+
+    def validate(self) -> None:
+        k = self.num_speculative_tokens
+        checks = [
+            (isinstance(k, int) and 1 <= k <= 16, "num_speculative_tokens must be an integer in [1, 16]"),
+            (self.prompt_lookup_min >= 1, "prompt_lookup_min must be >= 1"),
+            (self.lookup_max >= self.prompt_lookup_min, "prompt_lookup_max must be >= prompt_lookup_min"),
+            (self.method != "draft_model" or bool(self.model), "draft_model needs the draft's directory in 'model'"),
+            (self.method != "ngram" or self.model is None, "ngram takes no 'model'"),
+            (self.disable_by_batch_size is None or self.disable_by_batch_size >= 1,
+             "disable_by_batch_size must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+
+
 REASONING_PARSERS = ("qwen3", "deepseek_r1")  # the names jengine.tools.reasoning registers
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")  # the names jengine.tools.parsers registers
 
@@ -166,6 +231,7 @@ class EngineConfig:
     runner: RunnerConfig
     lora: LoraConfig = LoraConfig()
     chat_parsing: ChatParsingConfig = ChatParsingConfig()
+    speculative: SpeculativeConfig | None = None  # speculative decoding; None: off
 
     @classmethod
     def from_kwargs(cls, model: str | Path, **kwargs: Any) -> EngineConfig:
@@ -181,6 +247,7 @@ class EngineConfig:
             del kwargs["load_format"]
         if "seed" in kwargs and kwargs["seed"] is None:  # vLLM's seed=None: not reproducible from run to run
             kwargs["seed"] = secrets.randbits(63)
+        speculative = SpeculativeConfig.from_value(kwargs.pop("speculative_config", None))
         parts = {}
         for name, part in (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
                            ("parallel", ParallelConfig), ("runner", RunnerConfig), ("lora", LoraConfig),
@@ -196,7 +263,8 @@ class EngineConfig:
         sched = dict(parts["scheduler"], max_model_len=model_part.max_model_len or 0)
         config = cls(model_part, CacheConfig(**parts["cache"]), SchedulerConfig(**sched),
                      ParallelConfig(**parts["parallel"]), RunnerConfig(**parts["runner"]),
-                     _lora_config(parts["lora"]), ChatParsingConfig(**parts["chat_parsing"]))
+                     lora=_lora_config(parts["lora"]), chat_parsing=ChatParsingConfig(**parts["chat_parsing"]),
+                     speculative=speculative)
         config.validate()
         return config
 
@@ -232,6 +300,10 @@ class EngineConfig:
             (self.parallel.num_processes == 1 or self.parallel.data_parallel_size == 1,
              "data_parallel_size > 1 runs on one host; across hosts, put `jengine openai --engine` before engines"),
             (self.runner.compile_buckets in ("all", "lazy", "auto"), "compile_buckets must be 'all', 'lazy' or 'auto'"),
+            (self.speculative is None or self.parallel.num_processes == 1,
+             "speculative decoding runs on one host (num_processes=1)"),
+
+
             *_lora_checks(self.lora, self.parallel),
         ]
         for ok, message in checks:

@@ -128,6 +128,10 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
         pending_tokenizer = pool.submit(Tokenizer.from_pretrained, tokenizer_dir, config.model.chat_template)
         spec, params, dtype = load_weights(config.model, layout)
         tokenizer = pending_tokenizer.result()
+    draft = None
+    if config.speculative is not None and config.speculative.method == "draft_model":
+        from jengine.spec_decode.draft_loading import load_draft  # before the pool is sized: its weights count
+        draft = load_draft(config, spec, layout, load_weights)
     device = next(d for d in devices if d.process_index == jax.process_index())  # memory stats: local only
     adapters, runner_lora = build_lora(config, spec, dtype, layout.replicated)  # before the KV pool takes the rest
     plan = agree_across_processes(plan_kv_cache(spec, config.cache, config.scheduler, dtype, device,
@@ -138,10 +142,16 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
             f"the KV cache holds {plan.num_tokens} tokens, fewer than one request of max_model_len="
             f"{config.scheduler.max_model_len}; raise num_gpu_blocks_override or lower max_model_len"
         )
+    proposer = None
+    if draft is not None:
+        from jengine.spec_decode.draft_loading import build_draft_proposer, share_pool
+
+        plan = share_pool(plan, spec, draft)
+        proposer = build_draft_proposer(config, draft, plan, layout, device.platform)
     log_plan(plan, config.scheduler.max_model_len)
     backend = select_backend(device.platform, config.runner.attention_backend, head_dim=spec.head_dim,
                              mesh=layout.mesh)
-    runner: StepRunner = ModelRunner(spec, params, dtype, config, plan, backend, layout, runner_lora)
+    runner: StepRunner = ModelRunner(spec, params, dtype, config, plan, backend, layout, runner_lora, proposer)
     if parallel.num_processes > 1 and jax.process_index() == 0:  # the workers replay process 0's runner calls
         runner = PublishingRunner(runner, StepPublisher())
     core = EngineCore(config, runner, plan.num_blocks, adapters)

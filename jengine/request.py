@@ -92,6 +92,8 @@ class Request:
     # request recomputes its prompt, and positions sent once are not sent again.
     prompt_logprobs_received: int = dataclasses.field(init=False, default=0)
     prompt_logprobs_sent: int = dataclasses.field(init=False, default=0)
+    # Tokens a proposer guessed after the last step, verified when the request is next scheduled (speculation).
+    spec_token_ids: list[int] = dataclasses.field(init=False, default_factory=list)
     # When the core first scheduled it (a resumption after preemption keeps it); reported once, on its first output.
     first_scheduled_time: float | None = dataclasses.field(init=False, default=None)
     first_scheduled_reported: bool = dataclasses.field(init=False, default=False)

@@ -79,6 +79,12 @@ _STATS_SERIES: tuple[tuple[type, str, str, Callable[[EngineStats], float]], ...]
     (CounterMetricFamily, "num_preemptions", "Cumulative number of preemptions.", lambda s: s.num_preemptions),
     (CounterMetricFamily, "prefix_cache_queries", "Prefix-cache queries, in tokens.", lambda s: s.prefix_cache_queries),
     (CounterMetricFamily, "prefix_cache_hits", "Prefix-cache hits, in tokens.", lambda s: s.prefix_cache_hits),
+    (CounterMetricFamily, "spec_decode_num_drafts", "Speculative proposals verified.",
+     lambda s: s.spec_decode_num_drafts),
+    (CounterMetricFamily, "spec_decode_num_draft_tokens", "Speculative draft tokens verified.",
+     lambda s: s.spec_decode_num_draft_tokens),
+    (CounterMetricFamily, "spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.",
+     lambda s: s.spec_decode_num_accepted_tokens),
 )
 
 
@@ -100,6 +106,19 @@ class _EngineStatsCollector(Collector):
         yield self._cache_config(snapshots)
         yield from self._iteration_tokens(snapshots)
         yield from self._lora_info(snapshots)
+        yield from self._accepted_per_position(snapshots)
+
+    def _accepted_per_position(self, snapshots: list[EngineStats]) -> Iterator[Metric]:
+        """Accepted draft tokens by their position in the proposal (vLLM's label `position`)."""
+        if not any(s.spec_decode_num_accepted_tokens_per_pos for s in snapshots):
+            return
+        family = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted draft tokens, by position in the proposal.",
+                                     labels=["model_name", ENGINE_LABEL, "position"])
+        for engine, stats in enumerate(snapshots):
+            for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+                family.add_metric([self._model, str(engine), str(position)], count)
+        yield family
 
     def _cache_config(self, snapshots: list[EngineStats]) -> Metric:
         info = GaugeMetricFamily(PREFIX + "cache_config_info", "Information of the KV cache.",

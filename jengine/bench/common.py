@@ -38,6 +38,19 @@ def build_dataset(args: argparse.Namespace, tokenizer: Any, max_total_len: int |
                         range_ratio=args.random_range_ratio, seed=args.seed, max_total_len=max_total_len)
 
 
+def acceptance_metrics(llm: Any) -> dict[str, float]:
+    """Speculative decoding's acceptance over everything the engine ran (vLLM's bench figures): the rate over draft
+    tokens, and the mean tokens a verification step emits per request (1 + accepted ÷ drafts); {} without it."""
+    core = llm._core
+    if not getattr(core, "speculative", False):
+        return {}
+    counts = core.scheduler.spec_counts
+    return {"spec_decode_acceptance_rate": counts.acceptance_rate,
+            "spec_decode_acceptance_length": 1 + counts.num_accepted_tokens / max(counts.num_drafts, 1),
+            "spec_decode_num_drafts": counts.num_drafts, "spec_decode_num_draft_tokens": counts.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": counts.num_accepted_tokens}
+
+
 def write_json(path: Path | None, results: dict[str, Any]) -> None:
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

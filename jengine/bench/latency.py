@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from jengine.bench.common import check_lengths, write_json
+from jengine.bench.common import acceptance_metrics, check_lengths, write_json
 from jengine.bench.datasets import random_dataset, vocab_ids
 from jengine.bench.metrics import PERCENTILES, format_table
 
@@ -35,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
             start = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
             latencies.append(time.perf_counter() - start)
-    metrics = latency_metrics(latencies)
+        acceptance = acceptance_metrics(llm)
+    metrics = latency_metrics(latencies) | acceptance
     report: dict[str, Any] = {"benchmark": "latency", "model": model, "batch_size": args.batch_size,
                               "input_len": args.input_len, "output_len": args.output_len, **metrics,
                               "latencies": latencies}

@@ -105,6 +105,7 @@ def format_table(title: str, metrics: dict, percentiles: Sequence[int] = PERCENT
         "request_throughput": "Request throughput (req/s)", "request_goodput": "Request goodput (req/s)",
         "output_throughput": "Output token throughput (tok/s)",
         "total_token_throughput": "Total token throughput (tok/s)",
+        "spec_decode_acceptance_rate": "Draft acceptance rate", "spec_decode_acceptance_length": "Acceptance length",
     }
     for key, label in labels.items():
         if key in metrics:

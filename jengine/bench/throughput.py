@@ -7,7 +7,7 @@ import argparse
 import time
 from typing import Any
 
-from jengine.bench.common import build_dataset, write_json
+from jengine.bench.common import acceptance_metrics, build_dataset, write_json
 from jengine.bench.metrics import RequestResult, compute_metrics, format_table
 
 
@@ -25,8 +25,9 @@ def run(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         duration = time.perf_counter() - start
+        acceptance = acceptance_metrics(llm)
     results = [_result(output) for output in outputs]
-    metrics = compute_metrics(results, duration, streamed=False)
+    metrics = compute_metrics(results, duration, streamed=False) | acceptance
     report: dict[str, Any] = {"benchmark": "throughput", "model": model, "dataset_name": args.dataset_name,
                               "num_prompts": len(requests), "seed": args.seed, **metrics}
     print(format_table("Offline Throughput Benchmark Result", metrics))

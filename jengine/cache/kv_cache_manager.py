@@ -132,6 +132,20 @@ class KVCacheManager:
         table.room = self._tokens_in_place(table)
         return new_blocks
 
+    def trim(self, request: Request, num_tokens: int) -> int | None:
+        """Frees the request's blocks beyond those holding its first `num_tokens` tokens (rejected draft tokens
+        rolled back); returns how many it keeps, or None when nothing was freed. Cached blocks are always kept."""
+        table = self._tables.get(request.request_id)
+        if table is None:
+            return None
+        keep = max(_cdiv(num_tokens, self.block_size), table.num_cached)
+        if len(table.block_ids) <= keep:
+            return None
+        self.block_pool.free(table.block_ids[keep:])
+        del table.block_ids[keep:]
+        table.room = self._tokens_in_place(table)
+        return keep
+
     def free(self, request: Request) -> None:
         """Release all the request's blocks (finish, abort, preemption); its cached full blocks stay findable
         until evicted. A request holding no blocks is fine (an abort before scheduling)."""

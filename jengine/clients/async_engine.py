@@ -330,10 +330,13 @@ def _stats_reader(core: object) -> StatsReader | None:
 
     def read() -> EngineStats:
         sched, kv = core.stats(), core.kv_manager
-        prefix = kv.prefix_cache_stats
+        prefix, spec = kv.prefix_cache_stats, core.scheduler.spec_counts
         return EngineStats(sched.num_running, sched.num_waiting, sched.kv_cache_usage, sched.num_preemptions_total,
                            prefix.queries, prefix.hits, kv.num_blocks, kv.block_size, tuple(core.step_tokens.counts),
-                           core.step_tokens.total_tokens, max_loras, sched.running_loras, sched.waiting_loras)
+                           core.step_tokens.total_tokens, max_loras, sched.running_loras, sched.waiting_loras,
+                           spec_decode_num_drafts=spec.num_drafts, spec_decode_num_draft_tokens=spec.num_draft_tokens,
+                           spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+                           spec_decode_num_accepted_tokens_per_pos=tuple(spec.accepted_per_pos))
 
     return read
 

@@ -18,6 +18,7 @@ request before its first output (full, draining, dead) is skipped and the next b
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
 from collections.abc import AsyncIterator, Sequence
@@ -257,6 +258,12 @@ def sum_stats(snapshots: Sequence[EngineStats]) -> EngineStats:
         block_size=max((s.block_size for s in snapshots), default=0),
         step_token_counts=tuple(map(sum, zip(*(s.step_token_counts for s in snapshots if s.step_token_counts)))),
         step_tokens_sum=sum(s.step_tokens_sum for s in snapshots),
+        spec_decode_num_drafts=sum(s.spec_decode_num_drafts for s in snapshots),
+        spec_decode_num_draft_tokens=sum(s.spec_decode_num_draft_tokens for s in snapshots),
+        spec_decode_num_accepted_tokens=sum(s.spec_decode_num_accepted_tokens for s in snapshots),
+        spec_decode_num_accepted_tokens_per_pos=tuple(
+            map(sum, itertools.zip_longest(*(s.spec_decode_num_accepted_tokens_per_pos for s in snapshots),
+                                           fillvalue=0))),
     )
 
 

@@ -8,6 +8,9 @@ Pipelined (`async_scheduling`, the default), a step schedules and dispatches ste
 tokens and applies them: the host's bookkeeping for N and N+2 runs while the device computes N+1. The scheduler
 counts N's samples as pending tokens and the runner feeds them to N+1 on the device, so outputs equal the serial
 engine's; what N+1 computes for a request that N finished is discarded.
+
+With speculative decoding, a step that verifies drafts runs to completion before the next one is scheduled (the
+proposer needs its accepted tokens); prompt lookup pipelines the steps in between, while it has nothing to verify.
 """
 
 from __future__ import annotations
@@ -64,7 +67,11 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, slots)
         self.runner = runner
         self.num_steps = 0
-        self.pipelined = config.runner.async_scheduling
+        speculative = config.speculative
+        # A draft model proposes from each step's accepted tokens, so it runs serially; prompt lookup pipelines
+        # while it finds nothing to propose (`_step_speculative`).
+        self.pipelined = config.runner.async_scheduling and (speculative is None or speculative.method == "ngram")
+        self.speculative = speculative is not None
         self._in_flight: tuple[SchedulerOutput, Any] | None = None  # dispatched, tokens not fetched (pipelined)
         self._landed: list[EngineCoreOutput] = []  # outputs of a step applied early, returned by the next step()
         self.step_tokens = StepTokenCounts()
@@ -125,7 +132,7 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """One step's outputs: this step's when serial, the previous step's when pipelined."""
         if self.pipelined:
-            return self._step_pipelined()
+            return self._step_speculative() if self.speculative else self._step_pipelined()
         sched = self._schedule()
         masks = self._token_masks(sched, lambda: None)
         runner_out = self.runner.execute(sched) if masks is None else self.runner.execute(sched, masks)
@@ -151,6 +158,31 @@ class EngineCore:
         launched = self.runner.dispatch(sched) if masks is None else self.runner.dispatch(sched, masks)
         self._in_flight = None if launched is None else (sched, launched)
         land()
+        return outputs
+
+    def _step_speculative(self) -> list[EngineCoreOutput]:
+        """Pipelined while no request holds drafts (the proposer runs on each fetched step's tokens, one step
+        behind). Once one does, the step in flight lands first (its fetch proposes again from every token), and a
+        step that verifies drafts runs to completion before the next is scheduled: its accepted tokens are the next
+        step's inputs."""
+        if self._in_flight is not None and self.scheduler.holds_drafts():
+            self._land_in_flight()
+        if self._in_flight is None:
+            outputs, self._landed = self._landed, []
+            sched = self._schedule()
+            masks = self._token_masks(sched, lambda: None)  # nothing in flight: every token has been applied
+            if sched.scheduled_spec_tokens:
+                runner_out = self.runner.execute(sched) if masks is None else self.runner.execute(sched, masks)
+                return outputs + self._apply(sched, runner_out)
+            self._landed = outputs
+            launched = self.runner.dispatch(sched) if masks is None else self.runner.dispatch(sched, masks)
+            if launched is not None:
+                self._in_flight = (sched, launched)
+            return self._take_landed()
+        return self._step_pipelined()
+
+    def _take_landed(self) -> list[EngineCoreOutput]:
+        outputs, self._landed = self._landed, []
         return outputs
 
     def _token_masks(self, sched: SchedulerOutput, land: Callable[[], None]) -> TokenMaskSource | None:

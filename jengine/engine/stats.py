@@ -32,6 +32,12 @@ class EngineStats:
     max_loras: int = 0  # LoRA device slots (0: LoRA not enabled)
     running_loras: tuple[str, ...] = ()  # adapters of the running requests, sorted
     waiting_loras: tuple[str, ...] = ()  # adapters of the waiting requests, sorted
+    # Speculative decoding, cumulative (vLLM's spec_decode_* counters): proposals verified, their draft tokens,
+    # the accepted ones, and per draft position how many were accepted
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
 
 class StepTokenCounts:

@@ -62,6 +62,7 @@ class InputBatch:
         self.owners = np.zeros(max_num_seqs, np.int64)  # stamp of the admission that filled each row
         self._admissions = 0
         self.num_computed = np.zeros(max_num_seqs, np.int32)  # tokens whose K/V the steps so far have written
+        self.num_drafts = np.zeros(max_num_seqs, np.int32)  # draft tokens after the known ones, this step only
         self.num_prompt = np.zeros(max_num_seqs, np.int32)
         self.num_prompt_logprobs = np.full(max_num_seqs, -1, np.int32)  # -1: prompt logprobs not asked
         self.lora_slot = np.full(max_num_seqs, -1, np.int32)  # the row's adapter slot; -1: the base model
@@ -76,12 +77,25 @@ class InputBatch:
     def apply(self, sched: SchedulerOutput) -> None:
         for request_id in sched.finished_request_ids | sched.preempted_request_ids:
             self.remove(request_id)
+        for request_id, kept in sched.kept_blocks.items():  # blocks freed by a rollback of rejected drafts
+            if request_id in self.rows:
+                self.num_blocks[self.rows[request_id].row] = kept
         for cached in sched.cached_requests:
             row = self.rows[cached.request_id].row
             self.num_computed[row] = cached.num_computed_tokens
             self._append_blocks(row, cached.new_block_ids)
         for new in sched.new_requests:
             self._add(new)
+        self._set_drafts(sched.scheduled_spec_tokens)
+
+    def _set_drafts(self, spec_tokens: dict[str, list[int]]) -> None:
+        """Draft tokens sit after a row's known tokens for this step's inputs; they stay unknown (not pending)."""
+        self.num_drafts[:] = 0
+        for request_id, drafts in spec_tokens.items():
+            row = self.rows[request_id].row
+            start = self.num_tokens[row]
+            self.token_ids[row, start : start + len(drafts)] = drafts
+            self.num_drafts[row] = len(drafts)
 
     def _add(self, new: NewRequestData) -> None:
         row = self._free_rows.pop()
@@ -124,6 +138,18 @@ class InputBatch:
             rows, token_ids = rows[keep], token_ids[keep]
         self.token_ids[rows, self.num_known[rows]] = token_ids
         self.num_known[rows] += 1
+
+    def fill_verified(self, rows: np.ndarray, owners: np.ndarray, tokens: list[list[int]],
+                      num_rejected: np.ndarray) -> None:
+        """A verification step's tokens (one to k + 1 per row, one already reserved): rows catch up with them,
+        and the K/V of rejected drafts no longer counts as computed."""
+        for i in np.flatnonzero(self.owners[rows] == owners).tolist():
+            row, emitted = rows[i], tokens[i]
+            known = self.num_known[row]
+            self.token_ids[row, known : known + len(emitted)] = emitted
+            self.num_known[row] = known + len(emitted)
+            self.num_tokens[row] += len(emitted) - 1
+            self.num_computed[row] -= num_rejected[i]
 
     def output_history(self, row: int, start: int, end: int) -> np.ndarray:
         """Token ids of positions [start, end) of a row, pending ones as their placeholders (the sampler's
@@ -180,7 +206,7 @@ class InputBatch:
             max_query_len=self._query_bound(longest, tokens_padded),
         )
         token_ids = self.token_ids[row_of_token, positions]
-        pending = positions >= self.num_known[row_of_token]
+        pending = positions >= (self.num_known + self.num_drafts)[row_of_token]
         if pending.any():  # the previous step's samples, still on the device
             token_ids = np.where(pending, pending_token_id(row_of_token), token_ids)
         token_ids = np.concatenate([token_ids, np.zeros(pad_tokens, np.int32)]).astype(np.int32)

@@ -35,6 +35,9 @@ from jengine.runner.step import (ModelInputs, StepBatch, StepModel, StepOutput, 
 from jengine.sampling.metadata import SamplingMetadata, SamplingRowTable
 from jengine.sampling.params import SamplingParams
 from jengine.scheduler.output import RunnerOutput, SchedulerOutput, TokenLogprobs
+from jengine.spec_decode.proposer import Proposer, build_proposer, fallback_reason
+from jengine.spec_decode.rejection import VerifyOutput, verify
+from jengine.spec_decode.verify_step import VerifyPlan, accepted_tokens, first_row_outputs, plan_verification
 
 logger = logging.getLogger(__name__)
 
@@ -59,15 +62,18 @@ class InFlightStep:
     out: StepOutput
     prompt_plan: list[PromptLogprobRequest]
     logprobs_wanted: np.ndarray | None  # per scheduled request (-1: none) when the step returns logprobs
+    verification: tuple[VerifyPlan, VerifyOutput] | None = None  # a step verifying drafts: its rows and verdicts
 
 
 class ModelRunner:
     """A `StepRunner` over this process's devices; the jitted step is `step(params, state, batch)`."""
 
     def __init__(self, spec: ModelSpec, params: dict, dtype, config: EngineConfig, plan: KVPlan,
-                 backend: AttentionBackend, layout: ParallelLayout, lora: RunnerLora | None = None) -> None:
+                 backend: AttentionBackend, layout: ParallelLayout, lora: RunnerLora | None = None,
+                 proposer: Proposer | None = None) -> None:
         """`params` are already placed as `layout` says; the KV cache is allocated here with its sharding.
-        `lora`: the adapters' device slots and the host cache they load from (LoRA enabled)."""
+        `lora`: the adapters' device slots and the host cache they load from (LoRA enabled). `proposer`:
+        speculation's, when it holds device state of its own (a draft model); else built here."""
         self.spec, self.params, self.dtype = spec, params, dtype
         self.lora = lora
         self.config = config
@@ -89,10 +95,14 @@ class ModelRunner:
         self.mask_words = -(-spec.vocab_size // 32)  # the sampler's token mask covers the model's whole vocabulary
         self._step = build_step(model)
         self._compile_step = build_step_compiler(model)
+        speculative = config.speculative
+        self.proposer = proposer or (build_proposer(speculative) if speculative else None)
+        self._speculates = np.zeros(sched.max_num_seqs, bool)  # per row: its request may speculate
         self.recompile_guard = RecompileGuard()
         if pin:
             self.warm_up(pinned_shapes(self.buckets))
-            self.recompile_guard.arm()
+            if speculative is None:  # verification steps add shapes (k + 1 rows per request) compiled on first use
+                self.recompile_guard.arm()
 
     @property
     def kv_cache(self) -> KVCache:
@@ -112,11 +122,15 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.apply(sched.lora_loads)
         for new in sched.new_requests:
-            self.sampling_rows.set_row(self.batch.rows[new.request_id].row, new.sampling_params, new.choice_index,
-                                       new.request_counter, tuple(new.eos_token_ids))
+            row = self.batch.rows[new.request_id].row
+            self.sampling_rows.set_row(row, new.sampling_params, new.choice_index, new.request_counter,
+                                       tuple(new.eos_token_ids))
+            self._speculates[row] = fallback_reason(new.sampling_params) is None
         if sched.is_empty:
             return None
         inputs = self.batch.prepare(sched)
+        if sched.scheduled_spec_tokens:
+            return self._dispatch_verification(sched, inputs, token_masks)
         sampling = self._sampling_metadata(inputs)
         prompt_plan, prompt_rows, prompt_targets, prompt_k = self._prompt_logprob_rows(inputs)
         model = ModelInputs(inputs.token_ids, inputs.metadata, inputs.logits_rows, prompt_rows, prompt_targets,
@@ -127,6 +141,8 @@ class ModelRunner:
             self.state, out = self._step(self.step_params, self.state, batch)
         else:
             self.state, out = self._masked_step(batch, token_masks)
+        if self.proposer is not None:
+            self.proposer.observe(model)
         self.recompile_guard.check(lambda: f"tokens={len(inputs.token_ids)} seqs={len(inputs.logits_rows)} "
                                            f"blocks={inputs.metadata.block_tables.shape[1]} "
                                            f"query_len={inputs.metadata.max_query_len}")
@@ -153,9 +169,78 @@ class ModelRunner:
         return mask
 
     def fetch(self, step: InFlightStep) -> RunnerOutput:
-        """Waits for a dispatched step's outputs (one device→host copy) and records its tokens in the batch."""
-        out = jax.device_get(step.out)
-        return self._runner_output(step, out.sampled, out.prompt_logprobs)
+        """Waits for a dispatched step's outputs (one device→host copy) and records its tokens in the batch; with
+        speculation, the proposer's drafts for the next step come with them."""
+        if step.verification is not None:
+            result = self._fetch_verification(step)
+        else:
+            out = jax.device_get(step.out)
+            result = self._runner_output(step, out.sampled, out.prompt_logprobs)
+        if self.proposer is not None:
+            result = dataclasses.replace(result, draft_token_ids=self._propose(step.inputs))
+        return result
+
+    # ------------------------------------------------------------------ speculative decoding
+    def _dispatch_verification(self, sched: SchedulerOutput, inputs: StepInputs,
+                               token_masks: TokenMaskSource | None) -> InFlightStep:
+        """A step whose requests with drafts are scored at their last k + 1 tokens and verified. Constrained
+        requests never have drafts: each one's mask goes to its one row."""
+        plan = plan_verification(inputs, sched.scheduled_spec_tokens, self.buckets.tokens[-1])
+        sampling = self._verify_sampling(inputs, plan)
+        prompt_plan, prompt_rows, prompt_targets, prompt_k = self._prompt_logprob_rows(inputs)
+        model = ModelInputs(inputs.token_ids, inputs.metadata, plan.logits_rows, prompt_rows, prompt_targets,
+                            prompt_k, self._lora_segments(self.batch.lora_slot[inputs.rows], inputs.num_scheduled,
+                                                          len(inputs.token_ids)))
+        logits, prompt, self.state = forward_step(self._model, self.step_params, self.state, model)
+        masks = token_masks() if token_masks is not None else None
+        mask = None if masks is None else self._pad_masks(plan.first_rows[masks[0]], masks[1], len(plan.draft_ids))
+        verdict = verify(logits, sampling, plan.draft_ids, mask)
+        self.proposer.observe(model)
+        _start_copy_to_host((verdict, prompt))
+        self.batch.reserve_sampled(inputs.rows[inputs.samples])
+        wanted = self.sampling_rows.logprobs[inputs.rows] if sampling.max_num_logprobs else None
+        return InFlightStep(inputs, StepOutput(None, prompt), prompt_plan, wanted, (plan, verdict))
+
+    def _verify_sampling(self, inputs: StepInputs, plan: VerifyPlan) -> SamplingMetadata:
+        """One sampling row per verified position: position j samples generation step s + j, its penalty history
+        holding the drafts before it (they sit in the batch after the known tokens)."""
+        rows = inputs.rows[plan.request_of_row]
+        num_prompt = self.batch.num_prompt[rows]
+        steps = self.batch.num_tokens[rows] - num_prompt + plan.offset_in_request
+        token_ids = self.batch.token_ids
+
+        def histories(i: int):
+            row, prompt = rows[i], num_prompt[i]
+            return token_ids[row, :prompt], token_ids[row, prompt : prompt + steps[i]]
+
+        return self.sampling_rows.build(rows, steps, histories, len(plan.draft_ids))
+
+    def _fetch_verification(self, step: InFlightStep) -> RunnerOutput:
+        plan, verdict = step.verification
+        verdict, prompt = jax.device_get((verdict, step.out.prompt_logprobs))
+        tokens, num_accepted = accepted_tokens(plan, np.asarray(verdict.candidates), np.asarray(verdict.accepted))
+        inputs = step.inputs
+        samples = inputs.samples
+        sampling = np.flatnonzero(samples)
+        self.batch.fill_verified(inputs.rows[sampling], inputs.owners[sampling], [tokens[i] for i in sampling],
+                                 (plan.num_drafts - num_accepted)[sampling])
+        sampled_lists = [emitted if sampled else [] for emitted, sampled in zip(tokens, samples.tolist())]
+        return RunnerOutput(inputs.request_ids, sampled_lists,
+                            self._token_logprobs(step, first_row_outputs(plan, verdict)),
+                            self._prompt_output(step.prompt_plan, prompt))
+
+    def _propose(self, inputs: StepInputs) -> dict[str, list[int]]:
+        """Drafts for the requests of this step that sampled and may speculate, unless the batch is larger than
+        `disable_by_batch_size`."""
+        limit = self.config.speculative.disable_by_batch_size
+        if limit is not None and len(self.batch.rows) > limit:
+            return {}
+        rows = inputs.rows
+        chosen = np.flatnonzero(inputs.samples & self._speculates[rows] & (self.batch.owners[rows] == inputs.owners))
+        if not chosen.size:
+            return {}
+        drafts = self.proposer.propose(self.batch, rows[chosen])
+        return {inputs.request_ids[i]: d for i, d in zip(chosen.tolist(), drafts) if d}
 
     def shutdown(self) -> None:
         """Nothing runs beside this process's steps: the device arrays go with the runner."""

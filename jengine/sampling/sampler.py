@@ -94,12 +94,18 @@ def _choose_tokens(processed: Float[Array, "n vocab"], md: SamplingMetadata) -> 
     greedy_tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     if md.all_greedy:
         return greedy_tokens
-    is_greedy = md.temperature == 0
-    scaled = processed / jnp.where(is_greedy, 1.0, md.temperature)[:, None]
+    scaled = sampling_logits(processed, md)
+    sampled = jnp.argmax(scaled + _gumbel_noise(md, scaled.shape[1]), axis=-1).astype(jnp.int32)
+    return jnp.where(md.temperature == 0, greedy_tokens, sampled)
+
+
+def sampling_logits(processed: Float[Array, "n vocab"], md: SamplingMetadata) -> Float[Array, "n vocab"]:
+    """The logits whose softmax sampling rows draw from: divided by the temperature, filtered tokens at -inf
+    (greedy rows are left unscaled). The speculative verifier scores drafts against exactly these."""
+    scaled = processed / jnp.where(md.temperature == 0, 1.0, md.temperature)[:, None]
     if md.use_top_k or md.use_top_p or md.use_min_p:
         scaled = jnp.where(scaled < _filter_threshold(scaled, md)[:, None], _NEG_INF, scaled)
-    sampled = jnp.argmax(scaled + _gumbel_noise(md, scaled.shape[1]), axis=-1).astype(jnp.int32)
-    return jnp.where(is_greedy, greedy_tokens, sampled)
+    return scaled
 
 
 def _filter_threshold(scaled: Float[Array, "n vocab"], md: SamplingMetadata) -> Float[Array, " n"]:

@@ -50,6 +50,10 @@ class SchedulerOutput:
     preempted_request_ids: set[str]  # preempted this step: the runner drops their rows; they come back as new
     # adapters to write into device slots before this step runs (slot → adapter name); the slot held another or none
     lora_loads: dict[int, str] = dataclasses.field(default_factory=dict)
+    # Speculation: request id → the draft tokens scheduled after its last token (counted in its scheduled tokens)
+    scheduled_spec_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    # request id → the blocks it keeps after rejected drafts were rolled back (the runner drops the others)
+    kept_blocks: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -71,3 +75,5 @@ class RunnerOutput:
     sampled_token_ids: list[list[int]]  # empty for a request whose prefill chunk did not reach its last token
     logprobs: list[TokenLogprobs | None]  # per row, when the request asked for logprobs and sampled
     prompt_logprobs: dict[str, list[TokenLogprobs | None]]  # per request asking for them: positions of this chunk
+    # Speculation: request id → the proposer's guesses of its next tokens (requests that may speculate)
+    draft_token_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)

@@ -25,6 +25,7 @@ from jengine.scheduler.output import (
     CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput, TokenLogprobs,
 )
 from jengine.scheduler.policy import WaitingQueue
+from jengine.scheduler.speculation import SpecDecodeCounts, drafts_to_schedule
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,8 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         self._next_counter = 0
         self.num_preemptions_total = 0
+        self.spec_counts = SpecDecodeCounts()
+        self._kept_blocks: dict[str, int] = {}  # blocks left after draft rollbacks, for the next step's diff
 
     # ---------------------------------------------------------------- requests in and out
     def add_request(self, request: Request, *, enforce_queue_bound: bool = True) -> None:
@@ -98,6 +101,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def holds_drafts(self) -> bool:
+        """Whether a running request has proposed tokens waiting to be verified."""
+        return any(request.spec_token_ids for request in self.running)
+
     def stats(self) -> SchedulerStats:
         if self.lora_slots is None:
             return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.num_preemptions_total)
@@ -111,17 +118,19 @@ class Scheduler:
         cached: list[CachedRequestData] = []
         new: list[NewRequestData] = []
         preempted: set[str] = set()
+        spec_tokens: dict[str, list[int]] = {}
         lora_loads: dict[int, str] = {}
 
-        budget = self._schedule_running(budget, scheduled, cached, preempted)
+        budget = self._schedule_running(budget, scheduled, cached, preempted, spec_tokens)
         if not preempted:
             self._schedule_waiting(budget, scheduled, new, lora_loads)
         finished, self._finished_ids = self._finished_ids, set()
+        kept, self._kept_blocks = self._kept_blocks, {}
         return SchedulerOutput(new, cached, scheduled, sum(scheduled.values()), finished, preempted - finished,
-                               lora_loads)
+                               lora_loads, spec_tokens, {r: n for r, n in kept.items() if r in self.requests})
 
     def _schedule_running(self, budget: int, scheduled: dict[str, int], cached: list[CachedRequestData],
-                          preempted: set[str]) -> int:
+                          preempted: set[str], spec_tokens: dict[str, list[int]]) -> int:
         """Running requests in order; only those that got new blocks join `cached` (the diff lists changes only).
 
         Runs once per running request per step, so the common decode (room in its last block) costs one check.
@@ -140,6 +149,11 @@ class Scheduler:
             samples = num_new <= budget
             if not samples:
                 num_new = budget
+            # drafts follow a request's last token: never while that token is still pending (a pipelined step)
+            drafts = (drafts_to_schedule(request, budget) if request.spec_token_ids and num_new == 1 and not pending
+                      else None)
+            if drafts:
+                num_new += len(drafts)
             if not has_room(request, num_new):
                 new_blocks = self._allocate_or_preempt(request, num_new, index, preempted)
                 if new_blocks is None:  # the request itself was preempted
@@ -147,6 +161,8 @@ class Scheduler:
                 if new_blocks:
                     cached.append(CachedRequestData(request_id, new_blocks, computed))
             scheduled[request_id] = num_new
+            if drafts:
+                spec_tokens[request_id] = drafts
             if samples:
                 request.num_pending_tokens = pending + 1
             request.num_computed_tokens = computed + num_new
@@ -217,6 +233,7 @@ class Scheduler:
         self._release_lora_slot(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.push(request)
@@ -229,7 +246,7 @@ class Scheduler:
         Later steps may have been scheduled meanwhile: a request that finishes here has its later work discarded
         (it is gone from `requests`), and one preempted since gets its token all the same (it resumes with it)."""
         updates = []
-        prompt_logprobs = out.prompt_logprobs
+        prompt_logprobs, spec_tokens = out.prompt_logprobs, sched.scheduled_spec_tokens
         for request_id, tokens, logprobs in zip(out.request_ids, out.sampled_token_ids, out.logprobs, strict=True):
             request = self.requests.get(request_id)
             if request is None:  # finished or aborted since it was scheduled (`_finish` removes it)
@@ -239,11 +256,24 @@ class Scheduler:
                 prompt = self._unsent_prompt_logprobs(request, prompt)
             if tokens:
                 request.num_pending_tokens -= 1
-                finished = self._append_output(request, tokens)
-                updates.append(RequestUpdate(request, tokens, [logprobs], prompt, finished))
+                drafts = spec_tokens.get(request_id) if spec_tokens else None
+                if drafts:
+                    self._roll_back(request, len(drafts), len(tokens) - 1)
+                tokens, finished = self._append_output(request, tokens)
+                updates.append(RequestUpdate(request, tokens, [logprobs] * len(tokens), prompt, finished))
+                if not finished and (out.draft_token_ids or request.spec_token_ids):  # older guesses are stale
+                    request.spec_token_ids = out.draft_token_ids.get(request_id, [])
             elif prompt:
                 updates.append(RequestUpdate(request, tokens, [], prompt, False))
         return updates
+
+    def _roll_back(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """Forget the K/V of rejected drafts: they count as not computed, and blocks left empty are freed."""
+        self.spec_counts.record(num_drafts, num_accepted)
+        request.num_computed_tokens -= num_drafts - num_accepted
+        kept = self.kv.trim(request, request.num_computed_tokens)
+        if kept is not None:
+            self._kept_blocks[request.request_id] = kept
 
     @staticmethod
     def _unsent_prompt_logprobs(request: Request, entries: list[TokenLogprobs | None]) -> list[TokenLogprobs | None]:
@@ -255,20 +285,25 @@ class Scheduler:
         request.prompt_logprobs_sent = max(sent, received)
         return entries[max(sent - start, 0):]
 
-    def _append_output(self, request: Request, tokens: list[int]) -> bool:
-        """Appends sampled tokens and applies the stop rules; returns whether the request finished."""
-        request.append_output(tokens)
-        if not request.stop_rule.may_stop(request):
-            return False
-        status = self._stop_status(request)
+    def _append_output(self, request: Request, tokens: list[int]) -> tuple[list[int], bool]:
+        """Appends sampled tokens one by one, applying the stop rules after each (a verification step brings
+        several: those after a stop are dropped); returns the tokens kept and whether the request finished."""
+        status = None
+        for index in range(len(tokens)):
+            request.append_output(tokens[index : index + 1])
+            if request.stop_rule.may_stop(request):
+                status = self._stop_status(request)
+                if status is not None:
+                    tokens = tokens[: index + 1]
+                    break
         if status is None:
-            return False
+            return tokens, False
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:  # preempted after the step that sampled this token was dispatched
             self.waiting.remove(request)
         self._finish(request, status)
-        return True
+        return tokens, True
 
     def _stop_status(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params

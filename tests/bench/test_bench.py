@@ -195,3 +195,16 @@ def test_bench_serve_reports_an_unreachable_server(chat_model_dir, tmp_path):
     report = json.loads(out.read_text())
     assert code == 1 and report["completed"] == 0 and report["failed"] == 2 and report["errors"]
     assert math.isclose(report["request_throughput"], 0.0)
+
+
+def test_bench_latency_reports_speculative_acceptance(model_dir, tmp_path):
+    out = tmp_path / "latency.json"
+    result = bench("latency", "--model", str(model_dir), "--batch-size", "1", "--input-len", "8", "--output-len", "16",
+                   "--num-iters-warmup", "0", "--num-iters", "1", "--max-model-len", "64",
+                   "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}',
+                   "--compilation-cache-dir", str(tmp_path / "cache"), "--output-json", str(out))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["spec_decode_num_drafts"] >= 0 and 0 <= report["spec_decode_acceptance_rate"] <= 1
+    assert report["spec_decode_num_accepted_tokens"] <= report["spec_decode_num_draft_tokens"]
+    assert "Draft acceptance rate" in result.stdout
