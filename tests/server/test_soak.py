@@ -31,7 +31,9 @@ def test_a_short_soak_accounts_for_every_request(servers: Servers, chat_model_di
     assert counts["ok"] and counts["cancelled"] and counts["by_kind"]["burst"].get("refused")
     assert counts["by_kind"]["bad_input"]["refused"] == sum(counts["by_kind"]["bad_input"].values())
     assert metrics["kv_usage_end"] == metrics["running_end"] == metrics["waiting_end"] == 0
-    assert metrics["fd_growth"] == 0 and metrics["samples"] >= 4  # (RSS: this process also compiles the steps)
+    # no descriptor leaked (fewer at the end is fine: this test process also closes what earlier tests opened);
+    # RSS is not checked here: this process also compiles the steps
+    assert metrics["fd_growth"] <= 0 and metrics["samples"] >= 4
     server.wait_idle()
 
 
