@@ -72,9 +72,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="dispatch step N+1 before step N's tokens reach the host (default on)")
     group.add_argument("--compilation-cache-dir", type=Path, default=DEFAULT_COMPILATION_CACHE,
                        help="JAX persistent compilation cache")
+    _add_weight_variant_args(group)
+    _add_chat_parsing_args(parser)
+    _add_vllm_compat_args(parser)
+
+
+def _add_weight_variant_args(group: argparse._ArgumentGroup) -> None:
+    """Flags that change what the weights compute: quantization, LoRA adapters, speculative decoding."""
     group.add_argument("-q", "--quantization", default=None,
-                       help="fp8, compressed-tensors, awq or gptq; unset: the checkpoint's quantization_config. fp8 on a float "
-                            "checkpoint quantizes it at load")
+                       help="fp8, compressed-tensors, awq or gptq; unset: the checkpoint's quantization_config. "
+                            "fp8 on a float checkpoint quantizes it at load")
     group.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters over the base model")
     group.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                        help="PEFT adapter directories loaded at start-up (name=path or a JSON object with name, "
@@ -87,8 +94,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help='speculative decoding as JSON, vLLM\'s keys: {"method": "ngram" | "draft_model", '
                             '"num_speculative_tokens": k, "prompt_lookup_min"/"prompt_lookup_max" (ngram), '
                             '"model": DIR (draft_model), "disable_by_batch_size": N}')
-    _add_chat_parsing_args(parser)
-    _add_vllm_compat_args(parser)
 
 
 def _add_chat_parsing_args(parser: argparse.ArgumentParser) -> None:
