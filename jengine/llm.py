@@ -147,9 +147,10 @@ class LLM:
         ]
         results = self._run(_with_adapters(requests, adapters), use_tqdm)
         if parsing is not None:
-            for result in results:
+            for result, sp in zip(results, params):
+                reading = dataclasses.replace(parsing, constrained=sp.structured_outputs is not None)
                 for output in result.outputs:
-                    output.message = parsing.read(result.prompt, output.text)
+                    output.message = reading.read(result.prompt, output.text)
                     output.finish_reason = finish_reason(output.finish_reason, output.message)
         return results
 

@@ -134,7 +134,7 @@ class EngineCore:
         if self.pipelined:
             return self._step_speculative() if self.speculative else self._step_pipelined()
         sched = self._schedule()
-        masks = self._token_masks(sched, lambda: None)
+        masks = self._token_masks(sched, None)
         runner_out = self.runner.execute(sched) if masks is None else self.runner.execute(sched, masks)
         if sched.is_empty:
             return []
@@ -154,7 +154,7 @@ class EngineCore:
                 landing, done = done, None
                 outputs.extend(self._apply(landing[0], self.runner.fetch(landing[1])))
 
-        masks = self._token_masks(sched, land)
+        masks = self._token_masks(sched, None if done is None else land)
         launched = self.runner.dispatch(sched) if masks is None else self.runner.dispatch(sched, masks)
         self._in_flight = None if launched is None else (sched, launched)
         land()
@@ -170,7 +170,7 @@ class EngineCore:
         if self._in_flight is None:
             outputs, self._landed = self._landed, []
             sched = self._schedule()
-            masks = self._token_masks(sched, lambda: None)  # nothing in flight: every token has been applied
+            masks = self._token_masks(sched, None)  # nothing in flight: every token has been applied
             if sched.scheduled_spec_tokens:
                 runner_out = self.runner.execute(sched) if masks is None else self.runner.execute(sched, masks)
                 return outputs + self._apply(sched, runner_out)
@@ -185,19 +185,23 @@ class EngineCore:
         outputs, self._landed = self._landed, []
         return outputs
 
-    def _token_masks(self, sched: SchedulerOutput, land: Callable[[], None]) -> TokenMaskSource | None:
+    def _token_masks(self, sched: SchedulerOutput, land: Callable[[], None] | None) -> TokenMaskSource | None:
         """The mask source of a step with constrained requests (None otherwise): it applies the step in flight
-        first (`land`), so every matcher has consumed every earlier token."""
+        first (`land`; None when there is none), so every matcher has consumed every earlier token. A grammar that
+        waits for the end of a reasoning span counts only while a step is in flight (its tokens may end the span);
+        with every token applied, a batch whose grammars all wait runs free."""
         if not self._constrained:  # the free engine's step: no per-request work at all
             return None
         requests = self.scheduler.requests
         self._constrained.intersection_update(requests)
         scheduled = [requests.get(request_id) for request_id in sched.num_scheduled_tokens]
-        if not any(r is not None and r.grammar is not None for r in scheduled):
+        if not any(r is not None and r.grammar is not None and (land is not None or r.grammar.active)
+                   for r in scheduled):
             return None
 
         def fill() -> tuple[np.ndarray, np.ndarray] | None:
-            land()
+            if land is not None:
+                land()
             return self.masks.fill(scheduled)
 
         return fill

@@ -21,17 +21,46 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(slots=True)
 class RequestGrammar:
-    """What a core request carries: its own matcher, advanced with every accepted token."""
+    """What a core request carries: its own matcher, advanced with every accepted token.
+
+    With a reasoning parser, a chat reply reasons first: `reasoning_end` holds the token ids of the span's end
+    marker (`</think>`, resolved by the front), and the grammar applies only to the tokens after it (the row is
+    free until then). Empty: the grammar applies from the first token."""
 
     matcher: Any  # an llguidance LLMatcher (deep copy of the compiled one)
     vocab_words: int  # int32 words of its bitmask: ceil(tokenizer vocabulary / 32)
     kind: str  # the constraint's kind (StructuredOutputsParams.kind)
+    reasoning_end: tuple[int, ...] = ()
+    _recent: list[int] = dataclasses.field(default_factory=list)  # the last tokens, while the end is awaited
+
+    @property
+    def active(self) -> bool:
+        """The grammar constrains the next token (the reasoning, if any, has ended)."""
+        return not self.reasoning_end
+
+    def after_reasoning(self, token_ids: Sequence[int]) -> Sequence[int]:
+        """The tokens of `token_ids` the grammar must consume: all once active; while the reasoning goes on, those
+        after the end marker when these tokens complete it (the grammar is active from then on), else none."""
+        if not self.reasoning_end:
+            return token_ids
+        marker, recent = self.reasoning_end, self._recent
+        for index, token in enumerate(token_ids):
+            recent.append(token)
+            del recent[:-len(marker)]
+            if tuple(recent) == marker:
+                self.reasoning_end, self._recent = (), []
+                return token_ids[index + 1:]
+        return ()
 
 
 def advance(request: Any, token_ids: Sequence[int]) -> None:
     """Feed a request's newly accepted tokens to its matcher (a rejected token leaves it in its error state, which
-    then allows only EOS: the output ends instead of going on unconstrained)."""
+    then allows only EOS: the output ends instead of going on unconstrained); tokens of a reasoning span before the
+    grammar applies are not fed."""
     if request.grammar is None or not token_ids or request.grammar.matcher.is_stopped():
+        return
+    token_ids = request.grammar.after_reasoning(token_ids)
+    if not token_ids:
         return
     matcher = request.grammar.matcher
     if not matcher.consume_tokens(list(token_ids)) and not matcher.is_stopped():
@@ -46,10 +75,10 @@ class MaskFiller:
         self._executor: Any = None
 
     def fill(self, requests: Sequence[Any]) -> tuple[np.ndarray, np.ndarray] | None:
-        """(row indices, [k, words] int32 masks) for the requests with a grammar, in the order given (None: none;
-        a None entry is a row without a request)."""
+        """(row indices, [k, words] int32 masks) for the requests whose grammar is active, in the order given
+        (None: none; a None entry is a row without a request; a row still reasoning is free)."""
         pairs = [(request.grammar.matcher, row) for row, request in enumerate(requests)
-                 if request is not None and request.grammar is not None]
+                 if request is not None and request.grammar is not None and request.grammar.active]
         if not pairs:
             return None
         import llguidance

@@ -29,9 +29,11 @@ class GrammarSource:
     def check(self, params: StructuredOutputsParams) -> None:
         self.compiler.check(params)
 
-    def for_request(self, params: StructuredOutputsParams | None) -> RequestGrammar | None:
-        """A fresh matcher for one core request (None for a free one)."""
+    def for_request(self, params: StructuredOutputsParams | None, reasoning_end: tuple[int, ...] = ()
+                    ) -> RequestGrammar | None:
+        """A fresh matcher for one core request (None for a free one); `reasoning_end`: the token ids after which
+        it applies (the end of a reasoning span), () for from the first token."""
         if params is None:
             return None
         compiler = self.compiler
-        return RequestGrammar(compiler.matcher(params), -(-compiler.vocab_size // 32), params.kind)
+        return RequestGrammar(compiler.matcher(params), -(-compiler.vocab_size // 32), params.kind, reasoning_end)

@@ -115,17 +115,16 @@ class ChatParsing:
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     max_calls: int | None = None
+    constrained: bool = False  # structured output: the grammar applies after the reasoning (read as starting in it)
 
     @classmethod
     def plan(cls, config: ChatParsingConfig, tools: ToolRequest | None, constrained: bool = False
              ) -> ChatParsing | None:
         """None when nothing is to be read (no reasoning parser, no auto tool choice). Raises the 400 of an "auto"
-        choice on a server without `--enable-auto-tool-choice`. A `constrained` reply (a grammar from its first
-        token: structured output) has no reasoning span to read."""
+        choice on a server without `--enable-auto-tool-choice`. A `constrained` reply (structured output) under a
+        reasoning parser reasons first, the grammar applying once the span ends (the front makes it wait)."""
         if tools is not None and tools.choice in ("required", "function"):  # a grammar makes the reply calls
-            return cls(None, FORCED)
-        if constrained:
-            config = dataclasses.replace(config, reasoning_parser=None)
+            return cls(config.reasoning_parser, FORCED, constrained=True)
         auto = tools is not None and tools.choice == "auto" and bool(tools.tools)
         if auto and not (config.enable_auto_tool_choice and config.tool_call_parser):
             raise InvalidRequestError('tool_choice "auto" (the default when tools are given) needs the server '
@@ -135,7 +134,7 @@ class ChatParsing:
         if not auto and config.reasoning_parser is None:
             return None
         max_calls = None if tools is None or tools.parallel else 1
-        return cls(config.reasoning_parser, config.tool_call_parser if auto else None, max_calls)
+        return cls(config.reasoning_parser, config.tool_call_parser if auto else None, max_calls, constrained)
 
     @classmethod
     def plan_offline(cls, config: ChatParsingConfig, tools: ToolRequest | None, constrained: bool = False
@@ -160,7 +159,8 @@ class ChatParsing:
 
     def choice(self, prompt: str | None) -> ChoiceParser:
         """A parser for one choice of a request whose rendered prompt is `prompt`."""
-        reasoning = None if self.reasoning_parser is None else reasoning_parser(self.reasoning_parser, prompt)
+        reasoning = None if self.reasoning_parser is None else reasoning_parser(self.reasoning_parser, prompt,
+                                                                                 self.constrained)
         tools = None if self.tool_call_parser is None else tool_parser(self.tool_call_parser)
         return ChoiceParser(reasoning, tools, self.max_calls)
 

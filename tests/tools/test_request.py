@@ -25,14 +25,23 @@ def test_the_plan_follows_the_tool_choice() -> None:
     assert _parsing(R1_HERMES, tools=TOOLS, tool_choice="none") == ChatParsing("deepseek_r1")
     assert _parsing(R1_HERMES, tools=TOOLS, parallel_tool_calls=False) == ChatParsing("deepseek_r1", "hermes", 1)
     assert _parsing(ChatParsingConfig(), tools=TOOLS, tool_choice="none") is None
-    # forced choices: a grammar from the first token makes the reply calls, with no reasoning span
-    assert _parsing(R1_HERMES, tools=TOOLS, tool_choice="required") == ChatParsing(None, FORCED)
+    # forced choices: a grammar makes the reply calls, after the reasoning span when the server reads one
+    assert _parsing(R1_HERMES, tools=TOOLS, tool_choice="required") == ChatParsing("deepseek_r1", FORCED,
+                                                                                   constrained=True)
     assert _parsing(ChatParsingConfig(), tools=TOOLS, tool_choice={"type": "function", "function": {"name": "f"}}
-                    ) == ChatParsing(None, FORCED)
+                    ) == ChatParsing(None, FORCED, constrained=True)
 
 
-def test_a_constrained_reply_has_no_reasoning_to_read() -> None:
-    assert _parsing(R1_HERMES, response_format={"type": "json_object"}) is None
+def test_a_constrained_reply_is_read_for_reasoning_first() -> None:
+    assert _parsing(R1_HERMES, response_format={"type": "json_object"}) == ChatParsing("deepseek_r1",
+                                                                                       constrained=True)
+    assert _parsing(ChatParsingConfig(), response_format={"type": "json_object"}) is None
+    qwen3 = ChatParsing("qwen3", constrained=True)
+    # the grammar waits for </think> (the reply is read as starting in reasoning) unless the prompt closed the span
+    assert qwen3.read("<|im_start|>assistant\n", 'plan</think>{"a":1}').reasoning == "plan"
+    thinking_off = qwen3.read("<|im_start|>assistant\n<think>\n\n</think>\n\n", '{"a":1}')
+    assert (thinking_off.content, thinking_off.reasoning) == ('{"a":1}', None)
+    assert ChatParsing("qwen3").read("<|im_start|>assistant\n", "plain").content == "plain"  # free: as before
 
 
 def test_tools_are_checked_field_by_field() -> None:

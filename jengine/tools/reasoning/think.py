@@ -8,6 +8,8 @@ whitespace dropped). The parsers differ in where a reply starts:
   prompt, so the reply is all content.
 - `deepseek_r1`: in reasoning (R1 thinks first, and newer templates open `<think>` in the prompt); a leading
   `<think>` is read past; a reply cut before `</think>` is all reasoning.
+- both: a prompt that ends with a closed span (`</think>`: templates that turn thinking off) starts the reply in
+  content; a structured-output reply (its grammar applies once the reasoning ends) starts in reasoning otherwise.
 
 Like the tool-call parsers, `scan(text, final)` is a pure reading whose results only grow as the text does: a tag
 arriving split across tokens is held back, so markup never reaches the content.
@@ -34,8 +36,14 @@ class ReasoningParser:
     name: ClassVar[str]
     starts_in_reasoning: ClassVar[bool] = False
 
-    def __init__(self, prompt: str | None = None) -> None:
-        self.opened_by_prompt = prompt is not None and prompt.rstrip().endswith(OPEN)
+    def __init__(self, prompt: str | None = None, constrained: bool = False) -> None:
+        """`constrained`: the reply's content is grammar-constrained, and the grammar waits for the end of the
+        reasoning (`reply_in_reasoning`), so the reply is read as starting in reasoning too."""
+        tail = "" if prompt is None else prompt.rstrip()
+        self.closed_by_prompt = tail.endswith(CLOSE)  # e.g. enable_thinking=false: an empty span in the prompt
+        self.opened_by_prompt = tail.endswith(OPEN)
+        self.reply_in_reasoning = not self.closed_by_prompt and (self.starts_in_reasoning or self.opened_by_prompt
+                                                                 or constrained)
 
     def extract(self, text: str) -> ReasoningScan:
         """The non-streaming reading of a whole reply."""
@@ -46,8 +54,8 @@ class ReasoningParser:
         if text.startswith(OPEN, start):
             return _reasoning(text, start + len(OPEN), final)
         if not final and OPEN.startswith(text[start:]):
-            return ReasoningScan(thinking=self.starts_in_reasoning or self.opened_by_prompt)  # may still open
-        if self.starts_in_reasoning or self.opened_by_prompt:
+            return ReasoningScan(thinking=self.reply_in_reasoning)  # may still open
+        if self.reply_in_reasoning:
             return _reasoning(text, 0, final)
         return ReasoningScan(content=text)
 
