@@ -134,6 +134,8 @@ class LLM:
         constrained = any(sp.structured_outputs is not None for sp in params)
         parsing = ChatParsing.plan_offline(self._parts.config.chat_parsing, tool_request, constrained)
         params = [with_forced_calls(sp, tool_request) for sp in params]
+        if parsing is not None:
+            params = [sp.clone(structured_outputs=parsing.structured(sp.structured_outputs)) for sp in params]
         if parsing is not None and parsing.needs_special_tokens:
             params = [dataclasses.replace(sp, skip_special_tokens=False) for sp in params]
         now = time.monotonic()

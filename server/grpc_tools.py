@@ -82,6 +82,8 @@ def chat_parsing(request: pb.GenerateRequest, config: ChatParsingConfig, params:
     tools = tools_from_proto(request.messages)
     parsing = ChatParsing.plan(config, tools, constrained=params.structured_outputs is not None)
     params = with_forced_calls(params, tools)
+    if parsing is not None:
+        params = params.clone(structured_outputs=parsing.structured(params.structured_outputs))
     if parsing is not None and parsing.needs_special_tokens:
         params = dataclasses.replace(params, skip_special_tokens=False)
     return parsing, params

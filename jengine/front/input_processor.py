@@ -21,7 +21,7 @@ from jengine.structured.source import GrammarSource
 from jengine.tokenizer import Tokenizer
 from jengine.tokenizer.chat import CHAT_PROMPT_KEYS, render_chat
 from jengine.tokenizer.tokenizer import read_template_argument
-from jengine.tools.reasoning import REASONING_END, reasoning_parser
+from jengine.tools.reasoning import REASONING_END, prompt_closed_reasoning
 
 if TYPE_CHECKING:
     from jengine.factory import EngineParts
@@ -72,7 +72,6 @@ class InputProcessor:
         model_eos_token_ids: Iterable[int] = (),
         stop_at_context_end: bool = False,
         structured_outputs: bool = True,
-        reasoning_parser: str | None = None,
     ) -> None:
         """`vocab_size` is the model's (its embedding may be padded past the tokenizer; the smaller bound wins).
         `stop_at_context_end` (offline use, as vLLM's LLM): a max_tokens reaching past max_model_len ends the output
@@ -87,11 +86,6 @@ class InputProcessor:
         self._warned_context_end = False
         self._grammars = GrammarSource(tokenizer)  # structured output: compiled on first use, cached
         self.structured_outputs = structured_outputs  # False: this engine cannot constrain (several processes)
-        # A chat reply read by a reasoning parser reasons before its constrained part: the grammar waits for the
-        # end marker, by its token ids (the core sees no text).
-        self.reasoning_parser = reasoning_parser
-        self._reasoning_end = tuple(tokenizer.encode(REASONING_END, add_special_tokens=False)) if reasoning_parser \
-            else ()
 
     @classmethod
     def from_parts(cls, parts: EngineParts, max_n: int = 16, *, stop_at_context_end: bool = False
@@ -101,7 +95,6 @@ class InputProcessor:
             parts.tokenizer, parts.spec.vocab_size, parts.config.scheduler.max_model_len,
             parts.config.model.max_logprobs, max_n, model_eos_token_ids=parts.spec.eos_token_ids,
             stop_at_context_end=stop_at_context_end, structured_outputs=parts.config.parallel.num_processes == 1,
-            reasoning_parser=parts.config.chat_parsing.reasoning_parser,
         )
 
     def process(self, prompt: PromptInput, params: SamplingParams, request_id: str, *, priority: int = 0,
@@ -111,15 +104,13 @@ class InputProcessor:
         return self.prepare(prompt, params, request_id, priority=priority, arrival_time=arrival_time)
 
     def prepare(self, prompt: PromptInput, params: SamplingParams, request_id: str, *, priority: int = 0,
-                arrival_time: float, chat: bool = False) -> ProcessedRequest:
-        """`process` for params that passed `check_params` (a caller that checks them before admission); `chat`: the
-        prompt is a rendered chat (a `{"messages"}` prompt is one too)."""
+                arrival_time: float) -> ProcessedRequest:
+        """`process` for params that passed `check_params` (a caller that checks them before admission)."""
         _check_int_field("priority", priority)
         text, ids = self.tokenize(prompt)
         self._check_token_ids(ids)
         resolved = self._resolve_lengths(len(ids), params)
-        chat = chat or (isinstance(prompt, Mapping) and "messages" in prompt)
-        reasoning_end = self._grammar_waits_for(text) if chat and params.structured_outputs is not None else ()
+        reasoning_end = self._grammar_waits_for(text, params.structured_outputs)
         children = [
             Request(child_id, list(ids), resolved, self.eos_token_ids, arrival_time, priority, choice_index=index,
                     grammar=self._grammars.for_request(params.structured_outputs, reasoning_end))
@@ -150,15 +141,15 @@ class InputProcessor:
         options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
                    "chat_template_kwargs": chat_template_kwargs, "tools": tools}
         prompt = render_chat(tokenizer, messages, options)
-        return self.prepare(prompt, params, request_id, priority=priority, arrival_time=arrival_time, chat=True)
+        return self.prepare(prompt, params, request_id, priority=priority, arrival_time=arrival_time)
 
-    def _grammar_waits_for(self, prompt: str | None) -> tuple[int, ...]:
-        """The token ids a constrained chat reply's grammar waits for: the reasoning's end marker when the server
-        reads reasoning and the prompt has not closed the span already (as the reasoning parser reads the reply);
-        () when the grammar applies from the first token."""
-        if self.reasoning_parser is None:
+    def _grammar_waits_for(self, prompt: str | None, constraint: StructuredOutputsParams | None) -> tuple[int, ...]:
+        """The token ids a reply's grammar waits for: the reasoning's end marker (`</think>`, as this tokenizer
+        encodes it) for a constraint that applies after the reasoning, unless the prompt has closed the span
+        already; () when the grammar applies from the first token."""
+        if constraint is None or not constraint.after_reasoning or prompt_closed_reasoning(prompt):
             return ()
-        return self._reasoning_end if reasoning_parser(self.reasoning_parser, prompt, True).reply_in_reasoning else ()
+        return tuple(self.tokenizer.encode(REASONING_END, add_special_tokens=False))
 
     def check_params(self, params: SamplingParams) -> None:
         """The one validation of a request's SamplingParams, whoever sent it: field ranges (SamplingParams.validate)

@@ -29,6 +29,9 @@ class StructuredOutputsParams:
     # then wander in blanks (vLLM's `disable_any_whitespace`, on by default here).
     disable_any_whitespace: bool = True
     disable_additional_properties: bool = False  # objects of the schema accept no properties it does not name
+    # The constraint applies once the reply's reasoning span has ended (after `</think>`; from the first token when
+    # the prompt already closed the span): the chat front ends set it under a reasoning parser.
+    after_reasoning: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.choice, list):
@@ -50,7 +53,7 @@ class StructuredOutputsParams:
             raise InvalidRequestError(f"structured_outputs takes exactly one of {', '.join(KINDS)}; got "
                                       f"{', '.join(given) or 'none'}", param="structured_outputs")
         kind = given[0]
-        for flag in ("json_object", "disable_any_whitespace", "disable_additional_properties"):
+        for flag in ("json_object", "disable_any_whitespace", "disable_additional_properties", "after_reasoning"):
             if not isinstance(getattr(self, flag), (bool, type(None))):
                 raise InvalidRequestError(f"{flag} must be a boolean", param=flag)
         if kind in ("json", "structural_tag") and not isinstance(getattr(self, kind), dict):

@@ -152,6 +152,13 @@ class ChatParsing:
         parser.feed(text, final=True)
         return parser.message()
 
+    def structured(self, constraint: StructuredOutputsParams | None) -> StructuredOutputsParams | None:
+        """A reply's constraint as this plan reads the reply: applied after the reasoning span (the front makes the
+        grammar wait for its end) when a reasoning parser reads one."""
+        if constraint is None or self.reasoning_parser is None:
+            return constraint
+        return dataclasses.replace(constraint, after_reasoning=True)
+
     @property
     def needs_special_tokens(self) -> bool:
         """The tool format's markers are special tokens, which the decoded text must keep."""

@@ -248,6 +248,8 @@ def parse_chat(body: Mapping[str, Any], info: ModelInfo, max_n: int = 16) -> Cha
         prompt["tools"] = list(tools.tools)
     kwargs = _sampling_kwargs(body, ("max_completion_tokens", "max_tokens"), info.sampling_defaults, "chat", forced)
     parsing = ChatParsing.plan(info.chat_parsing, tools, constrained=kwargs["structured_outputs"] is not None)
+    if parsing is not None:
+        kwargs["structured_outputs"] = parsing.structured(kwargs["structured_outputs"])
     if parsing is not None and parsing.needs_special_tokens:
         kwargs["skip_special_tokens"] = False  # the format's markers are special tokens: the parser reads them
     top_logprobs = _chat_logprobs(body)

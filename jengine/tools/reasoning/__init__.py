@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from jengine.errors import ConfigError
 from jengine.tools.reasoning.think import CLOSE as REASONING_END
-from jengine.tools.reasoning.think import DeepSeekR1Parser, Qwen3Parser, ReasoningParser, ReasoningScan
+from jengine.tools.reasoning.think import (DeepSeekR1Parser, Qwen3Parser, ReasoningParser, ReasoningScan,
+                                           prompt_closed_reasoning)
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     parser.name: parser for parser in (Qwen3Parser, DeepSeekR1Parser)
@@ -19,4 +20,5 @@ def reasoning_parser(name: str, prompt: str | None = None, constrained: bool = F
     return REASONING_PARSERS[name](prompt, constrained)
 
 
-__all__ = ["REASONING_END", "REASONING_PARSERS", "ReasoningParser", "ReasoningScan", "reasoning_parser"]
+__all__ = ["REASONING_END", "REASONING_PARSERS", "ReasoningParser", "ReasoningScan", "prompt_closed_reasoning",
+           "reasoning_parser"]

@@ -39,9 +39,8 @@ class ReasoningParser:
     def __init__(self, prompt: str | None = None, constrained: bool = False) -> None:
         """`constrained`: the reply's content is grammar-constrained, and the grammar waits for the end of the
         reasoning (`reply_in_reasoning`), so the reply is read as starting in reasoning too."""
-        tail = "" if prompt is None else prompt.rstrip()
-        self.closed_by_prompt = tail.endswith(CLOSE)  # e.g. enable_thinking=false: an empty span in the prompt
-        self.opened_by_prompt = tail.endswith(OPEN)
+        self.closed_by_prompt = prompt_closed_reasoning(prompt)  # e.g. enable_thinking=false: an empty span
+        self.opened_by_prompt = prompt is not None and prompt.rstrip().endswith(OPEN)
         self.reply_in_reasoning = not self.closed_by_prompt and (self.starts_in_reasoning or self.opened_by_prompt
                                                                  or constrained)
 
@@ -58,6 +57,12 @@ class ReasoningParser:
         if self.reply_in_reasoning:
             return _reasoning(text, 0, final)
         return ReasoningScan(content=text)
+
+
+def prompt_closed_reasoning(prompt: str | None) -> bool:
+    """The prompt ends with a closed span (templates that turn thinking off write an empty one): the reply starts
+    in content."""
+    return prompt is not None and prompt.rstrip().endswith(CLOSE)
 
 
 def _reasoning(text: str, start: int, final: bool) -> ReasoningScan:
