@@ -97,11 +97,12 @@ def auth(key: str = API_KEY) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {key}"),)
 
 
-def start_harness(model_dir: Path) -> GrpcHarness:
-    """Build the engine (float32, small limits; at most MAX_NUM_SEQS requests admitted) and serve it with a key."""
+def start_harness(model_dir: Path, **engine_kwargs: Any) -> GrpcHarness:
+    """Build the engine (float32, small limits; at most MAX_NUM_SEQS requests admitted; `engine_kwargs` are further
+    EngineConfig fields) and serve it with a key."""
     loops = LoopThread()
     config = EngineConfig.from_kwargs(str(model_dir), dtype="float32", max_model_len=MAX_MODEL_LEN,
-                                      max_num_seqs=MAX_NUM_SEQS, max_num_queued_reqs=0)
+                                      max_num_seqs=MAX_NUM_SEQS, max_num_queued_reqs=0, **engine_kwargs)
     engine = AsyncEngine.from_config(config)
     server = loops.run(start_grpc_server(engine, "127.0.0.1", 0, API_KEY))
     address = f"127.0.0.1:{server.port}"

@@ -19,8 +19,10 @@ import pytest
 from transformers import AddedToken, AutoTokenizer, LlamaConfig
 
 from jengine.tokenizer import CHATML_TEMPLATE, train_tiny_tokenizer
+from jengine.v1 import jengine_pb2 as pb
 from tests.conftest import COMMON, TOKENIZER_VOCAB
 from tests.server.conftest import Servers, ServerHandle
+from tests.server.grpc_fixtures import auth, start_harness, stop_harness
 from tests.server.test_structured import JSON_SCHEMA_FORMAT, SCHEMA, TOOLS, WEATHER, TIME
 from tests.server.test_tool_calls import _reassemble
 
@@ -124,3 +126,24 @@ def test_a_prompt_inside_the_span_and_max_tokens_while_reasoning(
     assert choice.finish_reason == "length" and choice.message.content is None
     assert choice.message.model_extra["reasoning"]
     handle.wait_idle()
+
+
+def test_over_grpc_the_reasoning_and_the_constrained_content_are_apart(
+        think_model_dir: Path, thinker: tuple[ServerHandle, dict[str, int]]) -> None:
+    """The gRPC service reads a chat the same way: reasoning deltas first, then content that validates."""
+    _, ids = thinker
+    harness = start_harness(think_model_dir, reasoning_parser="qwen3")
+    try:
+        chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")])
+        sampling = pb.SamplingParams(temperature=1.0, seed=1, max_tokens=160,
+                                     logit_bias={int(k): v for k, v in _bias(ids, 5.0).items()})
+        fmt = pb.ResponseFormat(type="json_schema", json_schema=json.dumps(SCHEMA))
+        responses = harness.stub.Generate(pb.GenerateRequest(messages=chat, sampling=sampling, response_format=fmt),
+                                          metadata=auth(), timeout=60)
+        deltas = [c.chat for r in responses for c in r.outputs]
+        jsonschema.validate(json.loads("".join(d.content for d in deltas)), SCHEMA)
+        http = _reassemble(list(thinker[0].client().chat.completions.create(
+            stream=True, **_chat(ids, response_format=JSON_SCHEMA_FORMAT, max_tokens=160, seed=1))))
+        assert "".join(d.reasoning for d in deltas) == http[1]  # the same seed reasons the same over HTTP
+    finally:
+        stop_harness(harness)
