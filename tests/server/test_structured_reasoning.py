@@ -18,6 +18,7 @@ import jsonschema
 import pytest
 from transformers import AddedToken, AutoTokenizer, LlamaConfig
 
+from jengine import LLM, SamplingParams, StructuredOutputsParams
 from jengine.tokenizer import CHATML_TEMPLATE, train_tiny_tokenizer
 from jengine.v1 import jengine_pb2 as pb
 from tests.conftest import COMMON, TOKENIZER_VOCAB
@@ -147,3 +148,19 @@ def test_over_grpc_the_reasoning_and_the_constrained_content_are_apart(
         assert "".join(d.reasoning for d in deltas) == http[1]  # the same seed reasons the same over HTTP
     finally:
         stop_harness(harness)
+
+
+def test_offline_chat_reads_the_reasoning_and_the_constrained_content(
+        think_model_dir: Path, thinker: tuple[ServerHandle, dict[str, int]]) -> None:
+    _, ids = thinker
+    bias = {int(k): v for k, v in _bias(ids, 5.0).items()}
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=160, logit_bias=bias,
+                             structured_outputs=StructuredOutputsParams(json=SCHEMA)) for seed in range(2)]
+    with LLM(str(think_model_dir), dtype="float32", max_model_len=256, reasoning_parser="qwen3") as llm:
+        outputs = llm.chat([USER, USER], params, use_tqdm=False)
+    for output in outputs:
+        (choice,) = output.outputs
+        reasoning, _, content = choice.text.partition("</think>")
+        assert choice.finish_reason == "stop" and choice.message.content == content
+        assert (choice.message.reasoning or "") == reasoning.strip()
+        jsonschema.validate(json.loads(content), SCHEMA)
