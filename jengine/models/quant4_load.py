@@ -1,6 +1,6 @@
 """`quantization_config` of 4-bit checkpoints (AWQ, GPTQ, compressed-tensors W4A16) and a checkpoint reader that
 presents their packed modules as float `weight` tensors (`models/quant4.py` unpacks them), so the loader places them
-like any float checkpoint. 8-bit methods are not read here (`read_quant4_config` returns None for them)."""
+like any float checkpoint where they are not kept packed (`models/quant4_place.py` decides, and logs which). 8-bit methods are not read here (`read_quant4_config` returns None for them)."""
 
 from __future__ import annotations
 
@@ -124,8 +124,10 @@ class Quant4Reader:
         hidden = {f"{m}.{p}" for m in self._modules for p in parts}
         self._names = sorted([n for n in reader.names() if n not in hidden] + [m + ".weight" for m in self._modules])
         self._module_set = set(self._modules)
-        logger.info("quantization: %s; %d projections unpacked and dequantized at load to the model dtype (the model "
-                    "runs unquantized, with a float model's memory)", quant.label, len(self._modules))
+
+    @property
+    def quant(self) -> Quant4Config:
+        return self._quant
 
     @property
     def model_dir(self):
