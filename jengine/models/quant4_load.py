@@ -12,7 +12,7 @@ import numpy as np
 
 from jengine.errors import CheckpointError, UnsupportedModelError
 from jengine.models.checkpoint import CheckpointReader, TensorInfo
-from jengine.models.quant4 import GPTQ_BITS, Unpacked, unpack_awq, unpack_compressed_tensors, unpack_gptq
+from jengine.models.quant4 import GPTQ_BITS, Unpacked, _groups, unpack_awq, unpack_compressed_tensors, unpack_gptq
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +185,19 @@ class Quant4Reader:
                                q.zeros_one_less)
         return unpack_compressed_tensors(get["weight_packed"], get["weight_scale"], get["weight_zero_point"],
                                          self._out_in(module), get["weight_g_idx"])
+
+    def group_rows(self, module: str) -> tuple[np.ndarray, int]:
+        """(each input row's group, the number of groups) from the scales' shape and any g_idx, without unpacking
+        the weight (what deciding whether a module can stay packed needs)."""
+        r, q = self._reader, self._quant
+        if q.method == "compressed-tensors":
+            k, groups = self._out_in(module)[1], r.shape(module + ".weight_scale")[1]
+            stored = r.read(module + ".weight_g_idx") if module + ".weight_g_idx" in r else None
+            return (np.asarray(stored, np.int32) if stored is not None else _groups(k, -(-k // groups))), groups
+        k, groups = self._out_in(module)[1], r.shape(module + ".scales")[0]
+        if q.method == "gptq" and module + ".g_idx" in r:
+            return np.asarray(r.read(module + ".g_idx"), np.int32), groups
+        return _groups(k, q.group_size if q.group_size > 0 else k), groups
 
     def read(self, name: str) -> np.ndarray:
         module = self._module(name)

@@ -57,19 +57,23 @@ def why_dequantized(reader: Quant4Reader, leaf: Source, shards: int) -> str | No
         return f"{reader.quant.bits}-bit weights (the W4A16 kernel takes 4)"
     if shards > 1 or any(p.head_repeat > 1 for p in _parts(leaf)):
         return "tensor parallelism (4-bit leaves are not split across devices yet)"
-    unpacked = [reader.unpacked(_module(p)) for p in _parts(leaf)]
-    groups = {_group(u) for u in unpacked}
+    rows = [reader.group_rows(_module(p)) for p in _parts(leaf)]
+    groups = {len(g_idx) // count if len(g_idx) % count == 0 else 0 for g_idx, count in rows}
     if len(groups) != 1 or (group := groups.pop()) % KERNEL_GROUP or group == 0:
         return f"group size {sorted(groups | {group})} (the W4A16 kernel takes multiples of {KERNEL_GROUP})"
-    counts = [np.bincount(u.g_idx, minlength=u.scales.shape[0]) for u in unpacked]
-    if any(np.any(c != group) for c in counts):
+    if any(np.any(np.bincount(g_idx, minlength=count) != group) for g_idx, count in rows):
         return "groups of unequal sizes"
-    perms = [u.perm for u in unpacked]
+    perms = [sorted_order(g_idx) for g_idx, _ in rows]
     if any((p is None) != (perms[0] is None) or (p is not None and not np.array_equal(p, perms[0])) for p in perms):
         return "fused projections in different activation orders"
     if tiles(1, leaf.shape[-1]) is None:
         return f"{leaf.shape[-1]} output features (not a multiple of 16)"
     return None
+
+
+def sorted_order(g_idx: np.ndarray) -> np.ndarray | None:
+    """The input-row order making each group contiguous, or None when the rows already are."""
+    return None if np.all(np.diff(g_idx) >= 0) else np.argsort(g_idx, kind="stable")
 
 
 def _pack_rows(values: np.ndarray) -> np.ndarray:

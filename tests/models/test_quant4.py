@@ -124,7 +124,8 @@ PACKED = ("wqkv", "wo", "w_gate_up", "w_down")
 @pytest.mark.parametrize("fmt,kwargs", [
     ("awq", {}),
     ("gptq", dict(symmetric=False, v1=False, desc_act=True)),
-], ids=["awq", "gptq-act-order"])
+    ("ct", dict(symmetric=False)),
+], ids=["awq", "gptq-act-order", "ct-asym"])
 def test_kept_in_4_bits_with_the_dequantized_models_logits(build_checkpoint, fmt, kwargs, caplog):
     """Group 128: every projection stays packed (4 bits a weight, float16 group scales and zeros) and the logits
     are the float32 dequantized model's within 1e-4 · max|ref|."""
