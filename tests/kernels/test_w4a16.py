@@ -72,3 +72,18 @@ def test_model_through_the_kernel_matches_the_reference_path(build_checkpoint, m
     assert params["layers"][0]["w_down"].impl == "pallas_interpret"
     for ours, ref in zip(kernel, reference, strict=True):
         assert np.abs(ours - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("tokens", [1, 4096])
+def test_linear_on_a_packed_weight_lowers_to_the_kernel_for_h200(tokens):
+    """`linear()` on an `Int4Weight` of the GPU implementation (activation order included): one Triton call."""
+    from jengine.layers.linear import linear
+    from jengine.layers.quant4 import Int4Weight
+    from tests.kernels.test_lowering import S, lower_for_h200
+
+    def project(x, packed, zeros, scales, perm):
+        return linear(x, Int4Weight(packed, zeros, scales, perm, GROUP, "pallas"))
+
+    text = lower_for_h200(project, S((tokens, 4096), jnp.bfloat16), S((512, 6144), jnp.int32),
+                          S((32, 6144), jnp.float16), S((32, 6144), jnp.float16), S((4096,), jnp.int32))
+    assert text.count("__gpu$xla.gpu.triton") == 1
