@@ -153,3 +153,13 @@ def test_groups_the_kernel_cannot_take_are_dequantized_with_a_reason(build_check
     assert "21 projections unpacked and dequantized at load" in caplog.text
     assert "group size [64] (the W4A16 kernel takes multiples of 128)" in caplog.text
     assert not isinstance(params["layers"][0]["wqkv"], Int4Weight)
+
+
+def test_tensor_parallel_layouts_dequantize_with_a_reason(build_checkpoint, caplog):
+    """Packed leaves are not split across devices: a tensor-parallel layout reads them as float, and says so."""
+    model_dir, _ = build_checkpoint(LlamaConfig(**KERNEL_SHAPED))
+    quantize_checkpoint(model_dir, "awq", group=128)
+    with caplog.at_level(logging.INFO, logger="jengine.models.quant4_load"):
+        _, params, _ = load_model(model_dir, dtype="float32", progress=False, projection_shards=2)
+    assert "21 projections unpacked and dequantized at load" in caplog.text and "why: tensor parallelism" in caplog.text
+    assert not any(isinstance(params["layers"][0][name], Int4Weight) for name in PACKED)
