@@ -163,3 +163,36 @@ def test_tensor_parallel_layouts_dequantize_with_a_reason(build_checkpoint, capl
         _, params, _ = load_model(model_dir, dtype="float32", progress=False, projection_shards=2)
     assert "21 projections unpacked and dequantized at load" in caplog.text and "why: tensor parallelism" in caplog.text
     assert not any(isinstance(params["layers"][0][name], Int4Weight) for name in PACKED)
+
+
+def test_the_engine_serves_packed_weights_as_the_dequantized_model(build_checkpoint, tiny_tokenizer_dir):
+    """Through `LLM`: the same greedy tokens as the float32 dequantized checkpoint, logprobs within 1e-4."""
+    from jengine import LLM, SamplingParams
+
+    model_dir, _ = build_checkpoint(LlamaConfig(**KERNEL_SHAPED), tokenizer_dir=tiny_tokenizer_dir)
+    quantize_checkpoint(model_dir, "gptq", group=128, symmetric=False, desc_act=True)
+    params = SamplingParams(temperature=0, max_tokens=5, min_tokens=5, logprobs=1)
+    runs = []
+    for path in (model_dir, model_dir.with_name(model_dir.name + "-dequantized")):
+        with LLM(str(path), tokenizer=str(model_dir), dtype="float32", max_model_len=64) as llm:
+            out = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        runs.append([(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                                               o.outputs[0].token_ids)]) for o in out])
+    assert [tokens for tokens, _ in runs[0]] == [tokens for tokens, _ in runs[1]]
+    assert np.abs(np.array([lp for _, lp in runs[0]]) - np.array([lp for _, lp in runs[1]])).max() <= 1e-4
+
+
+def test_weights_take_4_bit_bytes(build_checkpoint):
+    """What the KV planner measures after loading: the projections at 4.25 bits a weight, not 32."""
+    import jax
+
+    model_dir, _ = build_checkpoint(LlamaConfig(**KERNEL_SHAPED))
+    quantize_checkpoint(model_dir, "awq", group=128)
+    float_dir = model_dir.with_name(model_dir.name + "-dequantized")
+    sizes = []
+    for path in (model_dir, float_dir):
+        _, params, _ = load_model(path, dtype="float32", progress=False)
+        sizes.append(sum(leaf.nbytes for layer in params["layers"] for name in PACKED
+                         for leaf in jax.tree.leaves(layer[name])))
+    packed, full = sizes
+    assert packed == full * 4.25 / 32  # half a byte a weight + float16 zeros and scales per 128 (float32: 4)
