@@ -16,8 +16,9 @@ from jengine.models.spec import ModelSpec
 
 GIB = 1 << 30
 TP_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
-# Bytes per weight of the linear layers by quantization scheme (int4 schemes with their group-128 scales).
-WEIGHT_BYTES = {"fp8": 1.0, "awq": 0.5 + 2 / 128, "gptq": 0.5 + 2 / 128}
+# Bytes per weight of the linear layers by quantization scheme (int4 schemes packed as `layers/quant4.py` keeps
+# them: half a byte, plus float16 scales and zero points per 128-row group).
+WEIGHT_BYTES = {"fp8": 1.0, "awq": 0.5 + 4 / 128, "gptq": 0.5 + 4 / 128}
 
 
 @dataclasses.dataclass(frozen=True)

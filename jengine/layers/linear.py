@@ -1,5 +1,5 @@
 """Dense projections. Weights are stored `[in, out]` (transposed from HF) so activations multiply on the left; an
-8-bit weight (`layers/quant.py:QuantizedWeight`) takes its own matmul, so every projection of every family runs
+8-bit weight (`layers/quant.py:QuantizedWeight`) or a 4-bit one (`layers/quant4.py:Int4Weight`) takes its own matmul, so every projection of every family runs
 quantized checkpoints."""
 
 from __future__ import annotations
@@ -10,18 +10,21 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from jengine.layers.quant import QuantizedWeight, quantized_matmul
+from jengine.layers.quant4 import Int4Weight, int4_matmul
 
 Precision = jax.lax.Precision | None
 
 
 def linear(
     x: Float[Array, "... d_in"],
-    w: Float[Array, "d_in d_out"] | QuantizedWeight,
+    w: Float[Array, "d_in d_out"] | QuantizedWeight | Int4Weight,
     b: Float[Array, " d_out"] | None = None,
     precision: Precision = None,
 ) -> Float[Array, "... d_out"]:
     if isinstance(w, QuantizedWeight):
         y = quantized_matmul(x.reshape(-1, x.shape[-1]), w, precision).reshape(*x.shape[:-1], w.shape[-1])
+    elif isinstance(w, Int4Weight):
+        y = int4_matmul(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[-1])
     else:
         y = jnp.dot(x, w, precision=precision)
     return y + b if b is not None else y

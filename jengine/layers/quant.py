@@ -231,10 +231,15 @@ def column_scales(q: QuantizedWeight) -> Float[Array, "... n"] | None:
 def workspace_bytes(params, dtype) -> int:
     """Device memory a step needs beyond the weights for 8-bit ones: the largest copy the matmuls make of one
     weight (an expert stack dequantized for the grouped matmul, two alive at once; a block-scaled weight rescaled to
-    per-channel, or a weight-only one dequantized, at prefill). The KV planner reserves it."""
+    per-channel, or a weight-only one dequantized, at prefill; a 4-bit one on the reference path). The KV planner
+    reserves it."""
+    from jengine.layers.quant4 import Int4Weight
+
     sizes = [0]
-    for leaf in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight)):
-        if isinstance(leaf, QuantizedWeight):
+    for leaf in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, (QuantizedWeight, Int4Weight))):
+        if isinstance(leaf, Int4Weight):  # the reference path dequantizes it in the step; the kernel makes no copy
+            sizes.append(int(np.prod(leaf.shape)) * jnp.dtype(dtype).itemsize if leaf.impl == "reference" else 0)
+        elif isinstance(leaf, QuantizedWeight):
             elements = int(np.prod(leaf.shape))
             experts = len(leaf.shape) > 2
             sizes.append(2 * elements * jnp.dtype(dtype).itemsize if experts else

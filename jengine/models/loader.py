@@ -23,6 +23,8 @@ from jengine.errors import CheckpointError, ConfigError
 from jengine.models.checkpoint import CheckpointReader, checkpoint_dtype
 from jengine.models.converted import converted_metadata, restore_converted, save_converted
 from jengine.models.formats import open_checkpoint, read_model_config, unpacked_at_open
+from jengine.models.quant4_load import Quant4Reader
+from jengine.models.quant4_place import int4_plans, place_int4, read_int4
 from jengine.models.quant_config import QuantConfig, read_quant_config
 from jengine.models.quant_load import QUANTIZED_LEAVES, dequantized_float, leaf_quant, module_quant, place, read_leaf
 from jengine.models.registry import spec_from_hf_config
@@ -91,8 +93,9 @@ def load_model(
     spec = load_spec(model_dir)
     config = read_model_config(model_dir)
     # GGUF files and 4-bit checkpoints are read as float ones (their reader dequantizes); 8-bit ones are planned here
-    quant = None if unpacked_at_open(config, quantization) else read_quant_config(config, quantization)
-    if quant is not None:
+    four_bit = unpacked_at_open(config, quantization)
+    quant = None if four_bit else read_quant_config(config, quantization)
+    if quant is not None or four_bit:  # saved conversions hold float leaves only
         converted_dir = None
     with open_checkpoint(model_dir) as reader:
         spec = _tied_as_in_the_checkpoint(spec, reader)
@@ -109,6 +112,8 @@ def load_model(
             params = restore_converted(converted_dir, _abstract_params(sources, resolved, sharding_for))
             return spec, _with_kv_scales(params, spec, kv_scales, sharding_for), resolved
         plans = _quant_plans(reader, sources, quant, platform)
+        if isinstance(reader, Quant4Reader):  # 4-bit projections the W4A16 kernel takes stay packed
+            plans = int4_plans(reader, _flat_sources(sources), projection_shards, platform)
         _check_sources(reader, sources, plans)
         params = _place_all(reader, sources, resolved, sharding_for, progress, plans)
     if quant is not None:
@@ -252,6 +257,8 @@ def _place_any(reader: CheckpointReader, leaf: Source, dtype: jnp.dtype, shardin
     if plan is None:
         return _place_leaf(reader, leaf, dtype, sharding_for(path, leaf.shape))
     kind, how, impl = plan
+    if kind == "int4":
+        return place_int4(read_int4(reader, leaf), path, sharding_for, impl)
     if kind == "run":
         return place(read_leaf(reader, leaf, how), path, sharding_for, impl)
     full = np.asarray(dequantized_float(reader, str(leaf.names), how), dtype=dtype)

@@ -1,5 +1,7 @@
 """4-bit (and GPTQ 8-bit) integer checkpoints: AWQ, GPTQ and compressed-tensors `pack-quantized` W4A16, unpacked
-on the host and, for now, dequantized at load to the model's dtype (the model runs unquantized; the log says so).
+on the host, then repacked into the W4A16 kernel's layout (`models/quant4_place.py`, `layers/quant4.py`) or, where
+the kernel cannot take them (groups of 64, 8 bits, expert stacks, tensor parallelism), dequantized at load to the
+model's dtype (the log says which and why).
 
 The unpackers return `Unpacked` (integer values, zero points, group scales, each input row's group): what a W4A16
 kernel consumes, with `perm` the one input-row reordering that makes GPTQ's activation-order groups contiguous.

@@ -1,6 +1,6 @@
 """`quantization_config` of 4-bit checkpoints (AWQ, GPTQ, compressed-tensors W4A16) and a checkpoint reader that
 presents their packed modules as float `weight` tensors (`models/quant4.py` unpacks them), so the loader places them
-like any float checkpoint. 8-bit methods are not read here (`read_quant4_config` returns None for them)."""
+like any float checkpoint where they are not kept packed (`models/quant4_place.py` decides, and logs which). 8-bit methods are not read here (`read_quant4_config` returns None for them)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 
 from jengine.errors import CheckpointError, UnsupportedModelError
 from jengine.models.checkpoint import CheckpointReader, TensorInfo
-from jengine.models.quant4 import GPTQ_BITS, Unpacked, unpack_awq, unpack_compressed_tensors, unpack_gptq
+from jengine.models.quant4 import GPTQ_BITS, Unpacked, _groups, unpack_awq, unpack_compressed_tensors, unpack_gptq
 
 logger = logging.getLogger(__name__)
 
@@ -124,8 +124,10 @@ class Quant4Reader:
         hidden = {f"{m}.{p}" for m in self._modules for p in parts}
         self._names = sorted([n for n in reader.names() if n not in hidden] + [m + ".weight" for m in self._modules])
         self._module_set = set(self._modules)
-        logger.info("quantization: %s; %d projections unpacked and dequantized at load to the model dtype (the model "
-                    "runs unquantized, with a float model's memory)", quant.label, len(self._modules))
+
+    @property
+    def quant(self) -> Quant4Config:
+        return self._quant
 
     @property
     def model_dir(self):
@@ -183,6 +185,19 @@ class Quant4Reader:
                                q.zeros_one_less)
         return unpack_compressed_tensors(get["weight_packed"], get["weight_scale"], get["weight_zero_point"],
                                          self._out_in(module), get["weight_g_idx"])
+
+    def group_rows(self, module: str) -> tuple[np.ndarray, int]:
+        """(each input row's group, the number of groups) from the scales' shape and any g_idx, without unpacking
+        the weight (what deciding whether a module can stay packed needs)."""
+        r, q = self._reader, self._quant
+        if q.method == "compressed-tensors":
+            k, groups = self._out_in(module)[1], r.shape(module + ".weight_scale")[1]
+            stored = r.read(module + ".weight_g_idx") if module + ".weight_g_idx" in r else None
+            return (np.asarray(stored, np.int32) if stored is not None else _groups(k, -(-k // groups))), groups
+        k, groups = self._out_in(module)[1], r.shape(module + ".scales")[0]
+        if q.method == "gptq" and module + ".g_idx" in r:
+            return np.asarray(r.read(module + ".g_idx"), np.int32), groups
+        return _groups(k, q.group_size if q.group_size > 0 else k), groups
 
     def read(self, name: str) -> np.ndarray:
         module = self._module(name)

@@ -79,14 +79,18 @@ def quantize_checkpoint(model_dir: Path, fmt: str, group: int, bits: int = 4, sy
     for path in sorted(model_dir.glob("*.safetensors")):
         state.update(load_file(str(path)))
         path.unlink()
-    out, held = {}, {}
+    out, held, orders = {}, {}, {}
     for name, w in state.items():
         module = name.removesuffix(".weight")
         if not (name.endswith(".weight") and module.split(".")[-1] in PROJECTIONS + EXPERT_PROJECTIONS):
             out[name] = held[name] = w
             continue
         w_in_out = w.astype(np.float32).T
-        g_idx = rng.permutation(np.arange(w_in_out.shape[0]) // group) if desc_act else None
+        # one activation order per input (a module's parent and its input width), as GPTQ's Hessian is the input's
+        key = (module.rsplit(".", 1)[0], w_in_out.shape[0])
+        if desc_act and key not in orders:
+            orders[key] = rng.permutation(np.arange(w_in_out.shape[0]) // group)
+        g_idx = orders.get(key) if desc_act else None
         q, zeros, scales, g_idx = quantize_groups(w_in_out, group, bits, symmetric, g_idx)
         held[name] = dequantized(q, zeros, scales, g_idx).T.copy()
         out.update(_packed(module, fmt, q, zeros, scales, g_idx, bits, v1, symmetric, w.shape))

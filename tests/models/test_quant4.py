@@ -12,6 +12,7 @@ import torch
 from transformers import LlamaConfig, Qwen3MoeConfig
 
 from jengine.errors import UnsupportedModelError
+from jengine.layers.quant4 import Int4Weight
 from jengine.models.loader import load_model
 from jengine.models.quant4 import unpack_awq, unpack_compressed_tensors, unpack_gptq
 from jengine.models.quant4_load import read_quant4_config
@@ -23,14 +24,19 @@ from tests.models.quant4_packing import (
 PROMPTS = [[1, 5, 9, 77, 300, 12, 4], [1, 200, 3, 3, 8]]
 
 
-def _check_logits(model_dir, model) -> None:
+def prompt_logits(model_dir) -> tuple[list[np.ndarray], dict]:
     spec, params, dtype = load_model(model_dir, dtype="float32", progress=False)
-    logits = SimpleGenerator(spec, params, dtype, block_size=4).generate(PROMPTS, 1, return_prompt_logits=True
-                                                                         ).prompt_logits
+    generator = SimpleGenerator(spec, params, dtype, block_size=4)
+    return generator.generate(PROMPTS, 1, return_prompt_logits=True).prompt_logits, params
+
+
+def _check_logits(model_dir, model) -> dict:
+    logits, params = prompt_logits(model_dir)
     for prompt, ours in zip(PROMPTS, logits, strict=True):
         with torch.no_grad():
             ref = model(torch.tensor([prompt])).logits[0].numpy()
         assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
+    return params
 
 
 @pytest.mark.parametrize("fmt,kwargs", [
@@ -56,7 +62,9 @@ def test_moe_experts_in_4_bits(build_checkpoint, caplog):
     model = quantize_checkpoint(model_dir, "gptq", group=32, symmetric=True, v1=True)
     with caplog.at_level(logging.INFO, logger="jengine.models.quant4_load"):
         _check_logits(model_dir, model)
-    assert "48 projections unpacked" in caplog.text  # 3 layers × (4 attention + 4 experts × 3)
+    assert "36 projections unpacked and dequantized at load" in caplog.text  # 3 layers × 4 experts × 3
+    assert "why: expert stacks" in caplog.text
+    assert "12 projections unpacked and dequantized at load" in caplog.text  # attention, in groups of 32
 
 
 @pytest.mark.parametrize("group", [128, 64])
@@ -106,3 +114,85 @@ def test_compressed_tensors_unpack_agrees_with_the_library():
 def test_unsupported_variants_refused_by_name(qc, named):
     with pytest.raises(UnsupportedModelError, match=named):
         read_quant4_config({"quantization_config": qc})
+
+
+# Shapes the W4A16 kernel tiles: K multiples of its 128-row groups, N of its column strips.
+KERNEL_SHAPED = COMMON | dict(hidden_size=128, intermediate_size=256)
+PACKED = ("wqkv", "wo", "w_gate_up", "w_down")
+
+
+@pytest.mark.parametrize("fmt,kwargs", [
+    ("awq", {}),
+    ("gptq", dict(symmetric=False, v1=False, desc_act=True)),
+    ("ct", dict(symmetric=False)),
+], ids=["awq", "gptq-act-order", "ct-asym"])
+def test_kept_in_4_bits_with_the_dequantized_models_logits(build_checkpoint, fmt, kwargs, caplog):
+    """Group 128: every projection stays packed (4 bits a weight, float16 group scales and zeros) and the logits
+    are the float32 dequantized model's within 1e-4 · max|ref|."""
+    model_dir, _ = build_checkpoint(LlamaConfig(**KERNEL_SHAPED))
+    model = quantize_checkpoint(model_dir, fmt, group=128, **kwargs)
+    with caplog.at_level(logging.INFO, logger="jengine.models.quant4_load"):
+        params = _check_logits(model_dir, model)
+    assert "21 projections kept in 4 bits" in caplog.text and "dequantized" not in caplog.text
+    for layer in params["layers"]:
+        for name in PACKED:
+            w = layer[name]
+            assert isinstance(w, Int4Weight) and w.packed.dtype == np.int32
+            k, n = w.shape
+            assert w.packed.nbytes * 2 == k * n  # half a byte per weight
+            assert w.zeros.nbytes + w.scales.nbytes == 4 * (k // 128) * n
+            # activation order reorders rows only across groups: down_proj's 256 inputs are two of them
+            assert (w.perm is not None) == ("desc_act" in kwargs and name == "w_down")
+
+
+def test_groups_the_kernel_cannot_take_are_dequantized_with_a_reason(build_checkpoint, caplog):
+    model_dir, _ = build_checkpoint(LlamaConfig(**KERNEL_SHAPED))
+    model = quantize_checkpoint(model_dir, "awq", group=64)
+    with caplog.at_level(logging.INFO, logger="jengine.models.quant4_load"):
+        params = _check_logits(model_dir, model)
+    assert "21 projections unpacked and dequantized at load" in caplog.text
+    assert "group size [64] (the W4A16 kernel takes multiples of 128)" in caplog.text
+    assert not isinstance(params["layers"][0]["wqkv"], Int4Weight)
+
+
+def test_tensor_parallel_layouts_dequantize_with_a_reason(build_checkpoint, caplog):
+    """Packed leaves are not split across devices: a tensor-parallel layout reads them as float, and says so."""
+    model_dir, _ = build_checkpoint(LlamaConfig(**KERNEL_SHAPED))
+    quantize_checkpoint(model_dir, "awq", group=128)
+    with caplog.at_level(logging.INFO, logger="jengine.models.quant4_load"):
+        _, params, _ = load_model(model_dir, dtype="float32", progress=False, projection_shards=2)
+    assert "21 projections unpacked and dequantized at load" in caplog.text and "why: tensor parallelism" in caplog.text
+    assert not any(isinstance(params["layers"][0][name], Int4Weight) for name in PACKED)
+
+
+def test_the_engine_serves_packed_weights_as_the_dequantized_model(build_checkpoint, tiny_tokenizer_dir):
+    """Through `LLM`: the same greedy tokens as the float32 dequantized checkpoint, logprobs within 1e-4."""
+    from jengine import LLM, SamplingParams
+
+    model_dir, _ = build_checkpoint(LlamaConfig(**KERNEL_SHAPED), tokenizer_dir=tiny_tokenizer_dir)
+    quantize_checkpoint(model_dir, "gptq", group=128, symmetric=False, desc_act=True)
+    params = SamplingParams(temperature=0, max_tokens=5, min_tokens=5, logprobs=1)
+    runs = []
+    for path in (model_dir, model_dir.with_name(model_dir.name + "-dequantized")):
+        with LLM(str(path), tokenizer=str(model_dir), dtype="float32", max_model_len=64) as llm:
+            out = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        runs.append([(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                                               o.outputs[0].token_ids)]) for o in out])
+    assert [tokens for tokens, _ in runs[0]] == [tokens for tokens, _ in runs[1]]
+    assert np.abs(np.array([lp for _, lp in runs[0]]) - np.array([lp for _, lp in runs[1]])).max() <= 1e-4
+
+
+def test_weights_take_4_bit_bytes(build_checkpoint):
+    """What the KV planner measures after loading: the projections at 4.25 bits a weight, not 32."""
+    import jax
+
+    model_dir, _ = build_checkpoint(LlamaConfig(**KERNEL_SHAPED))
+    quantize_checkpoint(model_dir, "awq", group=128)
+    float_dir = model_dir.with_name(model_dir.name + "-dequantized")
+    sizes = []
+    for path in (model_dir, float_dir):
+        _, params, _ = load_model(path, dtype="float32", progress=False)
+        sizes.append(sum(leaf.nbytes for layer in params["layers"] for name in PACKED
+                         for leaf in jax.tree.leaves(layer[name])))
+    packed, full = sizes
+    assert packed == full * 4.25 / 32  # half a byte a weight + float16 zeros and scales per 128 (float32: 4)

@@ -1,0 +1,77 @@
+"""4-bit weight-only projections (W4A16: AWQ, GPTQ, compressed-tensors `pack-quantized`), kept packed on the device.
+
+An `Int4Weight` is the pytree `layers/linear.py:linear` dispatches on beside the 8-bit `QuantizedWeight`. It holds
+the layout `pallas_kernels/w4a16` reads: `packed [K / 8, N]` int32, input rows 8r … 8r + 7 of column c in word
+(r, c), row 8r + j at bits 4j; `zeros` and `scales` `[K / group, N]` (w = (q − zero) · scale of the row's group).
+GPTQ's activation order is applied once at load: the rows are stored sorted by group, and `perm` (the stored row
+order) gathers the activations' features to match, so each group is contiguous for the kernel.
+
+Implementations, chosen at load (`impl`): `reference` (the CPU: unpack, dequantize, one matmul), `pallas` (NVIDIA
+GPUs: the Triton kernel, decode tiles of 16 rows over narrow column strips, prefill tiles of 64 rows) and
+`pallas_interpret` (the kernel in interpret mode, for CPU tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+PACK = 8  # 4-bit values per int32 word
+Impl4 = Literal["reference", "pallas", "pallas_interpret"]
+DECODE_ROWS = 16  # up to this many tokens: the kernel's decode tile
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int4Weight:
+    """A 4-bit projection of logical shape `[K, N]` (our `[in, out]`)."""
+
+    packed: Int[Array, "k8 n"]
+    zeros: Float[Array, "g n"]
+    scales: Float[Array, "g n"]
+    perm: Int[Array, " k"] | None  # stored row i is input feature perm[i]; None: natural order
+    group: int = dataclasses.field(default=128, metadata=dict(static=True))
+    impl: Impl4 = dataclasses.field(default="reference", metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.packed.shape[0] * PACK, self.packed.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        extra = 0 if self.perm is None else self.perm.nbytes
+        return self.packed.nbytes + self.zeros.nbytes + self.scales.nbytes + extra
+
+
+def tiles(tokens: int, n: int) -> tuple[int, int] | None:
+    """(block_m, block_n) for the kernel, or None when no power-of-two column strip divides `n`."""
+    block_m, widths = (DECODE_ROWS, (64, 32, 16)) if tokens <= DECODE_ROWS else (64, (128, 64, 32, 16))
+    block_n = next((w for w in widths if n % w == 0), None)
+    return None if block_n is None else (block_m, block_n)
+
+
+def int4_matmul(x: Float[Array, "tokens k"], w: Int4Weight) -> Float[Array, "tokens n"]:
+    """x @ ((q − zeros) · scales) in x's dtype, by the weight's implementation."""
+    from pallas_kernels.w4a16 import w4a16_matmul, w4a16_matmul_reference  # Pallas imported only where used
+
+    if w.perm is not None:
+        x = jnp.take(x, w.perm, axis=-1)
+    if w.impl == "reference":
+        return w4a16_matmul_reference(x, w.packed, w.zeros, w.scales, group=w.group)
+    block_m, block_n = tiles(x.shape[0], w.shape[1])
+    return w4a16_matmul(x, w.packed, w.zeros, w.scales, group=w.group, block_m=block_m, block_n=block_n,
+                        interpret=w.impl == "pallas_interpret")
+
+
+def dequantize4(w: Int4Weight, dtype=jnp.float32) -> Float[Array, "k n"]:
+    """The real `[K, N]` weight in the input features' natural order."""
+    from pallas_kernels.w4a16 import unpack
+
+    q = unpack(w.packed).astype(jnp.float32)
+    rows = jnp.arange(q.shape[0]) // w.group
+    stored = (q - w.zeros[rows].astype(jnp.float32)) * w.scales[rows].astype(jnp.float32)
+    return (stored if w.perm is None else stored[jnp.argsort(w.perm)]).astype(dtype)
