@@ -75,9 +75,10 @@ def decode(tmp: Path, copy_rate: float, batches: list[int], save) -> tuple[dict,
     config = json.loads((model_dir / "config.json").read_text())
     metrics, ratios = {}, {}
     rng = np.random.default_rng(1)
-    # no prefix caching: the timed repeat of a warm-up would hit the cache, change the prefill's shape and compile
+    # no prefix caching: the timed repeat of a warm-up would hit the cache, change the prefill's shape and compile;
+    # lazy compilation: the warm-ups compile the shapes timed, where `auto` would compile every bucket of 48 layers
     with LLM(str(model_dir), load_format="dummy", max_model_len=1024, max_num_seqs=max(batches),
-             enable_prefix_caching=False) as llm:
+             enable_prefix_caching=False, compile_buckets="lazy") as llm:
         for batch in batches:
             prompts = [{"prompt_token_ids": rng.integers(3, 500, PROMPT_LEN).tolist()} for _ in range(batch)]
 
