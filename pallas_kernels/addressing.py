@@ -20,6 +20,12 @@ INT32_ELEMENTS = 2**31  # element offsets must stay below this under 32-bit addr
 WIDE_OFFSETS_ABOVE_BYTES = 2**32  # the lowering switches to 64-bit offsets for arrays larger than this
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of two holding `n` (at least 1): the Triton lowering takes only power-of-two blocks, so
+    ragged extents are padded to it and masked."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 class UnsupportedShapeError(ValueError):
     """A kernel does not handle this shape; callers fall back to the reference path."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -9,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.addressing import next_pow2
 from pallas_kernels.grouped_matmul.kernel import TileConfig, expert_down, expert_gate_up
 from pallas_kernels.grouped_matmul.routing import combine, expert_tiles
 
@@ -24,13 +26,6 @@ class ExpertWeights(NamedTuple):
     down_scale: Float[Array, "experts d"] | None = None
 
 
-def _pow2_at_least(n: float) -> int:
-    p = 1
-    while p < n:
-        p *= 2
-    return p
-
-
 def tile_configs(num_pairs: int, num_experts: int, itemsize: int = 2) -> tuple[TileConfig, TileConfig]:
     """(gate/up, down) tiles for a step of `num_pairs` (token, expert) pairs. Few rows per expert (decode) is
     bandwidth-bound: 16-row tiles, narrow column tiles so the weights spread over every SM. Many rows (prefill) is
@@ -41,7 +36,7 @@ def tile_configs(num_pairs: int, num_experts: int, itemsize: int = 2) -> tuple[T
     if rows_per_expert <= 16:
         return (TileConfig(block_rows=16, block_n=32, block_k=256 // shrink, num_warps=4, num_stages=4),
                 TileConfig(block_rows=16, block_n=64, block_k=256 // shrink, num_warps=4, num_stages=4))
-    rows = min(_pow2_at_least(rows_per_expert), 64)
+    rows = min(next_pow2(math.ceil(rows_per_expert)), 64)
     wide = TileConfig(block_rows=rows, block_n=128, block_k=64 // shrink, num_warps=4 if rows <= 32 else 8,
                       num_stages=3)
     return wide, wide

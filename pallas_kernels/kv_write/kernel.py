@@ -22,14 +22,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.addressing import check_addressable
+from pallas_kernels.addressing import check_addressable, next_pow2
 from pallas_kernels.kv_quant import FP8_MAX, KVScales, check_kv_scales
 
 KVCache = Float[Array, "layers blocks block_size 2 kv_heads head_dim"]
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def _kv_write_kernel(layer_ref, slots_ref, k_ref, v_ref, inv_ref, cache_in_ref, cache_ref, *, tokens_per_program: int,
@@ -83,7 +79,7 @@ def write_kv(
     quantized = kv_scales is not None
     inv = (1.0 / kv_scales.astype(jnp.float32)).reshape(-1) if quantized else jnp.ones((1,), jnp.float32)
     kernel = functools.partial(_kv_write_kernel, tokens_per_program=tokens_per_program,
-                               row_pad=_next_pow2(heads * dim), head_dim=dim, quantized=quantized)
+                               row_pad=next_pow2(heads * dim), head_dim=dim, quantized=quantized)
     out = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(num_tokens, tokens_per_program),),

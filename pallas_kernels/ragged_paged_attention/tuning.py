@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from pallas_kernels.addressing import next_pow2
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
@@ -37,10 +39,6 @@ class Tuning:
     split: SplitConfig
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def default_tuning(head_dim: int, group: int, quantized: bool = False) -> Tuning:
     """The table: chosen on an H200 for Llama-3-8B-like shapes (32 q / 8 kv heads, d=128, bf16) by
     `scripts/bench_kernels.py` (sweeps in `h200_sweep.json` and benchmarks/results/2026-12-01-decode_probes.json);
@@ -54,7 +52,7 @@ def default_tuning(head_dim: int, group: int, quantized: bool = False) -> Tuning
     (230 / 238 µs, against 249 / 242 µs). Prefill wants the biggest tiles Triton keeps in registers (128 × 128,
     8 warps; 3 stages 3 % faster than 2).
     """
-    group_pad = _next_pow2(group)
+    group_pad = next_pow2(group)
     decode_m = max(16, group_pad)
     prefill_m = max(128, group_pad)
     prefill = KernelConfig(block_m=prefill_m, block_n=128, num_warps=8, num_stages=3)
