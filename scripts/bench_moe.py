@@ -2,8 +2,8 @@
 the engine at its defaults serving the sharegpt-like mixed set. Random weights made on the device (`load_format=
 "dummy"`), shapes from `scripts/moe_shapes.py`.
 
-    PYTHONPATH=. python scripts/bench_moe.py --out DIR --part parity decode      # Qwen3-30B-A3B, 48 layers
-    PYTHONPATH=. python scripts/bench_moe.py --out DIR --part mixed-qwen mixed-mixtral
+    PYTHONPATH=. python scripts/bench_moe.py --out DIR --git-sha SHA --part parity decode  # Qwen3-30B-A3B, 48 layers
+    PYTHONPATH=. python scripts/bench_moe.py --out DIR --git-sha SHA --part mixed-qwen mixed-mixtral
 
 Decode: 256-token prompts at batch 1, 16, 64, 256; the step time is the difference of a 65-token and a 1-token
 generation ÷ 64 (each timed after a warm-up of the same shapes). Its floor: the bytes of every layer's attention
@@ -111,10 +111,10 @@ def mixed(tmp: Path, shape: str) -> float:
     return tps
 
 
-def save(out: str, metrics: dict, ratios: dict) -> None:
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    record = result_record("moe", sha or "unknown", jax_device_name(), versions(), " ".join(["python", *sys.argv]),
-                           metrics, ratios)
+def save(out: str, git_sha: str, metrics: dict, ratios: dict, extra_versions: tuple[str, ...] = ()) -> None:
+    """This call's figures into `out/<date>-moe.json`, merged with what earlier calls (either MoE script) wrote."""
+    record = result_record("moe", git_sha, jax_device_name(), versions(extra_versions),
+                           " ".join(["python", *sys.argv]), metrics, ratios)
     path = Path(out) / f"{datetime.date.today().isoformat()}-moe.json"
     if path.exists():
         record = merge_records(read_record(path), record)
@@ -126,6 +126,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--part", nargs="+", choices=("parity", "decode", "mixed-qwen", "mixed-mixtral"), required=True)
     ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    ap.add_argument("--git-sha", default="unknown", help="the commit measured (the GPU machine has no .git)")
     args = ap.parse_args()
     metrics: dict = {}
     ratios: dict = {}
@@ -133,16 +134,16 @@ def main() -> None:
         tmp = Path(tmp_name)
         if "parity" in args.part:
             ratios["moe_gpu_greedy_identical_fraction"] = parity(tmp)["greedy_identical_fraction"]
-            save(args.out, metrics, ratios)
+            save(args.out, args.git_sha, metrics, ratios)
         if "decode" in args.part:
             _, copy_rate = copy_bandwidth()
             metrics["copy_bandwidth_gbs"] = copy_rate / 1e9
-            decode(tmp, copy_rate, args.batches, lambda m, r: save(args.out, metrics | m, ratios | r))
+            decode(tmp, copy_rate, args.batches, lambda m, r: save(args.out, args.git_sha, metrics | m, ratios | r))
         for part, shape, key in (("mixed-qwen", "qwen3-30b-a3b", "moe_mixed_tokens_per_s"),
                                  ("mixed-mixtral", "mixtral-8x7b", "mixtral_mixed_tokens_per_s")):
             if part in args.part:
                 metrics[key] = mixed(tmp, shape)
-                save(args.out, metrics, ratios)
+                save(args.out, args.git_sha, metrics, ratios)
 
 
 if __name__ == "__main__":

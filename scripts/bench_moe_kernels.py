@@ -1,7 +1,7 @@
 """The MoE grouped matmul on the GPU: correctness first, then one layer's experts timed beside XLA's `ragged_dot`,
 a loop over experts, tokamax's Mosaic GPU `ragged_dot` and the bytes / FLOP ceilings measured in the same call.
 
-    PYTHONPATH=. python scripts/bench_moe_kernels.py --out DIR [--sweep]
+    PYTHONPATH=. python scripts/bench_moe_kernels.py --out DIR --git-sha SHA [--sweep]
 
 Shapes: one Qwen3-30B-A3B layer (hidden 2048, 128 experts, top-8, expert width 768) at 1, 16, 64, 256 and 4096
 tokens, random bf16 weights and uniform random routing. The decode floor of a layer's experts is the bytes of the
@@ -12,8 +12,6 @@ distinct experts routed to (counted from the routing) plus the activations, ÷ t
 from __future__ import annotations
 
 import argparse
-import datetime
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_bench_common import (copy_bandwidth, jax_device_name, log, matmul_rate, merge_records,  # noqa: E402
-                              read_record, result_record, timeit, versions, write_record)
+from bench_moe import save  # noqa: E402
+from gpu_bench_common import copy_bandwidth, log, matmul_rate, timeit  # noqa: E402
 
 from pallas_kernels.grouped_matmul import ExpertWeights, TileConfig, moe_experts, tile_configs  # noqa: E402
 from pallas_kernels.grouped_matmul.kernel import expert_down, expert_gate_up  # noqa: E402
@@ -205,10 +203,11 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
+    ap.add_argument("--git-sha", default="unknown", help="the commit measured (the GPU machine has no .git)")
     args = ap.parse_args()
     key = jax.random.key(0)
     metrics: dict = {"correctness_rel_err": correctness(key)}
-    copy_s, copy_rate = copy_bandwidth()
+    _, copy_rate = copy_bandwidth()
     rate = matmul_rate()
     metrics |= {"copy_bandwidth_gbs": copy_rate / 1e9, "matmul_tflops": rate / 1e12}
     log(f"copy {copy_rate / 1e9:.0f} GB/s, matmul {rate / 1e12:.0f} TFLOP/s")
@@ -225,13 +224,7 @@ def main() -> None:
             ratios["moe_kernel_vs_tokamax_prefill_4k"] = ratios["moe_kernel_vs_tokamax_t4096"]
     if "moe_kernel_vs_tokamax_t64" in ratios:
         ratios["moe_kernel_vs_tokamax_decode_b64"] = ratios["moe_kernel_vs_tokamax_t64"]
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    record = result_record("moe", sha or "unknown", jax_device_name(), versions(["tokamax"]),
-                           " ".join(["python", *sys.argv]), metrics, ratios)
-    path = Path(args.out) / f"{datetime.date.today().isoformat()}-moe.json"
-    if path.exists():
-        record = merge_records(read_record(path), record)
-    write_record(path, record)
+    save(args.out, args.git_sha, metrics, ratios, extra_versions=("tokamax",))
     log(ratios)
 
 
