@@ -17,11 +17,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
 from jengine.models.loader import ShardingFor, _sharding_function, load_spec, resolve_dtype
 from jengine.models.spec import ModelSpec
 from jengine.models.weights import is_source, parameter_sources
+from jengine.progress import progress_bar
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def random_params(sources: dict, dtype: jnp.dtype, sharding_for: ShardingFor, se
     total = sum(int(np.prod(leaf.shape)) * dtype.itemsize for _, leaf in flat)
     key = jax.random.key(seed)
     placed = []
-    with tqdm(total=total, unit="B", unit_scale=True, desc="Random weights", disable=not progress) as bar:
+    with progress_bar(total=total, unit="B", unit_scale=True, desc="Random weights", enabled=progress) as bar:
         for index, (path, leaf) in enumerate(flat):
             name = jax.tree_util.keystr(path)
             # a jit of the one module-level `_draw`: alike leaves (every layer's) share one compiled program
