@@ -97,6 +97,17 @@ def auth(key: str = API_KEY) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {key}"),)
 
 
+def streamed_tool_calls(deltas) -> dict[int, list[str]]:
+    """The tool calls a stream of gRPC `ChatDelta`s spells, by index: [name, arguments joined]."""
+    calls: dict[int, list[str]] = {}
+    for delta in deltas:
+        for call in delta.tool_calls:
+            if call.id:
+                calls[call.index] = [call.name, ""]
+            calls[call.index][1] += call.arguments
+    return calls
+
+
 def start_harness(model_dir: Path, **engine_kwargs: Any) -> GrpcHarness:
     """Build the engine (float32, small limits; at most MAX_NUM_SEQS requests admitted; `engine_kwargs` are further
     EngineConfig fields) and serve it with a key."""

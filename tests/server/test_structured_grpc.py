@@ -12,7 +12,7 @@ import pytest
 from jengine.sampling.params import StructuredOutputsParams
 from jengine.v1 import jengine_pb2 as pb
 from server.grpc_structured import structured_from_proto, structured_to_proto
-from tests.server.grpc_fixtures import GrpcHarness, auth, start_harness, stop_harness
+from tests.server.grpc_fixtures import GrpcHarness, auth, start_harness, stop_harness, streamed_tool_calls
 
 
 @pytest.fixture(scope="module")
@@ -59,12 +59,7 @@ def test_a_forced_tool_choice_streams_calls_over_grpc(harness: GrpcHarness) -> N
         messages=chat, sampling=pb.SamplingParams(temperature=1.0, seed=3, max_tokens=60)), metadata=auth(),
         timeout=30))
     deltas = [c.chat for r in responses for c in r.outputs]
-    calls: dict[int, list[str]] = {}
-    for delta in deltas:
-        for call in delta.tool_calls:
-            if call.id:
-                calls[call.index] = [call.name, ""]
-            calls[call.index][1] += call.arguments
+    calls = streamed_tool_calls(deltas)
     assert [name for name, _ in calls.values()] == ["get_weather"] and deltas[-1].finish_reason == "tool_calls"
     jsonschema.validate(json.loads(calls[0][1]), parameters)
     assert not "".join(d.content for d in deltas)

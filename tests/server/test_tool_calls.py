@@ -22,6 +22,7 @@ from jengine.outputs import CompletionOutput, RequestOutput
 from jengine.sampling.params import SamplingParams
 from jengine.tokenizer import Tokenizer
 from tests.server.conftest import Servers, ServerHandle
+from tests.server.grpc_fixtures import streamed_tool_calls
 
 WEATHER_ARGS = {"city": "Paris", "unit": "celsius"}
 REPLIES = {
@@ -239,12 +240,7 @@ def test_grpc_carries_tools_and_answers_with_read_deltas(
     assert "get_weather" in responses[0].prompt  # the template listed the tools
     deltas = [delta.chat for response in responses for delta in response.outputs]
     reasoning = "".join(d.reasoning for d in deltas)
-    calls: dict[int, list[str]] = {}
-    for delta in deltas:
-        for call in delta.tool_calls:
-            if call.id:
-                calls[call.index] = [call.name, ""]
-            calls[call.index][1] += call.arguments
+    calls = streamed_tool_calls(deltas)
     assert reasoning == whole.model_extra["reasoning"] and "".join(d.content for d in deltas) == ""
     assert list(calls.values()) == [[c.function.name, c.function.arguments] for c in whole.tool_calls]
     assert deltas[-1].finish_reason == "tool_calls" and responses[-1].outputs[-1].finish_reason == "stop"
