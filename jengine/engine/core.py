@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 
 from jengine.cache.kv_cache_manager import KVCacheManager
 from jengine.config import EngineConfig
@@ -31,10 +30,10 @@ from jengine.lora.host_cache import AdapterCache
 from jengine.lora.request import LoRARequest
 from jengine.lora.slots import LoraSlotTable
 from jengine.request import Request, RequestStatus
-from jengine.runner.protocol import StepRunner, TokenMaskSource
+from jengine.runner.protocol import StepRunner
 from jengine.scheduler.output import RunnerOutput, SchedulerOutput, TokenLogprobs
 from jengine.scheduler.scheduler import Scheduler, SchedulerStats
-from jengine.structured.masks import MaskFiller, advance
+from jengine.structured.masks import MaskFiller, StepMasks, advance
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +134,8 @@ class EngineCore:
             return self._step_speculative() if self.speculative else self._step_pipelined()
         sched = self._schedule()
         masks = self._token_masks(sched, None)
+        if masks is not None:
+            masks.start()  # every token is applied: the masks fill while the runner prepares and runs the forward
         runner_out = self.runner.execute(sched) if masks is None else self.runner.execute(sched, masks)
         if sched.is_empty:
             return []
@@ -142,8 +143,10 @@ class EngineCore:
 
     def _step_pipelined(self) -> list[EngineCoreOutput]:
         """Schedule and dispatch the next step, then fetch and apply the one in flight (if any). With constrained
-        requests scheduled, the one in flight is applied between the new step's forward and its sampler (the
-        masks need its tokens), while the device runs that forward."""
+        requests scheduled, the new step's sampler waits for its masks, which need the tokens of the one in flight:
+        once those are applied the masks fill on the mask thread while the device runs the new forward and this
+        thread returns and prepares the step after; the runner launches the sampler just before that step's
+        forward."""
         outputs, self._landed = self._landed, []
         sched = self._schedule()
         done, self._in_flight = self._in_flight, None
@@ -158,6 +161,8 @@ class EngineCore:
         launched = self.runner.dispatch(sched) if masks is None else self.runner.dispatch(sched, masks)
         self._in_flight = None if launched is None else (sched, launched)
         land()
+        if masks is not None:
+            masks.start()
         return outputs
 
     def _step_speculative(self) -> list[EngineCoreOutput]:
@@ -171,6 +176,8 @@ class EngineCore:
             outputs, self._landed = self._landed, []
             sched = self._schedule()
             masks = self._token_masks(sched, None)  # nothing in flight: every token has been applied
+            if masks is not None:
+                masks.start()
             if sched.scheduled_spec_tokens:
                 runner_out = self.runner.execute(sched) if masks is None else self.runner.execute(sched, masks)
                 return outputs + self._apply(sched, runner_out)
@@ -185,11 +192,12 @@ class EngineCore:
         outputs, self._landed = self._landed, []
         return outputs
 
-    def _token_masks(self, sched: SchedulerOutput, land: Callable[[], None] | None) -> TokenMaskSource | None:
-        """The mask source of a step with constrained requests (None otherwise): it applies the step in flight
-        first (`land`; None when there is none), so every matcher has consumed every earlier token. A grammar that
-        waits for the end of a reasoning span counts only while a step is in flight (its tokens may end the span);
-        with every token applied, a batch whose grammars all wait runs free."""
+    def _token_masks(self, sched: SchedulerOutput, land: Callable[[], None] | None) -> StepMasks | None:
+        """The mask source of a step with constrained requests (None otherwise), filled once every matcher has
+        consumed every earlier token: the caller starts it after applying the step in flight (`land`; None when
+        there is none), or it applies that step itself when asked first. A grammar that waits for the end of a
+        reasoning span counts only while a step is in flight (its tokens may end the span); with every token
+        applied, a batch whose grammars all wait runs free."""
         if not self._constrained:  # the free engine's step: no per-request work at all
             return None
         requests = self.scheduler.requests
@@ -198,13 +206,7 @@ class EngineCore:
         if not any(r is not None and r.grammar is not None and (land is not None or r.grammar.active)
                    for r in scheduled):
             return None
-
-        def fill() -> tuple[np.ndarray, np.ndarray] | None:
-            if land is not None:
-                land()
-            return self.masks.fill(scheduled)
-
-        return fill
+        return StepMasks(self.masks, scheduled, land)
 
     def _schedule(self) -> SchedulerOutput:
         """The scheduler's plan; requests scheduled for the very first time are stamped (a request resumed after a
@@ -242,4 +244,5 @@ class EngineCore:
         if self.runner is not None:  # a second shutdown finds nothing left to stop
             self.runner.shutdown()  # several processes: the workers end too
         self.runner = None
+        self.masks.shutdown()
         self._in_flight = None

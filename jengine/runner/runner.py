@@ -30,6 +30,7 @@ from jengine.runner.kv_storage import KVPlan, allocate
 from jengine.runner import compile as compiling
 from jengine.runner.compile import RecompileGuard, StepShape, padding_inputs, pinned_shapes
 from jengine.runner.protocol import TokenMaskSource
+from jengine.runner.token_masks import WaitingSampler, padded_masks
 from jengine.runner.step import (ModelInputs, StepBatch, StepModel, StepOutput, StepState, build_step,
                                  build_step_compiler, forward_step, sample_phase)
 from jengine.sampling.metadata import SamplingMetadata, SamplingRowTable
@@ -53,13 +54,14 @@ class PromptLogprobRequest:
     num_logprobs: int  # top logprobs asked per position
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class InFlightStep:
     """A dispatched step: its device outputs (being copied to the host) and what turns them into a RunnerOutput.
-    Holds no reference to the rows' requests, which may leave the batch before it is fetched."""
+    Holds no reference to the rows' requests, which may leave the batch before it is fetched. Not frozen: a step
+    whose sampler waits for token masks gets its `out` when that sampler is launched."""
 
     inputs: StepInputs
-    out: StepOutput
+    out: StepOutput | None
     prompt_plan: list[PromptLogprobRequest]
     logprobs_wanted: np.ndarray | None  # per scheduled request (-1: none) when the step returns logprobs
     verification: tuple[VerifyPlan, VerifyOutput] | None = None  # a step verifying drafts: its rows and verdicts
@@ -99,6 +101,7 @@ class ModelRunner:
         self.proposer = proposer or (build_proposer(speculative) if speculative else None)
         self._speculates = np.zeros(sched.max_num_seqs, bool)  # per row: its request may speculate
         self.recompile_guard = RecompileGuard()
+        self._waiting: WaitingSampler | None = None  # the last dispatched step, while its sampler waits for masks
         if pin:
             self.warm_up(pinned_shapes(self.buckets))
             if speculative is None:  # verification steps add shapes (k + 1 rows per request) compiled on first use
@@ -116,8 +119,12 @@ class ModelRunner:
 
     def dispatch(self, sched: SchedulerOutput, token_masks: TokenMaskSource | None = None) -> InFlightStep | None:
         """Applies the diff and launches the step without waiting for the device (None when nothing is scheduled).
-        Tokens of steps not fetched yet are pending: the step reads them on the device. `token_masks` (structured
-        output) is asked once the forward is launched, so the host fills the masks while the device runs it."""
+        Tokens of steps not fetched yet are pending: the step reads them on the device.
+
+        With `token_masks` (structured output) only the forward is launched; the sampler waits for the masks,
+        which the source is asked for as late as it can be: when the next step has been prepared on the host, just
+        before its forward is launched (or when this step is fetched). The host fills them meanwhile, while the
+        device runs the forward, and the device gets the sampler and the next forward back to back."""
         self.batch.apply(sched)
         if self.lora is not None:
             self.lora.apply(sched.lora_loads)
@@ -137,40 +144,43 @@ class ModelRunner:
                             prompt_k, self._lora_segments(self.batch.lora_slot[inputs.rows], inputs.num_scheduled,
                                                           len(inputs.token_ids)))
         batch = StepBatch(model, sampling, self._sample_rows(inputs))
+        self.launch_waiting_sampler()  # the previous step's tokens are this forward's inputs
+        logits = prompt = out = None
         if token_masks is None:
             self.state, out = self._step(self.step_params, self.state, batch)
+            _start_copy_to_host(out)
         else:
-            self.state, out = self._masked_step(batch, token_masks)
+            logits, prompt, self.state = forward_step(self._model, self.step_params, self.state, batch.model)
         if self.proposer is not None:
             self.proposer.observe(model)
         self.recompile_guard.check(lambda: f"tokens={len(inputs.token_ids)} seqs={len(inputs.logits_rows)} "
                                            f"blocks={inputs.metadata.block_tables.shape[1]} "
                                            f"query_len={inputs.metadata.max_query_len}")
-        _start_copy_to_host(out)
         self.batch.reserve_sampled(inputs.rows[inputs.samples])
         wanted = self.sampling_rows.logprobs[inputs.rows] if sampling.max_num_logprobs else None
-        return InFlightStep(inputs, out, prompt_plan, wanted)
+        step = InFlightStep(inputs, out, prompt_plan, wanted)
+        if token_masks is not None:
+            self._waiting = WaitingSampler(step, logits, prompt, batch, token_masks)
+        return step
 
-    def _masked_step(self, batch: StepBatch, token_masks: TokenMaskSource) -> tuple[StepState, StepOutput]:
-        """The forward, then the host's masks (rows in scheduled order), then the sampler with them (without them
-        when no scheduled row turns out constrained)."""
-        logits, prompt, state = forward_step(self._model, self.step_params, self.state, batch.model)
-        masks = token_masks()
+    def launch_waiting_sampler(self) -> None:
+        """Launches the sampler of the step that waits for its token masks (if one does), with the masks (rows in
+        scheduled order; without them when no scheduled row turns out constrained)."""
+        waiting, self._waiting = self._waiting, None
+        if waiting is None:
+            return
+        masks = waiting.token_masks()
+        batch = waiting.batch
         if masks is not None:
-            batch.token_mask = self._pad_masks(*masks, num_rows=len(batch.sample_rows))
-        return sample_phase(logits, prompt, state, batch)
-
-    def _pad_masks(self, rows: np.ndarray, words: np.ndarray, num_rows: int) -> np.ndarray:
-        """[num_rows, mask_words]: the given rows' words, all ones elsewhere; bits past the given words banned."""
-        mask = np.full((num_rows, self.mask_words), -1, np.int32)
-        width = min(words.shape[1], self.mask_words)
-        mask[rows, :width] = words[:, :width]
-        mask[rows, width:] = 0
-        return mask
+            batch.token_mask = padded_masks(*masks, len(batch.sample_rows), self.mask_words)
+        self.state, waiting.step.out = sample_phase(waiting.logits, waiting.prompt, self.state, batch)
+        _start_copy_to_host(waiting.step.out)
 
     def fetch(self, step: InFlightStep) -> RunnerOutput:
         """Waits for a dispatched step's outputs (one device→host copy) and records its tokens in the batch; with
         speculation, the proposer's drafts for the next step come with them."""
+        if self._waiting is not None and self._waiting.step is step:
+            self.launch_waiting_sampler()
         if step.verification is not None:
             result = self._fetch_verification(step)
         else:
@@ -185,6 +195,7 @@ class ModelRunner:
                                token_masks: TokenMaskSource | None) -> InFlightStep:
         """A step whose requests with drafts are scored at their last k + 1 tokens and verified. Constrained
         requests never have drafts: each one's mask goes to its one row."""
+        self.launch_waiting_sampler()
         plan = plan_verification(inputs, sched.scheduled_spec_tokens, self.buckets.tokens[-1])
         sampling = self._verify_sampling(inputs, plan)
         prompt_plan, prompt_rows, prompt_targets, prompt_k = self._prompt_logprob_rows(inputs)
@@ -193,7 +204,7 @@ class ModelRunner:
                                                           len(inputs.token_ids)))
         logits, prompt, self.state = forward_step(self._model, self.step_params, self.state, model)
         masks = token_masks() if token_masks is not None else None
-        mask = None if masks is None else self._pad_masks(plan.first_rows[masks[0]], masks[1], len(plan.draft_ids))
+        mask = None if masks is None else padded_masks(plan.first_rows[masks[0]], masks[1], len(plan.draft_ids), self.mask_words)
         verdict = verify(logits, sampling, plan.draft_ids, mask)
         self.proposer.observe(model)
         _start_copy_to_host((verdict, prompt))

@@ -2,16 +2,18 @@
 constrained rows of a step into an int32 bitmask (bit t of row r: token t allowed), on the host.
 
 Matchers are duck-typed llguidance `LLMatcher`s made in the front; this module imports llguidance only to fill masks
-on its Rust thread pool (`LLExecutor`), never a tokenizer, so the core stays free of the text side. The core calls
-`fill` between dispatching a step's forward and its sampler, after the previous step's tokens were consumed: the
-host work runs while the device computes the forward.
+on its Rust thread pool (`LLExecutor`), never a tokenizer, so the core stays free of the text side. A step's masks
+(`StepMasks`) are filled on a thread of their own once the previous step's tokens have been consumed, while the core
+thread goes on preparing the next step and the device computes the forward (the fill releases the GIL); the runner
+asks for them just before it launches the sampler.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -73,6 +75,18 @@ class MaskFiller:
 
     def __init__(self) -> None:
         self._executor: Any = None
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None  # runs `fill` beside the core thread
+
+    def fill_later(self, requests: Sequence[Any]) -> concurrent.futures.Future:
+        """`fill(requests)` started on the filler's own thread (one at a time, in order)."""
+        if self._thread is None:
+            self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jengine-masks")
+        return self._thread.submit(self.fill, requests)
+
+    def shutdown(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
 
     def fill(self, requests: Sequence[Any]) -> tuple[np.ndarray, np.ndarray] | None:
         """(row indices, [k, words] int32 masks) for the requests whose grammar is active, in the order given
@@ -91,3 +105,29 @@ class MaskFiller:
         llguidance.numpy.fill_next_token_bitmask_par(self._executor, [(m, k) for k, (m, _) in enumerate(pairs)],
                                                      masks)
         return np.array([row for _, row in pairs], np.int32), masks
+
+
+class StepMasks:
+    """One step's token-mask source (`runner.protocol.TokenMaskSource`): its constrained rows' masks, filled once
+    every earlier token has been consumed. The core starts the fill (`start`) as soon as it has applied the step in
+    flight; asked before that, the source applies it first (`land`) and fills on the spot."""
+
+    def __init__(self, filler: MaskFiller, requests: Sequence[Any], land: Callable[[], None] | None) -> None:
+        """`requests`: the step's scheduled requests in order (None where a row has none); `land`: applies the step
+        in flight (None when every token is applied)."""
+        self._filler, self._requests, self._land = filler, requests, land
+        self._future: concurrent.futures.Future | None = None
+        self._asked = False
+
+    def start(self) -> None:
+        """Fill on the filler's thread from now on (the matchers must not advance until the masks are taken)."""
+        if self._future is None and not self._asked:
+            self._future = self._filler.fill_later(self._requests)
+
+    def __call__(self) -> tuple[np.ndarray, np.ndarray] | None:
+        self._asked = True
+        if self._future is not None:
+            return self._future.result()
+        if self._land is not None:
+            self._land()
+        return self._filler.fill(self._requests)
