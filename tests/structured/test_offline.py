@@ -1,5 +1,6 @@
 """Offline structured output (`SamplingParams(structured_outputs=...)`): valid outputs with random weights, the same
-tokens pipelined and serial, n choices each with its own matcher, and the bitmask applied as a float64 reference."""
+tokens pipelined and serial, masks filled beside the core thread from the right tokens, n choices each with its own
+matcher, and the bitmask applied as a float64 reference."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 
 import jax.numpy as jnp
 import jsonschema
@@ -16,9 +18,11 @@ from transformers import LlamaConfig
 
 import jengine
 from jengine import LLM, SamplingParams, StructuredOutputsParams
+from jengine.engine import core as core_module
 from jengine.errors import InvalidRequestError
 from jengine.sampling import params as params_module
 from jengine.structured.device import apply_token_mask
+from jengine.structured.masks import MaskFiller
 from tests.conftest import COMMON
 
 SCHEMA = {"type": "object", "properties": {"k": {"enum": ["a", "b"]}, "v": {"type": "integer", "minimum": -3,
@@ -93,3 +97,43 @@ def test_the_core_imports_no_grammar_library() -> None:
     probe = "import sys, jengine.engine.core, jengine.runner.step; print('llguidance' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           check=True).stdout.strip() == "False"
+
+
+def test_each_mask_is_filled_beside_the_core_thread_from_every_earlier_token(model_dir, monkeypatch) -> None:
+    """Pipelined, each step's masks are filled on the mask thread (the core thread goes on meanwhile), from matchers
+    that have consumed exactly the request's tokens so far; each sampled token is one its mask allowed."""
+    fed: dict[str, int] = {}
+    pending: dict[str, np.ndarray] = {}  # per request, the mask its next token is sampled under
+    fills: list[tuple[str, list[tuple[int, int]]]] = []
+    allowed: list[bool] = []
+    real_advance, real_fill = core_module.advance, MaskFiller.fill
+
+    def counting_advance(request, token_ids):
+        if request.grammar is not None:
+            mask = pending.pop(request.request_id, None)
+            if mask is not None:  # the token this step sampled, against the mask it was sampled under
+                allowed.append(bool((int(mask[token_ids[0] // 32]) >> (token_ids[0] % 32)) & 1))
+            fed[request.request_id] = fed.get(request.request_id, 0) + len(token_ids)
+        real_advance(request, token_ids)
+
+    def recording_fill(self, requests):
+        rows = [(fed.get(r.request_id, 0), len(r.output_token_ids)) for r in requests
+                if r is not None and r.grammar is not None]
+        fills.append((threading.current_thread().name, rows))
+        out = real_fill(self, requests)
+        if out is not None:
+            for row, words in zip(*out):
+                pending[requests[row].request_id] = words
+        return out
+
+    monkeypatch.setattr(core_module, "advance", counting_advance)
+    monkeypatch.setattr(MaskFiller, "fill", recording_fill)
+    params = [SamplingParams(temperature=1.0, seed=7, max_tokens=30,
+                             structured_outputs=StructuredOutputsParams(json=SCHEMA)),
+              SamplingParams(temperature=1.0, seed=8, max_tokens=10)]
+    with LLM(str(model_dir), dtype="float32", max_model_len=128, max_num_seqs=4, async_scheduling=True) as llm:
+        out = llm.generate(["the", "a b"], params, use_tqdm=False)
+    jsonschema.validate(json.loads(out[0].outputs[0].text), SCHEMA)
+    assert len(fills) >= len(out[0].outputs[0].token_ids) - 1 and allowed and all(allowed)
+    assert {name for name, _ in fills} == {"jengine-masks_0"}
+    assert all(consumed == known for _, rows in fills for consumed, known in rows)
