@@ -4,8 +4,10 @@ same step unconstrained, and the schema's compile time.
 Correctness first: 64 constrained requests (random weights, temperature 1, seeds 0..63) must all finish with output
 that parses and validates against the schema. Then the timing, in one run: 64 requests decode `--max-tokens` tokens
 through `LLM` (pipelined, the default), free and constrained, twice each, alternating; a mode's step time is the median
-interval between the starts of consecutive engine steps that are pure decodes of all 64 requests (host work included:
-for constrained rows the matchers advance and the masks are filled while the device runs the forward).
+interval between the starts of consecutive engine steps that are pure decodes of all 64 requests: the engine's real
+step period, host work included (for constrained rows the matchers advance on the core thread and each step's masks
+are filled on the mask thread while the device runs that step's forward; the sampler is launched with them just
+before the next forward). `metrics.mask_fill_ms_b64` is the median host time of one step's fill of 64 masks there.
 `ratios.structured_step_vs_free_b64` = constrained ÷ free (lower is better; 1 = free). `metrics.schema_compile_ms` is
 the median time to build and compile that schema's grammar for the model's tokenizer with an empty cache.
 
@@ -114,8 +116,16 @@ class StepClock:
     def __init__(self, llm: LLM) -> None:
         core = llm._core
         self.starts: list[tuple[float, int, int]] = []
+        self.fills: list[float] = []  # seconds of each fill of BATCH masks (on the mask thread)
         self._shape = (0, 0)
-        schedule, step = core.scheduler.schedule, core.step
+        schedule, step, fill = core.scheduler.schedule, core.step, core.masks.fill
+
+        def timed_fill(requests):
+            start = time.perf_counter()
+            result = fill(requests)
+            if result is not None and len(result[0]) == BATCH:
+                self.fills.append(time.perf_counter() - start)
+            return result
 
         def timed_schedule():
             out = schedule()
@@ -128,7 +138,7 @@ class StepClock:
             self.starts.append((start, *self._shape))
             return result
 
-        core.scheduler.schedule, core.step = timed_schedule, timed_step
+        core.scheduler.schedule, core.step, core.masks.fill = timed_schedule, timed_step, timed_fill
 
     def decode_period(self) -> tuple[float, int]:
         """(median seconds between consecutive pure-decode steps of BATCH requests, how many intervals)."""
@@ -151,14 +161,16 @@ def check_outputs(llm: LLM, structured: StructuredOutputsParams, schema: dict[st
     return valid
 
 
-def timed_period(llm: LLM, structured: StructuredOutputsParams | None, max_tokens: int) -> tuple[float, int]:
+def timed_period(llm: LLM, structured: StructuredOutputsParams | None, max_tokens: int
+                 ) -> tuple[float, int, list[float]]:
+    """(median decode step period, intervals counted, seconds of each fill of BATCH masks)."""
     clock = StepClock(llm)
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens, ignore_eos=structured is None,
                              structured_outputs=structured) for i in range(BATCH)]
     llm.generate([PROMPT] * BATCH, params, use_tqdm=False)
     period = clock.decode_period()
-    del llm._core.step, llm._core.scheduler.schedule  # the class's methods again
-    return period
+    del llm._core.step, llm._core.scheduler.schedule, llm._core.masks.fill  # the class's methods again
+    return (*period, clock.fills)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -175,16 +187,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         log(f"{valid}/{BATCH} constrained outputs validate; host times {host_ms}")
         if valid != BATCH:
             raise SystemExit("constrained outputs do not all validate: no timing")
-        periods: dict[str, list[tuple[float, int]]] = {"free": [], "structured": []}
+        periods: dict[str, list[tuple[float, int, list[float]]]] = {"free": [], "structured": []}
         for _ in range(args.repeats):
             periods["free"].append(timed_period(llm, None, args.max_tokens))
             periods["structured"].append(timed_period(llm, structured, args.max_tokens))
         llm.shutdown()
-    free = statistics.median(p for p, _ in periods["free"])
-    constrained = statistics.median(p for p, _ in periods["structured"])
+    free = statistics.median(p for p, _, _ in periods["free"])
+    constrained = statistics.median(p for p, _, _ in periods["structured"])
+    fills = [f for _, _, run_fills in periods["structured"] for f in run_fills]
     metrics = {**host_ms, "outputs_valid": valid,
                "free_step_ms_b64": free * 1e3, "structured_step_ms_b64": constrained * 1e3,
-               "decode_intervals_counted": min(n for mode in periods.values() for _, n in mode),
+               "mask_fill_ms_b64": statistics.median(fills) * 1e3 if fills else None,
+               "decode_intervals_counted": min(n for mode in periods.values() for _, n, _ in mode),
                "vocab_size": args.vocab, "layers": args.layers}
     return {"metrics": metrics, "ratios": {"structured_step_vs_free_b64": constrained / free}}
 

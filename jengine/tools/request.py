@@ -116,6 +116,8 @@ class ChatParsing:
     tool_call_parser: str | None = None
     max_calls: int | None = None
     constrained: bool = False  # structured output: the grammar applies after the reasoning (read as starting in it)
+    # vLLM's include_reasoning: False leaves the reasoning out of the answer (still read apart from the content)
+    include_reasoning: bool = True
 
     @classmethod
     def plan(cls, config: ChatParsingConfig, tools: ToolRequest | None, constrained: bool = False

@@ -66,6 +66,7 @@ class ChatStreamFormatter(StreamFormatter):
         super().__init__(meta, acc, request.stream_options, decoders)
         self.top_logprobs = request.top_logprobs
         self.parsers = None if request.parsing is None else ChoiceParsers(request.parsing.choice)
+        self.include_reasoning = request.parsing is None or request.parsing.include_reasoning
 
     def start(self) -> list[dict[str, Any]]:
         return [self._chunk([chat_delta_choice(i, {"role": "assistant", "content": ""})])
@@ -89,7 +90,7 @@ class ChatStreamFormatter(StreamFormatter):
         assert self.parsers is not None
         prompt = self.acc.prompts[index // self.acc.n].text
         read, reason = self.parsers.feed(index, prompt, delta.text, delta.finish_reason)
-        fields = delta_json(read)
+        fields = delta_json(read, self.include_reasoning)
         if not fields and block is None and reason is None:
             return None
         return chat_delta_choice(index, fields, block, reason, delta.stop_reason)

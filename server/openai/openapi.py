@@ -85,7 +85,8 @@ def request_schemas() -> dict[str, dict[str, Any]]:
         "CompletionRequest": field_schema("CompletionRequest", COMPLETION_FIELDS, ["prompt"], {
             "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}}),
         "ChatCompletionRequest": field_schema("ChatCompletionRequest", CHAT_FIELDS, ["messages"],
-                                              {"logprobs": {"type": "boolean"}}),
+                                              {"logprobs": {"type": "boolean"},
+                                               "include_reasoning": {"type": "boolean"}}),
         "TokenizeRequest": field_schema("TokenizeRequest", tokenize_fields | CHAT_TEMPLATE_FIELDS, [], {
             "add_special_tokens": {"type": "boolean"}, "return_token_strs": {"type": "boolean"},
             "prompt": _STR}),

@@ -45,7 +45,7 @@ _SAMPLING = frozenset(NUMBER_FIELDS + INT_FIELDS + BOOL_FIELDS
 _COMMON = _SAMPLING | HARMLESS_FIELDS | {"model", "stream", "stream_options", "priority", "request_id"}
 CHAT_TEMPLATE_FIELDS = frozenset({"add_generation_prompt", "continue_final_message", "chat_template_kwargs"})
 CHAT_FIELDS = _COMMON | CHAT_TEMPLATE_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
-                                                "tools", "tool_choice"}
+                                                "tools", "tool_choice", "include_reasoning"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo"}
 
 
@@ -248,8 +248,10 @@ def parse_chat(body: Mapping[str, Any], info: ModelInfo, max_n: int = 16) -> Cha
         prompt["tools"] = list(tools.tools)
     kwargs = _sampling_kwargs(body, ("max_completion_tokens", "max_tokens"), info.sampling_defaults, "chat", forced)
     parsing = ChatParsing.plan(info.chat_parsing, tools, constrained=kwargs["structured_outputs"] is not None)
+    include_reasoning = get_field(body, "include_reasoning", "bool", True)  # vLLM's; no parser: nothing to drop
     if parsing is not None:
         kwargs["structured_outputs"] = parsing.structured(kwargs["structured_outputs"])
+        parsing = dataclasses.replace(parsing, include_reasoning=include_reasoning)
     if parsing is not None and parsing.needs_special_tokens:
         kwargs["skip_special_tokens"] = False  # the format's markers are special tokens: the parser reads them
     top_logprobs = _chat_logprobs(body)

@@ -261,17 +261,17 @@ def chat_response(meta: ResponseMeta, acc: Accumulator, top_logprobs: int | None
 def message_json(message: ChatMessage, parsing: ChatParsing) -> dict[str, Any]:
     """A parsed assistant message as OpenAI (and vLLM) shape it: the reasoning under both of vLLM's names."""
     out: dict[str, Any] = {"role": "assistant", "content": message.content}
-    if parsing.reasoning_parser is not None:
+    if parsing.reasoning_parser is not None and parsing.include_reasoning:
         out["reasoning"] = out["reasoning_content"] = message.reasoning
     if parsing.tool_call_parser is not None or message.tool_calls:
         out["tool_calls"] = [call.to_openai() for call in message.tool_calls]
     return out
 
 
-def delta_json(delta: MessageDelta) -> dict[str, Any]:
-    """A stream chunk's `delta` of a parsed choice: only what it gained."""
+def delta_json(delta: MessageDelta, include_reasoning: bool = True) -> dict[str, Any]:
+    """A stream chunk's `delta` of a parsed choice: only what it gained (no reasoning unless included)."""
     out: dict[str, Any] = {}
-    if delta.reasoning:
+    if delta.reasoning and include_reasoning:
         out["reasoning"] = out["reasoning_content"] = delta.reasoning
     if delta.content:
         out["content"] = delta.content

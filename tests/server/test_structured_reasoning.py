@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import openai
 import pytest
 from transformers import AddedToken, AutoTokenizer, LlamaConfig
 
@@ -81,6 +82,26 @@ def test_streamed_equals_non_streamed(thinker: tuple[ServerHandle, dict[str, int
     choice = handle.client().chat.completions.create(**kwargs).choices[0]
     streamed = _reassemble(list(handle.client().chat.completions.create(stream=True, **kwargs)))
     assert streamed == (choice.message.content, choice.message.model_extra["reasoning"] or "", [], "stop")
+    handle.wait_idle()
+
+
+def test_include_reasoning_false_leaves_the_reasoning_out(thinker: tuple[ServerHandle, dict[str, int]]) -> None:
+    """vLLM's include_reasoning: false: the same reply, its span still kept out of the content, without the reasoning
+    fields (streamed: no chunk carries them)."""
+    handle, ids = thinker
+    kwargs = _chat(ids, response_format=JSON_SCHEMA_FORMAT, max_tokens=160, seed=1)
+    full = handle.client().chat.completions.create(**kwargs).choices[0]
+    assert full.message.model_extra["reasoning"]
+    left_out = handle.client().chat.completions.create(**kwargs, extra_body={"include_reasoning": False}).choices[0]
+    assert left_out.message.content == full.message.content and left_out.finish_reason == "stop"
+    assert not {"reasoning", "reasoning_content"} & set(left_out.message.model_extra or {})
+    chunks = list(handle.client().chat.completions.create(stream=True, **kwargs,
+                                                          extra_body={"include_reasoning": False}))
+    assert not any({"reasoning", "reasoning_content"} & set(c.delta.model_extra or {})
+                   for chunk in chunks for c in chunk.choices)
+    assert _reassemble(chunks) == (full.message.content, "", [], "stop")
+    with pytest.raises(openai.BadRequestError, match="include_reasoning"):
+        handle.client().chat.completions.create(**kwargs, extra_body={"include_reasoning": "no"})
     handle.wait_idle()
 
 
