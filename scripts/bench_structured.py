@@ -37,6 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import llguidance.numpy  # noqa: E402
 from gpu_bench_common import jax_device_name, log, print_tables, result_record, versions, write_record  # noqa: E402
 from jengine import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 from jengine.models.demo import build_random_llama  # noqa: E402
@@ -111,21 +112,21 @@ def compile_ms(llm: LLM, params: StructuredOutputsParams, runs: int = 7) -> dict
 
 
 class StepClock:
-    """Start time and shape of every engine step (the core's `schedule` and `step`, wrapped)."""
+    """Start time and shape of every engine step (the core's `schedule` and `step`, wrapped), and the time of each
+    fill of BATCH masks (llguidance's, wrapped: it runs on the core's mask thread)."""
 
     def __init__(self, llm: LLM) -> None:
         core = llm._core
         self.starts: list[tuple[float, int, int]] = []
-        self.fills: list[float] = []  # seconds of each fill of BATCH masks (on the mask thread)
+        self.fills: list[float] = []
         self._shape = (0, 0)
-        schedule, step, fill = core.scheduler.schedule, core.step, core.masks.fill
+        schedule, step, fill = core.scheduler.schedule, core.step, llguidance.numpy.fill_next_token_bitmask_par
 
-        def timed_fill(requests):
+        def timed_fill(executor, matchers, masks):
             start = time.perf_counter()
-            result = fill(requests)
-            if result is not None and len(result[0]) == BATCH:
+            fill(executor, matchers, masks)
+            if len(matchers) == BATCH:
                 self.fills.append(time.perf_counter() - start)
-            return result
 
         def timed_schedule():
             out = schedule()
@@ -138,7 +139,9 @@ class StepClock:
             self.starts.append((start, *self._shape))
             return result
 
-        core.scheduler.schedule, core.step, core.masks.fill = timed_schedule, timed_step, timed_fill
+        core.scheduler.schedule, core.step = timed_schedule, timed_step
+        llguidance.numpy.fill_next_token_bitmask_par = timed_fill
+        self.stop = lambda: setattr(llguidance.numpy, "fill_next_token_bitmask_par", fill)
 
     def decode_period(self) -> tuple[float, int]:
         """(median seconds between consecutive pure-decode steps of BATCH requests, how many intervals)."""
@@ -169,7 +172,8 @@ def timed_period(llm: LLM, structured: StructuredOutputsParams | None, max_token
                              structured_outputs=structured) for i in range(BATCH)]
     llm.generate([PROMPT] * BATCH, params, use_tqdm=False)
     period = clock.decode_period()
-    del llm._core.step, llm._core.scheduler.schedule, llm._core.masks.fill  # the class's methods again
+    del llm._core.step, llm._core.scheduler.schedule  # the class's methods again
+    clock.stop()
     return (*period, clock.fills)
 
 

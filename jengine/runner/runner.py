@@ -204,7 +204,8 @@ class ModelRunner:
                                                           len(inputs.token_ids)))
         logits, prompt, self.state = forward_step(self._model, self.step_params, self.state, model)
         masks = token_masks() if token_masks is not None else None
-        mask = None if masks is None else padded_masks(plan.first_rows[masks[0]], masks[1], len(plan.draft_ids), self.mask_words)
+        mask = None if masks is None else padded_masks(plan.first_rows[masks[0]], masks[1], len(plan.draft_ids),
+                                                       self.mask_words)
         verdict = verify(logits, sampling, plan.draft_ids, mask)
         self.proposer.observe(model)
         _start_copy_to_host((verdict, prompt))

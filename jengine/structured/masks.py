@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -77,34 +78,62 @@ class MaskFiller:
         self._executor: Any = None
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None  # runs `fill` beside the core thread
 
+    def fill(self, requests: Sequence[Any]) -> tuple[np.ndarray, np.ndarray] | None:
+        """(row indices, [k, words] int32 masks) for the requests whose grammar is active, in the order given
+        (None: none; a None entry is a row without a request; a row still reasoning is free)."""
+        batch = self._prepare(requests)
+        if batch is None:
+            return None
+        matchers, rows, masks = batch
+        self._fill_into(matchers, masks)
+        return rows, masks
+
     def fill_later(self, requests: Sequence[Any]) -> concurrent.futures.Future:
-        """`fill(requests)` started on the filler's own thread (one at a time, in order)."""
+        """`fill(requests)` on the filler's own thread (one at a time, in order); returns once that thread is inside
+        llguidance's fill, which releases the GIL: a thread waiting for the GIL would otherwise get it only when this
+        one blocks, or after Python's switch interval (5 ms, longer than a decode step)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        batch = self._prepare(requests)
+        if batch is None:
+            future.set_result(None)
+            return future
+        matchers, rows, masks = batch
+        inside = threading.Event()
+
+        def run() -> tuple[np.ndarray, np.ndarray]:
+            inside.set()
+            self._fill_into(matchers, masks)
+            return rows, masks
+
         if self._thread is None:
             self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jengine-masks")
-        return self._thread.submit(self.fill, requests)
+        future = self._thread.submit(run)
+        inside.wait()
+        return future
 
     def shutdown(self) -> None:
         if self._thread is not None:
             self._thread.shutdown(wait=True)
             self._thread = None
 
-    def fill(self, requests: Sequence[Any]) -> tuple[np.ndarray, np.ndarray] | None:
-        """(row indices, [k, words] int32 masks) for the requests whose grammar is active, in the order given
-        (None: none; a None entry is a row without a request; a row still reasoning is free)."""
-        pairs = [(request.grammar.matcher, row) for row, request in enumerate(requests)
-                 if request is not None and request.grammar is not None and request.grammar.active]
-        if not pairs:
+    @staticmethod
+    def _prepare(requests: Sequence[Any]) -> tuple[list[tuple[Any, int]], np.ndarray, np.ndarray] | None:
+        """(matcher and mask index pairs, their rows, zeroed masks) of the active grammars; None when there are none."""
+        active = [(request.grammar, row) for row, request in enumerate(requests)
+                  if request is not None and request.grammar is not None and request.grammar.active]
+        if not active:
             return None
+        masks = np.zeros((len(active), active[0][0].vocab_words), np.int32)
+        return ([(grammar.matcher, k) for k, (grammar, _) in enumerate(active)],
+                np.array([row for _, row in active], np.int32), masks)
+
+    def _fill_into(self, matchers: list[tuple[Any, int]], masks: np.ndarray) -> None:
         import llguidance
         import llguidance.numpy
 
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
-        vocab_words = next(r.grammar.vocab_words for r in requests if r is not None and r.grammar is not None)
-        masks = np.zeros((len(pairs), vocab_words), np.int32)
-        llguidance.numpy.fill_next_token_bitmask_par(self._executor, [(m, k) for k, (m, _) in enumerate(pairs)],
-                                                     masks)
-        return np.array([row for _, row in pairs], np.int32), masks
+        llguidance.numpy.fill_next_token_bitmask_par(self._executor, matchers, masks)
 
 
 class StepMasks:

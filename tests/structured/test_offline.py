@@ -12,6 +12,7 @@ import threading
 
 import jax.numpy as jnp
 import jsonschema
+import llguidance.numpy
 import numpy as np
 import pytest
 from transformers import LlamaConfig
@@ -102,11 +103,13 @@ def test_the_core_imports_no_grammar_library() -> None:
 def test_each_mask_is_filled_beside_the_core_thread_from_every_earlier_token(model_dir, monkeypatch) -> None:
     """Pipelined, each step's masks are filled on the mask thread (the core thread goes on meanwhile), from matchers
     that have consumed exactly the request's tokens so far; each sampled token is one its mask allowed."""
-    fed: dict[str, int] = {}
+    fed: dict[str, int] = {}  # tokens fed to each request's matcher
     pending: dict[str, np.ndarray] = {}  # per request, the mask its next token is sampled under
-    fills: list[tuple[str, list[tuple[int, int]]]] = []
+    consumed_vs_known: list[tuple[int, int]] = []
+    fill_threads: set[str] = set()
     allowed: list[bool] = []
-    real_advance, real_fill = core_module.advance, MaskFiller.fill
+    real_advance, real_fill_later = core_module.advance, MaskFiller.fill_later
+    real_par = llguidance.numpy.fill_next_token_bitmask_par
 
     def counting_advance(request, token_ids):
         if request.grammar is not None:
@@ -116,24 +119,31 @@ def test_each_mask_is_filled_beside_the_core_thread_from_every_earlier_token(mod
             fed[request.request_id] = fed.get(request.request_id, 0) + len(token_ids)
         real_advance(request, token_ids)
 
-    def recording_fill(self, requests):
-        rows = [(fed.get(r.request_id, 0), len(r.output_token_ids)) for r in requests
-                if r is not None and r.grammar is not None]
-        fills.append((threading.current_thread().name, rows))
-        out = real_fill(self, requests)
-        if out is not None:
-            for row, words in zip(*out):
+    def recording_fill_later(self, requests):
+        constrained = [r for r in requests if r is not None and r.grammar is not None]
+        consumed_vs_known.extend((fed.get(r.request_id, 0), len(r.output_token_ids)) for r in constrained)
+        future = real_fill_later(self, requests)
+
+        def keep(done):
+            for row, words in zip(*done.result()):
                 pending[requests[row].request_id] = words
-        return out
+
+        future.add_done_callback(keep)
+        return future
+
+    def recording_par(*args):
+        fill_threads.add(threading.current_thread().name)
+        return real_par(*args)
 
     monkeypatch.setattr(core_module, "advance", counting_advance)
-    monkeypatch.setattr(MaskFiller, "fill", recording_fill)
+    monkeypatch.setattr(MaskFiller, "fill_later", recording_fill_later)
+    monkeypatch.setattr(llguidance.numpy, "fill_next_token_bitmask_par", recording_par)
     params = [SamplingParams(temperature=1.0, seed=7, max_tokens=30,
                              structured_outputs=StructuredOutputsParams(json=SCHEMA)),
               SamplingParams(temperature=1.0, seed=8, max_tokens=10)]
     with LLM(str(model_dir), dtype="float32", max_model_len=128, max_num_seqs=4, async_scheduling=True) as llm:
         out = llm.generate(["the", "a b"], params, use_tqdm=False)
     jsonschema.validate(json.loads(out[0].outputs[0].text), SCHEMA)
-    assert len(fills) >= len(out[0].outputs[0].token_ids) - 1 and allowed and all(allowed)
-    assert {name for name, _ in fills} == {"jengine-masks_0"}
-    assert all(consumed == known for _, rows in fills for consumed, known in rows)
+    assert len(allowed) == len(out[0].outputs[0].token_ids) and all(allowed)
+    assert fill_threads == {"jengine-masks_0"}
+    assert consumed_vs_known and all(consumed == known for consumed, known in consumed_vs_known)
