@@ -158,8 +158,11 @@ def quantize_activations(
 def quantized_matmul(x: Float[Array, "tokens k"], q: QuantizedWeight, precision=None) -> Float[Array, "tokens n"]:
     """x @ (weight × scale), in x's dtype, by the scheme's implementation."""
     if q.scheme.impl in ("reference", "emulated"):
+        if q.scheme.impl == "emulated" and _rescaled_per_channel(x, q):
+            q = _per_channel(q)  # as the device path at many tokens (its extra weight rounding and per-token scales)
         xf = _rounded_activations(x, q) if q.scheme.impl == "emulated" else x.astype(jnp.float32)
-        y = jnp.dot(xf, dequantize(q), precision=jax.lax.Precision.HIGHEST)
+        w = dequantize(q)
+        y = jnp.dot(jnp.pad(xf, ((0, 0), (0, w.shape[0] - xf.shape[1]))), w, precision=jax.lax.Precision.HIGHEST)
         return y.astype(x.dtype)
     if q.scheme.impl.startswith("pallas") and q.scheme.block_k == 0 and x.shape[0] <= PALLAS_MAX_TOKENS:
         from pallas_kernels.quant_matmul import few_token_matmul  # Pallas imported only where used
@@ -169,9 +172,14 @@ def quantized_matmul(x: Float[Array, "tokens k"], q: QuantizedWeight, precision=
         return _channel_matmul(x, q)
     if x.shape[0] <= GROUPED_MAX_TOKENS:
         return _grouped_matmul(x, q)
-    if q.scheme.activations is not None:
+    if _rescaled_per_channel(x, q):
         return _channel_matmul(x, _per_channel(q))
     return jnp.dot(x, dequantize(q, x.dtype), precision=precision, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _rescaled_per_channel(x: Float[Array, "tokens k"], q: QuantizedWeight) -> bool:
+    """Whether the device math takes a block-scaled weight with quantized activations as per-channel (many tokens)."""
+    return q.scheme.block_k != 0 and q.scheme.activations is not None and x.shape[0] > GROUPED_MAX_TOKENS
 
 
 def _rounded_activations(x: Float[Array, "tokens k"], q: QuantizedWeight) -> Float[Array, "tokens k"]:

@@ -100,7 +100,7 @@ def test_the_decode_kernel_lowers_for_h200(weight_dtype):
     assert text.count("__gpu$xla.gpu.triton") == 1
 
 
-@pytest.mark.parametrize("tokens", [1, 8])
+@pytest.mark.parametrize("tokens", [1, 8, GROUPED_MAX_TOKENS + 9])
 @pytest.mark.parametrize("name", [n for n, s in SCHEMES.items() if s.activations is not None])
 def test_emulated_reference_rounds_activations_as_the_device_math(name, tokens):
     """The `emulated` oracle of the GPU checks: only the accumulation order separates it from the device math, an
