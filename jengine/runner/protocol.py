@@ -13,8 +13,9 @@ import numpy as np
 
 from jengine.scheduler.output import RunnerOutput, SchedulerOutput
 
-# Structured output: called once per step, after the forward is launched, for (rows in scheduled order, their
-# packed [k, words] int32 allowed-token bits), or None when no scheduled row is constrained.
+# Structured output: called once per step, after its forward is launched and before its sampler is (a runner asks
+# as late as it can: the host fills the masks meanwhile), for (rows in scheduled order, their packed [k, words] int32
+# allowed-token bits), or None when no scheduled row is constrained.
 TokenMaskSource = Callable[[], tuple[np.ndarray, np.ndarray] | None]
 
 
@@ -25,7 +26,8 @@ class StepRunner(Protocol):
 
     def dispatch(self, sched: SchedulerOutput, token_masks: TokenMaskSource | None = None) -> Any | None:
         """Launches a step without waiting for the device; a handle for `fetch`, or None when nothing is scheduled.
-        `token_masks` gives the constrained rows' allowed tokens; it is asked once, after the forward is launched."""
+        `token_masks` gives the constrained rows' allowed tokens; it is asked once, after the forward is launched
+        and at the latest when the next step is dispatched or this one fetched."""
         ...
 
     def fetch(self, step: Any) -> RunnerOutput:
