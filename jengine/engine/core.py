@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-
 from jengine.cache.kv_cache_manager import KVCacheManager
 from jengine.config import EngineConfig
 from jengine.engine.stats import StepTokenCounts
