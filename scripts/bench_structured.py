@@ -7,7 +7,10 @@ through `LLM` (pipelined, the default), free and constrained, twice each, altern
 interval between the starts of consecutive engine steps that are pure decodes of all 64 requests: the engine's real
 step period, host work included (for constrained rows the matchers advance on the core thread and each step's masks
 are filled on the mask thread while the device runs that step's forward; the sampler is launched with them just
-before the next forward). `metrics.mask_fill_ms_b64` is the median host time of one step's fill of 64 masks there.
+before the next forward). `metrics.mask_fill_ms_b64` is the median host time of one step's fill of 64 masks there;
+`*_host_busy_ms_b64` the core thread's time per step not spent waiting for the device or for masks, and
+`structured_mask_wait_ms_b64` its wait for masks not yet filled (both explain a ratio above 1: a busy host, or a fill
+longer than the forward).
 `ratios.structured_step_vs_free_b64` = constrained ÷ free (lower is better; 1 = free). `metrics.schema_compile_ms` is
 the median time to build and compile that schema's grammar for the model's tokenizer with an empty cache.
 
@@ -37,11 +40,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import jax  # noqa: E402
 import llguidance.numpy  # noqa: E402
 from gpu_bench_common import jax_device_name, log, print_tables, result_record, versions, write_record  # noqa: E402
 from jengine import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 from jengine.models.demo import build_random_llama  # noqa: E402
-from jengine.structured.masks import MaskFiller  # noqa: E402
+from jengine.structured.masks import MaskFiller, StepMasks  # noqa: E402
 
 LLAMA3_8B_LAYER = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                        head_dim=128)
@@ -112,15 +116,21 @@ def compile_ms(llm: LLM, params: StructuredOutputsParams, runs: int = 7) -> dict
 
 
 class StepClock:
-    """Start time and shape of every engine step (the core's `schedule` and `step`, wrapped), and the time of each
-    fill of BATCH masks (llguidance's, wrapped: it runs on the core's mask thread)."""
+    """Start time, shape and waits of every engine step (the core's `schedule` and `step`, wrapped), and the time of
+    each fill of BATCH masks (llguidance's, wrapped: it runs on the core's mask thread). A step's waits: the core
+    thread blocked for the device (`jax.device_get`) and for a step's masks (`StepMasks.__call__`); the rest of the
+    step period is host work on the core thread."""
 
     def __init__(self, llm: LLM) -> None:
         core = llm._core
-        self.starts: list[tuple[float, int, int]] = []
+        self.starts: list[tuple[float, int, int, float, float]] = []  # start, tokens, rows, device wait, mask wait
         self.fills: list[float] = []
-        self._shape = (0, 0)
-        schedule, step, fill = core.scheduler.schedule, core.step, llguidance.numpy.fill_next_token_bitmask_par
+        self._shape, self._waits = (0, 0), [0.0, 0.0]
+        schedule, step = core.scheduler.schedule, core.step
+        self._originals = [(llguidance.numpy, "fill_next_token_bitmask_par"), (jax, "device_get"),
+                           (StepMasks, "__call__")]
+        self._originals = [(owner, name, getattr(owner, name)) for owner, name in self._originals]
+        fill, device_get, masks_call = (original for _, _, original in self._originals)
 
         def timed_fill(executor, matchers, masks):
             start = time.perf_counter()
@@ -128,26 +138,43 @@ class StepClock:
             if len(matchers) == BATCH:
                 self.fills.append(time.perf_counter() - start)
 
+        def waiting(original, slot):
+            def timed(*args, **kwargs):
+                start = time.perf_counter()
+                result = original(*args, **kwargs)
+                self._waits[slot] += time.perf_counter() - start
+                return result
+            return timed
+
         def timed_schedule():
             out = schedule()
             self._shape = (out.total_num_scheduled_tokens, len(out.num_scheduled_tokens))
             return out
 
         def timed_step():
-            start = time.perf_counter()
+            start, self._waits = time.perf_counter(), [0.0, 0.0]
             result = step()
-            self.starts.append((start, *self._shape))
+            self.starts.append((start, *self._shape, *self._waits))
             return result
 
         core.scheduler.schedule, core.step = timed_schedule, timed_step
         llguidance.numpy.fill_next_token_bitmask_par = timed_fill
-        self.stop = lambda: setattr(llguidance.numpy, "fill_next_token_bitmask_par", fill)
+        jax.device_get, StepMasks.__call__ = waiting(device_get, 0), waiting(masks_call, 1)
 
-    def decode_period(self) -> tuple[float, int]:
-        """(median seconds between consecutive pure-decode steps of BATCH requests, how many intervals)."""
+    def stop(self) -> None:
+        for owner, name, original in self._originals:
+            setattr(owner, name, original)
+
+    def decode_period(self) -> dict[str, float]:
+        """Medians over consecutive pure-decode steps of BATCH requests: seconds between their starts, of it the
+        core thread's busy time (not waiting for the device or for masks) and its wait for masks; how many
+        intervals; seconds of one fill of BATCH masks."""
         full = [s for s in self.starts if s[1] == s[2] == BATCH]
-        gaps = [b[0] - a[0] for a, b in zip(self.starts, self.starts[1:]) if a in full and b in full]
-        return statistics.median(gaps), len(gaps)
+        pairs = [(a, b) for a, b in zip(self.starts, self.starts[1:]) if a in full and b in full]
+        return {"period": statistics.median(b[0] - a[0] for a, b in pairs),
+                "host_busy": statistics.median(b[0] - a[0] - a[3] - a[4] for a, b in pairs),
+                "mask_wait": statistics.median(a[4] for a, _ in pairs), "intervals": len(pairs),
+                "fill": statistics.median(self.fills) if self.fills else float("nan")}
 
 
 def check_outputs(llm: LLM, structured: StructuredOutputsParams, schema: dict[str, Any]) -> int:
@@ -164,17 +191,17 @@ def check_outputs(llm: LLM, structured: StructuredOutputsParams, schema: dict[st
     return valid
 
 
-def timed_period(llm: LLM, structured: StructuredOutputsParams | None, max_tokens: int
-                 ) -> tuple[float, int, list[float]]:
-    """(median decode step period, intervals counted, seconds of each fill of BATCH masks)."""
+def timed_period(llm: LLM, structured: StructuredOutputsParams | None, max_tokens: int) -> dict[str, float]:
+    """`StepClock.decode_period` of BATCH requests decoding `max_tokens` tokens (free ones ignore EOS)."""
     clock = StepClock(llm)
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens, ignore_eos=structured is None,
                              structured_outputs=structured) for i in range(BATCH)]
-    llm.generate([PROMPT] * BATCH, params, use_tqdm=False)
-    period = clock.decode_period()
-    del llm._core.step, llm._core.scheduler.schedule  # the class's methods again
-    clock.stop()
-    return (*period, clock.fills)
+    try:
+        llm.generate([PROMPT] * BATCH, params, use_tqdm=False)
+    finally:
+        del llm._core.step, llm._core.scheduler.schedule  # the class's methods again
+        clock.stop()
+    return clock.decode_period()
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -191,18 +218,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         log(f"{valid}/{BATCH} constrained outputs validate; host times {host_ms}")
         if valid != BATCH:
             raise SystemExit("constrained outputs do not all validate: no timing")
-        periods: dict[str, list[tuple[float, int, list[float]]]] = {"free": [], "structured": []}
+        periods: dict[str, list[dict[str, float]]] = {"free": [], "structured": []}
         for _ in range(args.repeats):
             periods["free"].append(timed_period(llm, None, args.max_tokens))
             periods["structured"].append(timed_period(llm, structured, args.max_tokens))
         llm.shutdown()
-    free = statistics.median(p for p, _, _ in periods["free"])
-    constrained = statistics.median(p for p, _, _ in periods["structured"])
-    fills = [f for _, _, run_fills in periods["structured"] for f in run_fills]
+
+    def median(mode: str, key: str) -> float:
+        return statistics.median(p[key] for p in periods[mode])
+
+    free, constrained = median("free", "period"), median("structured", "period")
     metrics = {**host_ms, "outputs_valid": valid,
                "free_step_ms_b64": free * 1e3, "structured_step_ms_b64": constrained * 1e3,
-               "mask_fill_ms_b64": statistics.median(fills) * 1e3 if fills else None,
-               "decode_intervals_counted": min(n for mode in periods.values() for _, n, _ in mode),
+               "mask_fill_ms_b64": median("structured", "fill") * 1e3,
+               "structured_mask_wait_ms_b64": median("structured", "mask_wait") * 1e3,
+               **{f"{mode}_host_busy_ms_b64": median(mode, "host_busy") * 1e3 for mode in periods},
+               "decode_intervals_counted": min(p["intervals"] for mode in periods.values() for p in mode),
                "vocab_size": args.vocab, "layers": args.layers}
     return {"metrics": metrics, "ratios": {"structured_step_vs_free_b64": constrained / free}}
 

@@ -21,6 +21,10 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
+# How long the core thread waits for the mask thread to enter the fill: a wake-up takes tens of microseconds on an
+# idle host; on a saturated one the core thread goes on after this and the fill starts when it next blocks.
+HANDOFF_WAIT_S = 0.001
+
 
 @dataclasses.dataclass(slots=True)
 class RequestGrammar:
@@ -90,8 +94,8 @@ class MaskFiller:
 
     def fill_later(self, requests: Sequence[Any]) -> concurrent.futures.Future:
         """`fill(requests)` on the filler's own thread (one at a time, in order); returns once that thread is inside
-        llguidance's fill, which releases the GIL: a thread waiting for the GIL would otherwise get it only when this
-        one blocks, or after Python's switch interval (5 ms, longer than a decode step)."""
+        llguidance's fill, which releases the GIL (a thread waiting for the GIL would otherwise get it only when this
+        one blocks, or after Python's switch interval: 5 ms, longer than a decode step), or after HANDOFF_WAIT_S."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         batch = self._prepare(requests)
         if batch is None:
@@ -108,7 +112,7 @@ class MaskFiller:
         if self._thread is None:
             self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jengine-masks")
         future = self._thread.submit(run)
-        inside.wait()
+        inside.wait(HANDOFF_WAIT_S)
         return future
 
     def shutdown(self) -> None:
