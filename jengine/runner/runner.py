@@ -90,13 +90,14 @@ class ModelRunner:
         self.sampling_rows = SamplingRowTable(sched.max_num_seqs, engine_seed=config.model.seed)
         self.state = StepState(allocate(spec, plan, layout.kv_cache_sharding),
                                jax.device_put(np.zeros(sched.max_num_seqs, np.int32), layout.replicated))
-        model = StepModel(spec, backend, layout.mesh if layout.expert_parallel else None)
+        speculative = config.speculative
+        self.proposer = proposer or (build_proposer(speculative) if speculative else None)
+        capture = None if self.proposer is None else self.proposer.hidden_capture
+        model = StepModel(spec, backend, layout.mesh if layout.expert_parallel else None, capture)
         self._model = model
         self.mask_words = -(-spec.vocab_size // 32)  # the sampler's token mask covers the model's whole vocabulary
         self._step = build_step(model)
         self._compile_step = build_step_compiler(model)
-        speculative = config.speculative
-        self.proposer = proposer or (build_proposer(speculative) if speculative else None)
         self._speculates = np.zeros(sched.max_num_seqs, bool)  # per row: its request may speculate
         self.recompile_guard = RecompileGuard()
         if pin:
@@ -137,12 +138,14 @@ class ModelRunner:
                             prompt_k, self._lora_segments(self.batch.lora_slot[inputs.rows], inputs.num_scheduled,
                                                           len(inputs.token_ids)))
         batch = StepBatch(model, sampling, self._sample_rows(inputs))
-        if token_masks is None:
-            self.state, out = self._step(self.step_params, self.state, batch)
+        if self.proposer is not None and self.proposer.hidden_capture is not None:
+            self.state, out, hidden = self._capturing_step(batch, token_masks)
+        elif token_masks is None:
+            self.state, out, hidden = *self._step(self.step_params, self.state, batch), None
         else:
-            self.state, out = self._masked_step(batch, token_masks)
+            self.state, out, hidden = *self._masked_step(batch, token_masks), None
         if self.proposer is not None:
-            self.proposer.observe(model)
+            self.proposer.observe(model, inputs, hidden)
         self.recompile_guard.check(lambda: f"tokens={len(inputs.token_ids)} seqs={len(inputs.logits_rows)} "
                                            f"blocks={inputs.metadata.block_tables.shape[1]} "
                                            f"query_len={inputs.metadata.max_query_len}")
@@ -154,11 +157,22 @@ class ModelRunner:
     def _masked_step(self, batch: StepBatch, token_masks: TokenMaskSource) -> tuple[StepState, StepOutput]:
         """The forward, then the host's masks (rows in scheduled order), then the sampler with them (without them
         when no scheduled row turns out constrained)."""
-        logits, prompt, state = forward_step(self._model, self.step_params, self.state, batch.model)
+        logits, prompt, state, _ = forward_step(self._model, self.step_params, self.state, batch.model)
         masks = token_masks()
         if masks is not None:
             batch.token_mask = self._pad_masks(*masks, num_rows=len(batch.sample_rows))
         return sample_phase(logits, prompt, state, batch)
+
+    def _capturing_step(self, batch: StepBatch, token_masks: TokenMaskSource | None
+                        ) -> tuple[StepState, StepOutput, Any]:
+        """The step of a proposer that reads the target's hidden states (`StepModel.capture`): they come back
+        beside the step's outputs."""
+        logits, prompt, state, hidden = forward_step(self._model, self.step_params, self.state, batch.model)
+        masks = None if token_masks is None else token_masks()
+        if masks is not None:
+            batch.token_mask = self._pad_masks(*masks, num_rows=len(batch.sample_rows))
+        state, out = sample_phase(logits, prompt, state, batch)
+        return state, out, hidden
 
     def _pad_masks(self, rows: np.ndarray, words: np.ndarray, num_rows: int) -> np.ndarray:
         """[num_rows, mask_words]: the given rows' words, all ones elsewhere; bits past the given words banned."""
@@ -191,11 +205,11 @@ class ModelRunner:
         model = ModelInputs(inputs.token_ids, inputs.metadata, plan.logits_rows, prompt_rows, prompt_targets,
                             prompt_k, self._lora_segments(self.batch.lora_slot[inputs.rows], inputs.num_scheduled,
                                                           len(inputs.token_ids)))
-        logits, prompt, self.state = forward_step(self._model, self.step_params, self.state, model)
+        logits, prompt, self.state, hidden = forward_step(self._model, self.step_params, self.state, model)
         masks = token_masks() if token_masks is not None else None
         mask = None if masks is None else self._pad_masks(plan.first_rows[masks[0]], masks[1], len(plan.draft_ids))
         verdict = verify(logits, sampling, plan.draft_ids, mask)
-        self.proposer.observe(model)
+        self.proposer.observe(model, inputs, hidden)
         _start_copy_to_host((verdict, prompt))
         self.batch.reserve_sampled(inputs.rows[inputs.samples])
         wanted = self.sampling_rows.logprobs[inputs.rows] if sampling.max_num_logprobs else None
