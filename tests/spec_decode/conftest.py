@@ -108,7 +108,7 @@ def write_head(out, config: dict, tensors: dict[str, np.ndarray]):
     return out
 
 
-def build_eagle_head(out, seed: int, moe_layer: bool = False):
+def build_eagle_head(out, seed: int, moe_layer: bool = False, scale: float = 0.08):
     """An EAGLE(-2) head as yuhuili/EAGLE-LLaMA3-Instruct-8B lays it out: fc over concat(embedding, feature), one
     decoder layer without input_layernorm, the target's embedding and LM head reused. `moe_layer`: the layer is a
     Mixtral one (a head for a Mixtral target)."""
@@ -118,14 +118,14 @@ def build_eagle_head(out, seed: int, moe_layer: bool = False):
     architecture = "MixtralForCausalLM" if moe_layer else "LlamaForCausalLM"
     extra = {"num_local_experts": experts, "num_experts_per_tok": 2} if moe_layer else {}
     tensors = {"fc.weight": (rng.standard_normal((d, 2 * d)) * 0.08).astype(np.float32),
-               **_layer_tensors("layers.0", rng, d, experts)}
+               **_layer_tensors("layers.0", rng, d, experts, scale)}
     return write_head(out, _head_config(architecture, **extra), tensors)
 
 
 DRAFT_VOCAB = 128
 
 
-def build_eagle3_head(out, seed: int, aux_layers: list[int] | None = None):
+def build_eagle3_head(out, seed: int, aux_layers: list[int] | None = None, scale: float = 0.08):
     """An EAGLE-3 head in the published layout: fc fusing three target layers, a `midlayer` whose q/k/v read
     (embedding ‖ feature), its own norm and an LM head over a reduced vocabulary mapped by d2t / t2d."""
     rng = np.random.default_rng(seed)
@@ -134,7 +134,7 @@ def build_eagle3_head(out, seed: int, aux_layers: list[int] | None = None):
     t2d = np.zeros(vocab, bool)
     t2d[draft_ids] = True
     tensors = {"fc.weight": (rng.standard_normal((d, 3 * d)) * 0.08).astype(np.float32),
-               **_layer_tensors("midlayer", rng, 2 * d),
+               **_layer_tensors("midlayer", rng, 2 * d, scale=scale),
                "midlayer.input_layernorm.weight": np.ones(d, np.float32),
                "midlayer.hidden_norm.weight": np.ones(d, np.float32),
                "norm.weight": np.ones(d, np.float32),
