@@ -82,9 +82,8 @@ def load_eagle_head(config: EngineConfig, target: ModelSpec, target_params: dict
     with CheckpointReader(head_dir) as reader:
         tensors = _HeadTensors(reader)
         params = _head_params(kind, spec, target, tensors, len(capture))
-        params = {name: jnp.asarray(value, dtype) for name, value in params.items() if name != "layer"} | {
-            "layer": {name: jnp.asarray(value, dtype) for name, value in params["layer"].items()}}
-        mapping = _draft_to_target(tensors, hf, target.vocab_size) if kind == "eagle3" else None
+        params = jax.tree.map(lambda value: jnp.asarray(value, dtype), params)
+        mapping = _draft_to_target(tensors, target.vocab_size) if kind == "eagle3" else None
     params = jax.device_put(params, layout.replicated)
     params.setdefault("embed", target_params["embed"])
     if "lm_head" not in params:
@@ -163,7 +162,7 @@ def _draft_vocab(tensors: _HeadTensors) -> int:
     return int(tensors.reader.shape(tensors.names["lm_head.weight"])[0])
 
 
-def _draft_to_target(tensors: _HeadTensors, config: dict, target_vocab: int) -> np.ndarray | None:
+def _draft_to_target(tensors: _HeadTensors, target_vocab: int) -> np.ndarray | None:
     """Target id of each draft id (None: the same vocabulary), checked to lie in the target's."""
     draft_vocab = _draft_vocab(tensors)
     if "d2t" not in tensors:
