@@ -1,7 +1,8 @@
 """The runner's LoRA slots: per layer, stacked A and B arrays with one entry per slot, padded to `max_lora_rank`.
 
-A fused projection is one shrink and one expand: `qkv_a [slots, d, 3R]` holds the q, k and v A matrices side by
-side, `qkv_b [slots, 3R, q+k+v]` their B matrices block-diagonally (`gate_up_*` likewise), so a layer runs four
+A fused projection is one shrink and one expand: `qkv_a [d, slots, 3R]` holds the q, k and v A matrices side by
+side (the slot axis second, so every slot's A is one `[d, slots·3R]` matrix for the shrink), `qkv_b [slots, 3R,
+q+k+v]` their B matrices block-diagonally (`gate_up_*` likewise), so a layer runs four
 shrinks and four expands whatever the adapters target. A module an adapter does not target, and the ranks past an
 adapter's own, are zeros, so they add nothing. Loading writes one slot with one
 jitted update whose shapes never change (the slot index is traced): loading never compiles a new program, and the
@@ -60,11 +61,18 @@ def slot_image(spec: ModelSpec, adapter: LoraAdapter | None, max_rank: int, dtyp
 @functools.partial(jax.jit, donate_argnums=0)
 def _write_slot(slots: list[dict[str, jax.Array]], image: list[dict[str, jax.Array]], slot: jax.Array
                 ) -> list[dict[str, jax.Array]]:
-    return jax.tree_util.tree_map(lambda stacked, one: stacked.at[slot].set(one), slots, image)
+    return [{name: stacked.at[(slice(None), slot) if name.endswith("_a") else slot].set(one[name])
+             for name, stacked in layer.items()} for layer, one in zip(slots, image, strict=True)]
+
+
+def _stack_empty(image: list[dict[str, np.ndarray]], num_slots: int) -> list[dict[str, np.ndarray]]:
+    """Zeroed slot arrays: the slot axis second for A (`[in, slots, parts·R]`), first for B."""
+    return [{name: np.zeros((a.shape[0], num_slots, a.shape[1]) if name.endswith("_a") else (num_slots,) + a.shape,
+                            a.dtype) for name, a in layer.items()} for layer in image]
 
 
 class DeviceLoraSlots:
-    """`arrays[layer][name]`: `<group>_a [slots, in, parts·R]` and `<group>_b [slots, parts·R, out]` in the model
+    """`arrays[layer][name]`: `<group>_a [in, slots, parts·R]` and `<group>_b [slots, parts·R, out]` in the model
     dtype. One device (the fused columns are in the unsharded order)."""
 
     def __init__(self, spec: ModelSpec, num_slots: int, max_rank: int, dtype, sharding=None) -> None:
@@ -72,8 +80,7 @@ class DeviceLoraSlots:
             raise ValueError("LoRA slots are built for one device (tensor_parallel_size 1)")
         self.spec, self.num_slots, self.max_rank, self.dtype = spec, num_slots, max_rank, jnp.dtype(dtype)
         empty = slot_image(spec, None, max_rank, self.dtype)
-        stacked = jax.tree_util.tree_map(lambda a: np.zeros((num_slots,) + a.shape, a.dtype), empty)
-        self.arrays = jax.device_put(stacked, sharding)
+        self.arrays = jax.device_put(_stack_empty(empty, num_slots), sharding)
         self.loaded: list[str | None] = [None] * num_slots
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
