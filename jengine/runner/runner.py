@@ -138,12 +138,10 @@ class ModelRunner:
                             prompt_k, self._lora_rows(self.batch.lora_slot[inputs.rows], inputs.num_scheduled,
                                                           len(inputs.token_ids)))
         batch = StepBatch(model, sampling, self._sample_rows(inputs))
-        if self.proposer is not None and self.proposer.hidden_capture is not None:
-            self.state, out, hidden = self._capturing_step(batch, token_masks)
-        elif token_masks is None:
+        if token_masks is None and self._model.capture is None:
             self.state, out, hidden = *self._step(self.step_params, self.state, batch), None
         else:
-            self.state, out, hidden = *self._masked_step(batch, token_masks), None
+            self.state, out, hidden = self._split_step(batch, token_masks)
         if self.proposer is not None:
             self.proposer.observe(model, inputs, hidden)
         self.recompile_guard.check(lambda: f"tokens={len(inputs.token_ids)} seqs={len(inputs.logits_rows)} "
@@ -154,19 +152,11 @@ class ModelRunner:
         wanted = self.sampling_rows.logprobs[inputs.rows] if sampling.max_num_logprobs else None
         return InFlightStep(inputs, out, prompt_plan, wanted)
 
-    def _masked_step(self, batch: StepBatch, token_masks: TokenMaskSource) -> tuple[StepState, StepOutput]:
-        """The forward, then the host's masks (rows in scheduled order), then the sampler with them (without them
-        when no scheduled row turns out constrained)."""
-        logits, prompt, state, _ = forward_step(self._model, self.step_params, self.state, batch.model)
-        masks = token_masks()
-        if masks is not None:
-            batch.token_mask = self._pad_masks(*masks, num_rows=len(batch.sample_rows))
-        return sample_phase(logits, prompt, state, batch)
-
-    def _capturing_step(self, batch: StepBatch, token_masks: TokenMaskSource | None
-                        ) -> tuple[StepState, StepOutput, Any]:
-        """The step of a proposer that reads the target's hidden states (`StepModel.capture`): they come back
-        beside the step's outputs."""
+    def _split_step(self, batch: StepBatch, token_masks: TokenMaskSource | None
+                    ) -> tuple[StepState, StepOutput, Any]:
+        """The forward, then the host's masks (rows in scheduled order; structured output), then the sampler with
+        them (without them when no scheduled row turns out constrained). The forward's captured hidden states (a
+        proposer's, `StepModel.capture`) come back beside the step's outputs."""
         logits, prompt, state, hidden = forward_step(self._model, self.step_params, self.state, batch.model)
         masks = None if token_masks is None else token_masks()
         if masks is not None:
