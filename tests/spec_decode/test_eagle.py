@@ -26,16 +26,22 @@ def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int = 16) -> list[lis
 
 
 @pytest.fixture(scope="module")
-def copying_head(tmp_path_factory):
+def copying_head(tmp_path_factory, copying_model):
     """For the copying model (its layers add nothing, its LM head maps a token's embedding to the token after
     it): an EAGLE head that passes the input token's embedding through (fc = [I | 0], the layer adds nothing), so
-    the target's LM head on its output names the token after the input one, which is the target's own choice."""
+    the target's LM head on its output names the token after the input one, which is the target's own choice.
+    Saved with its own copy of the embedding and `model.`-prefixed names, as some published heads are."""
+    from safetensors.numpy import load_file
+
     rng = np.random.default_rng(0)
     d = COMMON["hidden_size"]
     tensors = {"fc.weight": np.concatenate([np.eye(d), np.zeros((d, d))], axis=1).astype(np.float32),
                **_layer_tensors("layers.0", rng, d)}
     tensors["layers.0.self_attn.o_proj.weight"][:] = 0
     tensors["layers.0.mlp.down_proj.weight"][:] = 0
+    tensors["embed_tokens.weight"] = load_file(str(copying_model[0] / "model.safetensors"))[
+        "model.embed_tokens.weight"]
+    tensors = {"model." + name: value for name, value in tensors.items()}
     return write_head(tmp_path_factory.mktemp("copying_head"), _head_config("LlamaForCausalLM"), tensors)
 
 
@@ -44,9 +50,11 @@ def test_exact_head_has_every_draft_accepted(copying_model, copying_head):
     prompts = [cycle * 2, cycle[3:] + cycle, cycle[:5]]
     plain = build(model_dir, max_num_seqs=4)
     expected = greedy(plain, prompts, max_tokens=24)
+    assert plain._core.runner._model.capture is None, "without a head the step returns no hidden states"
     plain.shutdown()
     llm = build(model_dir, max_num_seqs=4, max_num_batched_tokens=16,  # chunked prompts: carries across chunks
                 speculative_config={"method": "eagle", "model": str(copying_head), "num_speculative_tokens": 4})
+    assert llm._core.runner._model.capture == ()  # the final hidden states
     assert greedy(llm, prompts, max_tokens=24) == expected
     counts = llm._core.scheduler.spec_counts
     assert counts.num_drafts > 0 and counts.num_draft_tokens >= 3 * counts.num_drafts
