@@ -1,6 +1,6 @@
 """Speculation through `LLM`: seeded sampling stays batch-independent, requests whose options speculation cannot
 honour decode plainly beside speculating ones, `disable_by_batch_size` switches it off, and the configuration is
-checked (vLLM's JSON, EAGLE refused by name)."""
+checked (vLLM's JSON; EAGLE methods need a head directory)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Speculation never changes greedy output: tokens equal the plain engine's exactly (float32, CPU), for each
-proposer (n-gram, draft model, random EAGLE and EAGLE-3 heads in the published layouts), on dense and MoE targets, alone and batched, with a small token budget (chunked prefill) and a KV pool
-small enough to force preemption; nothing leaks and rejected drafts' blocks come back."""
+proposer (n-gram, draft model, random EAGLE and EAGLE-3 heads in the published layouts), on dense and MoE targets,
+alone and batched, with a small token budget (chunked prefill) and a KV pool small enough to force preemption;
+nothing leaks and rejected drafts' blocks come back."""
 
 from __future__ import annotations
 
