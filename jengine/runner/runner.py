@@ -121,7 +121,7 @@ class ModelRunner:
         output) is asked once the forward is launched, so the host fills the masks while the device runs it."""
         self.batch.apply(sched)
         if self.lora is not None:
-            self.lora.apply(sched.lora_loads)
+            self.params = self.lora.apply(sched.lora_loads, self.params)
         for new in sched.new_requests:
             row = self.batch.rows[new.request_id].row
             self.sampling_rows.set_row(row, new.sampling_params, new.choice_index, new.request_counter,
