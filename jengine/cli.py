@@ -91,9 +91,10 @@ def _add_weight_variant_args(group: argparse._ArgumentGroup) -> None:
                        help="adapters kept in host memory (default: --max-loras)")
     group.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank served")
     group.add_argument("--speculative-config", default=None,
-                       help='speculative decoding as JSON, vLLM\'s keys: {"method": "ngram" | "draft_model", '
-                            '"num_speculative_tokens": k, "prompt_lookup_min"/"prompt_lookup_max" (ngram), '
-                            '"model": DIR (draft_model), "disable_by_batch_size": N}')
+                       help='speculative decoding as JSON, vLLM\'s keys: {"method": "ngram" | "draft_model" | '
+                            '"eagle" | "eagle3", "num_speculative_tokens": k, "prompt_lookup_min"/'
+                            '"prompt_lookup_max" (ngram), "model": DIR (draft_model, eagle, eagle3), '
+                            '"eagle_aux_hidden_state_layer_ids": [i, j, l] (eagle3), "disable_by_batch_size": N}')
 
 
 def _add_chat_parsing_args(parser: argparse.ArgumentParser) -> None:

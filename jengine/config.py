@@ -116,19 +116,23 @@ class RunnerConfig:
     async_scheduling: bool = True
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
-_EAGLE_METHODS = ("eagle", "eagle3")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's `speculative_config`: a proposer guesses tokens, the target model verifies them in one step."""
 
-    method: str  # ngram (prompt lookup) | draft_model (a smaller model with the same tokenizer)
+    # ngram (prompt lookup) | draft_model (a smaller model with the same tokenizer) | eagle | eagle3 (a one-layer
+    # head over the target's hidden states)
+    method: str
     num_speculative_tokens: int  # k: tokens proposed per request per step
     prompt_lookup_min: int = 1  # ngram: shortest suffix n-gram looked up in the request's own tokens
     prompt_lookup_max: int | None = None  # ngram: longest; default prompt_lookup_min's value or 5 when both unset
-    model: str | None = None  # draft_model: its directory (same vocabulary as the target)
+    model: str | None = None  # draft_model: its directory (same vocabulary as the target); eagle/eagle3: the head's
+    # eagle3: the target layers whose input hidden states the head fuses (default: the head's config, else vLLM's
+    # 2, L // 2, L - 3)
+    eagle_aux_hidden_state_layer_ids: tuple[int, ...] | None = None
     disable_by_batch_size: int | None = None  # no speculation while more requests than this run
 
     @classmethod
@@ -145,9 +149,6 @@ class SpeculativeConfig:
             raise ConfigError("speculative_config must be a dict (or its JSON text)")
         value = dict(value)
         method = value.get("method") or ("draft_model" if value.get("model") else None)
-        if method in _EAGLE_METHODS:
-            raise ConfigError(f"speculative method {method!r} is not supported yet: EAGLE heads are not built; "
-                              f"use {' or '.join(SPECULATIVE_METHODS)}")
         if method not in SPECULATIVE_METHODS:
             raise ConfigError(f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                               f"got {method!r}")
@@ -158,6 +159,8 @@ class SpeculativeConfig:
             raise ConfigError(f"unknown speculative_config field(s): {', '.join(unknown)}")
         if "num_speculative_tokens" not in value:
             raise ConfigError("speculative_config needs num_speculative_tokens")
+        if isinstance(value.get("eagle_aux_hidden_state_layer_ids"), list):
+            value["eagle_aux_hidden_state_layer_ids"] = tuple(value["eagle_aux_hidden_state_layer_ids"])
         config = cls(**value)
         config.validate()
         return config
@@ -173,6 +176,10 @@ class SpeculativeConfig:
             (self.prompt_lookup_min >= 1, "prompt_lookup_min must be >= 1"),
             (self.lookup_max >= self.prompt_lookup_min, "prompt_lookup_max must be >= prompt_lookup_min"),
             (self.method != "draft_model" or bool(self.model), "draft_model needs the draft's directory in 'model'"),
+            (self.method not in ("eagle", "eagle3") or bool(self.model),
+             f"{self.method} needs the head's directory in 'model'"),
+            (self.eagle_aux_hidden_state_layer_ids is None or self.method == "eagle3",
+             "eagle_aux_hidden_state_layer_ids applies to eagle3"),
             (self.method != "ngram" or self.model is None, "ngram takes no 'model'"),
             (self.disable_by_batch_size is None or self.disable_by_batch_size >= 1,
              "disable_by_batch_size must be >= 1"),

@@ -128,10 +128,14 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
         pending_tokenizer = pool.submit(Tokenizer.from_pretrained, tokenizer_dir, config.model.chat_template)
         spec, params, dtype = load_weights(config.model, layout)
         tokenizer = pending_tokenizer.result()
-    draft = None
-    if config.speculative is not None and config.speculative.method == "draft_model":
+    draft = head = None
+    method = None if config.speculative is None else config.speculative.method
+    if method == "draft_model":
         from jengine.spec_decode.draft_loading import load_draft  # before the pool is sized: its weights count
         draft = load_draft(config, spec, layout, load_weights)
+    elif method in ("eagle", "eagle3"):
+        from jengine.spec_decode.eagle_loading import load_eagle_head
+        head = load_eagle_head(config, spec, params, layout, dtype)
     device = next(d for d in devices if d.process_index == jax.process_index())  # memory stats: local only
     adapters, runner_lora = build_lora(config, spec, dtype, layout.replicated)  # before the KV pool takes the rest
     if runner_lora is not None:
@@ -148,8 +152,14 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
     if draft is not None:
         from jengine.spec_decode.draft_loading import build_draft_proposer, share_pool
 
-        plan = share_pool(plan, spec, draft)
+        plan = share_pool(plan, draft.spec, "draft model")
         proposer = build_draft_proposer(config, draft, plan, layout, device.platform)
+    elif head is not None:
+        from jengine.spec_decode.draft_loading import share_pool
+        from jengine.spec_decode.eagle_loading import build_eagle_proposer
+
+        plan = share_pool(plan, head.spec, f"{method} head")
+        proposer = build_eagle_proposer(config, head, plan, layout, device.platform)
     log_plan(plan, config.scheduler.max_model_len)
     backend = select_backend(device.platform, config.runner.attention_backend, head_dim=spec.head_dim,
                              mesh=layout.mesh)

@@ -12,12 +12,14 @@ Random weights make a draft's acceptance meaningless, so the mechanism is measur
   draft   the random target as its own draft (acceptance 1: the upper bound), and a 1B-shaped random draft with the
           same vocabulary (the cost of proposing), at batch 1 → ratios.spec_self_draft_speedup_b1 (ITL without ÷
           with), metrics.itl_b1_draft_1b_ms and the acceptance of each
+  eagle   random EAGLE and EAGLE-3 heads in the published layouts over the random target at batch 1 (acceptance is
+          meaningless: the cost of proposing with a head) → metrics.itl_b1_eagle_ms, itl_b1_eagle3_ms
 ITL here is a request's decode time per later token, (e2e − TTFT) ÷ (output tokens − 1), averaged over the batch.
 Correctness first: every speculative run's greedy tokens are compared with the plain run's (exactly for the copying
 target; the random target in bf16 may differ after a near-tie, so agreement is reported and must stay ≥ 0.9).
 
 Each side runs in its own process (one model in memory at a time); both sides of a ratio run in the same call.
-  PYTHONPATH=. python scripts/bench_spec.py --git-sha <sha> [--part ngram|worst|draft] [--out DIR]
+  PYTHONPATH=. python scripts/bench_spec.py --git-sha <sha> [--part ngram|worst|draft|eagle] [--out DIR]
   PYTHONPATH=. python scripts/bench_spec.py --tiny      # a small Llama on the CPU, every path in a few minutes
 Model directories (config and tokenizer; weights made on the device) go under --workdir; --merge-from merges earlier
 calls' files into the results file.
@@ -44,7 +46,7 @@ import e2e_checkpoint  # noqa: E402
 from gpu_bench_common import (  # noqa: E402
     jax_device_name, log, merge_records, print_tables, read_record, result_record, versions, write_record)
 
-PARTS = ("ngram", "worst", "draft")
+PARTS = ("ngram", "worst", "draft", "eagle")
 LLAMA_32_1B = {**e2e_checkpoint.LLAMA_31_8B, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
                "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64}
 TINY_DRAFT = {**e2e_checkpoint.TINY, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 1,
@@ -205,6 +207,47 @@ def part_draft(base: dict, metrics: dict, ratios: dict, workdir: Path) -> None:
         f"(acceptance {acceptance(self_draft):.3f}), 1B draft {small['itl_ms']:.2f} ms")
 
 
+def eagle_head_shapes(kind: str, shape: dict, num_aux: int) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of an EAGLE (`layers.0.*`, no input norm) or EAGLE-3 (`midlayer.*`, q/k/v over
+    2·d, fc over `num_aux` target layers, own norm and full-vocabulary lm_head, so no d2t) head for a target of
+    `shape`."""
+    d, inter, hd = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
+    q, kv = shape["num_attention_heads"] * hd, shape["num_key_value_heads"] * hd
+    width, p = (d, "layers.0.") if kind == "eagle" else (2 * d, "midlayer.")
+    shapes = {"fc.weight": (d, (2 if kind == "eagle" else num_aux) * d), p + "self_attn.q_proj.weight": (q, width),
+              p + "self_attn.k_proj.weight": (kv, width), p + "self_attn.v_proj.weight": (kv, width),
+              p + "self_attn.o_proj.weight": (d, q), p + "post_attention_layernorm.weight": (d,),
+              p + "mlp.gate_proj.weight": (inter, d), p + "mlp.up_proj.weight": (inter, d),
+              p + "mlp.down_proj.weight": (d, inter)}
+    if kind == "eagle3":
+        shapes |= {p + "input_layernorm.weight": (d,), p + "hidden_norm.weight": (d,), "norm.weight": (d,),
+                   "lm_head.weight": (shape["vocab_size"], d)}
+    return shapes
+
+
+def part_eagle(base: dict, metrics: dict, ratios: dict, workdir: Path) -> None:
+    task = dict(base, workload="random", batch=1, copying=False)
+    plain = side(task, workdir, metrics)
+    for kind in ("eagle", "eagle3"):
+        head = workdir / f"{kind}-head-{base['shape']['hidden_size']}"
+        layers = base["shape"]["num_hidden_layers"]
+        aux = [2, layers // 2, layers - 3] if layers >= 6 else list(range(min(layers, 3)))  # tiny: its layers
+        if not (head / "config.json").exists():
+            config = {**e2e_checkpoint.llama_config({**base["shape"], "num_hidden_layers": 1}),
+                      "architectures": ["LlamaForCausalLM" if kind == "eagle" else "LlamaForCausalLMEagle3"],
+                      "eagle_aux_hidden_state_layer_ids": aux}
+            e2e_checkpoint.write_checkpoint(head, config, eagle_head_shapes(kind, base["shape"], len(aux)), seed=5)
+        run = side(dict(task, speculative={"method": kind, "model": str(head), "num_speculative_tokens": base["k"]}),
+                   workdir, metrics)
+        agree = agreement(plain, run)
+        assert agree >= 0.9, f"{kind}: greedy tokens agree with the plain run at only {agree:.3f} of positions"
+        metrics |= {f"itl_b1_{kind}_ms": run["itl_ms"], f"{kind}_acceptance_rate": acceptance(run),
+                    f"{kind}_agreement": agree}
+        log(f"{kind} b1: plain {plain['itl_ms']:.2f} ms, {kind} {run['itl_ms']:.2f} ms "
+            f"(random head, acceptance {acceptance(run):.3f})")
+    metrics["itl_b1_plain_random_ms"] = plain["itl_ms"]
+
+
 def model_dirs(workdir: Path, size: dict) -> tuple[Path, Path]:
     """config.json and a tokenizer per model: the weights are random ones made on the device (load_format dummy,
     seeded alike, so the target loaded as its own draft has the target's weights)."""
@@ -224,20 +267,21 @@ def run_parts(parts: list[str], args: argparse.Namespace) -> dict[str, Any]:
     size = sizes(args.tiny)
     args.workdir.mkdir(parents=True, exist_ok=True)
     target, draft = model_dirs(args.workdir, size)
-    base = dict(model=str(target), draft_model=str(draft), vocab=size["target"]["vocab_size"],
+    base = dict(model=str(target), draft_model=str(draft), vocab=size["target"]["vocab_size"], shape=size["target"],
                 cache_dir=str(args.workdir / "jax-cache"), **{k: v for k, v in size.items()
                                                              if k not in ("target", "draft")})
     metrics: dict[str, Any] = {"tiny": args.tiny}
     ratios: dict[str, float] = {}
     for part in parts:
-        {"ngram": part_ngram, "worst": part_worst, "draft": part_draft}[part](base, metrics, ratios, args.workdir)
+        parts_by_name = {"ngram": part_ngram, "worst": part_worst, "draft": part_draft, "eagle": part_eagle}
+        parts_by_name[part](base, metrics, ratios, args.workdir)
     device = metrics.pop("device", "unknown")  # the workers' device: this process never initialises one
     return result_record("spec", args.git_sha, device, versions(), " ".join(sys.argv), metrics, ratios)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=PARTS, action="append", help="default: all three")
+    parser.add_argument("--part", choices=PARTS, action="append", help="default: all four")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--git-sha", default="unknown")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "benchmarks/results")))

@@ -52,15 +52,21 @@ def _decoder_layer(
                                     precision, lora)
     x = x + attn
     h = rms_norm(x, w["mlp_norm"], spec.rms_norm_eps)
+    return x + mlp_block(h, w, md, spec=spec, mlp_kind=mlp_kind, backend=backend, precision=precision,
+                         expert_mesh=expert_mesh, lora=lora), kv_cache
+
+
+def mlp_block(h: Float[Array, "tokens d"], w: dict[str, Array], md: AttentionMetadata, *, spec: ModelSpec,
+              mlp_kind: MlpKind, backend: AttentionBackend, precision: Precision,
+              expert_mesh: jax.sharding.Mesh | None, lora: LayerLora | None = None) -> Float[Array, "tokens d"]:
+    """A layer's MLP on its normed input: dense, MoE, or MoE with the experts split over `expert_mesh`."""
     kernels, num_tokens = getattr(backend, "experts", None), md.query_start_loc[-1]
     if mlp_kind == "moe" and expert_mesh is not None:
-        x = x + moe_mlp_expert_parallel(h, w, spec.moe, spec.hidden_act, precision, expert_mesh, TP_AXIS, kernels,
-                                        num_tokens)
-    elif mlp_kind == "moe":
-        x = x + moe_mlp(h, w, spec.moe, spec.hidden_act, precision, kernels, num_tokens)
-    else:
-        x = x + gated_mlp(h, w, spec.hidden_act, precision, spec.projection_shards, lora)
-    return x, kv_cache
+        return moe_mlp_expert_parallel(h, w, spec.moe, spec.hidden_act, precision, expert_mesh, TP_AXIS, kernels,
+                                       num_tokens)
+    if mlp_kind == "moe":
+        return moe_mlp(h, w, spec.moe, spec.hidden_act, precision, kernels, num_tokens)
+    return gated_mlp(h, w, spec.hidden_act, precision, spec.projection_shards, lora)
 
 
 def forward(
@@ -79,17 +85,38 @@ def forward(
     partitions everything from the parameter shardings alone. `lora_rows`: the rows' adapter slots, whose
     arrays are `params["lora"][layer]` (`lora/device.py`).
     """
+    hidden, kv_cache, _ = forward_capturing(spec, backend, params, kv_cache, token_ids, md, (), expert_mesh,
+                                            lora_rows)
+    return hidden, kv_cache
+
+
+def forward_capturing(
+    spec: ModelSpec,
+    backend: AttentionBackend,
+    params: Params,
+    kv_cache: KVCache,
+    token_ids: Int[Array, " tokens"],
+    md: AttentionMetadata,
+    capture_layers: tuple[int, ...],
+    expert_mesh: jax.sharding.Mesh | None = None,
+    lora_rows: LoraRows | None = None,
+) -> tuple[Float[Array, "tokens d"], KVCache, list[Float[Array, "tokens d"]]]:
+    """`forward`, also returning the residual stream entering each layer of `capture_layers` (in layer order;
+    layer 0's input is the embedding), as EAGLE-3 heads read the target's low, middle and high features."""
     precision = matmul_precision(params["embed"].dtype)
     inv_freq, scaling = inverse_frequencies(spec.rope, spec.head_dim)
     x = params["embed"][token_ids]
+    captured = []
     one_hot = None if lora_rows is None else slot_one_hot(lora_rows, _num_lora_slots(params), x.dtype)
     for layer, (w, kind, window) in enumerate(zip(params["layers"], spec.mlp_kinds, spec.layer_windows,
                                                   strict=True)):
+        if layer in capture_layers:
+            captured.append(x)
         lora = None if one_hot is None else LayerLora(params["lora"][layer], one_hot)
         x, kv_cache = _decoder_layer(x, kv_cache, w, np.int32(layer), np.int32(window), md, inv_freq, lora,
                                      spec=spec, mlp_kind=kind, backend=backend, rope_scaling=float(scaling),
                                      precision=precision, expert_mesh=expert_mesh)
-    return rms_norm(x, params["final_norm"], spec.rms_norm_eps), kv_cache
+    return rms_norm(x, params["final_norm"], spec.rms_norm_eps), kv_cache, captured
 
 
 def _num_lora_slots(params: Params) -> int:

@@ -92,13 +92,14 @@ class ModelRunner:
         self.sampling_rows = SamplingRowTable(sched.max_num_seqs, engine_seed=config.model.seed)
         self.state = StepState(allocate(spec, plan, layout.kv_cache_sharding),
                                jax.device_put(np.zeros(sched.max_num_seqs, np.int32), layout.replicated))
-        model = StepModel(spec, backend, layout.mesh if layout.expert_parallel else None)
+        speculative = config.speculative
+        self.proposer = proposer or (build_proposer(speculative) if speculative else None)
+        capture = None if self.proposer is None else self.proposer.hidden_capture
+        model = StepModel(spec, backend, layout.mesh if layout.expert_parallel else None, capture)
         self._model = model
         self.mask_words = -(-spec.vocab_size // 32)  # the sampler's token mask covers the model's whole vocabulary
         self._step = build_step(model)
         self._compile_step = build_step_compiler(model)
-        speculative = config.speculative
-        self.proposer = proposer or (build_proposer(speculative) if speculative else None)
         self._speculates = np.zeros(sched.max_num_seqs, bool)  # per row: its request may speculate
         self.recompile_guard = RecompileGuard()
         self._waiting: WaitingSampler | None = None  # the last dispatched step, while its sampler waits for masks
@@ -145,14 +146,18 @@ class ModelRunner:
                                                           len(inputs.token_ids)))
         batch = StepBatch(model, sampling, self._sample_rows(inputs))
         self.launch_waiting_sampler()  # the previous step's tokens are this forward's inputs
-        logits = prompt = out = None
-        if token_masks is None:
+        logits = prompt = out = hidden = None
+        if token_masks is None and self._model.capture is None:
             self.state, out = self._step(self.step_params, self.state, batch)
             _start_copy_to_host(out)
-        else:
-            logits, prompt, self.state = forward_step(self._model, self.step_params, self.state, batch.model)
+        else:  # the forward alone: its sampler waits for the masks, or it returns a proposer's hidden states
+            logits, prompt, self.state, hidden = forward_step(self._model, self.step_params, self.state,
+                                                              batch.model)
+            if token_masks is None:
+                self.state, out = sample_phase(logits, prompt, self.state, batch)
+                _start_copy_to_host(out)
         if self.proposer is not None:
-            self.proposer.observe(model)
+            self.proposer.observe(model, inputs, hidden)
         self.recompile_guard.check(lambda: f"tokens={len(inputs.token_ids)} seqs={len(inputs.logits_rows)} "
                                            f"blocks={inputs.metadata.block_tables.shape[1]} "
                                            f"query_len={inputs.metadata.max_query_len}")
@@ -202,12 +207,12 @@ class ModelRunner:
         model = ModelInputs(inputs.token_ids, inputs.metadata, plan.logits_rows, prompt_rows, prompt_targets,
                             prompt_k, self._lora_rows(self.batch.lora_slot[inputs.rows], inputs.num_scheduled,
                                                           len(inputs.token_ids)))
-        logits, prompt, self.state = forward_step(self._model, self.step_params, self.state, model)
+        logits, prompt, self.state, hidden = forward_step(self._model, self.step_params, self.state, model)
         masks = token_masks() if token_masks is not None else None
         mask = None if masks is None else padded_masks(plan.first_rows[masks[0]], masks[1], len(plan.draft_ids),
                                                        self.mask_words)
         verdict = verify(logits, sampling, plan.draft_ids, mask)
-        self.proposer.observe(model)
+        self.proposer.observe(model, inputs, hidden)
         _start_copy_to_host((verdict, prompt))
         self.batch.reserve_sampled(inputs.rows[inputs.samples])
         wanted = self.sampling_rows.logprobs[inputs.rows] if sampling.max_num_logprobs else None

@@ -22,7 +22,7 @@ from jengine.runner.step import ModelInputs, StepModel, StepState, forward_step
 def _step(model: StepModel, params, kv_cache, token_ids, md: AttentionMetadata, rows):
     """The engine's own jitted forward (no token feed): float32 logits at `rows`, the cache donated."""
     inputs = ModelInputs(token_ids, md, rows, None, None)
-    logits, _, state = forward_step(model, params, StepState(kv_cache, None), inputs)
+    logits, _, state, _ = forward_step(model, params, StepState(kv_cache, None), inputs)
     return logits, state.kv_cache
 
 

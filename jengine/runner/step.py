@@ -29,7 +29,7 @@ from jengine.attention.backend import AttentionBackend
 from jengine.attention.kv_cache import KVCache
 from jengine.attention.metadata import AttentionMetadata
 from jengine.layers.lora import LoraRows
-from jengine.models.decoder import compute_logits, forward
+from jengine.models.decoder import compute_logits, forward_capturing
 from jengine.models.spec import ModelSpec
 from jengine.runner.input_batch import PENDING_BASE
 from jengine.sampling.metadata import SamplingMetadata
@@ -44,6 +44,9 @@ class StepModel:
     spec: ModelSpec
     backend: AttentionBackend
     expert_mesh: jax.sharding.Mesh | None = None  # the mesh experts are split over (expert parallelism), else None
+    # Hidden states the forward also returns for a proposer (EAGLE heads): None, none (the plain step's program);
+    # () the final-normed hidden states; (i, j, ...) the inputs of those layers side by side (EAGLE-3)
+    capture: tuple[int, ...] | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -100,20 +103,26 @@ def resolve_pending(ids: Int[Array, "*shape"], row_tokens: Int[Array, " rows"]) 
 # as the same buffer. The sampler does not donate it: the forward may still be reading it when the sampler is called.
 @functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("state",))
 def forward_step(model: StepModel, params: dict, state: StepState, inputs: ModelInputs
-                 ) -> tuple[Float[Array, "seqs vocab"], SamplerOutput | None, StepState]:
-    """Model forward over the ragged batch; float32 logits at the sampling rows; prompt logprobs when asked.
-    With a token feed, pending placeholders take the rows' last sampled tokens."""
+                 ) -> tuple[Float[Array, "seqs vocab"], SamplerOutput | None, StepState,
+                            Float[Array, "tokens features"] | None]:
+    """Model forward over the ragged batch; float32 logits at the sampling rows; prompt logprobs when asked; the
+    hidden states `model.capture` names (None when it names none). With a token feed, pending placeholders take
+    the rows' last sampled tokens."""
     token_ids = inputs.token_ids
     if state.row_tokens is not None:
         token_ids = resolve_pending(token_ids, state.row_tokens)
-    hidden, kv_cache = forward(model.spec, model.backend, params, state.kv_cache, token_ids, inputs.attention,
-                               model.expert_mesh, inputs.lora)
+    layers = model.capture or ()
+    hidden, kv_cache, captured = forward_capturing(model.spec, model.backend, params, state.kv_cache, token_ids,
+                                                   inputs.attention, layers, model.expert_mesh, inputs.lora)
+    features = None
+    if model.capture is not None:
+        features = jnp.concatenate(captured, axis=-1) if layers else hidden
     logits = compute_logits(model.spec, params, hidden[inputs.logits_rows])
     prompt = None
     if inputs.prompt_rows is not None:
         prompt_logits = compute_logits(model.spec, params, hidden[inputs.prompt_rows])
         prompt = raw_logprobs(inputs.prompt_targets, prompt_logits, inputs.num_prompt_logprobs)
-    return logits, prompt, StepState(kv_cache, state.row_tokens)
+    return logits, prompt, StepState(kv_cache, state.row_tokens), features
 
 
 @jax.jit
@@ -140,7 +149,7 @@ def build_step(model: StepModel) -> StepFn:
     nothing waits for the device."""
 
     def step(params: dict, state: StepState, batch: StepBatch) -> tuple[StepState, StepOutput]:
-        logits, prompt, state = forward_step(model, params, state, batch.model)
+        logits, prompt, state, _ = forward_step(model, params, state, batch.model)
         return sample_phase(logits, prompt, state, batch)
 
     return step

@@ -6,15 +6,15 @@ import dataclasses
 import logging
 from collections.abc import Callable
 
-
-
-from jengine.attention.backend import select_backend
+from jengine.attention.backend import AttentionBackend, select_backend
+from jengine.attention.kv_cache import KVCache
 from jengine.config import EngineConfig, ModelConfig
 from jengine.errors import ConfigError
 from jengine.models.spec import ModelSpec
 from jengine.parallel.sharding import ParallelLayout
 from jengine.runner.kv_storage import KVPlan, allocate, bytes_per_block
 from jengine.runner.step import StepModel
+from jengine.spec_decode.chain import scratch_blocks_per_row
 from jengine.spec_decode.draft_model import DraftModelProposer
 
 logger = logging.getLogger(__name__)
@@ -41,28 +41,32 @@ def load_draft(config: EngineConfig, target: ModelSpec, layout: ParallelLayout,
     return LoadedDraft(spec, params, dtype)
 
 
-def share_pool(plan: KVPlan, target: ModelSpec, draft: LoadedDraft) -> KVPlan:
-    """A pool sized from device memory holds both models' K/V per block: the target's share shrinks to fit."""
+def share_pool(plan: KVPlan, proposer_spec: ModelSpec, name: str) -> KVPlan:
+    """A pool sized from device memory holds the target's and the proposer's K/V per block: the target's share
+    shrinks to fit."""
     if not plan.source.startswith("gpu_memory_utilization"):
         return plan
-    draft_bytes = bytes_per_block(draft.spec, plan.block_size, plan.kv_dtype)
-    blocks = plan.num_blocks * plan.bytes_per_block // (plan.bytes_per_block + draft_bytes)
-    return dataclasses.replace(plan, num_blocks=int(blocks), source=plan.source + ", shared with the draft model")
+    proposer_bytes = bytes_per_block(proposer_spec, plan.block_size, plan.kv_dtype)
+    blocks = plan.num_blocks * plan.bytes_per_block // (plan.bytes_per_block + proposer_bytes)
+    return dataclasses.replace(plan, num_blocks=int(blocks), source=plan.source + f", shared with the {name}")
+
+
+def proposer_cache(config: EngineConfig, spec: ModelSpec, plan: KVPlan, layout: ParallelLayout,
+                   platform: str) -> tuple[KVCache, AttentionBackend]:
+    """A proposer's own paged KV over the target's block ids, then its rows' scratch blocks, and its backend."""
+    k, size = config.speculative.num_speculative_tokens, plan.block_size
+    scratch = scratch_blocks_per_row(k, size) * config.scheduler.max_num_seqs
+    own_plan = dataclasses.replace(plan, num_blocks=plan.num_blocks + scratch,
+                                   bytes_per_block=bytes_per_block(spec, size, plan.kv_dtype))
+    backend = select_backend(platform, config.runner.attention_backend, head_dim=spec.head_dim, mesh=layout.mesh)
+    logger.info("%s proposer: %d layer(s), KV over the target's %d blocks (+%d scratch)", config.speculative.method,
+                spec.num_layers, plan.num_blocks, scratch)
+    return allocate(spec, own_plan, layout.kv_cache_sharding), backend
 
 
 def build_draft_proposer(config: EngineConfig, draft: LoadedDraft, plan: KVPlan, layout: ParallelLayout,
                          platform: str) -> DraftModelProposer:
-    k, size = config.speculative.num_speculative_tokens, plan.block_size
-    scratch = DraftModelProposer.scratch_blocks_per_row(k, size) * config.scheduler.max_num_seqs
-    draft_plan = dataclasses.replace(plan, num_blocks=plan.num_blocks + scratch,
-                                     bytes_per_block=bytes_per_block(draft.spec, size, plan.kv_dtype))
-    backend = select_backend(platform, config.runner.attention_backend, head_dim=draft.spec.head_dim,
-                             mesh=layout.mesh)
-    kv = allocate(draft.spec, draft_plan, layout.kv_cache_sharding)
-    logger.info("draft model %s: %d layers, KV over the target's %d blocks (+%d scratch)", config.speculative.model,
-                draft.spec.num_layers, plan.num_blocks, scratch)
-    return DraftModelProposer(StepModel(draft.spec, backend, None), draft.params, kv, k, size, plan.num_blocks,
+    kv, backend = proposer_cache(config, draft.spec, plan, layout, platform)
+    return DraftModelProposer(StepModel(draft.spec, backend, None), draft.params, kv,
+                              config.speculative.num_speculative_tokens, plan.block_size, plan.num_blocks,
                               config.scheduler.max_model_len)
-
-
-

@@ -23,9 +23,10 @@ from jaxtyping import Array, Int
 from jengine.attention.kv_cache import KVCache
 from jengine.attention.metadata import AttentionMetadata
 from jengine.models.decoder import compute_logits, forward
-from jengine.runner.buckets import pick, powers_of_two
-from jengine.runner.input_batch import InputBatch
+from jengine.runner.input_batch import InputBatch, StepInputs
 from jengine.runner.step import ModelInputs, StepModel
+from jengine.spec_decode.chain import (chain_block_tables, one_token_metadata, padded_rows, scratch_blocks_per_row,
+                                       table_widths)
 
 
 @functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("kv",))
@@ -42,17 +43,9 @@ def _propose(model: StepModel, params: dict, kv: KVCache, first_tokens: Int[Arra
              positions: Int[Array, " n"], block_tables: Int[Array, "n w"], num_valid: Int[Array, ""],
              num_drafts: int, block_size: int, num_slots: int) -> tuple[KVCache, Int[Array, "n k"]]:
     """`num_drafts` greedy one-token draft steps for each of the first `num_valid` rows."""
-    n = first_tokens.shape[0]
-    valid = jnp.arange(n) < num_valid
-    query_start = jnp.minimum(jnp.arange(n + 1), num_valid).astype(jnp.int32)
     tokens, drafts = first_tokens, []
     for j in range(num_drafts):
-        pos = positions + j
-        blocks = jnp.take_along_axis(block_tables, (pos // block_size)[:, None], axis=1)[:, 0]
-        md = AttentionMetadata(positions=jnp.where(valid, pos, 0),
-                               slot_mapping=jnp.where(valid, blocks * block_size + pos % block_size, num_slots),
-                               query_start_loc=query_start, seq_lens=jnp.where(valid, pos + 1, 0),
-                               block_tables=block_tables, max_query_len=1)
+        md = one_token_metadata(positions + j, block_tables, num_valid, block_size, num_slots)
         hidden, kv = forward(model.spec, model.backend, params, kv, tokens, md, model.expert_mesh)
         tokens = jnp.argmax(compute_logits(model.spec, params, hidden), axis=-1).astype(jnp.int32)
         drafts.append(tokens)
@@ -60,42 +53,35 @@ def _propose(model: StepModel, params: dict, kv: KVCache, first_tokens: Int[Arra
 
 
 class DraftModelProposer:
+    hidden_capture = None  # the draft reads tokens only
+
     def __init__(self, model: StepModel, params: dict, kv_cache: KVCache, num_speculative_tokens: int,
                  block_size: int, num_pool_blocks: int, max_model_len: int) -> None:
         """`kv_cache` holds the pool's blocks and then `scratch_blocks_per_row` × max_num_seqs more."""
         self.num_speculative_tokens = num_speculative_tokens
         self.model, self.params, self.kv_cache = model, params, kv_cache
         self.block_size, self.num_pool_blocks = block_size, num_pool_blocks
-        self.widths = powers_of_two(4, -(-(max_model_len + num_speculative_tokens) // block_size))
+        self.widths = table_widths(max_model_len, num_speculative_tokens, block_size)
 
     @staticmethod
     def scratch_blocks_per_row(num_speculative_tokens: int, block_size: int) -> int:
-        return -(-num_speculative_tokens // block_size) + 1
+        return scratch_blocks_per_row(num_speculative_tokens, block_size)
 
-    def observe(self, inputs: ModelInputs) -> None:
+    def observe(self, inputs: ModelInputs, step: StepInputs, hidden: Array | None) -> None:
         self.kv_cache = _mirror(self.model, self.params, self.kv_cache, inputs.token_ids, inputs.attention)
 
     def propose(self, batch: InputBatch, rows: np.ndarray) -> list[list[int]]:
-        k, size = self.num_speculative_tokens, self.block_size
-        n = len(rows)
-        padded = pick(n, powers_of_two(8, max(8, len(batch.num_tokens))))
+        k, n = self.num_speculative_tokens, len(rows)
+        padded = padded_rows(batch, n)
         last = batch.num_known[rows] - 1  # position of each row's last token: the first draft step's input
-        width = pick(int((last + k - 1).max()) // size + 1, self.widths)
-        tables = np.zeros((padded, width), np.int32)
-        held = np.minimum(batch.num_blocks[rows], width)
-        columns = np.arange(width)[None, :]
-        per_row = self.scratch_blocks_per_row(k, size)
-        scratch = self.num_pool_blocks + rows[:, None] * per_row + np.clip(columns - held[:, None], 0, per_row - 1)
-        own = np.zeros((n, width), np.int32)
-        copied = min(width, batch.block_table.shape[1])
-        own[:, :copied] = batch.block_table[rows, :copied]
-        tables[:n] = np.where(columns < held[:, None], own, scratch)
+        tables = chain_block_tables(batch, rows, last, k, self.widths, self.num_pool_blocks, padded)
         first = np.zeros(padded, np.int32)
         first[:n] = batch.token_ids[rows, last]
         positions = np.zeros(padded, np.int32)
         positions[:n] = last
         self.kv_cache, drafts = _propose(self.model, self.params, self.kv_cache, first, positions, tables,
-                                         np.int32(n), num_drafts=k, block_size=size, num_slots=self._slots())
+                                         np.int32(n), num_drafts=k, block_size=self.block_size,
+                                         num_slots=self._slots())
         return np.asarray(jax.device_get(drafts))[:n].tolist()
 
     def _slots(self) -> int:

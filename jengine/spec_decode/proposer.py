@@ -11,10 +11,11 @@ from __future__ import annotations
 from typing import Protocol
 
 import numpy as np
+from jaxtyping import Array
 
 from jengine.config import SpeculativeConfig
 from jengine.errors import ConfigError
-from jengine.runner.input_batch import InputBatch
+from jengine.runner.input_batch import InputBatch, StepInputs
 from jengine.runner.step import ModelInputs
 from jengine.sampling.params import SamplingParams
 from jengine.spec_decode.ngram import propose_ngram
@@ -33,9 +34,12 @@ def fallback_reason(params: SamplingParams) -> str | None:
 
 class Proposer(Protocol):
     num_speculative_tokens: int
+    # The target's hidden states the proposer reads (`StepModel.capture`); None: none, the plain step's program
+    hidden_capture: tuple[int, ...] | None
 
-    def observe(self, inputs: ModelInputs) -> None:
-        """Sees each target step's inputs as it is dispatched (a draft model mirrors them into its own cache)."""
+    def observe(self, inputs: ModelInputs, step: StepInputs, hidden: Array | None) -> None:
+        """Sees each target step as it is dispatched: its inputs (device-bound and host-side) and the hidden states
+        `hidden_capture` asks for (a draft model or an EAGLE head writes its own cache from them)."""
         ...
 
     def propose(self, batch: InputBatch, rows: np.ndarray) -> list[list[int]]:
@@ -45,11 +49,13 @@ class Proposer(Protocol):
 
 
 class NgramProposer:
+    hidden_capture = None
+
     def __init__(self, config: SpeculativeConfig) -> None:
         self.num_speculative_tokens = config.num_speculative_tokens
         self.lookup_min, self.lookup_max = config.prompt_lookup_min, config.lookup_max
 
-    def observe(self, inputs: ModelInputs) -> None:
+    def observe(self, inputs: ModelInputs, step: StepInputs, hidden: Array | None) -> None:
         """Prompt lookup needs nothing from the device."""
 
     def propose(self, batch: InputBatch, rows: np.ndarray) -> list[list[int]]:

@@ -1,6 +1,6 @@
 """Speculation through `LLM`: seeded sampling stays batch-independent, requests whose options speculation cannot
 honour decode plainly beside speculating ones, `disable_by_batch_size` switches it off, and the configuration is
-checked (vLLM's JSON, EAGLE refused by name)."""
+checked (vLLM's JSON; EAGLE methods need a head directory)."""
 
 from __future__ import annotations
 
@@ -87,9 +87,11 @@ def test_configuration():
     config = EngineConfig.from_kwargs("m", speculative_config='{"method": "ngram", "num_speculative_tokens": 5}')
     assert config.speculative.num_speculative_tokens == 5 and config.speculative.lookup_max == 5
     for method in ("eagle", "eagle3"):
-        with pytest.raises(ConfigError, match=method):
-            EngineConfig.from_kwargs("m", speculative_config={"method": method, "num_speculative_tokens": 3,
-                                                              "model": "x"})
+        with pytest.raises(ConfigError, match=f"{method} needs the head's directory"):
+            EngineConfig.from_kwargs("m", speculative_config={"method": method, "num_speculative_tokens": 3})
+    eagle3 = EngineConfig.from_kwargs("m", speculative_config={
+        "method": "eagle3", "model": "x", "num_speculative_tokens": 3, "eagle_aux_hidden_state_layer_ids": [0, 1, 2]})
+    assert eagle3.speculative.eagle_aux_hidden_state_layer_ids == (0, 1, 2)
     with pytest.raises(ConfigError, match="unknown speculative_config field"):
         EngineConfig.from_kwargs("m", speculative_config={"method": "ngram", "num_speculative_tokens": 3, "k": 1})
     with pytest.raises(ConfigError, match="needs the draft's directory"):

@@ -1,6 +1,7 @@
 """Speculation never changes greedy output: tokens equal the plain engine's exactly (float32, CPU), for each
-proposer, on dense and MoE targets, alone and batched, with a small token budget (chunked prefill) and a KV pool
-small enough to force preemption; nothing leaks and rejected drafts' blocks come back."""
+proposer (n-gram, draft model, random EAGLE and EAGLE-3 heads in the published layouts), on dense and MoE targets,
+alone and batched, with a small token budget (chunked prefill) and a KV pool small enough to force preemption;
+nothing leaks and rejected drafts' blocks come back."""
 
 from __future__ import annotations
 
@@ -66,11 +67,20 @@ def plain_outputs(request, prompts) -> dict[str, list[list[int]]]:
     return get
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def speculative_config(method: str, family: str, small_draft, eagle_heads) -> dict:
+    if method == "ngram":
+        return NGRAM
+    if method == "draft_model":
+        return draft_config(small_draft)
+    return {"method": method, "model": str(eagle_heads[method, family]), "num_speculative_tokens": 3}
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle", "eagle3"])
 @pytest.mark.parametrize("family", ["dense", "moe"])
-def test_greedy_output_identical_with_speculation(family, method, request, prompts, small_draft, plain_outputs):
+def test_greedy_output_identical_with_speculation(family, method, request, prompts, small_draft, eagle_heads,
+                                                  plain_outputs):
     target = request.getfixturevalue(f"{family}_target")
-    speculative = NGRAM if method == "ngram" else draft_config(small_draft)
+    speculative = speculative_config(method, family, small_draft, eagle_heads)
     plain = plain_outputs(family)
     variants = VARIANTS if family == "moe" else {"alone": dict(max_num_seqs=1), **VARIANTS}
     for name, engine_args in variants.items():
