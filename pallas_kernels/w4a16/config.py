@@ -32,11 +32,12 @@ class W4A16Config:
     num_warps: int = 4
     num_stages: int = 2
     prefetch: bool = False  # gemv: load the next group's words before using the current one
+    planes: bool = False  # dot: 8 dots of one nibble plane each instead of one dot of the merged tile
 
     def label(self) -> str:
         if self.method == "dequant":
             return "dequant"
-        tail = "+pf" if self.prefetch else ""
+        tail = ("+pf" if self.prefetch else "") + ("+planes" if self.planes else "")
         return (f"{self.method} m{self.block_m} n{self.block_n} k{self.block_k} p{self.min_programs} "
                 f"w{self.num_warps} s{self.num_stages}{tail}")
 

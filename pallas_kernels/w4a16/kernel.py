@@ -58,5 +58,5 @@ def w4a16_matmul(
         split = k_splits(k // cfg.block_k, -(-m // block_m) * (n // block_n), cfg.min_programs)
         out = dot_call(x, packed, zeros, scales, group=group, block_m=block_m, block_n=block_n,
                        block_k=cfg.block_k, split=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                       interpret=interpret)
+                       planes=cfg.planes, interpret=interpret)
     return out[0] if split == 1 else jnp.sum(out, axis=0).astype(x.dtype)

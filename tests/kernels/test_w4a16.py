@@ -36,6 +36,7 @@ def _case(m: int, k: int, n: int, seed: int):
     (5, 384, 128, W4A16Config("dot", block_m=16, block_n=32, block_k=128, min_programs=8)),  # split, rows masked
     (33, 512, 128, W4A16Config("dot", block_m=64, block_n=64, block_k=256, min_programs=1)),  # 2 groups a step
     (17, 256, 64, W4A16Config("dot", block_m=16, block_n=64, block_k=64, min_programs=1)),  # half a group a step
+    (20, 512, 64, W4A16Config("dot", block_m=16, block_n=32, block_k=256, min_programs=4, planes=True)),
     (40, 256, 64, W4A16Config("dequant")),
 ])
 def test_kernel_and_reference_match_float64(m, k, n, cfg):
@@ -61,6 +62,7 @@ def test_shapes_the_kernel_cannot_tile_are_refused(k, n):
     (1, W4A16Config("gemv", block_n=256)),
     (4, W4A16Config("gemv", block_n=512, num_warps=8, prefetch=True)),
     (64, W4A16Config("dot", block_m=64, block_n=128, block_k=128)),
+    (64, W4A16Config("dot", block_m=64, block_n=128, block_k=256, planes=True)),
     (4096, W4A16Config("dot", block_m=128, block_n=128, block_k=64, num_warps=8)),
 ])
 def test_w4a16_lowers_for_h200(m, cfg):
