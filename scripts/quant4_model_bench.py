@@ -88,8 +88,10 @@ def make_batch_case(spec, batch: int, query: int, context: int, dtype):
     return step, md, tokens, lambda: allocate_kv_cache(spec, batch * blocks + 1, BLOCK, dtype)
 
 
-def check_logits(spec, name: str, w4: dict, ours, case: tuple) -> dict:
-    """Kernel logits vs the bfloat16 reference path and vs the float32 one; SystemExit past the rounding bound."""
+def check_logits(spec, name: str, w4: dict, ours, case: tuple, known_noise: float | None = None) -> dict:
+    """Kernel logits vs the bfloat16 reference path and vs the float32 one; SystemExit past the rounding bound.
+    With `known_noise` (bfloat16's distance from float32 measured on an earlier case) the float32 run is skipped and
+    the kernel is held to twice that from the bfloat16 reference."""
     import jax
     import jax.numpy as jnp
 
@@ -97,23 +99,26 @@ def check_logits(spec, name: str, w4: dict, ours, case: tuple) -> dict:
     step, md, tokens, fresh_kv = make_batch_case(spec, *case, jnp.bfloat16)
     ref = step(ref_params, fresh_kv(), tokens, md)[0]
     out = {f"model_{name}_logits_max_rel_err": relative_error(ours, ref)}
-    try:
-        wide = jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a, ref_params)
-        step32, md32, tokens32, fresh_kv32 = make_batch_case(spec, *case, jnp.float32)
-        with jax.default_matmul_precision("highest"):
-            exact = step32(wide, fresh_kv32(), tokens32, md32)[0]
-    except Exception as exc:  # noqa: BLE001 - e.g. a float32 attention tile beyond shared memory
-        log(f"model {name}: no float32 reference ({type(exc).__name__}: {str(exc)[:200]}); kernel vs bf16 reference "
-            f"only, bound 4e-2")
-        exact = ref
-    out[f"model_{name}_logits_rel_err_vs_f32"] = relative_error(ours, exact)
-    out[f"model_{name}_reference_bf16_rel_err_vs_f32"] = noise = relative_error(ref, exact)
-    bound = max(2 * noise, 2e-2 if exact is not ref else 4e-2)
-    log(f"model {name}: logits vs bf16 reference {out[f'model_{name}_logits_max_rel_err']:.3g}, vs float32 "
-        f"{out[f'model_{name}_logits_rel_err_vs_f32']:.3g} (bound {bound:.3g})")
-    if out[f"model_{name}_logits_rel_err_vs_f32"] > bound:
-        raise SystemExit(f"W4A16 model {name}: logits {out[f'model_{name}_logits_rel_err_vs_f32']:.3g} from the "
-                         f"float32 reference, beyond twice bfloat16's rounding ({bound:.3g})")
+    exact = None
+    if known_noise is None:
+        params32 = jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a, ref_params)
+        try:
+            step32, md32, tokens32, fresh_kv32 = make_batch_case(spec, *case, jnp.float32)
+            with jax.default_matmul_precision("highest"):
+                exact = step32(params32, fresh_kv32(), tokens32, md32)[0]
+        except Exception as exc:  # noqa: BLE001 - e.g. a float32 attention tile beyond shared memory
+            log(f"model {name}: no float32 reference ({type(exc).__name__}: {str(exc)[:200]})")
+    if exact is None:
+        err, bound, against = out[f"model_{name}_logits_max_rel_err"], max(2 * (known_noise or 2e-2), 2e-2), "bf16"
+    else:
+        out[f"model_{name}_logits_rel_err_vs_f32"] = err = relative_error(ours, exact)
+        out[f"model_{name}_reference_bf16_rel_err_vs_f32"] = noise = relative_error(ref, exact)
+        bound, against = max(2 * noise, 2e-2), "float32"
+    log(f"model {name}: logits vs bf16 reference {out[f'model_{name}_logits_max_rel_err']:.3g}, vs the {against} "
+        f"reference {err:.3g} (bound {bound:.3g})")
+    if err > bound:
+        raise SystemExit(f"W4A16 model {name}: logits {err:.3g} from the {against} reference, beyond twice "
+                         f"bfloat16's rounding ({bound:.3g})")
     return out
 
 
@@ -136,10 +141,13 @@ def model_level(shape: dict, tiny: bool, context: int, prefill: int, copy_rate: 
     for name, (batch, query, ctx) in cases.items():
         step, md, tokens, fresh_kv = make_batch_case(spec, batch, query, ctx, jnp.bfloat16)
         start = time.perf_counter()
-        metrics.update(check_logits(spec, name, w4, step(w4, fresh_kv(), tokens, md)[0], (batch, query, ctx)))
+        noise = max((v for k, v in metrics.items() if k.endswith("reference_bf16_rel_err_vs_f32")), default=None)
+        metrics.update(check_logits(spec, name, w4, step(w4, fresh_kv(), tokens, md)[0], (batch, query, ctx),
+                                    None if query == 1 else noise))  # a float32 prefill chunk: minutes of the run
         err = metrics[f"model_{name}_logits_max_rel_err"]
         for side, params in (("bf16", base), ("w4a16", w4)):
-            metrics[f"model_{name}_{side}_s"] = time_step(step, params, md, tokens, fresh_kv, runs, calls)
+            metrics[f"model_{name}_{side}_s"] = time_step(step, params, md, tokens, fresh_kv, runs,
+                                                          calls if query == 1 else 5)
         log(f"model {name}: bf16 {metrics[f'model_{name}_bf16_s'] * 1e3:.3f} ms, w4a16 "
             f"{metrics[f'model_{name}_w4a16_s'] * 1e3:.3f} ms (logits rel. err {err:.2g}; "
             f"{time.perf_counter() - start:.0f} s)")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import threading
 import time
 
 import gpu_bench_common as common
@@ -37,6 +38,7 @@ def gemv_candidates() -> list[W4A16Config]:
     out += [W4A16Config("gemv", block_m=1, block_n=bn, num_warps=2, min_programs=528) for bn in (64, 128, 256)]
     out += [W4A16Config("gemv", block_m=1, block_n=256, num_warps=4, min_programs=p) for p in (132, 1056)]
     out += [W4A16Config("gemv", block_m=1, block_n=256, num_warps=4, min_programs=264, num_stages=s) for s in (1, 3)]
+    out += [W4A16Config("gemv", block_m=1, block_n=bn, num_warps=w, min_programs=0) for bn, w in ((64, 2), (128, 4))]
     return out + [W4A16Config("dot", block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3)]
 
 
@@ -48,7 +50,7 @@ def dot_candidates(rows: int) -> list[W4A16Config]:
                                    (256, 128, 8, 3, 264), (128, 64, 4, 4, 264), (128, 256, 4, 2, 264),
                                    (128, 256, 8, 3, 264), (64, 256, 4, 3, 264), (128, 128, 4, 3, 132),
                                    (128, 128, 4, 3, 528), (64, 128, 4, 3, 528), (128, 128, 4, 2, 264),
-                                   (128, 128, 4, 4, 264))]
+                                   (128, 128, 4, 4, 264), (128, 64, 8, 3, 264), (64, 64, 4, 3, 528))]
     out += [W4A16Config("dot", block_m=bm, block_n=128, block_k=bk, num_warps=4, num_stages=3, planes=True)
             for bk in (128, 256)]
     out += [W4A16Config("dot", block_m=16 if bm > 16 else bm, block_n=128, block_k=128, num_warps=4, num_stages=3),
@@ -109,11 +111,16 @@ def kernel_for(cfg: W4A16Config | None, interpret: bool, rows: int):
 
 
 def compile_trials(trials: list[Trial], args, interpret: bool, rows: int, threads: int) -> None:
-    """Lower and compile every trial (errors kept on the trial, never raised)."""
+    """Lower and compile every trial (errors kept on the trial, never raised). Tracing and lowering are Python (one
+    thread at a time under a lock); XLA's and Triton's compilation run concurrently."""
+    lowering = threading.Lock()
+
     def build(trial: Trial) -> None:
         start = time.perf_counter()
         try:
-            trial.compiled = step_for(kernel_for(trial.config, interpret, rows)).lower(*args).compile()
+            with lowering:
+                lowered = step_for(kernel_for(trial.config, interpret, rows)).lower(*args)
+            trial.compiled = lowered.compile()
         except Exception as exc:  # noqa: BLE001 - one bad configuration must not stop the sweep
             trial.error = f"compile: {type(exc).__name__}: {str(exc)[:300]}"
         trial.compile_s = time.perf_counter() - start
