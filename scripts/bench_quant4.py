@@ -114,7 +114,7 @@ def parse_args():
     parser.add_argument("--context", type=int, default=1024, help="tokens in the cache at the model decode steps")
     parser.add_argument("--no-model", action="store_true", help="projection level only")
     parser.add_argument("--sweep", action="store_true", help="the full configuration sweep (quant4_sweep.py)")
-    parser.add_argument("--sweep-budget", type=float, default=240.0, help="seconds; later candidates are skipped")
+    parser.add_argument("--sweep-budget", type=float, default=200.0, help="seconds; later candidates are skipped")
     parser.add_argument("--configs", default=None, help="an earlier --sweep's JSON: its winners join the candidates")
     parser.add_argument("--gguf", type=Path, default=None,
                         help="a scratch directory: also write an 8B-shaped Q4_K GGUF file there and time its load to "

@@ -27,10 +27,15 @@ from pallas_kernels.w4a16.tiled import dot_call
 __all__ = ["PACK", "w4a16_matmul"]
 
 
-def _check(k: int, n: int, k8: int, group: int, cfg: W4A16Config) -> None:
+GEMV_ROW_LIMIT = 8  # the gemv kernel unrolls its rows, one accumulator tile each
+
+
+def _check(m: int, k: int, n: int, k8: int, group: int, cfg: W4A16Config) -> None:
     if k % group or group % (16 * PACK) or k8 * PACK != k or n % 16:
         raise ValueError(f"w4a16_matmul needs k ({k}) a multiple of the group ({group}, itself of 128), n ({n}) of "
                          f"16 and packed rows = k / 8 (got {k8})")
+    if cfg.method == "gemv" and m > GEMV_ROW_LIMIT:
+        raise ValueError(f"the gemv kernel takes at most {GEMV_ROW_LIMIT} rows (got {m}): use the dot method")
     if cfg.method == "dot" and (k % cfg.block_k or cfg.block_k % 16 or (group % cfg.block_k and cfg.block_k % group)):
         raise ValueError(f"block_k {cfg.block_k} must divide k ({k}) and divide or be a multiple of the group")
 
@@ -44,7 +49,7 @@ def w4a16_matmul(
     m, k = x.shape
     n = packed.shape[1]
     cfg = config or default_config(m)
-    _check(k, n, packed.shape[0], group, cfg)
+    _check(m, k, n, packed.shape[0], group, cfg)
     if cfg.method == "dequant":
         return dequantized_matmul(x, packed, zeros, scales, group=group)
     block_n = column_block(n, cfg.block_n)
