@@ -134,6 +134,8 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
         draft = load_draft(config, spec, layout, load_weights)
     device = next(d for d in devices if d.process_index == jax.process_index())  # memory stats: local only
     adapters, runner_lora = build_lora(config, spec, dtype, layout.replicated)  # before the KV pool takes the rest
+    if runner_lora is not None:
+        params = runner_lora.slots.carry_in(params)
     plan = agree_across_processes(plan_kv_cache(spec, config.cache, config.scheduler, dtype, device,
                                                 kv_shards=layout.size,
                                                 workspace=workspace_bytes(params, dtype) // layout.size))

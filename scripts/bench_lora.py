@@ -144,8 +144,8 @@ def load_seconds(llm: LLM, request: LoRARequest) -> float:
     lora = core.runner.lora
     lora.cache._loaded.clear()  # the slow path: nothing in host memory
     start = time.perf_counter()
-    lora.apply({0: request.lora_name})
-    jax.block_until_ready(lora.slots.arrays)
+    core.runner.params = lora.apply({0: request.lora_name}, core.runner.params)
+    jax.block_until_ready((lora.slots.arrays, core.runner.params))
     return time.perf_counter() - start
 
 

@@ -51,7 +51,12 @@ VARIANTS: dict[str, tuple | None] = {
     "fp8_channel_pallas": ("fp8", "fp8", 0, 1, 0, "pallas"),
     "int8_w8a16_pallas": ("int8", None, 0, 1, 0, "pallas"),
 }
-TOLERANCE = {"fp8": 0.15, "int8": 0.05, None: 0.02}  # max rel. error vs the reference math, by activations
+# Max rel. error vs the `emulated` math (the same 8-bit rounding of the activations, float32 accumulation). One
+# projection on the same inputs differs by the accumulation order and the bfloat16 output alone: the tight check that
+# catches a wrong scale or layout. A 32-layer random model's logits also compound the steps' bfloat16 roundings,
+# each of which can flip an activation's 8-bit rounding (one float8 step is 6 %): a loose bound by activations.
+PROJECTION_TOLERANCE = 2e-2
+LOGITS_TOLERANCE = {"fp8": 0.5, "int8": 0.25, None: 0.05}
 
 
 def model_spec(shape: dict):
@@ -204,8 +209,16 @@ def relative_error(ours, ref) -> float:
     return float(np.abs(ours - ref).max() / max(np.abs(ref).max(), 1e-30))
 
 
+def oracle(q, tokens: int) -> str:
+    """The math a variant is checked against: `emulated` (its activations' 8-bit rounding), or `reference` where
+    the Pallas decode kernel runs (few tokens), whose activations stay unquantized."""
+    from jengine.layers.quant import PALLAS_MAX_TOKENS
+
+    return "reference" if q.scheme.impl.startswith("pallas") and tokens <= PALLAS_MAX_TOKENS else "emulated"
+
+
 def check_projections(params: dict, variant: tuple, tokens_list: list[int]) -> dict[str, float]:
-    """Layer 0's projections on `tokens` rows: the variant's math vs the reference math on the same 8-bit weights."""
+    """Layer 0's projections on `tokens` rows: the variant's math vs the emulated math on the same 8-bit weights."""
     import jax
     import jax.numpy as jnp
 
@@ -218,7 +231,7 @@ def check_projections(params: dict, variant: tuple, tokens_list: list[int]) -> d
             x = jax.random.normal(jax.random.key(t), (t, q.shape[0]), jnp.float32).astype(jnp.bfloat16)
             ours = jax.jit(quantized_matmul)(x, q)
             ref = jax.jit(quantized_matmul)(x, dataclasses.replace(q, scheme=dataclasses.replace(q.scheme,
-                                                                                                 impl="reference")))
+                                                                                                 impl=oracle(q, t))))
             errors[f"{name}_t{t}"] = relative_error(ours, ref)
     return errors
 
@@ -242,16 +255,15 @@ def run_variant(name: str, spec, base: dict, cases: list[Case], args, out: dict)
             metrics[f"{name}_{case.name}_hlo_{key}"] = count
         if variant is not None:
             errors = check_projections(params, variant, sorted({1, case.query}))
-            worst = max(errors.values())
-            metrics[f"{name}_{case.name}_projection_max_rel_err"] = worst
+            metrics[f"{name}_{case.name}_projection_max_rel_err"] = worst = max(errors.values())
+            if worst > PROJECTION_TOLERANCE:
+                raise SystemExit(f"{name} {case.name}: projections' max rel. error {worst:.3g} ({errors})")
             if case.name.startswith("decode"):
                 ours = compiled(params, fresh_kv(), tokens, md)[0]
-                ref = step(with_impl(params, "reference"), fresh_kv(), tokens, md)[0]
-                metrics[f"{name}_{case.name}_logits_max_rel_err"] = relative_error(ours, ref)
-                worst = max(worst, metrics[f"{name}_{case.name}_logits_max_rel_err"])
-            tolerance = max(TOLERANCE[variant[1]], TOLERANCE[None])
-            if worst > tolerance:
-                raise SystemExit(f"{name} {case.name}: max rel. error {worst:.3g} over {tolerance}")
+                ref = step(with_impl(params, oracle(params["layers"][0]["wqkv"], case.query)), fresh_kv(), tokens, md)[0]
+                metrics[f"{name}_{case.name}_logits_max_rel_err"] = err = relative_error(ours, ref)
+                if err > LOGITS_TOLERANCE[variant[1]]:
+                    raise SystemExit(f"{name} {case.name}: logits' max rel. error {err:.3g}")
         seconds = time_step(compiled, params, md, tokens, fresh_kv, args.runs, args.calls)
         metrics[f"{name}_{case.name}_s"] = seconds
         log(f"{name} {case.name}: {seconds * 1e3:.3f} ms/step (checks + compile + timing "

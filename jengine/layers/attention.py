@@ -34,9 +34,10 @@ def self_attention(
     """`lora`: the rows' adapters add to the q/k/v and o projections (`layers/lora.py`)."""
     tokens, hd = x.shape[0], spec.head_dim
     widths = (spec.num_heads * hd, spec.num_kv_heads * hd, spec.num_kv_heads * hd)
-    qkv = linear(x, w["wqkv"], w.get("bqkv"), precision)
-    if lora is not None:
-        qkv = qkv + lora.delta("qkv", x, precision)
+    if lora is None:
+        qkv = linear(x, w["wqkv"], w.get("bqkv"), precision)
+    else:
+        qkv = lora.project("qkv", x, w["wqkv"], w.get("bqkv"), precision)
     q, k, v = split_fused(qkv, widths, spec.projection_shards)
     q = q.reshape(tokens, spec.num_heads, hd)
     k, v = (a.reshape(tokens, spec.num_kv_heads, hd) for a in (k, v))
@@ -53,9 +54,10 @@ def self_attention(
         scale=hd**-0.5, sliding_window=window, soft_cap=spec.attn_logit_softcap,
     )
     out = out.reshape(tokens, spec.num_heads * hd)
-    projected = linear(out, w["wo"], w.get("bo"), precision)
-    if lora is not None:
-        projected = projected + lora.delta("o", out, precision)
+    if lora is None:
+        projected = linear(out, w["wo"], w.get("bo"), precision)
+    else:
+        projected = lora.project("o", out, w["wo"], w.get("bo"), precision)
     return projected, kv_cache
 
 

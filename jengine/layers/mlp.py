@@ -29,13 +29,15 @@ def gated_mlp(
     projection whose columns are grouped per `shards` (see `split_fused`); `lora`: the rows' adapters add to the
     three projections."""
     inter = w["w_down"].shape[0]
-    gate_up = linear(x, w["w_gate_up"], w.get("b_gate_up"), precision)
-    if lora is not None:
-        gate_up = gate_up + lora.delta("gate_up", x, precision)
+    if lora is None:
+        gate_up = linear(x, w["w_gate_up"], w.get("b_gate_up"), precision)
+    else:
+        gate_up = lora.project("gate_up", x, w["w_gate_up"], w.get("b_gate_up"), precision)
     gate, up = split_fused(gate_up, (inter, inter), shards)
     hidden = ACTIVATIONS[act](gate) * up
-    out = linear(hidden, w["w_down"], w.get("b_down"), precision)
-    return out if lora is None else out + lora.delta("down", hidden, precision)
+    if lora is None:
+        return linear(hidden, w["w_down"], w.get("b_down"), precision)
+    return lora.project("down", hidden, w["w_down"], w.get("b_down"), precision)
 
 
 def route(

@@ -15,6 +15,8 @@ float layout `[experts, K, N]` (`kn`), which the grouped-matmul kernels read wit
 
 Implementations, chosen once at load (`QuantScheme.impl`):
 - `reference` (the CPU): dequantize to float32, then one matmul. The oracle.
+- `emulated` (checks of the GPU paths): as `reference`, with the activations rounded to 8 bits and back as `xla`
+  rounds them first, so a deep model's logits compare like with like (only the accumulation order differs).
 - `xla` (GPUs): the activations quantized in the step (per token, or per token and 128-group for block scales; or
   with the checkpoint's static scale) and an 8-bit × 8-bit dot whose scales apply to its float32 output:
   float8 × float8 runs on the FP8 tensor cores (XLA's `__cublas$lt$matmul$f8`), int8 × int8 on the int8 ones;
@@ -47,7 +49,7 @@ INT8_MAX = 127.0
 GROUPED_MAX_TOKENS = 32
 PALLAS_MAX_TOKENS = 16  # pallas_kernels.quant_matmul's one row tile
 
-Impl = Literal["reference", "xla", "pallas", "pallas_interpret"]
+Impl = Literal["reference", "emulated", "xla", "pallas", "pallas_interpret"]
 Activations = Literal["fp8", "int8"] | None
 
 
@@ -155,8 +157,12 @@ def quantize_activations(
 
 def quantized_matmul(x: Float[Array, "tokens k"], q: QuantizedWeight, precision=None) -> Float[Array, "tokens n"]:
     """x @ (weight × scale), in x's dtype, by the scheme's implementation."""
-    if q.scheme.impl == "reference":
-        y = jnp.dot(x.astype(jnp.float32), dequantize(q), precision=jax.lax.Precision.HIGHEST)
+    if q.scheme.impl in ("reference", "emulated"):
+        if q.scheme.impl == "emulated" and _rescaled_per_channel(x, q):
+            q = _per_channel(q)  # as the device path at many tokens (its extra weight rounding and per-token scales)
+        xf = _rounded_activations(x, q) if q.scheme.impl == "emulated" else x.astype(jnp.float32)
+        w = dequantize(q)
+        y = jnp.dot(jnp.pad(xf, ((0, 0), (0, w.shape[0] - xf.shape[1]))), w, precision=jax.lax.Precision.HIGHEST)
         return y.astype(x.dtype)
     if q.scheme.impl.startswith("pallas") and q.scheme.block_k == 0 and x.shape[0] <= PALLAS_MAX_TOKENS:
         from pallas_kernels.quant_matmul import few_token_matmul  # Pallas imported only where used
@@ -166,9 +172,27 @@ def quantized_matmul(x: Float[Array, "tokens k"], q: QuantizedWeight, precision=
         return _channel_matmul(x, q)
     if x.shape[0] <= GROUPED_MAX_TOKENS:
         return _grouped_matmul(x, q)
-    if q.scheme.activations is not None:
+    if _rescaled_per_channel(x, q):
         return _channel_matmul(x, _per_channel(q))
     return jnp.dot(x, dequantize(q, x.dtype), precision=precision, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _rescaled_per_channel(x: Float[Array, "tokens k"], q: QuantizedWeight) -> bool:
+    """Whether the device math takes a block-scaled weight with quantized activations as per-channel (many tokens)."""
+    return q.scheme.block_k != 0 and q.scheme.activations is not None and x.shape[0] > GROUPED_MAX_TOKENS
+
+
+def _rounded_activations(x: Float[Array, "tokens k"], q: QuantizedWeight) -> Float[Array, "tokens k"]:
+    """x after the 8-bit rounding the `xla` path gives it (unchanged for weight-only schemes), in float32."""
+    kind, group = q.scheme.activations, q.scheme.act_group
+    if kind is None:
+        return x.astype(jnp.float32)
+    k = x.shape[1]
+    if group:  # whole groups, as the grouped path pads them
+        x = jnp.pad(x, ((0, 0), (0, -k % group)))
+    xq, scale = quantize_activations(x, kind, q.input_scale, group)
+    per_feature = jnp.repeat(scale, group, axis=-1) if group and q.input_scale is None else scale
+    return (xq.astype(jnp.float32) * per_feature)[:, :k]
 
 
 def _dot_nk(a: Float[Array, "t k"], b: Array, out) -> Float[Array, "t n"]:

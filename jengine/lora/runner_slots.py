@@ -17,9 +17,11 @@ class RunnerLora:
     slots: DeviceLoraSlots
     cache: AdapterCache
 
-    def apply(self, loads: dict[int, str]) -> None:
-        """Writes the adapters the scheduler placed in slots this step (before the step that reads them)."""
+    def apply(self, loads: dict[int, str], params: dict) -> dict:
+        """Writes the adapters the scheduler placed in slots this step (before the step that reads them); returns
+        the model weights, whose carried A columns (`DeviceLoraSlots.carry_in`) the writes update."""
         for slot, name in loads.items():
             start = time.perf_counter()
-            self.slots.load(slot, self.cache.get(name))
+            params = self.slots.load(slot, self.cache.get(name), params)
             logger.debug("LoRA adapter %r written to slot %d in %.3f s", name, slot, time.perf_counter() - start)
+        return params

@@ -24,7 +24,7 @@ from jengine.attention.metadata import AttentionMetadata
 from jengine.attention.reference import KVCache
 from jengine.layers.attention import self_attention
 from jengine.layers.linear import Precision
-from jengine.layers.lora import LayerLora, LoraSegments
+from jengine.layers.lora import LayerLora, LoraRows, slot_one_hot
 from jengine.layers.mlp import gated_mlp, moe_mlp, moe_mlp_expert_parallel
 from jengine.layers.norm import rms_norm
 from jengine.layers.rotary import inverse_frequencies
@@ -71,24 +71,30 @@ def forward(
     token_ids: Int[Array, " tokens"],
     md: AttentionMetadata,
     expert_mesh: jax.sharding.Mesh | None = None,
-    lora_segments: LoraSegments | None = None,
+    lora_rows: LoraRows | None = None,
 ) -> tuple[Float[Array, "tokens d"], KVCache]:
     """Runs every layer over a flattened ragged batch; returns the final-normed hidden states and the cache.
 
     `expert_mesh`: the MoE experts are split whole over its `tp` axis (expert parallelism); without it GSPMD
-    partitions everything from the parameter shardings alone. `lora_segments`: the rows' adapter slots, whose
+    partitions everything from the parameter shardings alone. `lora_rows`: the rows' adapter slots, whose
     arrays are `params["lora"][layer]` (`lora/device.py`).
     """
     precision = matmul_precision(params["embed"].dtype)
     inv_freq, scaling = inverse_frequencies(spec.rope, spec.head_dim)
     x = params["embed"][token_ids]
+    one_hot = None if lora_rows is None else slot_one_hot(lora_rows, _num_lora_slots(params), x.dtype)
     for layer, (w, kind, window) in enumerate(zip(params["layers"], spec.mlp_kinds, spec.layer_windows,
                                                   strict=True)):
-        lora = None if lora_segments is None else LayerLora(params["lora"][layer], lora_segments)
+        lora = None if one_hot is None else LayerLora(params["lora"][layer], one_hot)
         x, kv_cache = _decoder_layer(x, kv_cache, w, np.int32(layer), np.int32(window), md, inv_freq, lora,
                                      spec=spec, mlp_kind=kind, backend=backend, rope_scaling=float(scaling),
                                      precision=precision, expert_mesh=expert_mesh)
     return rms_norm(x, params["final_norm"], spec.rms_norm_eps), kv_cache
+
+
+def _num_lora_slots(params: Params) -> int:
+    """The slot count, from the stacked B arrays' leading axis (`lora/device.py`)."""
+    return next(v.shape[0] for k, v in params["lora"][0].items() if k.endswith("_b"))
 
 
 def compute_logits(spec: ModelSpec, params: Params, hidden: Float[Array, "n d"]) -> Float[Array, "n vocab"]:

@@ -19,9 +19,9 @@ import numpy as np
 from jengine.attention.backend import AttentionBackend
 from jengine.attention.kv_cache import KVCache
 from jengine.config import EngineConfig
-from jengine.layers.lora import LoraSegments
+from jengine.layers.lora import LoraRows
 from jengine.lora.runner_slots import RunnerLora
-from jengine.lora.segments import build_segments
+from jengine.lora.rows import build_rows
 from jengine.models.spec import ModelSpec
 from jengine.parallel.sharding import ParallelLayout
 from jengine.runner.buckets import StepBuckets, pick, powers_of_two
@@ -120,7 +120,7 @@ class ModelRunner:
         output) is asked once the forward is launched, so the host fills the masks while the device runs it."""
         self.batch.apply(sched)
         if self.lora is not None:
-            self.lora.apply(sched.lora_loads)
+            self.params = self.lora.apply(sched.lora_loads, self.params)
         for new in sched.new_requests:
             row = self.batch.rows[new.request_id].row
             self.sampling_rows.set_row(row, new.sampling_params, new.choice_index, new.request_counter,
@@ -134,7 +134,7 @@ class ModelRunner:
         sampling = self._sampling_metadata(inputs)
         prompt_plan, prompt_rows, prompt_targets, prompt_k = self._prompt_logprob_rows(inputs)
         model = ModelInputs(inputs.token_ids, inputs.metadata, inputs.logits_rows, prompt_rows, prompt_targets,
-                            prompt_k, self._lora_segments(self.batch.lora_slot[inputs.rows], inputs.num_scheduled,
+                            prompt_k, self._lora_rows(self.batch.lora_slot[inputs.rows], inputs.num_scheduled,
                                                           len(inputs.token_ids)))
         batch = StepBatch(model, sampling, self._sample_rows(inputs))
         if token_masks is None:
@@ -189,7 +189,7 @@ class ModelRunner:
         sampling = self._verify_sampling(inputs, plan)
         prompt_plan, prompt_rows, prompt_targets, prompt_k = self._prompt_logprob_rows(inputs)
         model = ModelInputs(inputs.token_ids, inputs.metadata, plan.logits_rows, prompt_rows, prompt_targets,
-                            prompt_k, self._lora_segments(self.batch.lora_slot[inputs.rows], inputs.num_scheduled,
+                            prompt_k, self._lora_rows(self.batch.lora_slot[inputs.rows], inputs.num_scheduled,
                                                           len(inputs.token_ids)))
         logits, prompt, self.state = forward_step(self._model, self.step_params, self.state, model)
         masks = token_masks() if token_masks is not None else None
@@ -267,7 +267,7 @@ class ModelRunner:
         token_ids, md, logits_rows = padding_inputs(shape, self.batch.num_slots)
         nowhere = np.full(shape.seqs, len(self.batch.num_tokens), np.int32)
         mask = np.full((shape.seqs, self.mask_words), -1, np.int32) if masked else None
-        lora = self._lora_segments(np.zeros(0, np.int32), np.zeros(0, np.int32), len(token_ids))
+        lora = self._lora_rows(np.zeros(0, np.int32), np.zeros(0, np.int32), len(token_ids))
         return StepBatch(ModelInputs(token_ids, md, logits_rows, None, None, lora=lora),
                          _padding_sampling(shape, num_sampled), nowhere, mask)
 
@@ -276,11 +276,11 @@ class ModelRunner:
         """The weights the step reads: the model's, and the adapters' slot arrays under "lora" (LoRA enabled)."""
         return self.params if self.lora is None else {**self.params, "lora": self.lora.slots.arrays}
 
-    def _lora_segments(self, row_slots: np.ndarray, num_scheduled: np.ndarray, num_tokens: int
-                       ) -> LoraSegments | None:
+    def _lora_rows(self, row_slots: np.ndarray, num_scheduled: np.ndarray, num_tokens: int
+                       ) -> LoraRows | None:
         if self.lora is None:
             return None
-        return build_segments(row_slots, num_scheduled, num_tokens, self.lora.slots.num_slots)
+        return build_rows(row_slots, num_scheduled, num_tokens, self.lora.slots.num_slots)
 
     def _sample_rows(self, inputs: StepInputs) -> np.ndarray:
         """The batch row that records each padded row's sample; out of range (dropped) where it does not count."""

@@ -28,7 +28,7 @@ from jaxtyping import Array, Float, Int
 from jengine.attention.backend import AttentionBackend
 from jengine.attention.kv_cache import KVCache
 from jengine.attention.metadata import AttentionMetadata
-from jengine.layers.lora import LoraSegments
+from jengine.layers.lora import LoraRows
 from jengine.models.decoder import compute_logits, forward
 from jengine.models.spec import ModelSpec
 from jengine.runner.input_batch import PENDING_BASE
@@ -66,7 +66,7 @@ class ModelInputs:
     prompt_rows: Int[Array, " prompt_rows"] | None  # rows whose logits score the next prompt token; None: none asked
     prompt_targets: Int[Array, " prompt_rows"] | None  # the prompt token each of those rows scores
     num_prompt_logprobs: int = dataclasses.field(default=0, metadata=dict(static=True))  # top-K width of those
-    lora: LoraSegments | None = None  # rows grouped by adapter slot (params["lora"] holds the slots); None: no LoRA
+    lora: LoraRows | None = None  # each token row's adapter slot (params["lora"] holds the slots); None: no LoRA
 
 
 @jax.tree_util.register_dataclass

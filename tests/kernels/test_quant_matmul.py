@@ -8,6 +8,7 @@ device math with float8 activations 8e-2 (3 mantissa bits, per-token or per-128-
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import jax
@@ -97,3 +98,21 @@ def test_the_decode_kernel_lowers_for_h200(weight_dtype):
     text = lower_for_h200(few_token_matmul, S((1, 4096), jnp.bfloat16), S((6144, 4096), weight_dtype),
                           S((6144,), jnp.float32))
     assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("tokens", [1, 8, GROUPED_MAX_TOKENS + 9])
+@pytest.mark.parametrize("name", [n for n, s in SCHEMES.items() if s.activations is not None])
+def test_emulated_reference_rounds_activations_as_the_device_math(name, tokens):
+    """The `emulated` oracle of the GPU checks: only the accumulation order separates it from the device math, an
+    error far below the activations' own 8-bit rounding (which the plain reference keeps and `TOL` allows)."""
+    rng = np.random.default_rng(zlib.crc32(f"emulated{name}{tokens}".encode()))
+    k, n = 80, 72
+    x = jnp.asarray(rng.normal(0, 1, (tokens, k)).astype(np.float32))
+    q, real = random_quantized(rng, dataclass_replace(SCHEMES[name], impl="xla"), k, n)
+    device = np.asarray(jax.jit(linear)(x, q), np.float64)
+    emulated = np.asarray(jax.jit(linear)(x, dataclasses.replace(q, scheme=dataclass_replace(q.scheme,
+                                                                                          impl="emulated"))))
+    exact = np.asarray(x, np.float64) @ real
+    scale = np.abs(exact).max()
+    assert np.abs(device - emulated).max() <= 1e-4 * scale
+    assert np.abs(device - exact).max() > 1e-3 * scale  # the activations' rounding is there, and emulated has it
