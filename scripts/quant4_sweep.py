@@ -51,8 +51,8 @@ def dot_candidates(rows: int) -> list[W4A16Config]:
                                    (128, 256, 8, 3, 264), (64, 256, 4, 3, 264), (128, 128, 4, 3, 132),
                                    (128, 128, 4, 3, 528), (64, 128, 4, 3, 528), (128, 128, 4, 2, 264),
                                    (128, 128, 4, 4, 264), (128, 64, 8, 3, 264), (64, 64, 4, 3, 528))]
-    out += [W4A16Config("dot", block_m=bm, block_n=128, block_k=bk, num_warps=4, num_stages=3, planes=True)
-            for bk in (128, 256)]
+    out += [W4A16Config("dot", block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=3, planes=True)
+            for bn, bk, w in ((128, 128, 4), (128, 256, 4), (128, 512, 4), (64, 512, 4), (128, 512, 8))]
     out += [W4A16Config("dot", block_m=16 if bm > 16 else bm, block_n=128, block_k=128, num_warps=4, num_stages=3),
             W4A16Config("dot", block_m=32 if bm > 32 else bm, block_n=128, block_k=128, num_warps=4, num_stages=3)]
     return out + [W4A16Config("dequant")]
@@ -231,4 +231,5 @@ def configs_from(winners: dict) -> tuple:
 
     def limit(rows: int) -> int:
         return GEMV_MAX_ROWS if rows <= GEMV_MAX_ROWS else DOT_MAX_ROWS if rows <= DOT_MAX_ROWS else 1 << 30
-    return tuple((limit(int(rows)), W4A16Config(**cfg)) for rows, cfg in sorted(winners.items(), key=lambda i: int(i[0])))
+    ordered = sorted(winners.items(), key=lambda item: int(item[0]))
+    return tuple((limit(int(rows)), W4A16Config(**cfg)) for rows, cfg in ordered)

@@ -3,8 +3,9 @@ steps of `block_k` input rows; each step loads the `block_k / 8 × block_n` word
 `1 + q / 16` at once (`nibbles.py`, `[r, 8, c]`, which merges into the rows' natural order, so x is read as it is),
 dequantizes with one multiply-add, `(1 + q / 16) · 16s − s(16 + z) = (q − z) · s` (the same bfloat16 weight the
 reference builds), and multiplies on the tensor cores into a float32 accumulator. Rows beyond m are masked.
-`planes=True` skips the merge instead: 8 dots per step, nibble plane j (`block_k / 8` rows) against the strided
-columns 8r + j of x, for when Triton's layout conversion of the merged tile costs more than the smaller dots."""
+`planes=True` skips the merge instead: 8 dots per step, nibble plane j (`block_k / 8` rows) against columns
+8r + j of x, which the wrapper has permuted so that each step's plane j is one contiguous slice (`plane_major`),
+for when Triton's layout conversion of the merged tile costs more than the smaller dots."""
 
 from __future__ import annotations
 
@@ -43,12 +44,17 @@ def _merged_step(x_ref, words, a, b, rows, in_m, k0, *, block_k: int):
     return jnp.dot(x, w, preferred_element_type=jnp.float32)
 
 
+def plane_major(x, block_k: int):
+    """x's columns reordered within each `block_k` chunk: chunk column j·(block_k/8) + r holds input row 8r + j."""
+    m, k = x.shape
+    return x.reshape(m, k // block_k, block_k // PACK, PACK).transpose(0, 1, 3, 2).reshape(m, k)
+
+
 def _planes_step(x_ref, words, a, b, rows, in_m, k0, *, block_k: int):
-    part = None
+    part, plane_rows = None, block_k // PACK
     for j in range(PACK):
         w = (nibble_as_float(words, j) * a[:, 0] + b[:, 0]).astype(x_ref.dtype)
-        strided = k0 + j + PACK * jnp.arange(block_k // PACK, dtype=jnp.int32)
-        x = pltr.load(x_ref.at[rows[:, None], strided[None, :]], mask=in_m, other=0)
+        x = pltr.load(x_ref.at[rows[:, None], _arange(k0 + j * plane_rows, plane_rows)[None, :]], mask=in_m, other=0)
         term = jnp.dot(x, w, preferred_element_type=jnp.float32)
         part = term if part is None else part + term
     return part
@@ -89,4 +95,4 @@ def dot_call(x, packed, zeros, scales, *, group: int, block_m: int, block_n: int
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="w4a16_dot",
-    )(x, packed, zeros, scales)
+    )(plane_major(x, block_k) if planes else x, packed, zeros, scales)

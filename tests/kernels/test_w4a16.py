@@ -37,6 +37,7 @@ def _case(m: int, k: int, n: int, seed: int):
     (33, 512, 128, W4A16Config("dot", block_m=64, block_n=64, block_k=256, min_programs=1)),  # 2 groups a step
     (17, 256, 64, W4A16Config("dot", block_m=16, block_n=64, block_k=64, min_programs=1)),  # half a group a step
     (20, 512, 64, W4A16Config("dot", block_m=16, block_n=32, block_k=256, min_programs=4, planes=True)),
+    (2, 1024, 32, W4A16Config("dot", block_m=16, block_n=32, block_k=512, min_programs=2, planes=True)),
     (40, 256, 64, W4A16Config("dequant")),
 ])
 def test_kernel_and_reference_match_float64(m, k, n, cfg):
