@@ -5,8 +5,9 @@
    identical and chosen-token logprobs within 2e-3, for each of four adapters in one mixed batch with the base.
 2. Timing (Llama-3.1-8B shape, random bf16 weights made on the device by load_format='dummy'; rank-16 adapters on all seven projections,
    random): the jitted decode step replayed back to back on a recorded step's inputs (one synchronisation per run),
-   at batch 64 with 8 distinct adapters (8 requests each) and at batch 1 with one adapter, each over the same batch
-   on an engine without LoRA. `metrics.lora_load_seconds`: one adapter read from its directory and written into a
+   at batch 64 with 8 distinct adapters (8 requests each) and at batch 1 with one adapter (an engine of one slot,
+   vLLM's default `max_loras`; `lora_b1_all_slots_step_ms` is the same request on the 8-slot engine), each over
+   the same batch on an engine without LoRA. `metrics.lora_load_seconds`: one adapter read from its directory and written into a
    device slot (the slow path), to the end of the write.
 
 Writes `<out>/<date>-lora.json` (ratios.lora_step_vs_base_b64, ratios.lora_step_vs_base_b1, metrics.lora_load_seconds).
@@ -172,10 +173,14 @@ def timing(work: Path, args: argparse.Namespace) -> tuple[dict, dict]:
         with LLM(str(model_dir), **engine, **extra) as llm:
             lora_b64 = per_request if extra else None
             results[f"{name}_b{args.batch}"] = decode_step_seconds(llm, prompts, params, lora_b64)
-            results[f"{name}_b1"] = decode_step_seconds(llm, prompts[:1], params, requests[:1] if extra else None)
+            results[f"{name}_b1" + ("_all_slots" if extra else "")] = decode_step_seconds(
+                llm, prompts[:1], params, requests[:1] if extra else None)
             if extra:
                 results["load"] = min(load_seconds(llm, LoRARequest(f"load{i}", 100 + i, str(paths[i])))
                                       for i in range(min(3, args.adapters)))
+    # batch 1 with one adapter, as served: one slot (vLLM's default max_loras); the step above read all the slots
+    with LLM(str(model_dir), **engine, **(lora_args | dict(max_loras=1))) as llm:
+        results["lora_b1"] = decode_step_seconds(llm, prompts[:1], params, requests[:1])
     metrics = {f"{k}_step_ms": v * 1e3 for k, v in results.items() if k != "load"}
     metrics["lora_load_seconds"] = results["load"]
     ratios = {"lora_step_vs_base_b64": results[f"lora_b{args.batch}"] / results[f"base_b{args.batch}"],

@@ -52,10 +52,12 @@ VARIANTS: dict[str, tuple | None] = {
     "int8_w8a16_pallas": ("int8", None, 0, 1, 0, "pallas"),
 }
 # Max rel. error vs the `emulated` math (the same 8-bit rounding of the activations, float32 accumulation). One
-# projection on the same inputs differs by the accumulation order and the bfloat16 output alone: the tight check that
-# catches a wrong scale or layout. A 32-layer random model's logits also compound the steps' bfloat16 roundings,
-# each of which can flip an activation's 8-bit rounding (one float8 step is 6 %): a loose bound by activations.
-PROJECTION_TOLERANCE = 2e-2
+# projection on the same inputs differs by the accumulation alone: the tight check that catches a wrong scale or
+# layout. FP8 × FP8 on the H200 moved 3.2 % from it at K = 4,096–14,336 (its tensor cores' FP8 accumulation keeps
+# fewer bits than float32; a wrong scale moves by a factor), int8 accumulates exactly in int32. A 32-layer random
+# model's logits also compound the steps' bfloat16 roundings, each of which can flip an activation's 8-bit rounding
+# (one float8 step is 6 %): a loose bound by activations.
+PROJECTION_TOLERANCE = {"fp8": 6e-2, "int8": 2e-2, None: 2e-2}
 LOGITS_TOLERANCE = {"fp8": 0.5, "int8": 0.25, None: 0.05}
 
 
@@ -256,7 +258,7 @@ def run_variant(name: str, spec, base: dict, cases: list[Case], args, out: dict)
         if variant is not None:
             errors = check_projections(params, variant, sorted({1, case.query}))
             metrics[f"{name}_{case.name}_projection_max_rel_err"] = worst = max(errors.values())
-            if worst > PROJECTION_TOLERANCE:
+            if worst > PROJECTION_TOLERANCE[variant[1]]:
                 raise SystemExit(f"{name} {case.name}: projections' max rel. error {worst:.3g} ({errors})")
             if case.name.startswith("decode"):
                 ours = compiled(params, fresh_kv(), tokens, md)[0]
