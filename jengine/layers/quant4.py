@@ -7,8 +7,9 @@ GPTQ's activation order is applied once at load: the rows are stored sorted by g
 order) gathers the activations' features to match, so each group is contiguous for the kernel.
 
 Implementations, chosen at load (`impl`): `reference` (the CPU: unpack, dequantize, one matmul), `pallas` (NVIDIA
-GPUs: the Triton kernel, decode tiles of 16 rows over narrow column strips, prefill tiles of 64 rows) and
-`pallas_interpret` (the kernel in interpret mode, for CPU tests).
+GPUs: the Triton kernels, a CUDA-core split-K kernel for decode rows, tensor-core tiles for more rows, dequantize +
+cuBLAS for prefill chunks; `pallas_kernels/w4a16/config.py`) and `pallas_interpret` (the kernels in interpret mode,
+for CPU tests). `configs` overrides the kernel configuration by row count (benchmarks pass their sweep's best).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from jaxtyping import Array, Float, Int
 
 PACK = 8  # 4-bit values per int32 word
 Impl4 = Literal["reference", "pallas", "pallas_interpret"]
-DECODE_ROWS = 16  # up to this many tokens: the kernel's decode tile
+KernelConfigs = tuple[tuple[int, object], ...]  # ((up to this many rows, W4A16Config), …), ascending
 
 
 @jax.tree_util.register_dataclass
@@ -36,6 +37,7 @@ class Int4Weight:
     perm: Int[Array, " k"] | None  # stored row i is input feature perm[i]; None: natural order
     group: int = dataclasses.field(default=128, metadata=dict(static=True))
     impl: Impl4 = dataclasses.field(default="reference", metadata=dict(static=True))
+    configs: KernelConfigs | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -47,11 +49,16 @@ class Int4Weight:
         return self.packed.nbytes + self.zeros.nbytes + self.scales.nbytes + extra
 
 
-def tiles(tokens: int, n: int) -> tuple[int, int] | None:
-    """(block_m, block_n) for the kernel, or None when no power-of-two column strip divides `n`."""
-    block_m, widths = (DECODE_ROWS, (64, 32, 16)) if tokens <= DECODE_ROWS else (64, (128, 64, 32, 16))
-    block_n = next((w for w in widths if n % w == 0), None)
-    return None if block_n is None else (block_m, block_n)
+def fits_kernel(n: int) -> bool:
+    """Whether the kernels tile `n` output features (power-of-two column strips of at least 16)."""
+    return n % 16 == 0
+
+
+def kernel_config(w: Int4Weight, rows: int):
+    """The first of the weight's `configs` covering `rows`, else the kernels' default for `rows`."""
+    from pallas_kernels.w4a16 import default_config
+
+    return next((cfg for limit, cfg in w.configs or () if rows <= limit), None) or default_config(rows)
 
 
 def int4_matmul(x: Float[Array, "tokens k"], w: Int4Weight) -> Float[Array, "tokens n"]:
@@ -62,8 +69,7 @@ def int4_matmul(x: Float[Array, "tokens k"], w: Int4Weight) -> Float[Array, "tok
         x = jnp.take(x, w.perm, axis=-1)
     if w.impl == "reference":
         return w4a16_matmul_reference(x, w.packed, w.zeros, w.scales, group=w.group)
-    block_m, block_n = tiles(x.shape[0], w.shape[1])
-    return w4a16_matmul(x, w.packed, w.zeros, w.scales, group=w.group, block_m=block_m, block_n=block_n,
+    return w4a16_matmul(x, w.packed, w.zeros, w.scales, group=w.group, config=kernel_config(w, x.shape[0]),
                         interpret=w.impl == "pallas_interpret")
 
 

@@ -16,7 +16,7 @@ import logging
 import jax
 import numpy as np
 
-from jengine.layers.quant4 import PACK, Int4Weight, tiles
+from jengine.layers.quant4 import PACK, Int4Weight, fits_kernel
 from jengine.models.quant4 import Unpacked
 from jengine.models.quant4_load import Quant4Reader
 from jengine.models.weights import FusedSource, LeafSource, Source
@@ -66,7 +66,7 @@ def why_dequantized(reader: Quant4Reader, leaf: Source, shards: int) -> str | No
     perms = [sorted_order(g_idx) for g_idx, _ in rows]
     if any((p is None) != (perms[0] is None) or (p is not None and not np.array_equal(p, perms[0])) for p in perms):
         return "fused projections in different activation orders"
-    if tiles(1, leaf.shape[-1]) is None:
+    if not fits_kernel(leaf.shape[-1]):
         return f"{leaf.shape[-1]} output features (not a multiple of 16)"
     return None
 

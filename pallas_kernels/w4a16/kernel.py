@@ -2,13 +2,12 @@
 after `jengine/models/quant4.py`'s unpacking, the activation-order permutation applied to the rows once at load).
 
 The weight travels at 4 bits: `packed [k / 8, n]` int32 holds input rows 8r … 8r + 7 of column c in word (r, c),
-row 8r + j at bits 4j. Each program owns a `block_m × block_n` output tile and walks K one group at a time: it loads
-the group's `group/8 × block_n` words once, and for each of the 8 nibble planes j shifts out `(words >> 4j) & 15`
-(input rows ≡ j mod 8 of the group), subtracts the zero point and scales in registers, and multiplies it with the
-matching strided columns of x on the tensor cores (float32 accumulator). No dequantized weight exists in memory.
-Decode shapes take few rows and narrow column strips (many programs over n); prefill shapes take 64-row tiles.
+row 8r + j at bits 4j; it is dequantized in registers, never in memory, by one of two Triton kernels
+(`config.py` picks by row count): `gemv.py` for decode-sized m (CUDA-core multiply-adds, K split across programs
+so that a few wide column strips still fill the GPU) and `tiled.py` for more rows (tensor cores). Prefill-sized m
+takes the `dequant` path: dequantize in one XLA fusion, then cuBLAS.
 
-Triton rules (JAX-PALLAS.md §1.2): power-of-two tiles; k a multiple of the group, n of block_n (asserted), m masked.
+Triton rules (JAX-PALLAS.md §1.2): power-of-two tiles; k a multiple of the group (itself of 128), n of 16.
 """
 
 from __future__ import annotations
@@ -17,62 +16,52 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltr
 from jaxtyping import Array, Float, Int
 
-PACK = 8  # 4-bit values per int32 word
+from pallas_kernels.w4a16.config import W4A16Config, column_block, default_config, k_splits, pow2_at_least
+from pallas_kernels.w4a16.gemv import gemv_call
+from pallas_kernels.w4a16.nibbles import PACK
+from pallas_kernels.w4a16.reference import dequantized_matmul
+from pallas_kernels.w4a16.tiled import dot_call
+
+__all__ = ["PACK", "w4a16_matmul"]
 
 
-def _arange(start, size: int):
-    return start + jnp.arange(size, dtype=jnp.int32)
+GEMV_ROW_LIMIT = 8  # the gemv kernel unrolls its rows, one accumulator tile each
 
 
-def _kernel(x_ref, w_ref, z_ref, s_ref, y_ref, *, block_m: int, block_n: int, group: int):
-    m_dim, k_dim = x_ref.shape
-    rows = _arange(pl.program_id(0) * block_m, block_m)
-    cols = _arange(pl.program_id(1) * block_n, block_n)
-    in_m = rows[:, None] < m_dim
-    words_per_group = group // PACK
-
-    def step(g, acc):
-        word_rows = _arange(g * words_per_group, words_per_group)
-        words = pltr.load(w_ref.at[word_rows[:, None], cols[None, :]])
-        zero = pltr.load(z_ref.at[g, cols]).astype(jnp.float32)
-        scale = pltr.load(s_ref.at[g, cols]).astype(jnp.float32)
-        for j in range(PACK):  # nibble plane j: input rows g·group + 8r + j
-            q = ((words >> (4 * j)) & 15).astype(jnp.float32)
-            w = ((q - zero[None, :]) * scale[None, :]).astype(x_ref.dtype)
-            ks = g * group + _arange(0, words_per_group) * PACK + j
-            x = pltr.load(x_ref.at[rows[:, None], ks[None, :]], mask=in_m, other=0)
-            acc = acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
-        return acc
-
-    acc = lax.fori_loop(0, k_dim // group, step, jnp.zeros((block_m, block_n), jnp.float32))
-    pltr.store(y_ref.at[rows[:, None], cols[None, :]], acc.astype(y_ref.dtype), mask=in_m)
+def _check(m: int, k: int, n: int, k8: int, group: int, cfg: W4A16Config) -> None:
+    if k % group or group % (16 * PACK) or k8 * PACK != k or n % 16:
+        raise ValueError(f"w4a16_matmul needs k ({k}) a multiple of the group ({group}, itself of 128), n ({n}) of "
+                         f"16 and packed rows = k / 8 (got {k8})")
+    if cfg.method == "gemv" and m > GEMV_ROW_LIMIT:
+        raise ValueError(f"the gemv kernel takes at most {GEMV_ROW_LIMIT} rows (got {m}): use the dot method")
+    if cfg.method == "dot" and (k % cfg.block_k or cfg.block_k % 16 or (group % cfg.block_k and cfg.block_k % group)):
+        raise ValueError(f"block_k {cfg.block_k} must divide k ({k}) and divide or be a multiple of the group")
 
 
-@functools.partial(jax.jit, static_argnames=("group", "block_m", "block_n", "num_warps", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("group", "config", "interpret"))
 def w4a16_matmul(
     x: Float[Array, "m k"], packed: Int[Array, "k8 n"], zeros: Float[Array, "g n"], scales: Float[Array, "g n"],
-    *, group: int = 128, block_m: int = 16, block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
-    interpret: bool = False,
+    *, group: int = 128, config: W4A16Config | None = None, interpret: bool = False,
 ) -> Float[Array, "m n"]:
-    """`x @ ((q − zeros[g]) · scales[g])` in x's dtype; decode: block_m 16; prefill: block_m 64, block_n 128."""
+    """`x @ ((q − zeros[g]) · scales[g])` in x's dtype; `config` None: `default_config(m)`."""
     m, k = x.shape
     n = packed.shape[1]
-    if k % group or n % block_n or group % (16 * PACK) or packed.shape[0] * PACK != k:
-        raise ValueError(f"w4a16_matmul needs k ({k}) a multiple of the group ({group}, itself of 128), n ({n}) of "
-                         f"block_n ({block_n}) and packed rows = k / 8 (got {packed.shape[0]})")
-    kernel = functools.partial(_kernel, block_m=block_m, block_n=block_n, group=group)
-    return pl.pallas_call(
-        kernel,
-        grid=(pl.cdiv(m, block_m), n // block_n),
-        in_specs=[pl.no_block_spec] * 4,
-        out_specs=pl.no_block_spec,
-        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
-        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="w4a16_matmul",
-    )(x, packed, zeros, scales)
+    cfg = config or default_config(m)
+    _check(m, k, n, packed.shape[0], group, cfg)
+    if cfg.method == "dequant":
+        return dequantized_matmul(x, packed, zeros, scales, group=group)
+    block_n = column_block(n, cfg.block_n)
+    if cfg.method == "gemv":
+        split = k_splits(k // group, n // block_n, cfg.min_programs)
+        out = gemv_call(x, packed, zeros, scales, group=group, block_n=block_n, split=split,
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, prefetch=cfg.prefetch,
+                        interpret=interpret)
+    else:
+        block_m = min(cfg.block_m, pow2_at_least(m))
+        split = k_splits(k // cfg.block_k, -(-m // block_m) * (n // block_n), cfg.min_programs)
+        out = dot_call(x, packed, zeros, scales, group=group, block_m=block_m, block_n=block_n,
+                       block_k=cfg.block_k, split=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                       planes=cfg.planes, interpret=interpret)
+    return out[0] if split == 1 else jnp.sum(out, axis=0).astype(x.dtype)

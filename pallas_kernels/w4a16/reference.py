@@ -1,4 +1,5 @@
-"""The W4A16 kernel's reference, same signature: unpack the words, dequantize, one XLA matmul (the CPU path)."""
+"""The W4A16 kernel's reference, same signature: unpack the words, dequantize, one XLA matmul (the CPU path, and
+the GPU's path for prefill-sized row counts)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.w4a16.kernel import PACK
+from pallas_kernels.w4a16.nibbles import PACK
 
 
 def unpack(packed: Int[Array, "k8 n"]) -> Int[Array, "k n"]:
@@ -18,12 +19,17 @@ def unpack(packed: Int[Array, "k8 n"]) -> Int[Array, "k n"]:
     return q.reshape(-1, packed.shape[1])
 
 
-@functools.partial(jax.jit, static_argnames=("group", "block_m", "block_n", "num_warps", "num_stages", "interpret"))
-def w4a16_matmul_reference(x: Float[Array, "m k"], packed: Int[Array, "k8 n"], zeros: Float[Array, "g n"],
-                           scales: Float[Array, "g n"], *, group: int = 128, block_m: int = 16, block_n: int = 64,
-                           num_warps: int = 4, num_stages: int = 3, interpret: bool = False) -> Float[Array, "m n"]:
-    del block_m, block_n, num_warps, num_stages, interpret  # tiling knobs of the kernel
+def dequantized_matmul(x: Float[Array, "m k"], packed: Int[Array, "k8 n"], zeros: Float[Array, "g n"],
+                       scales: Float[Array, "g n"], *, group: int) -> Float[Array, "m n"]:
     q = unpack(packed).astype(jnp.float32)
     rows = jnp.arange(q.shape[0]) // group
     w = ((q - zeros[rows].astype(jnp.float32)) * scales[rows].astype(jnp.float32)).astype(x.dtype)
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("group", "config", "interpret"))
+def w4a16_matmul_reference(x: Float[Array, "m k"], packed: Int[Array, "k8 n"], zeros: Float[Array, "g n"],
+                           scales: Float[Array, "g n"], *, group: int = 128, config=None,
+                           interpret: bool = False) -> Float[Array, "m n"]:
+    del config, interpret  # tiling knobs of the kernel
+    return dequantized_matmul(x, packed, zeros, scales, group=group)
