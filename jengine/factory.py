@@ -137,9 +137,8 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
         from jengine.spec_decode.eagle_loading import load_eagle_head
         head = load_eagle_head(config, spec, params, layout, dtype)
     device = next(d for d in devices if d.process_index == jax.process_index())  # memory stats: local only
-    adapters, runner_lora = build_lora(config, spec, dtype, layout.replicated)  # before the KV pool takes the rest
-    if runner_lora is not None:
-        params = runner_lora.slots.carry_in(params)
+    # before the KV pool takes the rest
+    adapters, runner_lora, params = build_lora(config, spec, dtype, layout.replicated, params)
     plan = agree_across_processes(plan_kv_cache(spec, config.cache, config.scheduler, dtype, device,
                                                 kv_shards=layout.size,
                                                 workspace=workspace_bytes(params, dtype) // layout.size))
@@ -148,18 +147,7 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
             f"the KV cache holds {plan.num_tokens} tokens, fewer than one request of max_model_len="
             f"{config.scheduler.max_model_len}; raise num_gpu_blocks_override or lower max_model_len"
         )
-    proposer = None
-    if draft is not None:
-        from jengine.spec_decode.draft_loading import build_draft_proposer, share_pool
-
-        plan = share_pool(plan, draft.spec, "draft model")
-        proposer = build_draft_proposer(config, draft, plan, layout, device.platform)
-    elif head is not None:
-        from jengine.spec_decode.draft_loading import share_pool
-        from jengine.spec_decode.eagle_loading import build_eagle_proposer
-
-        plan = share_pool(plan, head.spec, f"{method} head")
-        proposer = build_eagle_proposer(config, head, plan, layout, device.platform)
+    plan, proposer = build_model_proposer(config, draft, head, plan, layout, device.platform)
     log_plan(plan, config.scheduler.max_model_len)
     backend = select_backend(device.platform, config.runner.attention_backend, head_dim=spec.head_dim,
                              mesh=layout.mesh)
@@ -172,19 +160,35 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
     return EngineParts(core, tokenizer, spec, config, sampling_defaults)
 
 
-def build_lora(config: EngineConfig, spec: ModelSpec, dtype, sharding) -> tuple[AdapterCache | None,
-                                                                                 RunnerLora | None]:
-    """The host cache of adapters and the runner's device slots, when LoRA is enabled."""
+def build_model_proposer(config: EngineConfig, draft, head, plan, layout, platform: str) -> tuple:
+    """(the KV plan with the pool shared, the proposer) for a draft model or an EAGLE head; (plan, None) without."""
+    if draft is None and head is None:
+        return plan, None
+    from jengine.spec_decode.draft_loading import build_draft_proposer, share_pool
+
+    if draft is not None:
+        plan = share_pool(plan, draft.spec, "draft model")
+        return plan, build_draft_proposer(config, draft, plan, layout, platform)
+    from jengine.spec_decode.eagle_loading import build_eagle_proposer
+
+    plan = share_pool(plan, head.spec, f"{config.speculative.method} head")
+    return plan, build_eagle_proposer(config, head, plan, layout, platform)
+
+
+def build_lora(config: EngineConfig, spec: ModelSpec, dtype, sharding, params: dict
+               ) -> tuple[AdapterCache | None, RunnerLora | None, dict]:
+    """The host cache of adapters and the runner's device slots, when LoRA is enabled, and the model weights (the
+    plain projection weights widened in place by the slots' A columns, `DeviceLoraSlots.carry_in`)."""
     lora = config.lora
     if not lora.enable_lora:
-        return None, None
+        return None, None, params
 
     def read(request: LoRARequest) -> LoraAdapter:
         return read_adapter(request.lora_name, request.lora_path, spec, lora.max_lora_rank)
 
     cache = AdapterCache(lora.cpu_capacity, read)
     slots = DeviceLoraSlots(spec, lora.max_loras, lora.max_lora_rank, dtype, sharding)
-    return cache, RunnerLora(slots, cache)
+    return cache, RunnerLora(slots, cache), slots.carry_in(params)
 
 
 def index_of_lora(core: EngineCore) -> int:
