@@ -133,8 +133,6 @@ class EngineCore:
             return self._step_speculative() if self.speculative else self._step_pipelined()
         sched = self._schedule()
         masks = self._token_masks(sched, None)
-        if masks is not None:
-            masks.start()  # every token is applied: the masks fill while the runner prepares and runs the forward
         runner_out = self.runner.execute(sched) if masks is None else self.runner.execute(sched, masks)
         if sched.is_empty:
             return []
@@ -161,7 +159,7 @@ class EngineCore:
         self._in_flight = None if launched is None else (sched, launched)
         land()
         if masks is not None:
-            masks.start()
+            masks.start()  # the step in flight is applied: the masks fill while the device runs the new forward
         return outputs
 
     def _step_speculative(self) -> list[EngineCoreOutput]:
@@ -175,8 +173,6 @@ class EngineCore:
             outputs, self._landed = self._landed, []
             sched = self._schedule()
             masks = self._token_masks(sched, None)  # nothing in flight: every token has been applied
-            if masks is not None:
-                masks.start()
             if sched.scheduled_spec_tokens:
                 runner_out = self.runner.execute(sched) if masks is None else self.runner.execute(sched, masks)
                 return outputs + self._apply(sched, runner_out)
@@ -193,8 +189,9 @@ class EngineCore:
 
     def _token_masks(self, sched: SchedulerOutput, land: Callable[[], None] | None) -> StepMasks | None:
         """The mask source of a step with constrained requests (None otherwise), filled once every matcher has
-        consumed every earlier token: the caller starts it after applying the step in flight (`land`; None when
-        there is none), or it applies that step itself when asked first. A grammar that waits for the end of a
+        consumed every earlier token: with nothing in flight (`land` None) it starts filling at once, while the
+        runner prepares and runs the forward; else the caller starts it after applying the step in flight (`land`),
+        or it applies that step itself when asked first. A grammar that waits for the end of a
         reasoning span counts only while a step is in flight (its tokens may end the span); with every token
         applied, a batch whose grammars all wait runs free."""
         if not self._constrained:  # the free engine's step: no per-request work at all
@@ -205,7 +202,10 @@ class EngineCore:
         if not any(r is not None and r.grammar is not None and (land is not None or r.grammar.active)
                    for r in scheduled):
             return None
-        return StepMasks(self.masks, scheduled, land)
+        masks = StepMasks(self.masks, scheduled, land)
+        if land is None:
+            masks.start()
+        return masks
 
     def _schedule(self) -> SchedulerOutput:
         """The scheduler's plan; requests scheduled for the very first time are stamped (a request resumed after a
