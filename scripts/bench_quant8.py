@@ -253,6 +253,7 @@ def run_variant(name: str, spec, base: dict, cases: list[Case], args, out: dict)
         start = time.perf_counter()
         compiled = step.lower(params, fresh_kv(), tokens, md).compile()
         metrics[f"{name}_{case.name}_compile_s"] = time.perf_counter() - start
+        log(f"{name} {case.name}: compiled in {time.perf_counter() - start:.1f} s")
         for key, count in hlo_gemms(compiled.as_text()).items():
             metrics[f"{name}_{case.name}_hlo_{key}"] = count
         if variant is not None:
@@ -323,23 +324,30 @@ def main() -> None:
         common.print_tables(merged)
         return
 
-    import jax
+    import time
 
+    started = time.perf_counter()
     spec = model_spec(TINY if args.tiny else LLAMA_31_8B)
     prefill = min(args.prefill, 256) if args.tiny else args.prefill
     cases = [c for c in (Case("decode_b1", 1, args.context), Case("prefill", prefill, prefill))
              if c.name.split("_")[0] in args.only.split(",")]
-    copy_s, copy_rate = common.copy_bandwidth(1 << 24 if args.tiny else 1 << 30)
+    _, copy_rate = common.copy_bandwidth(1 << 24 if args.tiny else 1 << 30)
     out: dict[str, Any] = {"metrics": {"copy_bytes_per_s": copy_rate, "context_tokens": args.context,
                                        "prefill_tokens": prefill, "layers": spec.num_layers}}
     base = random_params(spec)
+    log(f"weights made ({time.perf_counter() - started:.1f} s since start)")
     for name in args.variants.split(","):
         run_variant(name, spec, base, cases, args, out)
+        record = save(args, spec, out)  # after each variant: a call cut short keeps what it measured
+    common.print_tables(record)
+
+
+def save(args, spec, out: dict) -> dict:
     metrics = out["metrics"]
     floor_s = None
     if "fp8_channel_weight_bytes_read" in metrics:
         floor_bytes = metrics["fp8_channel_weight_bytes_read"] + kv_bytes(spec, args.context)
-        floor_s = floor_bytes / copy_rate
+        floor_s = floor_bytes / metrics["copy_bytes_per_s"]
         metrics["fp8_decode_b1_floor_s"] = floor_s
     record = common.result_record("quant8", args.git_sha, common.jax_device_name(), common.versions(),
                                   " ".join(["python", *sys.argv]), metrics, ratios(metrics, floor_s or 1.0),
@@ -348,8 +356,7 @@ def main() -> None:
     if path.exists():
         record = common.merge_records(common.read_record(path), record)
     common.write_record(path, record)
-    common.print_tables(record)
-    del jax
+    return record
 
 
 if __name__ == "__main__":

@@ -100,7 +100,7 @@ def run_side(task: dict[str, Any]) -> dict[str, Any]:
     from jengine import LLM, SamplingParams
 
     engine_args = dict(dtype=task["dtype"], max_model_len=task["prompt_len"] + task["output_len"] + 16,
-                       max_num_seqs=max(task["batch"], 8), max_num_batched_tokens=4096, seed=0,
+                       max_num_seqs=max(task["batch"], 8), max_num_batched_tokens=4096, seed=0, compile_buckets="lazy",
                        compilation_cache_dir=task.get("cache_dir"), load_format="dummy")
     if task.get("speculative"):
         engine_args["speculative_config"] = task["speculative"]
