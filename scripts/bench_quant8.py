@@ -278,7 +278,7 @@ def kv_bytes(spec, context: int) -> int:
     return spec.num_layers * context * 2 * spec.num_kv_heads * spec.head_dim * 2  # bfloat16 K and V
 
 
-def ratios(metrics: dict, floor_s: float) -> dict[str, float]:
+def ratios(metrics: dict, floor_s: float | None) -> dict[str, float]:
     m, r = metrics, {}
 
     def ratio(key: str, num: str, den: str) -> None:
@@ -286,7 +286,7 @@ def ratios(metrics: dict, floor_s: float) -> dict[str, float]:
             r[key] = m[num] / m[den]
 
     ratio("fp8_decode_b1_vs_bf16", "bf16_decode_b1_s", "fp8_channel_decode_b1_s")
-    if "fp8_channel_decode_b1_s" in m:
+    if "fp8_channel_decode_b1_s" in m and floor_s:
         r["fp8_decode_b1_vs_floor"] = m["fp8_channel_decode_b1_s"] / floor_s
     ratio("fp8_prefill_vs_bf16", "bf16_prefill_s", "fp8_channel_prefill_s")
     ratio("fp8_block_vs_channel_decode_b1", "fp8_channel_decode_b1_s", "fp8_block_decode_b1_s")
@@ -295,7 +295,7 @@ def ratios(metrics: dict, floor_s: float) -> dict[str, float]:
     ratio("int8_w8a8_prefill_vs_bf16", "bf16_prefill_s", "int8_w8a8_prefill_s")
     # the same decode ratios with the Pallas kernel (not the keys: which implementation serves is open)
     ratio("fp8_pallas_decode_b1_vs_bf16", "bf16_decode_b1_s", "fp8_channel_pallas_decode_b1_s")
-    if "fp8_channel_pallas_decode_b1_s" in m:
+    if "fp8_channel_pallas_decode_b1_s" in m and floor_s:
         r["fp8_pallas_decode_b1_vs_floor"] = m["fp8_channel_pallas_decode_b1_s"] / floor_s
     ratio("int8_w8a16_pallas_decode_b1_vs_bf16", "bf16_decode_b1_s", "int8_w8a16_pallas_decode_b1_s")
     ratio("fp8_w8a16_decode_b1_vs_bf16", "bf16_decode_b1_s", "fp8_w8a16_decode_b1_s")
@@ -350,7 +350,7 @@ def save(args, spec, out: dict) -> dict:
         floor_s = floor_bytes / metrics["copy_bytes_per_s"]
         metrics["fp8_decode_b1_floor_s"] = floor_s
     record = common.result_record("quant8", args.git_sha, common.jax_device_name(), common.versions(),
-                                  " ".join(["python", *sys.argv]), metrics, ratios(metrics, floor_s or 1.0),
+                                  " ".join(["python", *sys.argv]), metrics, ratios(metrics, floor_s),
                                   shape="tiny" if args.tiny else "Llama-3.1-8B (random weights)")
     path = Path(args.out)
     if path.exists():
