@@ -32,7 +32,7 @@ from jengine.request import Request, RequestStatus
 from jengine.runner.protocol import StepRunner
 from jengine.scheduler.output import RunnerOutput, SchedulerOutput, TokenLogprobs
 from jengine.scheduler.scheduler import Scheduler, SchedulerStats
-from jengine.structured.masks import MaskFiller, StepMasks, advance
+from jengine.structured.masks import MaskFiller, StepMasks
 
 logger = logging.getLogger(__name__)
 
@@ -147,19 +147,20 @@ class EngineCore:
         outputs, self._landed = self._landed, []
         sched = self._schedule()
         done, self._in_flight = self._in_flight, None
+        masks: StepMasks | None = None
 
-        def land() -> None:
+        def land() -> None:  # the new step's masks start filling as soon as the matchers have consumed its tokens
             nonlocal done
             if done is not None:
                 landing, done = done, None
-                outputs.extend(self._apply(landing[0], self.runner.fetch(landing[1])))
+                outputs.extend(self._apply(landing[0], self.runner.fetch(landing[1]), masks))
 
         masks = self._token_masks(sched, None if done is None else land)
         launched = self.runner.dispatch(sched) if masks is None else self.runner.dispatch(sched, masks)
         self._in_flight = None if launched is None else (sched, launched)
         land()
         if masks is not None:
-            masks.start()  # the step in flight is applied: the masks fill while the device runs the new forward
+            masks.start()  # (already started by `land` unless nothing was in flight)
         return outputs
 
     def _step_speculative(self) -> list[EngineCoreOutput]:
@@ -224,11 +225,15 @@ class EngineCore:
         (sched, launched), self._in_flight = self._in_flight, None
         self._landed += self._apply(sched, self.runner.fetch(launched))
 
-    def _apply(self, sched: SchedulerOutput, runner_out: RunnerOutput) -> list[EngineCoreOutput]:
+    def _apply(self, sched: SchedulerOutput, runner_out: RunnerOutput, next_masks: StepMasks | None = None
+               ) -> list[EngineCoreOutput]:
+        """The step's outputs; `next_masks`: the next step's mask source, started once the matchers have consumed
+        this step's tokens (its fill runs while the outputs are built)."""
         updates = self.scheduler.update_from_output(sched, runner_out)
-        for update in updates:
-            if update.request.grammar is not None:
-                advance(update.request, update.new_token_ids)
+        if self._constrained:  # the free engine's step: no per-request work at all
+            self.masks.advance([(u.request, u.new_token_ids) for u in updates if u.request.grammar is not None])
+        if next_masks is not None:
+            next_masks.start()
         self.num_steps += 1
         self.step_tokens.add(sched.total_num_scheduled_tokens)
         now = time.monotonic()

@@ -1,11 +1,16 @@
 """The core's side of constrained decoding: advance each request's matcher, and pack the allowed tokens of the
 constrained rows of a step into an int32 bitmask (bit t of row r: token t allowed), on the host.
 
-Matchers are duck-typed llguidance `LLMatcher`s made in the front; this module imports llguidance only to fill masks
-on its Rust thread pool (`LLExecutor`), never a tokenizer, so the core stays free of the text side. A step's masks
+Matchers are llguidance `LLMatcher`s made in the front; this module imports llguidance only to advance them and fill
+masks on its Rust thread pool (`LLExecutor`), never a tokenizer, so the core stays free of the text side. A step's masks
 (`StepMasks`) are filled on a thread of their own once the previous step's tokens have been consumed, while the core
 thread goes on preparing the next step and the device computes the forward (the fill releases the GIL); the runner
 asks for them just before it launches the sampler.
+
+Both llguidance calls of a step are one native call each, spread over its thread pool: a step's one-token advance of
+every matcher (`MaskFiller.advance`) and its fill. The advance stays on the core thread on purpose: Python work moved
+to the mask thread would run under the same GIL (the core thread would wait for it, or the mask thread for the core
+thread, up to the interpreter's switch interval: 5 ms), so only the GIL-free fill runs beside the core thread.
 """
 
 from __future__ import annotations
@@ -60,17 +65,16 @@ class RequestGrammar:
         return ()
 
 
-def advance(request: Any, token_ids: Sequence[int]) -> None:
-    """Feed a request's newly accepted tokens to its matcher (a rejected token leaves it in its error state, which
-    then allows only EOS: the output ends instead of going on unconstrained); tokens of a reasoning span before the
-    grammar applies are not fed."""
+def _grammar_tokens(request: Any, token_ids: Sequence[int]) -> Sequence[int]:
+    """The tokens of `token_ids` the request's matcher must consume (none once it has stopped)."""
     if request.grammar is None or not token_ids or request.grammar.matcher.is_stopped():
-        return
-    token_ids = request.grammar.after_reasoning(token_ids)
-    if not token_ids:
-        return
+        return ()
+    return request.grammar.after_reasoning(token_ids)
+
+
+def _check_consumed(request: Any, consumed: bool) -> None:
     matcher = request.grammar.matcher
-    if not matcher.consume_tokens(list(token_ids)) and not matcher.is_stopped():
+    if not consumed and not matcher.is_stopped():
         logger.warning("request %s: sampled token rejected by its grammar (%s)", request.request_id,
                        matcher.get_error()[:200])
 
@@ -81,6 +85,26 @@ class MaskFiller:
     def __init__(self) -> None:
         self._executor: Any = None
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None  # runs `fill` beside the core thread
+
+    def advance(self, updates: Sequence[tuple[Any, Sequence[int]]]) -> None:
+        """Feed each (request, newly accepted tokens) of a step to the request's matcher: the rows that consume one
+        token (every decode) in one call of llguidance's thread pool, which releases the GIL, instead of a Python
+        loop of native calls; the others (several tokens) one by one. A rejected token leaves the matcher in its error
+        state, which then allows only EOS: the output ends instead of going on unconstrained. Tokens of a reasoning
+        span before the grammar applies are not fed."""
+        single: list[tuple[Any, int]] = []
+        owners: list[Any] = []
+        for request, token_ids in updates:
+            tokens = _grammar_tokens(request, token_ids)
+            if len(tokens) == 1:
+                single.append((request.grammar.matcher, tokens[0]))
+                owners.append(request)
+            elif tokens:
+                _check_consumed(request, request.grammar.matcher.consume_tokens(list(tokens)))
+        if single:
+            for request, consumed in zip(owners, self._pool().consume_token_par(single)):
+                if not consumed:
+                    _check_consumed(request, consumed)
 
     def fill(self, requests: Sequence[Any]) -> tuple[np.ndarray, np.ndarray] | None:
         """(row indices, [k, words] int32 masks) for the requests whose grammar is active, in the order given
@@ -132,35 +156,39 @@ class MaskFiller:
                 np.array([row for _, row in active], np.int32), masks)
 
     def _fill_into(self, matchers: list[tuple[Any, int]], masks: np.ndarray) -> None:
-        import llguidance
         import llguidance.numpy
 
+        llguidance.numpy.fill_next_token_bitmask_par(self._pool(), matchers, masks)
+
+    def _pool(self) -> Any:
+        """llguidance's thread pool (built on first use: a free engine never imports llguidance)."""
         if self._executor is None:
+            import llguidance
+
             self._executor = llguidance.LLExecutor()
-        llguidance.numpy.fill_next_token_bitmask_par(self._executor, matchers, masks)
+        return self._executor
 
 
 class StepMasks:
     """One step's token-mask source (`runner.protocol.TokenMaskSource`): its constrained rows' masks, filled once
-    every earlier token has been consumed. The core starts the fill (`start`) as soon as it has applied the step in
-    flight; asked before that, the source applies it first (`land`) and fills on the spot."""
+    every earlier token has been consumed. The core starts the fill (`start`) as soon as the step in flight's tokens
+    are consumed, before it builds that step's outputs; asked before that, the source applies that step first
+    (`land`, which starts the fill) and waits for it."""
 
     def __init__(self, filler: MaskFiller, requests: Sequence[Any], land: Callable[[], None] | None) -> None:
         """`requests`: the step's scheduled requests in order (None where a row has none); `land`: applies the step
         in flight (None when every token is applied)."""
         self._filler, self._requests, self._land = filler, requests, land
         self._future: concurrent.futures.Future | None = None
-        self._asked = False
 
     def start(self) -> None:
-        """Fill on the filler's thread from now on (the matchers must not advance until the masks are taken)."""
-        if self._future is None and not self._asked:
+        """Fill on the filler's thread from now on (the matchers must not advance until the masks are taken); once
+        started, later calls do nothing."""
+        if self._future is None:
             self._future = self._filler.fill_later(self._requests)
 
     def __call__(self) -> tuple[np.ndarray, np.ndarray] | None:
-        self._asked = True
-        if self._future is not None:
-            return self._future.result()
-        if self._land is not None:
-            self._land()
-        return self._filler.fill(self._requests)
+        if self._future is None and self._land is not None:
+            self._land()  # consumes the step in flight's tokens, then starts this fill
+        self.start()
+        return self._future.result()

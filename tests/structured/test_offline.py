@@ -19,7 +19,6 @@ from transformers import LlamaConfig
 
 import jengine
 from jengine import LLM, SamplingParams, StructuredOutputsParams
-from jengine.engine import core as core_module
 from jengine.errors import InvalidRequestError
 from jengine.sampling import params as params_module
 from jengine.structured.device import apply_token_mask
@@ -108,16 +107,16 @@ def test_each_mask_is_filled_beside_the_core_thread_from_every_earlier_token(mod
     consumed_vs_known: list[tuple[int, int]] = []
     fill_threads: set[str] = set()
     allowed: list[bool] = []
-    real_advance, real_fill_later = core_module.advance, MaskFiller.fill_later
+    real_advance, real_fill_later = MaskFiller.advance, MaskFiller.fill_later
     real_par = llguidance.numpy.fill_next_token_bitmask_par
 
-    def counting_advance(request, token_ids):
-        if request.grammar is not None:
+    def counting_advance(self, updates):
+        for request, token_ids in updates:
             mask = pending.pop(request.request_id, None)
             if mask is not None:  # the token this step sampled, against the mask it was sampled under
                 allowed.append(bool((int(mask[token_ids[0] // 32]) >> (token_ids[0] % 32)) & 1))
             fed[request.request_id] = fed.get(request.request_id, 0) + len(token_ids)
-        real_advance(request, token_ids)
+        real_advance(self, updates)
 
     def recording_fill_later(self, requests):
         constrained = [r for r in requests if r is not None and r.grammar is not None]
@@ -135,7 +134,7 @@ def test_each_mask_is_filled_beside_the_core_thread_from_every_earlier_token(mod
         fill_threads.add(threading.current_thread().name)
         return real_par(*args)
 
-    monkeypatch.setattr(core_module, "advance", counting_advance)
+    monkeypatch.setattr(MaskFiller, "advance", counting_advance)
     monkeypatch.setattr(MaskFiller, "fill_later", recording_fill_later)
     monkeypatch.setattr(llguidance.numpy, "fill_next_token_bitmask_par", recording_par)
     params = [SamplingParams(temperature=1.0, seed=7, max_tokens=30,
