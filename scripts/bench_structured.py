@@ -10,7 +10,8 @@ are filled on the mask thread while the device runs that step's forward; the sam
 before the next forward). `metrics.mask_fill_ms_b64` is the median host time of one step's fill of 64 masks there;
 `*_host_busy_ms_b64` the core thread's time per step not spent waiting for the device or for masks, and
 `structured_mask_wait_ms_b64` its wait for masks not yet filled (both explain a ratio above 1: a busy host, or a fill
-longer than the forward).
+longer than the forward); `structured_advance_ms_b64` and `structured_fill_start_ms_b64` are two parts of that busy
+time: the matchers consuming a step's tokens, and the start of the next fill (its hand-off to the mask thread).
 `ratios.structured_step_vs_free_b64` = constrained ÷ free (lower is better; 1 = free). `metrics.schema_compile_ms` is
 the median time to build and compile that schema's grammar for the model's tokenizer with an empty cache.
 
@@ -119,18 +120,20 @@ class StepClock:
     """Start time, shape and waits of every engine step (the core's `schedule` and `step`, wrapped), and the time of
     each fill of BATCH masks (llguidance's, wrapped: it runs on the core's mask thread). A step's waits: the core
     thread blocked for the device (`jax.device_get`) and for a step's masks (`StepMasks.__call__`); the rest of the
-    step period is host work on the core thread."""
+    step period is host work on the core thread, of it the matchers' advance (`MaskFiller.advance`) and the start of
+    the next fill (`MaskFiller.fill_later`: its hand-off to the mask thread included)."""
 
     def __init__(self, llm: LLM) -> None:
         core = llm._core
-        self.starts: list[tuple[float, int, int, float, float]] = []  # start, tokens, rows, device wait, mask wait
+        # start, tokens, rows, then seconds: device wait, mask wait, advance, fill start
+        self.starts: list[tuple[float, int, int, float, float, float, float]] = []
         self.fills: list[float] = []
-        self._shape, self._waits = (0, 0), [0.0, 0.0]
+        self._shape, self._waits = (0, 0), [0.0] * 4
         schedule, step = core.scheduler.schedule, core.step
         self._originals = [(llguidance.numpy, "fill_next_token_bitmask_par"), (jax, "device_get"),
-                           (StepMasks, "__call__")]
+                           (StepMasks, "__call__"), (MaskFiller, "advance"), (MaskFiller, "fill_later")]
         self._originals = [(owner, name, getattr(owner, name)) for owner, name in self._originals]
-        fill, device_get, masks_call = (original for _, _, original in self._originals)
+        fill, device_get, masks_call, advance, fill_later = (original for _, _, original in self._originals)
 
         def timed_fill(executor, matchers, masks):
             start = time.perf_counter()
@@ -152,7 +155,7 @@ class StepClock:
             return out
 
         def timed_step():
-            start, self._waits = time.perf_counter(), [0.0, 0.0]
+            start, self._waits = time.perf_counter(), [0.0] * 4
             result = step()
             self.starts.append((start, *self._shape, *self._waits))
             return result
@@ -160,6 +163,7 @@ class StepClock:
         core.scheduler.schedule, core.step = timed_schedule, timed_step
         llguidance.numpy.fill_next_token_bitmask_par = timed_fill
         jax.device_get, StepMasks.__call__ = waiting(device_get, 0), waiting(masks_call, 1)
+        MaskFiller.advance, MaskFiller.fill_later = waiting(advance, 2), waiting(fill_later, 3)
 
     def stop(self) -> None:
         for owner, name, original in self._originals:
@@ -168,12 +172,14 @@ class StepClock:
     def decode_period(self) -> dict[str, float]:
         """Medians over consecutive pure-decode steps of BATCH requests: seconds between their starts, of it the
         core thread's busy time (not waiting for the device or for masks) and its wait for masks; how many
-        intervals; seconds of one fill of BATCH masks."""
+        intervals; seconds of one fill of BATCH masks; of the busy time, the matchers' advance and the fill's start."""
         full = [s for s in self.starts if s[1] == s[2] == BATCH]
         pairs = [(a, b) for a, b in zip(self.starts, self.starts[1:]) if a in full and b in full]
         return {"period": statistics.median(b[0] - a[0] for a, b in pairs),
                 "host_busy": statistics.median(b[0] - a[0] - a[3] - a[4] for a, b in pairs),
-                "mask_wait": statistics.median(a[4] for a, _ in pairs), "intervals": len(pairs),
+                "mask_wait": statistics.median(a[4] for a, _ in pairs),
+                "advance": statistics.median(a[5] for a, _ in pairs),
+                "fill_start": statistics.median(a[6] for a, _ in pairs), "intervals": len(pairs),
                 "fill": statistics.median(self.fills) if self.fills else float("nan")}
 
 
@@ -232,6 +238,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                "free_step_ms_b64": free * 1e3, "structured_step_ms_b64": constrained * 1e3,
                "mask_fill_ms_b64": median("structured", "fill") * 1e3,
                "structured_mask_wait_ms_b64": median("structured", "mask_wait") * 1e3,
+               "structured_advance_ms_b64": median("structured", "advance") * 1e3,
+               "structured_fill_start_ms_b64": median("structured", "fill_start") * 1e3,
                **{f"{mode}_host_busy_ms_b64": median(mode, "host_busy") * 1e3 for mode in periods},
                "decode_intervals_counted": min(p["intervals"] for mode in periods.values() for p in mode),
                "vocab_size": args.vocab, "layers": args.layers}

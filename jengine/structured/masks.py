@@ -7,8 +7,8 @@ masks on its Rust thread pool (`LLExecutor`), never a tokenizer, so the core sta
 thread goes on preparing the next step and the device computes the forward (the fill releases the GIL); the runner
 asks for them just before it launches the sampler.
 
-Both llguidance calls of a step are one native call each, spread over its thread pool: a step's one-token advance of
-every matcher (`MaskFiller.advance`) and its fill. The advance stays on the core thread on purpose: Python work moved
+A step's fill is one native call spread over llguidance's thread pool, and so is its one-token advance of every
+matcher (`MaskFiller.advance`) where the pool has a few threads. The advance stays on the core thread on purpose: Python work moved
 to the mask thread would run under the same GIL (the core thread would wait for it, or the mask thread for the core
 thread, up to the interpreter's switch interval: 5 ms), so only the GIL-free fill runs beside the core thread.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,6 +30,9 @@ logger = logging.getLogger(__name__)
 # How long the core thread waits for the mask thread to enter the fill: a wake-up takes tens of microseconds on an
 # idle host; on a saturated one the core thread goes on after this and the fill starts when it next blocks.
 HANDOFF_WAIT_S = 0.001
+# A step's one-token advances go to llguidance's thread pool when it has at least this many threads; a smaller pool
+# gains little over the core thread's own loop and its wake-up can wait for a busy CPU.
+PARALLEL_ADVANCE_THREADS = 4
 
 
 @dataclasses.dataclass(slots=True)
@@ -84,19 +88,21 @@ class MaskFiller:
 
     def __init__(self) -> None:
         self._executor: Any = None
+        self._threads = min(32, max(1, int(0.8 * len(os.sched_getaffinity(0)))))  # llguidance's own default
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None  # runs `fill` beside the core thread
 
     def advance(self, updates: Sequence[tuple[Any, Sequence[int]]]) -> None:
-        """Feed each (request, newly accepted tokens) of a step to the request's matcher: the rows that consume one
-        token (every decode) in one call of llguidance's thread pool, which releases the GIL, instead of a Python
-        loop of native calls; the others (several tokens) one by one. A rejected token leaves the matcher in its error
+        """Feed each (request, newly accepted tokens) of a step to the request's matcher: with a pool of
+        PARALLEL_ADVANCE_THREADS threads or more, the rows that consume one token (every decode) in one call of
+        llguidance's pool, which releases the GIL, instead of a Python loop of native calls; the others one by one. A rejected token leaves the matcher in its error
         state, which then allows only EOS: the output ends instead of going on unconstrained. Tokens of a reasoning
         span before the grammar applies are not fed."""
         single: list[tuple[Any, int]] = []
         owners: list[Any] = []
+        parallel = self._threads >= PARALLEL_ADVANCE_THREADS
         for request, token_ids in updates:
             tokens = _grammar_tokens(request, token_ids)
-            if len(tokens) == 1:
+            if parallel and len(tokens) == 1:
                 single.append((request.grammar.matcher, tokens[0]))
                 owners.append(request)
             elif tokens:
@@ -165,7 +171,7 @@ class MaskFiller:
         if self._executor is None:
             import llguidance
 
-            self._executor = llguidance.LLExecutor()
+            self._executor = llguidance.LLExecutor(self._threads)
         return self._executor
 
 

@@ -22,6 +22,7 @@ from jengine import LLM, SamplingParams, StructuredOutputsParams
 from jengine.errors import InvalidRequestError
 from jengine.sampling import params as params_module
 from jengine.structured.device import apply_token_mask
+from jengine.structured import masks as masks_module
 from jengine.structured.masks import MaskFiller
 from tests.conftest import COMMON
 
@@ -59,6 +60,25 @@ def test_constrained_rows_validate_and_pipelining_changes_nothing(model_dir) -> 
     assert reason == "stop"
     jsonschema.validate(json.loads(first), SCHEMA)
     assert re.fullmatch(r"[0-9]{2,4}x", regex) and {up, down} <= {"up", "down"}
+
+
+def test_matchers_advance_alike_in_llguidance_pool_and_one_by_one(model_dir, monkeypatch) -> None:
+    """Many CPUs: a step's one-token advances go to llguidance's pool in one call; the outputs are the ones of the
+    matchers fed one by one (as on a host of few CPUs), and still valid."""
+    json_params = StructuredOutputsParams(json=SCHEMA)
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=40, structured_outputs=json_params)
+              for seed in range(3)] + [SamplingParams(temperature=1.0, seed=9, max_tokens=12,
+                                                      structured_outputs=StructuredOutputsParams(regex=r"[0-9]{2,4}x")),
+               SamplingParams(temperature=1.0, seed=5, max_tokens=8)]  # a free row beside them
+    monkeypatch.setattr(masks_module, "PARALLEL_ADVANCE_THREADS", 10**6)
+    one_by_one = _outputs(model_dir, params)
+    monkeypatch.setattr(masks_module, "PARALLEL_ADVANCE_THREADS", 1)
+    pooled = _outputs(model_dir, params)
+    assert pooled == one_by_one
+    for _, text, reason in pooled[:3]:
+        assert reason == "stop"
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert re.fullmatch(r"[0-9]{2,4}x", pooled[3][1])
 
 
 def test_exports_and_errors() -> None:
