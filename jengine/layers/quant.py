@@ -165,9 +165,10 @@ def quantized_matmul(x: Float[Array, "tokens k"], q: QuantizedWeight, precision=
         y = jnp.dot(jnp.pad(xf, ((0, 0), (0, w.shape[0] - xf.shape[1]))), w, precision=jax.lax.Precision.HIGHEST)
         return y.astype(x.dtype)
     if q.scheme.impl.startswith("pallas") and q.scheme.block_k == 0 and x.shape[0] <= PALLAS_MAX_TOKENS:
-        from pallas_kernels.quant_matmul import few_token_matmul  # Pallas imported only where used
+        from pallas_kernels.quant_matmul import FewTokenConfig, few_token_matmul  # Pallas imported only where used
 
-        return few_token_matmul(x, q.weight[0], column_scales(q), interpret=q.scheme.impl == "pallas_interpret")
+        return few_token_matmul(x, q.weight[0], column_scales(q), interpret=q.scheme.impl == "pallas_interpret",
+                                **FewTokenConfig().kernel_args(*q.weight[0].shape))
     if q.scheme.block_k == 0:
         return _channel_matmul(x, q)
     if x.shape[0] <= GROUPED_MAX_TOKENS:

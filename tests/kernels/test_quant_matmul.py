@@ -9,6 +9,7 @@ device math with float8 activations 8e-2 (3 mantissa bits, per-token or per-128-
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 
 import jax
@@ -98,6 +99,28 @@ def test_the_decode_kernel_lowers_for_h200(weight_dtype):
     text = lower_for_h200(few_token_matmul, S((1, 4096), jnp.bfloat16), S((6144, 4096), weight_dtype),
                           S((6144,), jnp.float32))
     assert text.count("__gpu$xla.gpu.triton") == 1
+    split = lower_for_h200(functools.partial(few_token_matmul, block_n=128, block_k=128, k_splits=4),
+                           S((16, 14336), jnp.bfloat16), S((4096, 14336), weight_dtype), S((4096,), jnp.float32))
+    assert split.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("k_splits", [2, 3, 64])
+def test_the_decode_kernel_split_over_k_matches_float64(rows, k_splits):
+    """K split across programs (float32 partial sums added afterwards), with a K that leaves the last split short
+    and more splits asked than K has steps: the same product as the unsplit math."""
+    from pallas_kernels.quant_matmul import few_token_matmul
+
+    rng = np.random.default_rng(zlib.crc32(f"split{rows}{k_splits}".encode()))
+    k, n = 200, 48  # 7 steps of 32 with a ragged last one; 3 splits are 3 + 3 + 1 steps, 64 become 7 of one
+    w = rng.integers(-127, 128, (n, k)).astype(np.int8)
+    scale = rng.uniform(0.5, 2.0, n).astype(np.float32) / 100
+    x = rng.normal(0, 1, (rows, k)).astype(np.float32)
+    ours = np.asarray(few_token_matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(scale), block_n=16, block_k=32,
+                                       k_splits=k_splits, interpret=True))
+    ref = (x.astype(np.float64) @ w.astype(np.float64).T) * scale
+    assert ours.shape == (rows, n)
+    assert np.abs(ours - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
 @pytest.mark.parametrize("tokens", [1, 8, GROUPED_MAX_TOKENS + 9])
