@@ -139,3 +139,17 @@ def test_emulated_reference_rounds_activations_as_the_device_math(name, tokens):
     scale = np.abs(exact).max()
     assert np.abs(device - emulated).max() <= 1e-4 * scale
     assert np.abs(device - exact).max() > 1e-3 * scale  # the activations' rounding is there, and emulated has it
+
+
+@pytest.mark.parametrize("tokens", [1, GROUPED_MAX_TOKENS + 9])
+@pytest.mark.parametrize("name", ["fp8-channel", "fp8-block"])
+def test_bfloat16_activations_through_the_fp8_gemm(name, tokens):
+    """bfloat16 activations (what serving runs): the FP8 GEMM's bfloat16 output, scaled afterwards, keeps the
+    float8 error bound (`TOL`) against float64 on the same bfloat16 inputs."""
+    rng = np.random.default_rng(zlib.crc32(f"bf16{name}{tokens}".encode()))
+    k, n = 80, 72
+    q, real = random_quantized(rng, dataclass_replace(SCHEMES[name], impl="xla"), k, n)
+    x = jnp.asarray(rng.normal(0, 1, (tokens, k)).astype(np.float32)).astype(jnp.bfloat16)
+    ours = np.asarray(jax.jit(linear)(x, q).astype(jnp.float32))
+    ref = np.asarray(x.astype(jnp.float32), np.float64) @ real
+    assert ours.dtype == np.float32 and np.abs(ours - ref).max() <= TOL["fp8"] * np.abs(ref).max()
