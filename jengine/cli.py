@@ -70,6 +70,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="auto: every shape compiled at start-up on a GPU, on first use on the CPU")
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                        help="dispatch step N+1 before step N's tokens reach the host (default on)")
+    group.add_argument("--deterministic", action="store_true",
+                       help="batch-invariant matmuls: a request's output does not depend on its batch (costs "
+                            "throughput on GPUs)")
     group.add_argument("--compilation-cache-dir", type=Path, default=DEFAULT_COMPILATION_CACHE,
                        help="JAX persistent compilation cache")
     _add_weight_variant_args(group)
@@ -166,7 +169,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
              "max_num_queued_reqs", "block_size", "gpu_memory_utilization", "num_gpu_blocks_override",
              "enable_prefix_caching", "kv_cache_dtype", "tensor_parallel_size", "data_parallel_size",
              "enable_expert_parallel", "coordinator_address", "num_processes", "process_id", "chat_template",
-             "max_logprobs", "generation_config", "load_format", "compile_buckets", "async_scheduling", "quantization",
+             "max_logprobs", "generation_config", "load_format", "compile_buckets", "async_scheduling", "deterministic", "quantization",
              "lora_modules", "speculative_config", "reasoning_parser", "tool_call_parser", "enable_lora",
              "enable_auto_tool_choice", "max_loras", "max_cpu_loras", "max_lora_rank")
     kwargs = {name: getattr(args, name) for name in names}

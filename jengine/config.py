@@ -114,6 +114,9 @@ class RunnerConfig:
     # pipelined steps: step N+1 is dispatched before step N's tokens reach the host (fed to it on the device);
     # False runs each step to completion before the next is scheduled (same outputs, the host time not hidden)
     async_scheduling: bool = True
+    # batch-invariant projections and LM head (layers/invariant.py): a request's output does not depend on the
+    # batch, chunking or bucket it runs in; costs throughput on GPUs (benchmarks/README.md, determinism)
+    deterministic: bool = False
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
@@ -312,11 +315,26 @@ class EngineConfig:
 
 
             *_lora_checks(self.lora, self.parallel),
+            *_deterministic_checks(self),
         ]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
         self.chat_parsing.validate()
+
+
+def _deterministic_checks(config: EngineConfig) -> list[tuple[bool, str]]:
+    """What `deterministic` cannot be combined with yet, by name."""
+    if not config.runner.deterministic:
+        return []
+    why = "deterministic=True (batch-invariant matmuls) "
+    return [
+        (config.parallel.tensor_parallel_size == 1, why + "runs on one device for now (tensor_parallel_size=1)"),
+        (config.speculative is None, why + "does not combine with speculative decoding yet"),
+        (not config.lora.enable_lora, why + "does not combine with LoRA adapters yet"),
+        (config.model.quantization is None, why + "takes float checkpoints only (quantized matmuls have their own "
+                                                  "kernels)"),
+    ]
 
 
 API_KEY_ENV = "JENGINE_API_KEY"

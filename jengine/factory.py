@@ -106,6 +106,21 @@ def load_weights(model: ModelConfig, layout: ParallelLayout) -> tuple[ModelSpec,
     return load_model(model.model, quantization=model.quantization, **placement)
 
 
+def deterministic_params(params: dict, spec: ModelSpec) -> dict:
+    """The projections and LM head made batch-invariant (`layers/invariant.py`); a quantized checkpoint (read
+    from its own quantization_config) is refused by name."""
+    from jengine.layers.invariant import invariant_impl, make_invariant
+    from jengine.layers.quant import QuantizedWeight
+    from jengine.layers.quant4 import Int4Weight
+
+    quantized = [leaf for layer in params["layers"] for leaf in layer.values()
+                 if isinstance(leaf, (QuantizedWeight, Int4Weight))]
+    if quantized:
+        raise ConfigError("deterministic=True (batch-invariant matmuls) takes float checkpoints only: this one is "
+                          "quantized")
+    return make_invariant(params, invariant_impl(jax.devices()[0].platform), spec.tie_word_embeddings)
+
+
 def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = None) -> EngineParts:
     """One engine replica on `devices` (default: the first `tensor_parallel_size` devices), its model split over
     them by tensor (and expert) parallelism."""
@@ -128,6 +143,8 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
         pending_tokenizer = pool.submit(Tokenizer.from_pretrained, tokenizer_dir, config.model.chat_template)
         spec, params, dtype = load_weights(config.model, layout)
         tokenizer = pending_tokenizer.result()
+    if config.runner.deterministic:
+        params = deterministic_params(params, spec)
     draft = head = None
     method = None if config.speculative is None else config.speculative.method
     if method == "draft_model":

@@ -110,16 +110,16 @@ def kernel_for(cfg: W4A16Config | None, interpret: bool, rows: int):
     return functools.partial(w4a16_matmul, group=GROUP, config=cfg, interpret=interpret)
 
 
-def compile_trials(trials: list[Trial], args, interpret: bool, rows: int, threads: int) -> None:
-    """Lower and compile every trial (errors kept on the trial, never raised). Tracing and lowering are Python (one
-    thread at a time under a lock); XLA's and Triton's compilation run concurrently."""
+def compile_trials(trials: list[Trial], args, make_step, threads: int) -> None:
+    """Lower and compile every trial's `make_step(trial)` (errors kept on the trial, never raised). Tracing and
+    lowering are Python (one thread at a time under a lock); XLA's and Triton's compilation run concurrently."""
     lowering = threading.Lock()
 
     def build(trial: Trial) -> None:
         start = time.perf_counter()
         try:
             with lowering:
-                lowered = step_for(kernel_for(trial.config, interpret, rows)).lower(*args)
+                lowered = make_step(trial).lower(*args)
             trial.compiled = lowered.compile()
         except Exception as exc:  # noqa: BLE001 - one bad configuration must not stop the sweep
             trial.error = f"compile: {type(exc).__name__}: {str(exc)[:300]}"
@@ -176,7 +176,7 @@ def sweep_rows(layers, rows: int, interpret: bool, deadline: float, quick: bool,
     trials = [Trial(cfg.label(), cfg) for cfg in dict.fromkeys(configs)]
     trials.append(Trial("previous kernel", None))
     start = time.perf_counter()
-    compile_trials(trials, args, interpret, rows, threads)
+    compile_trials(trials, args, lambda t: step_for(kernel_for(t.config, interpret, rows)), threads)
     log(f"rows {rows}: compiled {len(trials)} candidates in {time.perf_counter() - start:.0f} s")
     for trial in trials:
         run_trial(trial, args, refs, deadline)
@@ -195,7 +195,7 @@ def summarize(rows: int, bf16_s: float, trials: list[Trial]) -> dict:
 
 def print_table(summary: dict, floor_s: float | None) -> None:
     log(f"--- {summary['rows']} rows: bf16 {summary['bf16_s'] * 1e3:.3f} ms"
-        + (f", 4-bit floor {floor_s * 1e3:.3f} ms" if floor_s else ""))
+        + (f", floor {floor_s * 1e3:.3f} ms" if floor_s else ""))
     for r in sorted(summary["results"], key=lambda r: (r["seconds"] is None, r["seconds"] or 0)):
         if r["seconds"] is None:
             log(f"  {r['label']:<44} FAILED  {r['error']}")

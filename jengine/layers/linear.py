@@ -1,6 +1,6 @@
 """Dense projections. Weights are stored `[in, out]` (transposed from HF) so activations multiply on the left; an
 8-bit weight (`layers/quant.py:QuantizedWeight`) or a 4-bit one (`layers/quant4.py:Int4Weight`) takes its own matmul, so every projection of every family runs
-quantized checkpoints."""
+quantized checkpoints; a batch-invariant one (`layers/invariant.py:InvariantWeight`, `--deterministic`) likewise."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
+from jengine.layers.invariant import InvariantWeight, invariant_matmul
 from jengine.layers.quant import QuantizedWeight, quantized_matmul
 from jengine.layers.quant4 import Int4Weight, int4_matmul
 
@@ -17,7 +18,7 @@ Precision = jax.lax.Precision | None
 
 def linear(
     x: Float[Array, "... d_in"],
-    w: Float[Array, "d_in d_out"] | QuantizedWeight | Int4Weight,
+    w: Float[Array, "d_in d_out"] | QuantizedWeight | Int4Weight | InvariantWeight,
     b: Float[Array, " d_out"] | None = None,
     precision: Precision = None,
 ) -> Float[Array, "... d_out"]:
@@ -25,6 +26,8 @@ def linear(
         y = quantized_matmul(x.reshape(-1, x.shape[-1]), w, precision).reshape(*x.shape[:-1], w.shape[-1])
     elif isinstance(w, Int4Weight):
         y = int4_matmul(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[-1])
+    elif isinstance(w, InvariantWeight):
+        y = invariant_matmul(x.reshape(-1, x.shape[-1]), w, precision).reshape(*x.shape[:-1], w.shape[-1])
     else:
         y = jnp.dot(x, w, precision=precision)
     return y + b if b is not None else y

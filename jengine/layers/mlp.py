@@ -44,7 +44,7 @@ def route(
     x: Float[Array, "tokens d"], router: Float[Array, "d experts"], moe: MoeSpec, precision: Precision = None
 ) -> tuple[Float[Array, "tokens k"], jax.Array]:
     """Top-k experts per token: softmax in float32 over all experts, then (optionally) renormalised over the k."""
-    logits = jnp.dot(x, router, precision=precision).astype(jnp.float32)
+    logits = linear(x, router, precision=precision).astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     weights, experts = jax.lax.top_k(probs, moe.num_experts_per_tok)
     if moe.norm_topk_prob:

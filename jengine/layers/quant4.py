@@ -10,6 +10,11 @@ Implementations, chosen at load (`impl`): `reference` (the CPU: unpack, dequanti
 GPUs: the Triton kernels, a CUDA-core split-K kernel for decode rows, tensor-core tiles for more rows, dequantize +
 cuBLAS for prefill chunks; `pallas_kernels/w4a16/config.py`) and `pallas_interpret` (the kernels in interpret mode,
 for CPU tests). `configs` overrides the kernel configuration by row count (benchmarks pass their sweep's best).
+
+Tensor parallelism: a kernel is per-device code, so a weight split over a mesh (`split`, set by the loader from
+where it placed the leaves) runs it under `shard_map`: column-parallel projections (q/k/v, gate/up) on each device's
+output columns, row-parallel ones (o, down) on each device's whole groups of input rows, their partial products
+summed over the mesh, as the float path's all-reduce.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 PACK = 8  # 4-bit values per int32 word
@@ -38,6 +44,8 @@ class Int4Weight:
     group: int = dataclasses.field(default=128, metadata=dict(static=True))
     impl: Impl4 = dataclasses.field(default="reference", metadata=dict(static=True))
     configs: KernelConfigs | None = dataclasses.field(default=None, metadata=dict(static=True))
+    mesh: Mesh | None = dataclasses.field(default=None, metadata=dict(static=True))
+    split: Literal["columns", "rows"] | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -62,14 +70,29 @@ def kernel_config(w: Int4Weight, rows: int):
 
 
 def int4_matmul(x: Float[Array, "tokens k"], w: Int4Weight) -> Float[Array, "tokens n"]:
-    """x @ ((q − zeros) · scales) in x's dtype, by the weight's implementation."""
-    from pallas_kernels.w4a16 import w4a16_matmul, w4a16_matmul_reference  # Pallas imported only where used
-
+    """x @ ((q − zeros) · scales) in x's dtype, by the weight's implementation (per device where it is split)."""
     if w.perm is not None:
         x = jnp.take(x, w.perm, axis=-1)
+    if w.split is None or w.mesh is None or w.mesh.size == 1:
+        return _local_matmul(x, w.packed, w.zeros, w.scales, w=w)
+    axis = w.mesh.axis_names[0]
+    if w.split == "columns":
+        cols = P(None, axis)
+        return jax.shard_map(lambda *a: _local_matmul(*a, w=w), mesh=w.mesh, in_specs=(P(), cols, cols, cols),
+                             out_specs=cols, check_vma=False)(x, w.packed, w.zeros, w.scales)
+    rows = P(axis, None)
+    return jax.shard_map(lambda *a: jax.lax.psum(_local_matmul(*a, w=w), axis), mesh=w.mesh,
+                         in_specs=(P(None, axis), rows, rows, rows), out_specs=P(), check_vma=False)(
+        x, w.packed, w.zeros, w.scales)
+
+
+def _local_matmul(x, packed, zeros, scales, *, w: Int4Weight):
+    """One device's product (its x columns are the stored rows it holds: `perm` is applied before)."""
+    from pallas_kernels.w4a16 import w4a16_matmul, w4a16_matmul_reference  # Pallas imported only where used
+
     if w.impl == "reference":
-        return w4a16_matmul_reference(x, w.packed, w.zeros, w.scales, group=w.group)
-    return w4a16_matmul(x, w.packed, w.zeros, w.scales, group=w.group, config=kernel_config(w, x.shape[0]),
+        return w4a16_matmul_reference(x, packed, zeros, scales, group=w.group)
+    return w4a16_matmul(x, packed, zeros, scales, group=w.group, config=kernel_config(w, x.shape[0]),
                         interpret=w.impl == "pallas_interpret")
 
 

@@ -23,6 +23,7 @@ from jengine.attention.backend import AttentionBackend
 from jengine.attention.metadata import AttentionMetadata
 from jengine.attention.reference import KVCache
 from jengine.layers.attention import self_attention
+from jengine.layers.invariant import InvariantWeight, invariant_matmul
 from jengine.layers.linear import Precision
 from jengine.layers.lora import LayerLora, LoraRows, slot_one_hot
 from jengine.layers.mlp import gated_mlp, moe_mlp, moe_mlp_expert_parallel
@@ -126,6 +127,9 @@ def _num_lora_slots(params: Params) -> int:
 
 def compute_logits(spec: ModelSpec, params: Params, hidden: Float[Array, "n d"]) -> Float[Array, "n vocab"]:
     """Logits in float32 at the given rows only (the positions that sample); tied models reuse the embedding."""
-    head = params["embed"] if spec.tie_word_embeddings else params["lm_head"]
+    head = params.get("lm_head")
+    if isinstance(head, InvariantWeight):  # `--deterministic` (tied models' too: it wraps the embedding)
+        return invariant_matmul(hidden, head, matmul_precision(head.dtype), out_dtype=jnp.float32)
+    head = params["embed"] if spec.tie_word_embeddings else head
     precision = matmul_precision(head.dtype)
     return jnp.einsum("nd,vd->nv", hidden, head, precision=precision, preferred_element_type=jnp.float32)

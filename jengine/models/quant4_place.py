@@ -3,9 +3,10 @@
 The loader asks `why_dequantized` per dense projection leaf: None means it is repacked into the W4A16 kernel's
 layout (`read_int4` → `place_int4`), a sentence means the leaf stays on the float path (the reader dequantizes it)
 and the log says why: groups that are not a multiple of 128 (the kernel walks K one group per step of 16·8 rows),
-8-bit GPTQ, column counts no power-of-two strip divides, fused parts in different activation orders, tensor
-parallelism (the packed leaves are not split across devices yet) and expert stacks (the grouped-matmul kernels
-take float or 8-bit experts).
+8-bit GPTQ, column counts no power-of-two strip divides, fused parts in different activation orders, expert
+stacks (the grouped-matmul kernels take float or 8-bit experts), and under tensor parallelism the splits the kernel
+cannot run per device: column-parallel leaves (q/k/v, gate/up) need whole 16-column strips on each device, and
+row-parallel ones (o, down) whole groups. Split leaves run the kernel under `shard_map` (`layers/quant4.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import logging
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jengine.layers.quant4 import PACK, Int4Weight, fits_kernel
 from jengine.models.quant4 import Unpacked
@@ -23,6 +25,7 @@ from jengine.models.weights import FusedSource, LeafSource, Source
 
 logger = logging.getLogger("jengine.models.quant4_load")  # one logger for the 4-bit loading messages
 PACKED_LEAVES = ("wqkv", "wo", "w_gate_up", "w_down")
+ROW_PARALLEL = ("wo", "w_down")  # the rest split their output columns (parallel/sharding.py)
 KERNEL_GROUP = 128
 
 
@@ -49,18 +52,23 @@ def _group(unpacked: Unpacked) -> int:
     return k // groups if k % groups == 0 else 0
 
 
-def why_dequantized(reader: Quant4Reader, leaf: Source, shards: int) -> str | None:
-    """None when the leaf can run packed through the W4A16 kernel, else the reason it is dequantized."""
+def why_dequantized(reader: Quant4Reader, leaf: Source, shards: int, name: str = "") -> str | None:
+    """None when the leaf (named `name`, e.g. `wo`) can run packed through the W4A16 kernel on each of `shards`
+    devices, else the reason it is dequantized."""
     if any(p.names.ndim for p in _parts(leaf)):
         return "expert stacks (the MoE kernels take float or 8-bit experts)"
     if reader.quant.bits != 4:
         return f"{reader.quant.bits}-bit weights (the W4A16 kernel takes 4)"
-    if shards > 1 or any(p.head_repeat > 1 for p in _parts(leaf)):
-        return "tensor parallelism (4-bit leaves are not split across devices yet)"
     rows = [reader.group_rows(_module(p)) for p in _parts(leaf)]
     groups = {len(g_idx) // count if len(g_idx) % count == 0 else 0 for g_idx, count in rows}
     if len(groups) != 1 or (group := groups.pop()) % KERNEL_GROUP or group == 0:
         return f"group size {sorted(groups | {group})} (the W4A16 kernel takes multiples of {KERNEL_GROUP})"
+    k, n = leaf.shape[-2:]
+    if shards > 1 and name in ROW_PARALLEL and k % (shards * group):
+        return (f"tensor parallelism: {k} input features over {shards} devices is not whole groups of {group} "
+                "on each")
+    if shards > 1 and name not in ROW_PARALLEL and (n % shards or not fits_kernel(n // shards)):
+        return f"tensor parallelism: {n} output features over {shards} devices is not a multiple of 16 on each"
     if any(np.any(np.bincount(g_idx, minlength=count) != group) for g_idx, count in rows):
         return "groups of unequal sizes"
     perms = [sorted_order(g_idx) for g_idx, _ in rows]
@@ -87,11 +95,12 @@ def _pack_rows(values: np.ndarray) -> np.ndarray:
 
 def read_int4(reader: Quant4Reader, leaf: Source) -> HostInt4:
     """The leaf's parts unpacked, rows sorted by group once, repacked and fused along the columns."""
-    unpacked = [reader.unpacked(_module(p)) for p in _parts(leaf)]
+    parts = _parts(leaf)
+    unpacked = [reader.unpacked(_module(p)) for p in parts]
     perm = unpacked[0].perm
-    values = [u.values if perm is None else u.values[perm] for u in unpacked]
-    zeros = [u.zeros.astype(np.float16) for u in unpacked]
-    scales = [u.scales for u in unpacked]
+    values = [_repeat_heads(u.values if perm is None else u.values[perm], p) for u, p in zip(unpacked, parts)]
+    zeros = [_repeat_heads(u.zeros.astype(np.float16), p) for u, p in zip(unpacked, parts)]
+    scales = [_repeat_heads(u.scales, p) for u, p in zip(unpacked, parts)]
 
     def fuse(arrays: list[np.ndarray]) -> np.ndarray:
         return leaf.fuse(arrays) if isinstance(leaf, FusedSource) else arrays[0]
@@ -103,16 +112,37 @@ def read_int4(reader: Quant4Reader, leaf: Source) -> HostInt4:
                     None if perm is None else perm.astype(np.int32), _group(unpacked[0]))
 
 
+def _repeat_heads(array: np.ndarray, part: LeafSource) -> np.ndarray:
+    """A K/V part's columns with each head repeated, as `LeafSource.from_checkpoint` repeats a float weight's."""
+    if part.head_repeat == 1:
+        return array
+    heads = array.reshape(array.shape[0], -1, part.head_dim)
+    return np.repeat(heads, part.head_repeat, axis=1).reshape(array.shape[0], -1)
+
+
 def place_int4(host: HostInt4, path: str, sharding_for, impl: str) -> Int4Weight:
-    """On the devices (one device, or replicated: tensor parallelism keeps the float path)."""
-    def put(array: np.ndarray | None, name: str) -> jax.Array | None:
+    """On the devices, where the layout puts the float leaf's rows or columns; the row order `perm` replicated
+    (the activations are gathered by it before any split)."""
+    packed_sharding = sharding_for(path + ".packed", host.packed.shape)
+
+    def put(array: np.ndarray | None, sharding) -> jax.Array | None:
         if array is None:
             return None
-        sharding = sharding_for(path + name, array.shape)
         return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
-    return Int4Weight(put(host.packed, ".packed"), put(host.zeros, ".zeros"), put(host.scales, ".scales"),
-                      put(host.perm, ".perm"), host.group, impl)
+    mesh, split = _split_of(packed_sharding)
+    return Int4Weight(put(host.packed, packed_sharding), put(host.zeros, sharding_for(path + ".zeros", host.zeros.shape)),
+                      put(host.scales, sharding_for(path + ".scales", host.scales.shape)),
+                      put(host.perm, NamedSharding(mesh, P()) if mesh else packed_sharding), host.group, impl,
+                      mesh=mesh if split else None, split=split)
+
+
+def _split_of(sharding) -> tuple:
+    """(mesh, "rows" | "columns" | None) of a packed `[K / 8, N]` leaf's sharding."""
+    if not isinstance(sharding, NamedSharding):
+        return None, None
+    spec = tuple(sharding.spec) + (None, None)
+    return sharding.mesh, "rows" if spec[0] is not None else "columns" if spec[1] is not None else None
 
 
 def log_packing(reader: Quant4Reader, packed: int, reasons: dict[str, int]) -> None:
@@ -137,7 +167,7 @@ def int4_plans(reader: Quant4Reader, flat_sources: list[tuple[str, Source]], sha
         if path.rsplit("['", 1)[-1].rstrip("']") not in PACKED_LEAVES and not _is_expert_projection(path):
             continue
         modules = sum(int(np.prod(p.names.shape)) for p in _parts(leaf))
-        reason = why_dequantized(reader, leaf, shards)
+        reason = why_dequantized(reader, leaf, shards, path.rsplit("['", 1)[-1].rstrip("']"))
         if reason is None:
             plans[path] = ("int4", None, int4_impl(platform))
             packed += modules

@@ -9,6 +9,7 @@ device math with float8 activations 8e-2 (3 mantissa bits, per-token or per-128-
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 
 import jax
@@ -98,6 +99,28 @@ def test_the_decode_kernel_lowers_for_h200(weight_dtype):
     text = lower_for_h200(few_token_matmul, S((1, 4096), jnp.bfloat16), S((6144, 4096), weight_dtype),
                           S((6144,), jnp.float32))
     assert text.count("__gpu$xla.gpu.triton") == 1
+    split = lower_for_h200(functools.partial(few_token_matmul, block_n=128, block_k=128, k_splits=4),
+                           S((16, 14336), jnp.bfloat16), S((4096, 14336), weight_dtype), S((4096,), jnp.float32))
+    assert split.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("k_splits", [2, 3, 64])
+def test_the_decode_kernel_split_over_k_matches_float64(rows, k_splits):
+    """K split across programs (float32 partial sums added afterwards), with a K that leaves the last split short
+    and more splits asked than K has steps: the same product as the unsplit math."""
+    from pallas_kernels.quant_matmul import few_token_matmul
+
+    rng = np.random.default_rng(zlib.crc32(f"split{rows}{k_splits}".encode()))
+    k, n = 200, 48  # 7 steps of 32 with a ragged last one; 3 splits are 3 + 3 + 1 steps, 64 become 7 of one
+    w = rng.integers(-127, 128, (n, k)).astype(np.int8)
+    scale = rng.uniform(0.5, 2.0, n).astype(np.float32) / 100
+    x = rng.normal(0, 1, (rows, k)).astype(np.float32)
+    ours = np.asarray(few_token_matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(scale), block_n=16, block_k=32,
+                                       k_splits=k_splits, interpret=True))
+    ref = (x.astype(np.float64) @ w.astype(np.float64).T) * scale
+    assert ours.shape == (rows, n)
+    assert np.abs(ours - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
 @pytest.mark.parametrize("tokens", [1, 8, GROUPED_MAX_TOKENS + 9])
@@ -116,3 +139,17 @@ def test_emulated_reference_rounds_activations_as_the_device_math(name, tokens):
     scale = np.abs(exact).max()
     assert np.abs(device - emulated).max() <= 1e-4 * scale
     assert np.abs(device - exact).max() > 1e-3 * scale  # the activations' rounding is there, and emulated has it
+
+
+@pytest.mark.parametrize("tokens", [1, GROUPED_MAX_TOKENS + 9])
+@pytest.mark.parametrize("name", ["fp8-channel", "fp8-block"])
+def test_bfloat16_activations_through_the_fp8_gemm(name, tokens):
+    """bfloat16 activations (what serving runs): the FP8 GEMM's bfloat16 output, scaled afterwards, keeps the
+    float8 error bound (`TOL`) against float64 on the same bfloat16 inputs."""
+    rng = np.random.default_rng(zlib.crc32(f"bf16{name}{tokens}".encode()))
+    k, n = 80, 72
+    q, real = random_quantized(rng, dataclass_replace(SCHEMES[name], impl="xla"), k, n)
+    x = jnp.asarray(rng.normal(0, 1, (tokens, k)).astype(np.float32)).astype(jnp.bfloat16)
+    ours = np.asarray(jax.jit(linear)(x, q).astype(jnp.float32))
+    ref = np.asarray(x.astype(jnp.float32), np.float64) @ real
+    assert ours.dtype == np.float32 and np.abs(ours - ref).max() <= TOL["fp8"] * np.abs(ref).max()

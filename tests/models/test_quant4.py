@@ -155,14 +155,47 @@ def test_groups_the_kernel_cannot_take_are_dequantized_with_a_reason(build_check
     assert not isinstance(params["layers"][0]["wqkv"], Int4Weight)
 
 
-def test_tensor_parallel_layouts_dequantize_with_a_reason(build_checkpoint, caplog):
-    """Packed leaves are not split across devices: a tensor-parallel layout reads them as float, and says so."""
+def test_tensor_parallel_splits_that_break_groups_dequantize_with_a_reason(build_checkpoint, caplog):
+    """Over 2 devices o_proj's 128 input features are half a group each: it reads as float, and the log says so;
+    the projections that split whole stay packed."""
     model_dir, _ = build_checkpoint(LlamaConfig(**KERNEL_SHAPED))
     quantize_checkpoint(model_dir, "awq", group=128)
     with caplog.at_level(logging.INFO, logger="jengine.models.quant4_load"):
         _, params, _ = load_model(model_dir, dtype="float32", progress=False, projection_shards=2)
-    assert "21 projections unpacked and dequantized at load" in caplog.text and "why: tensor parallelism" in caplog.text
-    assert not any(isinstance(params["layers"][0][name], Int4Weight) for name in PACKED)
+    assert "18 projections kept in 4 bits" in caplog.text
+    assert ("3 projections unpacked and dequantized at load" in caplog.text
+            and "why: tensor parallelism: 128 input features over 2 devices is not whole groups of 128" in caplog.text)
+    layer = params["layers"][0]
+    assert not isinstance(layer["wo"], Int4Weight)
+    assert all(isinstance(layer[name], Int4Weight) for name in ("wqkv", "w_gate_up", "w_down"))
+
+
+TP_SHAPED = COMMON | dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
+                          head_dim=64)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_packed_weights_split_over_devices_serve_as_the_dequantized_model(build_checkpoint, tiny_tokenizer_dir, tp):
+    """Tensor parallelism keeps every projection in 4 bits, each device holding its columns (q/k/v, gate/up) or its
+    whole groups of rows (o, down; GPTQ's activation order included), and serves the float32 dequantized
+    checkpoint's greedy tokens on one device, logprobs within 1e-4. At 4 devices the 2 KV heads are repeated."""
+    from tests.parallel.test_tensor_parallel import generate
+
+    model_dir, _ = build_checkpoint(LlamaConfig(**TP_SHAPED), tokenizer_dir=tiny_tokenizer_dir)
+    quantize_checkpoint(model_dir, "gptq", group=128, symmetric=False, desc_act=True)
+    want_tokens, want_logprobs, llm = generate(model_dir.with_name(model_dir.name + "-dequantized"), PROMPTS,
+                                               tokenizer=str(model_dir))
+    llm.shutdown()
+    tokens, logprobs, llm = generate(model_dir, PROMPTS, tensor_parallel_size=tp)
+    layer = llm._core.runner.params["layers"][0]
+    llm.shutdown()
+    assert tokens == want_tokens
+    assert np.abs(logprobs - want_logprobs).max() <= 1e-4
+    for name, split in (("wqkv", "columns"), ("wo", "rows"), ("w_gate_up", "columns"), ("w_down", "rows")):
+        w = layer[name]
+        assert isinstance(w, Int4Weight) and w.split == split
+        axis = 0 if split == "rows" else 1
+        assert w.packed.addressable_shards[0].data.shape[axis] * tp == w.packed.shape[axis]
 
 
 def test_the_engine_serves_packed_weights_as_the_dequantized_model(build_checkpoint, tiny_tokenizer_dir):
