@@ -8,9 +8,10 @@ thread goes on preparing the next step and the device computes the forward (the 
 asks for them just before it launches the sampler.
 
 A step's fill is one native call spread over llguidance's thread pool, and so is its one-token advance of every
-matcher (`MaskFiller.advance`) where the pool has a few threads. The advance stays on the core thread on purpose: Python work moved
-to the mask thread would run under the same GIL (the core thread would wait for it, or the mask thread for the core
-thread, up to the interpreter's switch interval: 5 ms), so only the GIL-free fill runs beside the core thread.
+matcher (`MaskFiller.advance`) where the pool has a few threads. The advance stays on the core thread on purpose:
+Python work moved to the mask thread would run under the same GIL (the core thread would wait for it, or the mask
+thread for the core thread, up to the interpreter's switch interval: 5 ms), so only the GIL-free fill runs beside the
+core thread.
 """
 
 from __future__ import annotations
@@ -83,20 +84,27 @@ def _check_consumed(request: Any, consumed: bool) -> None:
                        matcher.get_error()[:200])
 
 
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (all of the machine's where the platform cannot say)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 class MaskFiller:
     """Fills the bitmask rows of constrained requests; one per engine core (owns the llguidance thread pool)."""
 
     def __init__(self) -> None:
         self._executor: Any = None
-        self._threads = min(32, max(1, int(0.8 * len(os.sched_getaffinity(0)))))  # llguidance's own default
+        self._threads = min(32, max(1, int(0.8 * _usable_cpus())))  # llguidance's own default
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None  # runs `fill` beside the core thread
 
     def advance(self, updates: Sequence[tuple[Any, Sequence[int]]]) -> None:
         """Feed each (request, newly accepted tokens) of a step to the request's matcher: with a pool of
         PARALLEL_ADVANCE_THREADS threads or more, the rows that consume one token (every decode) in one call of
-        llguidance's pool, which releases the GIL, instead of a Python loop of native calls; the others one by one. A rejected token leaves the matcher in its error
-        state, which then allows only EOS: the output ends instead of going on unconstrained. Tokens of a reasoning
-        span before the grammar applies are not fed."""
+        llguidance's pool, which releases the GIL, instead of a Python loop of native calls; the others one by one.
+        A rejected token leaves the matcher in its error state, which then allows only EOS: the output ends instead
+        of going on unconstrained. Tokens of a reasoning span before the grammar applies are not fed."""
         single: list[tuple[Any, int]] = []
         owners: list[Any] = []
         parallel = self._threads >= PARALLEL_ADVANCE_THREADS
