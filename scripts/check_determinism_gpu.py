@@ -11,6 +11,7 @@ made on the device, or the Qwen3-30B-A3B shape with `--moe`.
 
     PYTHONPATH=. python scripts/check_determinism_gpu.py --out $OUT --git-sha <sha> [--layers 8] [--moe]
     PYTHONPATH=. python scripts/check_determinism_gpu.py --tiny --out /tmp/det     # CPU: the script's paths only
+`--parts ways` or `--parts cost` splits it over two calls (each merges into the day's file).
 
 Keys (`<date>-determinism.json`): `ratios.gpu_bitwise_identical_fraction` (deterministic, over requests × ways),
 `ratios.fast_bitwise_identical_fraction` (the default engine, for comparison), `ratios.deterministic_throughput_vs_fast`,
@@ -116,38 +117,48 @@ def ways(path: Path, deterministic: bool, args, requests, neighbours) -> dict[st
     return fractions, tokens
 
 
-def throughput(path: Path, deterministic: bool, args) -> float:
+def throughput(llm, args) -> float:
     """Output tokens/s of the sharegpt-like mixed workload (as `jengine bench throughput`)."""
     from jengine import SamplingParams
     from jengine.bench.datasets import sharegpt_like_dataset
 
-    with engine(path, deterministic, args, compile_buckets="auto") as llm:
-        requests = sharegpt_like_dataset(np.arange(3, 500), args.mixed, 256, 128, seed=0, max_total_len=1024)
-        batch = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-        params = [SamplingParams(max_tokens=r.expected_output_len, ignore_eos=True, temperature=1.0, seed=i)
-                  for i, r in enumerate(requests)]
-        llm.generate(batch[:32], params[:32], use_tqdm=False)  # warm-up
-        start = time.perf_counter()
-        outputs = llm.generate(batch, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
+    requests = sharegpt_like_dataset(np.arange(3, 500), args.mixed, 256, 128, seed=0, max_total_len=1024)
+    batch = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    params = [SamplingParams(max_tokens=r.expected_output_len, ignore_eos=True, temperature=1.0, seed=i)
+              for i, r in enumerate(requests)]
+    llm.generate(batch[:32], params[:32], use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(batch, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
     return sum(len(o.outputs[0].token_ids) for o in outputs) / seconds
 
 
-def decode_step_ms(path: Path, deterministic: bool, args, batch: int) -> float:
+def decode_step_ms(llm, args, batch: int) -> float:
     """A decode step's time at `batch` requests: the difference of two runs' times ÷ the extra steps."""
     rng = np.random.default_rng(batch)
     requests = prompts(rng, batch, 500, 128, 129)
-    with engine(path, deterministic, args, enable_prefix_caching=False) as llm:  # each run the same shapes
-        timings = []
-        for tokens in (8, 8 + args.step_tokens):
-            outputs_of(llm, requests, tokens)  # compiles this run's shapes
-            runs = []
-            for _ in range(3):  # the fastest of three: host noise only ever adds
-                start = time.perf_counter()
-                outputs_of(llm, requests, tokens)
-                runs.append(time.perf_counter() - start)
-            timings.append(min(runs))
+    timings = []
+    for tokens in (8, 8 + args.step_tokens):
+        outputs_of(llm, requests, tokens)  # compiles this run's shapes
+        runs = []
+        for _ in range(3):  # the fastest of three: host noise only ever adds
+            start = time.perf_counter()
+            outputs_of(llm, requests, tokens)
+            runs.append(time.perf_counter() - start)
+        timings.append(min(runs))
     return 1000 * (timings[1] - timings[0]) / args.step_tokens
+
+
+def cost(path: Path, deterministic: bool, args, name: str) -> dict[str, float]:
+    """Decode steps at batch 1 and 64 and the mixed workload, on one engine with every bucket compiled first and
+    no prefix cache (each timed run the same shapes)."""
+    compile_buckets = "lazy" if args.tiny else "all"  # every CPU bucket compiled would take minutes
+    with engine(path, deterministic, args, compile_buckets=compile_buckets, enable_prefix_caching=False) as llm:
+        out = {f"decode_b{batch}_{name}_ms": decode_step_ms(llm, args, batch) for batch in (1, 64)}
+        if args.mixed:
+            out[f"mixed_tokens_per_s_{name}"] = throughput(llm, args)
+    log(out)
+    return out
 
 
 def main() -> None:
@@ -162,6 +173,7 @@ def main() -> None:
     parser.add_argument("--mixed", type=int, default=1000, help="requests of the throughput workload (0: skip)")
     parser.add_argument("--step-tokens", type=int, default=64)
     parser.add_argument("--workdir", default="/tmp/jengine-determinism")
+    parser.add_argument("--parts", default="ways,cost", help="ways (the bitwise checks), cost (the timings)")
     args = parser.parse_args()
     if args.tiny:
         args.requests, args.mixed, args.max_tokens, args.step_tokens = 6, 24, 8, 8
@@ -173,24 +185,24 @@ def main() -> None:
     neighbours = prompts(rng, 3 * args.requests, vocab, 1, high)
     metrics: dict[str, Any] = {"layers": args.layers, "requests": args.requests, "max_tokens": args.max_tokens}
     ratios: dict[str, float] = {}
-    for deterministic, name in ((True, "gpu"), (False, "fast")):
-        fractions, tokens = ways(path, deterministic, args, requests, neighbours)
-        metrics[f"{name}_identical_by_way"], metrics[f"{name}_tokens_identical_by_way"] = fractions, tokens
-        ratios[f"{name}_bitwise_identical_fraction"] = float(np.mean(list(fractions.values())))
-    for deterministic, name in ((False, "fast"), (True, "deterministic")):
-        for batch in (1, 64):
-            metrics[f"decode_b{batch}_{name}_ms"] = decode_step_ms(path, deterministic, args, batch)
+    if "ways" in args.parts:
+        for deterministic, name in ((True, "gpu"), (False, "fast")):
+            fractions, tokens = ways(path, deterministic, args, requests, neighbours)
+            metrics[f"{name}_identical_by_way"], metrics[f"{name}_tokens_identical_by_way"] = fractions, tokens
+            ratios[f"{name}_bitwise_identical_fraction"] = float(np.mean(list(fractions.values())))
+    if "cost" in args.parts:
+        for deterministic, name in ((False, "fast"), (True, "deterministic")):
+            metrics |= cost(path, deterministic, args, name)
         if args.mixed:
-            metrics[f"mixed_tokens_per_s_{name}"] = throughput(path, deterministic, args)
-        log({k: v for k, v in metrics.items() if name in k})
-    if args.mixed:
-        ratios["deterministic_throughput_vs_fast"] = (metrics["mixed_tokens_per_s_deterministic"]
-                                                      / metrics["mixed_tokens_per_s_fast"])
+            ratios["deterministic_throughput_vs_fast"] = (metrics["mixed_tokens_per_s_deterministic"]
+                                                          / metrics["mixed_tokens_per_s_fast"])
     record = common.result_record("determinism", args.git_sha, common.jax_device_name(), common.versions(),
                                   " ".join(["python", *sys.argv]), metrics, ratios,
                                   shape="Qwen3-30B-A3B" if args.moe else "tiny" if args.tiny else "Llama-3.1-8B layers")
     out = Path(args.out) / f"{time.strftime('%Y-%m-%d')}-determinism{'-cpu' if args.tiny else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    if out.exists():  # another part's call at the same commit
+        record = common.merge_records(common.read_record(out), record)
     common.write_record(out, record)
     common.print_tables(record)
 
