@@ -76,10 +76,17 @@ def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
     return requested
 
 
+COMPILATION_CACHE_MAX_BYTES = 64 << 30
+
+
 def enable_compilation_cache(cache_dir: str | None) -> None:
     if cache_dir:
         jax.config.update("jax_compilation_cache_dir", cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        if jax.config.jax_compilation_cache_max_size == -1:
+            # Replicas and processes sharing a cache directory: unlimited, JAX writes entries unlocked and a
+            # process can read one half-written; a size limit makes every read and write hold the cache's file lock
+            jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_MAX_BYTES)
 
 
 def check_tokenizer(tokenizer_dir: str, load_format: str) -> None:
