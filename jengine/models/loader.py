@@ -30,7 +30,7 @@ from jengine.models.quant_load import QUANTIZED_LEAVES, dequantized_float, leaf_
 from jengine.models.registry import spec_from_hf_config
 from jengine.models.spec import ModelSpec
 from jengine.models.weights import (
-    EMBEDDING, KV_SCALE_TEMPLATES, LM_HEAD, FusedSource, LeafSource, Source, is_source, kv_scale_names,
+    EMBEDDING, KV_SCALE_TEMPLATES, LM_HEAD, FusedSource, LeafSource, Source, is_source, kv_scale_names, leaf_name,
     parameter_sources)
 from jengine.progress import progress_bar
 
@@ -208,7 +208,7 @@ def _quant_plans(reader: CheckpointReader, sources: dict, quant: QuantConfig | N
         return {}
     plans = {}
     for path, leaf in _flat_sources(sources):
-        name = path.rsplit("['", 1)[-1].rstrip("']")
+        name = leaf_name(path)
         if name in QUANTIZED_LEAVES:
             how = leaf_quant(quant, reader, leaf)
             if how is not None:

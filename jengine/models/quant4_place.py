@@ -21,10 +21,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jengine.layers.quant4 import PACK, Int4Weight, fits_kernel
 from jengine.models.quant4 import Unpacked
 from jengine.models.quant4_load import Quant4Reader
-from jengine.models.weights import FusedSource, LeafSource, Source
+from jengine.models.weights import FusedSource, LeafSource, Source, leaf_name
 
 logger = logging.getLogger("jengine.models.quant4_load")  # one logger for the 4-bit loading messages
 PACKED_LEAVES = ("wqkv", "wo", "w_gate_up", "w_down")
+EXPERT_LEAVES = ("we_gate", "we_up", "we_down")  # counted in the log too (they stay float)
 ROW_PARALLEL = ("wo", "w_down")  # the rest split their output columns (parallel/sharding.py)
 KERNEL_GROUP = 128
 
@@ -131,7 +132,8 @@ def place_int4(host: HostInt4, path: str, sharding_for, impl: str) -> Int4Weight
         return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
     mesh, split = _split_of(packed_sharding)
-    return Int4Weight(put(host.packed, packed_sharding), put(host.zeros, sharding_for(path + ".zeros", host.zeros.shape)),
+    return Int4Weight(put(host.packed, packed_sharding),
+                      put(host.zeros, sharding_for(path + ".zeros", host.zeros.shape)),
                       put(host.scales, sharding_for(path + ".scales", host.scales.shape)),
                       put(host.perm, NamedSharding(mesh, P()) if mesh else packed_sharding), host.group, impl,
                       mesh=mesh if split else None, split=split)
@@ -164,10 +166,11 @@ def int4_plans(reader: Quant4Reader, flat_sources: list[tuple[str, Source]], sha
     """Leaf path → ("int4", None, impl) for the projections kept packed; the rest read as float. Logs the split."""
     plans, packed, reasons = {}, 0, {}
     for path, leaf in flat_sources:
-        if path.rsplit("['", 1)[-1].rstrip("']") not in PACKED_LEAVES and not _is_expert_projection(path):
+        name = leaf_name(path)
+        if name not in PACKED_LEAVES and name not in EXPERT_LEAVES:
             continue
         modules = sum(int(np.prod(p.names.shape)) for p in _parts(leaf))
-        reason = why_dequantized(reader, leaf, shards, path.rsplit("['", 1)[-1].rstrip("']"))
+        reason = why_dequantized(reader, leaf, shards, name)
         if reason is None:
             plans[path] = ("int4", None, int4_impl(platform))
             packed += modules
@@ -176,6 +179,3 @@ def int4_plans(reader: Quant4Reader, flat_sources: list[tuple[str, Source]], sha
     log_packing(reader, packed, reasons)
     return plans
 
-
-def _is_expert_projection(path: str) -> bool:
-    return path.rsplit("['", 1)[-1].rstrip("']") in ("we_gate", "we_up", "we_down")

@@ -80,6 +80,11 @@ def is_source(x) -> bool:
     return isinstance(x, (LeafSource, FusedSource))
 
 
+def leaf_name(path: str) -> str:
+    """The last key of a source tree path (`['layers'][0]['wo']` → `wo`)."""
+    return path.rsplit("['", 1)[-1].rstrip("']")
+
+
 def _one(layer: int, template: str, shape: tuple[int, ...], transpose: bool) -> LeafSource:
     return LeafSource(np.array(template.format(i=layer), dtype=object), shape, transpose)
 

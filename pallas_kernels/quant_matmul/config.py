@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-H200_SMS = 132
-
 
 @dataclasses.dataclass(frozen=True)
 class FewTokenConfig:
