@@ -174,6 +174,7 @@ def main() -> None:
     parser.add_argument("--step-tokens", type=int, default=64)
     parser.add_argument("--workdir", default="/tmp/jengine-determinism")
     parser.add_argument("--parts", default="ways,cost", help="ways (the bitwise checks), cost (the timings)")
+    parser.add_argument("--modes", default="deterministic,fast", help="the engines the ways part checks")
     args = parser.parse_args()
     if args.tiny:
         args.requests, args.mixed, args.max_tokens, args.step_tokens = 6, 24, 8, 8
@@ -186,7 +187,9 @@ def main() -> None:
     metrics: dict[str, Any] = {"layers": args.layers, "requests": args.requests, "max_tokens": args.max_tokens}
     ratios: dict[str, float] = {}
     if "ways" in args.parts:
-        for deterministic, name in ((True, "gpu"), (False, "fast")):
+        modes = [(d, name) for d, name, mode in ((True, "gpu", "deterministic"), (False, "fast", "fast"))
+                 if mode in args.modes.split(",")]
+        for deterministic, name in modes:
             fractions, tokens = ways(path, deterministic, args, requests, neighbours)
             metrics[f"{name}_identical_by_way"], metrics[f"{name}_tokens_identical_by_way"] = fractions, tokens
             ratios[f"{name}_bitwise_identical_fraction"] = float(np.mean(list(fractions.values())))

@@ -5,6 +5,11 @@ An `InvariantWeight` wraps a float weight the way `QuantizedWeight` wraps an 8-b
 LM head (`models/decoder.py:compute_logits`) dispatch on it. On NVIDIA GPUs it runs `pallas_kernels/invariant_matmul`
 (one tile configuration for every shape, no split-K); on the CPU, where XLA's dot already reduces a row the same way
 whatever the row count (the engine's CPU tests hold it), the plain dot.
+
+Row reductions go the same way: the norms' weights are wrapped as `InvariantNorm` (`layers/norm.py` dispatches on
+it), and the log-softmax of the logprobs and the MoE router's softmax use `invariant_log_softmax`, each on
+`pallas_kernels/invariant_matmul/rows.py` on NVIDIA GPUs (XLA's reduction emitter lays a row out by the whole
+shape: on the H200 a 128k-vocabulary log-softmax at 16 rows rounded differently from the same rows among 64).
 """
 
 from __future__ import annotations
@@ -54,6 +59,52 @@ def invariant_matmul(x: Float[Array, "tokens k"], w: InvariantWeight, precision=
     return kernel(x, w.w, transposed=w.transposed, out_dtype=out_dtype, interpret=w.impl == "pallas_interpret")
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class InvariantNorm:
+    """An RMSNorm weight `[d]` whose statistics are reduced per row in a fixed order."""
+
+    w: Float[Array, " d"]
+    impl: InvariantImpl = dataclasses.field(default="xla", metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.w.shape
+
+    @property
+    def dtype(self):
+        return self.w.dtype
+
+
+def invariant_rms_norm(x: Float[Array, "... d"], weight: InvariantNorm, eps: float) -> Float[Array, "... d"]:
+    from pallas_kernels.invariant_matmul.rows import rms_norm_rows  # Pallas imported only where used
+
+    return rms_norm_rows(x, weight.w, eps=eps, interpret=weight.impl == "pallas_interpret")
+
+
+def invariant_log_softmax(x: Float[Array, "n v"], impl: InvariantImpl) -> Float[Array, "n v"]:
+    """Row-wise log-softmax in float32 (`impl` "xla": XLA's own)."""
+    if impl == "xla":
+        return jax.nn.log_softmax(x.astype(jnp.float32), axis=-1)
+    from pallas_kernels.invariant_matmul.rows import log_softmax_rows
+
+    return log_softmax_rows(x, interpret=impl == "pallas_interpret")
+
+
+def ordered_sum(x: Float[Array, "n k"]) -> Float[Array, " n"]:
+    """Each row's sum over a short last axis, added left to right: the order never depends on the shape."""
+    total = x[:, 0]
+    for j in range(1, x.shape[1]):
+        total = total + x[:, j]
+    return total
+
+
+def row_reduction_impl(params: dict) -> InvariantImpl:
+    """How the model's row reductions run: the LM head's implementation when it is batch-invariant, else XLA's."""
+    head = params.get("lm_head")
+    return head.impl if isinstance(head, InvariantWeight) else "xla"
+
+
 def invariant_impl(platform: str) -> InvariantImpl:
     return "pallas" if platform == "gpu" else "xla"
 
@@ -64,11 +115,15 @@ def make_invariant(params: dict, impl: InvariantImpl, tied: bool) -> dict:
     projections = ("wqkv", "wo", "w_gate_up", "w_down", "router")
 
     def wrap(name: str, leaf):
-        if name in projections and isinstance(leaf, jax.Array) and leaf.ndim == 2 and jnp.issubdtype(leaf.dtype,
-                                                                                                      jnp.floating):
+        if not (isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jnp.floating)):
+            return leaf
+        if name in projections and leaf.ndim == 2:
             return InvariantWeight(leaf, False, impl)
+        if name.endswith("_norm") and leaf.ndim == 1:
+            return InvariantNorm(leaf, impl)
         return leaf
 
     layers = tuple({name: wrap(name, leaf) for name, leaf in layer.items()} for layer in params["layers"])
     head = params["embed"] if tied else params["lm_head"]
-    return {**params, "layers": layers, "lm_head": InvariantWeight(head, True, impl)}
+    return {**params, "layers": layers, "final_norm": wrap("final_norm", params["final_norm"]),
+            "lm_head": InvariantWeight(head, True, impl)}

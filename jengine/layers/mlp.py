@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
+from jengine.layers.invariant import InvariantWeight, invariant_log_softmax, ordered_sum
 from jengine.layers.linear import ACTIVATIONS, Precision, linear, split_fused
 from jengine.layers.lora import LayerLora
 from jengine.layers.quant import QuantizedWeight, column_scales, dequantize
@@ -45,10 +46,11 @@ def route(
 ) -> tuple[Float[Array, "tokens k"], jax.Array]:
     """Top-k experts per token: softmax in float32 over all experts, then (optionally) renormalised over the k."""
     logits = linear(x, router, precision=precision).astype(jnp.float32)
-    probs = jax.nn.softmax(logits, axis=-1)
+    impl = router.impl if isinstance(router, InvariantWeight) else "xla"
+    probs = jnp.exp(invariant_log_softmax(logits, impl)) if impl != "xla" else jax.nn.softmax(logits, axis=-1)
     weights, experts = jax.lax.top_k(probs, moe.num_experts_per_tok)
-    if moe.norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    if moe.norm_topk_prob:  # k adds in one order (an XLA reduction's order may follow the row count)
+        weights = weights / ordered_sum(weights)[:, None]
     return weights.astype(x.dtype), experts
 
 
@@ -80,11 +82,17 @@ class PallasExperts:
     mesh: jax.sharding.Mesh | None = None
 
     def __call__(self, x, w: dict[str, Array], experts, weights, act: str, precision: Precision):
+        """With a batch-invariant router (`--deterministic`), one tile configuration serves every step size, so a
+        token's expert sums never change with the bucket (the decode tiles: their K steps are the fixed order)."""
         from pallas_kernels.grouped_matmul import ExpertWeights, moe_experts  # Pallas imported only where used
+        from pallas_kernels.grouped_matmul.moe import tile_configs
+
+        invariant = isinstance(w.get("router"), InvariantWeight)
+        fixed = tile_configs(0, 1, jnp.dtype(x.dtype).itemsize) if invariant else None
 
         def local(x, experts, weights, gate, up, down, *scales):
             return moe_experts(x, ExpertWeights(gate, up, down, *scales), experts, weights, act=ACTIVATIONS[act],
-                               precision=precision, interpret=self.interpret)
+                               precision=precision, interpret=self.interpret, configs=fixed)
 
         stacks, scales = expert_stacks(w, x.dtype)
         if self.mesh is None or self.mesh.size == 1:

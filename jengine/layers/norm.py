@@ -6,8 +6,15 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from jengine.layers.invariant import InvariantNorm, invariant_rms_norm
+
 
 def rms_norm(x: Float[Array, "... d"], weight: Float[Array, " d"], eps: float) -> Float[Array, "... d"]:
+    """`weight` may be an `InvariantNorm` (`--deterministic`): each row then reduced in an order of its own."""
+    if isinstance(weight, InvariantNorm):
+        if weight.impl != "xla":
+            return invariant_rms_norm(x, weight, eps)
+        weight = weight.w
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return weight * normed.astype(x.dtype)

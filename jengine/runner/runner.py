@@ -19,6 +19,7 @@ import numpy as np
 from jengine.attention.backend import AttentionBackend
 from jengine.attention.kv_cache import KVCache
 from jengine.config import EngineConfig
+from jengine.layers.invariant import row_reduction_impl
 from jengine.layers.lora import LoraRows
 from jengine.lora.runner_slots import RunnerLora
 from jengine.lora.rows import build_rows
@@ -89,7 +90,8 @@ class ModelRunner:
         self.batch = InputBatch(sched.max_num_seqs, sched.max_model_len, plan.block_size,
                                 plan.num_blocks * plan.block_size, self.buckets, pin_shapes=pin)
         self.backend = backend
-        self.sampling_rows = SamplingRowTable(sched.max_num_seqs, engine_seed=config.model.seed)
+        self.sampling_rows = SamplingRowTable(sched.max_num_seqs, engine_seed=config.model.seed,
+                                              row_reduction=row_reduction_impl(params))
         self.state = StepState(allocate(spec, plan, layout.kv_cache_sharding),
                                jax.device_put(np.zeros(sched.max_num_seqs, np.int32), layout.replicated))
         speculative = config.speculative
@@ -286,7 +288,8 @@ class ModelRunner:
         mask = np.full((shape.seqs, self.mask_words), -1, np.int32) if masked else None
         lora = self._lora_rows(np.zeros(0, np.int32), np.zeros(0, np.int32), len(token_ids))
         return StepBatch(ModelInputs(token_ids, md, logits_rows, None, None, lora=lora),
-                         _padding_sampling(shape, num_sampled), nowhere, mask)
+                         _padding_sampling(shape, num_sampled, self.sampling_rows.row_reduction), nowhere,
+                         mask)
 
     @property
     def step_params(self) -> dict:
@@ -384,9 +387,9 @@ class ModelRunner:
         return result
 
 
-def _padding_sampling(shape: StepShape, num_sampled: int) -> SamplingMetadata:
+def _padding_sampling(shape: StepShape, num_sampled: int, row_reduction: str) -> SamplingMetadata:
     """Sampling metadata of `shape.seqs` rows, the first `num_sampled` of them at temperature 1."""
-    table = SamplingRowTable(1)
+    table = SamplingRowTable(1, row_reduction=row_reduction)
     table.set_row(0, SamplingParams(temperature=1.0), 0, 0, ())
     sampled_rows = np.zeros(num_sampled, np.int64)
     return table.build(sampled_rows, np.zeros(num_sampled, np.int64), None, shape.seqs)

@@ -28,6 +28,7 @@ from jaxtyping import Array, Float, Int
 from jengine.attention.backend import AttentionBackend
 from jengine.attention.kv_cache import KVCache
 from jengine.attention.metadata import AttentionMetadata
+from jengine.layers.invariant import row_reduction_impl
 from jengine.layers.lora import LoraRows
 from jengine.models.decoder import compute_logits, forward_capturing
 from jengine.models.spec import ModelSpec
@@ -121,7 +122,8 @@ def forward_step(model: StepModel, params: dict, state: StepState, inputs: Model
     prompt = None
     if inputs.prompt_rows is not None:
         prompt_logits = compute_logits(model.spec, params, hidden[inputs.prompt_rows])
-        prompt = raw_logprobs(inputs.prompt_targets, prompt_logits, inputs.num_prompt_logprobs)
+        prompt = raw_logprobs(inputs.prompt_targets, prompt_logits, inputs.num_prompt_logprobs,
+                              row_reduction_impl(params))
     return logits, prompt, StepState(kv_cache, state.row_tokens), features
 
 

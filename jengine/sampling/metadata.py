@@ -52,6 +52,8 @@ class SamplingMetadata:
     use_min_p: bool = dataclasses.field(metadata=dict(static=True))  # some sampling row has min_p > 0
     max_top_k: int = dataclasses.field(metadata=dict(static=True))  # candidates for top-k/top-p; 0 = sort all
     max_num_logprobs: int = dataclasses.field(metadata=dict(static=True))  # top-K raw logprobs to return; 0 = none
+    # how the logprobs' log-softmax reduces a row: "xla", or the batch-invariant kernel (`--deterministic`)
+    row_reduction: str = dataclasses.field(default="xla", metadata=dict(static=True))
 
     @property
     def num_rows(self) -> int:
@@ -92,8 +94,10 @@ class SamplingRowTable:
     active `min_tokens` ban or a penalty cost any Python work.
     """
 
-    def __init__(self, max_rows: int, *, engine_seed: int = 0) -> None:
+    def __init__(self, max_rows: int, *, engine_seed: int = 0, row_reduction: str = "xla") -> None:
+        """`row_reduction`: the logprobs' log-softmax implementation (`layers/invariant.py:InvariantImpl`)."""
         self.engine_seed = engine_seed
+        self.row_reduction = row_reduction
         self.params: list[SamplingParams | None] = [None] * max_rows
         self.eos: list[tuple[int, ...]] = [()] * max_rows
         self.temperature = np.zeros(max_rows, np.float32)  # 0 for greedy rows
@@ -179,6 +183,7 @@ class SamplingRowTable:
             use_min_p=bool(np.any(min_p > 0)),
             max_top_k=_max_top_k(top_k, top_p),
             max_num_logprobs=_logprobs_width(self.logprobs[rows]),
+            row_reduction=self.row_reduction,
         )
         return fields, penalised
 

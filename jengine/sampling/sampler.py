@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from jengine.layers.invariant import invariant_log_softmax
 from jengine.sampling.metadata import SamplingMetadata
 
 TOP_P_TOLERANCE = 1e-6  # a prefix whose float32 cumulative probability is within this of top_p counts as reaching it
@@ -42,7 +43,7 @@ def sample(logits: Float[Array, "n vocab"], md: SamplingMetadata) -> SamplerOutp
     token_ids = _choose_tokens(processed, md)
     if md.max_num_logprobs == 0:
         return SamplerOutput(token_ids, None, None, None)
-    return raw_logprobs(token_ids, logits, md.max_num_logprobs)
+    return raw_logprobs(token_ids, logits, md.max_num_logprobs, md.row_reduction)
 
 
 def apply_logits_processors(logits: Float[Array, "n vocab"], md: SamplingMetadata) -> Float[Array, "n vocab"]:
@@ -165,13 +166,14 @@ def _gumbel_noise(md: SamplingMetadata, vocab: int) -> Float[Array, "n vocab"]:
     return jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(row_keys(md))
 
 
-def raw_logprobs(token_ids: Int[Array, " n"], logits: Float[Array, "n vocab"], num_logprobs: int) -> SamplerOutput:
+def raw_logprobs(token_ids: Int[Array, " n"], logits: Float[Array, "n vocab"], num_logprobs: int,
+                 row_reduction: str = "xla") -> SamplerOutput:
     """Log-softmax of the raw logits: the given tokens' values and ranks, then the top-K (vLLM's default logprobs).
 
     The sampler reports its chosen tokens with it; the runner reuses it for prompt logprobs (tokens = the next prompt
-    token of each position). `num_logprobs` is static.
+    token of each position). `num_logprobs` and `row_reduction` (`layers/invariant.py:InvariantImpl`) are static.
     """
-    raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    raw = invariant_log_softmax(logits, row_reduction)
     chosen = jnp.take_along_axis(raw, token_ids[:, None], axis=1)
     top_values, top_ids = jax.lax.top_k(raw, min(num_logprobs, raw.shape[1]))
     rank = jnp.sum(raw > chosen, axis=-1).astype(jnp.int32) + 1

@@ -52,7 +52,7 @@ def verify(logits: Float[Array, "rows vocab"], md: SamplingMetadata, draft_ids: 
     if md.max_num_logprobs == 0:
         return VerifyOutput(candidates, accepted, None)
     emitted = jnp.where(accepted, draft_ids, candidates)
-    return VerifyOutput(candidates, accepted, raw_logprobs(emitted, raw, md.max_num_logprobs))
+    return VerifyOutput(candidates, accepted, raw_logprobs(emitted, raw, md.max_num_logprobs, md.row_reduction))
 
 
 def _rejection_sample(processed: Float[Array, "rows vocab"], md: SamplingMetadata, draft_ids: Int[Array, " rows"],

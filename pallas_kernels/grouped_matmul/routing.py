@@ -63,4 +63,8 @@ def expert_tiles(experts: Int[Array, "tokens k"], weights: Float[Array, "tokens 
 def combine(slot_out: Float[Array, "slots d"], pair_slot: Int[Array, "tokens k"]) -> Float[Array, "tokens d"]:
     """Each token's sum over its k weighted expert outputs (already scaled by the routing weight), in float32."""
     padded = jnp.concatenate([slot_out, jnp.zeros((1, slot_out.shape[1]), slot_out.dtype)])
-    return jnp.sum(padded[pair_slot].astype(jnp.float32), axis=1).astype(slot_out.dtype)
+    gathered = padded[pair_slot].astype(jnp.float32)
+    total = gathered[:, 0]
+    for j in range(1, gathered.shape[1]):  # k adds left to right: an XLA reduction's order may follow the shape
+        total = total + gathered[:, j]
+    return total.astype(slot_out.dtype)

@@ -1,5 +1,6 @@
-"""`deterministic=True` (`--deterministic`): the projections, MoE router and LM head run the batch-invariant matmul
-(`layers/invariant.py`; here the Pallas kernel in interpret mode, as on a GPU), and a request's greedy tokens are
+"""`deterministic=True` (`--deterministic`): the projections, MoE router and LM head run the batch-invariant matmul,
+the norms and log-softmaxes the batch-invariant row reductions (`layers/invariant.py`; here the Pallas kernels in
+interpret mode, as on a GPU), and a request's greedy tokens are
 the same alone, batched and chunked, its logprobs within 1e-5 (the CPU reference attention reduces over the step's
 padded block-table width, so its last bits follow the batch; the GPU check, `scripts/check_determinism_gpu.py`,
 asks for bitwise equality) and the default engine's within 1e-4. Combinations it does not take are refused by
@@ -14,7 +15,7 @@ from transformers import LlamaConfig, Qwen3MoeConfig
 from jengine import LLM, SamplingParams
 from jengine.cli import build_parser, engine_kwargs
 from jengine.errors import ConfigError
-from jengine.layers.invariant import InvariantWeight
+from jengine.layers.invariant import InvariantNorm, InvariantWeight
 from tests.conftest import COMMON, fresh_seed
 
 SEED = fresh_seed()
@@ -54,6 +55,7 @@ def test_deterministic_output_is_the_same_in_every_batch(build_checkpoint, tiny_
     tokens, logprobs, weights = run(model_dir, batch, deterministic=True, max_num_seqs=8)
     layer = weights["layers"][0]
     assert isinstance(weights["lm_head"], InvariantWeight) and isinstance(layer["wqkv"], InvariantWeight)
+    assert isinstance(weights["final_norm"], InvariantNorm) and isinstance(layer["mlp_norm"], InvariantNorm)
     assert any(isinstance(leaf, InvariantWeight) and name == "router" for name, leaf in layer.items()) == (
         "router" in layer)
     for i, prompt in enumerate(batch):

@@ -1,0 +1,131 @@
+"""Where does a request's output come to depend on its batch on the GPU? Each piece of the step checked alone.
+
+Pieces, each as "the first rows alone" against "the same rows at the top of a larger batch", bitwise:
+the batch-invariant matmul (`pallas_kernels/invariant_matmul`) at 16 vs 256 rows, XLA's plain dot the same way (the
+fast engine's projections), RMSNorm, log-softmax over a 128k vocabulary at 16 vs 64 rows; then the whole
+`deterministic=True` engine: `--requests` greedy requests alone against batched with random neighbours, with the first
+generated position at which each one's top-5 logprobs differ (0: the prefill's token). Run it once per XLA flag set
+to compare (e.g. with `XLA_FLAGS=--xla_allow_excess_precision=false`); `--name` keys the results.
+
+    PYTHONPATH=. python scripts/probe_invariance_gpu.py --out $OUT --name default --git-sha <sha>
+    PYTHONPATH=. python scripts/probe_invariance_gpu.py --tiny --out /tmp/probe --name cpu     # CPU: paths only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import check_determinism_gpu as det  # noqa: E402
+from gpu_bench_common import log  # noqa: E402
+
+
+def rows_equal(small, large) -> bool:
+    small, large = np.asarray(small), np.asarray(large)
+    return bool(np.array_equal(small.view(np.uint8), large[: small.shape[0]].view(np.uint8)))
+
+
+def pieces(args) -> dict[str, bool]:
+    import jax
+    import jax.numpy as jnp
+
+    from jengine.layers.norm import rms_norm
+    from pallas_kernels.invariant_matmul import invariant_matmul
+    from pallas_kernels.invariant_matmul.rows import log_softmax_rows, rms_norm_rows
+
+    k, n, vocab = (64, 96, 512) if args.tiny else (4096, 6144, 128256)
+    key = iter(jax.random.split(jax.random.key(0), 8))
+    x = jax.random.normal(next(key), (256, k), jnp.bfloat16)
+    w = (jax.random.normal(next(key), (k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+    head = (jax.random.normal(next(key), (vocab, k), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+    norm_w = jax.random.normal(next(key), (k,), jnp.bfloat16)
+    interpret = args.tiny
+    inv = lambda a: invariant_matmul(a, w, interpret=interpret)  # noqa: E731
+    inv_head = lambda a: invariant_matmul(a, head, transposed=True, out_dtype=jnp.float32,  # noqa: E731
+                                          interpret=interpret)
+    dot = jax.jit(lambda a: jnp.dot(a, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    norm = jax.jit(lambda a: rms_norm(a, norm_w, 1e-5))
+    logits = jax.random.normal(next(key), (64, vocab), jnp.float32) * 4
+    lsm = jax.jit(lambda a: jax.nn.log_softmax(a, axis=-1))
+    inv_norm = jax.jit(lambda a: rms_norm_rows(a, norm_w, eps=1e-5, interpret=interpret))
+    inv_lsm = jax.jit(lambda a: log_softmax_rows(a, interpret=interpret))
+    out = {}
+    for rows in (1, 16, 64):
+        out[f"invariant_matmul_{rows}_vs_256"] = rows_equal(inv(x[:rows]), inv(x))
+        out[f"invariant_head_{rows}_vs_256"] = rows_equal(inv_head(x[:rows]), inv_head(x))
+        out[f"xla_dot_{rows}_vs_256"] = rows_equal(dot(x[:rows]), dot(x))
+        out[f"rms_norm_{rows}_vs_256"] = rows_equal(norm(x[:rows]), norm(x))
+        out[f"log_softmax_{rows}_vs_64"] = rows_equal(lsm(logits[:rows]), lsm(logits))
+        out[f"invariant_rms_norm_{rows}_vs_256"] = rows_equal(inv_norm(x[:rows]), inv_norm(x))
+        out[f"invariant_log_softmax_{rows}_vs_64"] = rows_equal(inv_lsm(logits[:rows]), inv_lsm(logits))
+    log(out)
+    return out
+
+
+def first_difference(alone, batched) -> int | None:
+    """The first generated position whose tokens or top-5 logprobs differ (None: identical)."""
+    tokens_a, top_a = alone
+    tokens_b, top_b = batched
+    width = 2 * (det.TOP + 1)  # (id, logprob) pairs per position, the chosen token's among them at most once more
+    for pos, (ta, tb) in enumerate(zip(tokens_a, tokens_b)):
+        if ta != tb:
+            return pos
+    # positions hold a variable number of pairs (the chosen token may be in the top 5): compare as a whole, then by
+    # prefix length to locate the first difference
+    if np.array_equal(top_a.view(np.uint32), top_b.view(np.uint32)):
+        return None
+    diff = np.nonzero(top_a[: min(len(top_a), len(top_b))].view(np.uint32)
+                      != top_b[: min(len(top_a), len(top_b))].view(np.uint32))[0]
+    return int(diff[0] // width) if len(diff) else len(tokens_a)
+
+
+def engine_check(args) -> dict:
+    path = det.model_dir(args)
+    rng = np.random.default_rng(1)
+    vocab = det.TINY["vocab_size"] if args.tiny else det.LLAMA_8B_LAYERS["vocab_size"]
+    requests = det.prompts(rng, args.requests, vocab, 20, 700)
+    neighbours = det.prompts(rng, args.neighbours, vocab, 20, 700)
+    with det.engine(path, True, args) as llm:
+        alone = [det.outputs_of(llm, [p], args.max_tokens)[0] for p in requests]
+        batched = det.outputs_of(llm, requests + neighbours, args.max_tokens)[: len(requests)]
+        duo = [det.outputs_of(llm, [p, neighbours[0]], args.max_tokens)[0] for p in requests[:4]]
+    first = [first_difference(a, b) for a, b in zip(alone, batched)]
+    first_duo = [first_difference(a, b) for a, b in zip(alone, duo)]
+    out = {"first_difference_batched": first, "first_difference_with_one_neighbour": first_duo,
+           "identical_batched": float(np.mean([f is None for f in first]))}
+    log(out)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--name", required=True, help="key of this run (e.g. the XLA flags it ran under)")
+    parser.add_argument("--git-sha", default="unknown")
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--neighbours", type=int, default=56)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--workdir", default="/tmp/jengine-determinism")
+    parser.add_argument("--skip-engine", action="store_true")
+    args = parser.parse_args()
+    args.moe = False
+    record = {"git_sha": args.git_sha, "xla_flags": os.environ.get("XLA_FLAGS", ""), "pieces": pieces(args)}
+    if not args.skip_engine:
+        record["engine"] = engine_check(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"invariance_probe_{args.name}.json").write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()
