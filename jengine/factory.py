@@ -175,6 +175,8 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
     log_plan(plan, config.scheduler.max_model_len)
     backend = select_backend(device.platform, config.runner.attention_backend, head_dim=spec.head_dim,
                              mesh=layout.mesh)
+    if config.runner.deterministic and hasattr(backend, "invariant"):
+        backend = dataclasses.replace(backend, invariant=True)  # one attention code path for every row
     runner: StepRunner = ModelRunner(spec, params, dtype, config, plan, backend, layout, runner_lora, proposer)
     if parallel.num_processes > 1 and jax.process_index() == 0:  # the workers replay process 0's runner calls
         runner = PublishingRunner(runner, StepPublisher())

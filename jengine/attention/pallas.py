@@ -63,6 +63,8 @@ class PallasGpuBackend:
     # Tensor parallelism: a kernel is per-device code, so on a multi-device mesh it runs under `shard_map`, each
     # device on its own query heads and the KV heads they use (the cache is split by KV head).
     mesh: Mesh | None = None
+    # Batch-invariant mode (`--deterministic`): every request through one attention code path (`single_path`)
+    invariant: bool = False
 
     @property
     def experts(self):
@@ -92,7 +94,7 @@ class PallasGpuBackend:
         out = ragged_paged_attention(
             q, kv, layer, md.query_start_loc, md.seq_lens, md.block_tables, kv_scales=kv_scales, scale=float(scale),
             sliding_window=sliding_window, soft_cap=float(soft_cap) if soft_cap else None,
-            max_query_len=md.max_query_len, interpret=self.interpret,
+            max_query_len=md.max_query_len, interpret=self.interpret, single_path=self.invariant,
         )
         return out, kv_cache
 

@@ -236,10 +236,12 @@ def _merge_call(out, partials, layer_window, qsl, lens, geo, tuning, interpret):
     )(layer_window[1], qsl, lens, *partials, out)
 
 
-def _prefill_tiles(qsl, geo: Geometry, tuning: Tuning):
+def _prefill_tiles(qsl, geo: Geometry, tuning: Tuning, single_path: bool = False):
     """Static-length table of query tiles: (request, first new-token index) per tile, heaviest (latest) tile of a
-    request first; the spare tiles at the end get (num_seqs, first padding token to zero)."""
-    tpt_dec, tpt = tokens_per_tile(geo, tuning.decode), tokens_per_tile(geo, tuning.prefill)
+    request first; the spare tiles at the end get (num_seqs, first padding token to zero). `single_path`: tiles
+    for every request, decodes included (none is left to the decode kernel)."""
+    tpt_dec = 0 if single_path else tokens_per_tile(geo, tuning.decode)
+    tpt = tokens_per_tile(geo, tuning.prefill)
     num_tiles = cdiv(geo.num_tokens, tpt) + min(geo.num_seqs, geo.num_tokens // (tpt_dec + 1))
     q_len = qsl[1:] - qsl[:-1]
     tiles = jnp.where(q_len > tpt_dec, cdiv(q_len, tpt), 0)
@@ -253,9 +255,10 @@ def _prefill_tiles(qsl, geo: Geometry, tuning: Tuning):
     return num_tiles, seq, q0.astype(jnp.int32)
 
 
-def _prefill_call(q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning, scores, interpret):
+def _prefill_call(q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning, scores, interpret,
+                  single_path: bool = False):
     cfg = tuning.prefill
-    num_tiles, tile_seq, tile_q0 = _prefill_tiles(qsl, geo, tuning)
+    num_tiles, tile_seq, tile_q0 = _prefill_tiles(qsl, geo, tuning, single_path)
     kernel = functools.partial(_prefill_kernel, geo=geo, cfg=cfg, scores=scores)
     return pl.pallas_call(
         kernel,
@@ -270,7 +273,7 @@ def _prefill_call(q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning,
 
 def ragged_paged_attention_impl(
     q, kv_cache, layer, query_start_loc, seq_lens, block_tables, *, scale, sliding_window, soft_cap, max_query_len,
-    interpret, tuning: Tuning | None = None, kv_scales: KVScales | None = None,
+    interpret, tuning: Tuning | None = None, kv_scales: KVScales | None = None, single_path: bool = False,
 ):
     """The body of `ragged_paged_attention` with the block sizes as an argument (benchmarks sweep them)."""
     num_tokens, q_heads, head_dim = q.shape
@@ -288,6 +291,8 @@ def ragged_paged_attention_impl(
     qsl, lens, bt = (jnp.asarray(a, jnp.int32) for a in (query_start_loc, seq_lens, block_tables))
     layer_window = _scalars(layer, sliding_window)
     args = (q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning, scores, interpret)
+    if single_path:
+        return _prefill_call(*args, single_path=True)
     partials = _decode_call(*args)
     if max_query_len <= tokens_per_tile(geo, tuning.decode):
         out = jnp.zeros_like(q)  # every request is a decode: no prefill launch
@@ -296,7 +301,7 @@ def ragged_paged_attention_impl(
     return _merge_call(out, partials, layer_window, qsl, lens, geo, tuning, interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "max_query_len", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "max_query_len", "interpret", "single_path"))
 def ragged_paged_attention(
     q: Float[Array, "tokens q_heads head_dim"],
     kv_cache: KVCache,
@@ -311,6 +316,7 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     max_query_len: int,
     interpret: bool = False,
+    single_path: bool = False,
 ) -> Float[Array, "tokens q_heads head_dim"]:
     """Attention of every new token over its own request's cached positions (this step's K/V already written).
 
@@ -320,8 +326,14 @@ def ragged_paged_attention(
     logits; `max_query_len` is the static bound on new tokens per request (a bucket). Rows of padding tokens (after
     `query_start_loc[-1]`) are zeros. Raises `UnsupportedShapeError` for head dims or block sizes the kernel does
     not handle; ValueError for missing or misshaped scales.
+
+    `single_path` (the batch-invariant mode): every request through the prefill kernel, whose row walks its
+    context from position 0 in one program. By default a request with a few new tokens goes to the split-K decode
+    kernel, whose reduction order differs: a prompt whose last chunk is short (a prefix-cache hit, a chunk budget)
+    would then round its logits differently from the same prompt in one piece.
     """
     return ragged_paged_attention_impl(
         q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale=scale, sliding_window=sliding_window,
         soft_cap=soft_cap, max_query_len=max_query_len, interpret=interpret, kv_scales=kv_scales,
+        single_path=single_path,
     )

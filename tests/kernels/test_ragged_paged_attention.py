@@ -7,6 +7,7 @@ every slot no request owns, and padding tokens' queries are NaN — an unwritten
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -190,3 +191,25 @@ def test_unsupported_shapes_raise_a_clear_error(head_dim, block_size):
     with pytest.raises(UnsupportedShapeError, match="head_dim|block_size"):
         kernel.ragged_paged_attention(q, kv, 0, jnp.zeros(2, jnp.int32), i[:1], jnp.zeros((1, 2), jnp.int32),
                                       scale=1.0, max_query_len=1, interpret=True)
+
+
+def _single_path(bucket: Bucket, batch: Batch, max_query_len: int) -> np.ndarray:
+    return np.asarray(kernel.ragged_paged_attention(
+        batch.q, batch.kv_kernel, LAYER, batch.query_start_loc, batch.seq_lens, batch.block_tables,
+        scale=bucket.head_dim ** -0.5, max_query_len=max_query_len, interpret=True, single_path=True), np.float32)
+
+
+def test_single_path_matches_reference_and_a_short_last_chunk_equals_the_whole_prompt():
+    """The batch-invariant mode (`single_path`): decodes and short chunks through the prefill kernel too, so a
+    prompt's last rows are bitwise the same computed in one piece or as a 2-token last chunk (which the default
+    path sends to the split-K decode kernel), and a mixed batch still matches the dense reference."""
+    mixed = build(FIXED, [1, 20, 2, 30], [150, 70, 40, 31], seed=5)
+    out = _single_path(FIXED, mixed, 64)
+    _, ref = run_both(FIXED, mixed, window=0, soft_cap=None, max_query_len=64)
+    assert_close(out, ref, mixed, FIXED.dtype)
+    whole = build(FIXED, [40], [40], seed=6)
+    q = np.full(np.shape(whole.q), np.nan, np.float32)
+    q[:2] = np.asarray(whole.q)[38:40]
+    chunk = dataclasses.replace(whole, q=jnp.asarray(q), num_real_tokens=2, query_start_loc=jnp.asarray(
+        np.concatenate([[0], np.full(FIXED.num_seqs, 2)]).astype(np.int32)))
+    np.testing.assert_array_equal(_single_path(FIXED, chunk, 64)[:2], _single_path(FIXED, whole, 64)[38:40])
