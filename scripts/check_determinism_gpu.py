@@ -174,7 +174,7 @@ def main() -> None:
     parser.add_argument("--step-tokens", type=int, default=64)
     parser.add_argument("--workdir", default="/tmp/jengine-determinism")
     parser.add_argument("--parts", default="ways,cost", help="ways (the bitwise checks), cost (the timings)")
-    parser.add_argument("--modes", default="deterministic,fast", help="the engines the ways part checks")
+    parser.add_argument("--modes", default="deterministic,fast", help="the engines each part runs")
     args = parser.parse_args()
     if args.tiny:
         args.requests, args.mixed, args.max_tokens, args.step_tokens = 6, 24, 8, 8
@@ -195,17 +195,19 @@ def main() -> None:
             ratios[f"{name}_bitwise_identical_fraction"] = float(np.mean(list(fractions.values())))
     if "cost" in args.parts:
         for deterministic, name in ((False, "fast"), (True, "deterministic")):
-            metrics |= cost(path, deterministic, args, name)
-        if args.mixed:
-            ratios["deterministic_throughput_vs_fast"] = (metrics["mixed_tokens_per_s_deterministic"]
-                                                          / metrics["mixed_tokens_per_s_fast"])
+            if name in args.modes.split(","):
+                metrics |= cost(path, deterministic, args, name)
     record = common.result_record("determinism", args.git_sha, common.jax_device_name(), common.versions(),
                                   " ".join(["python", *sys.argv]), metrics, ratios,
                                   shape="Qwen3-30B-A3B" if args.moe else "tiny" if args.tiny else "Llama-3.1-8B layers")
-    out = Path(args.out) / f"{time.strftime('%Y-%m-%d')}-determinism{'-cpu' if args.tiny else ''}.json"
+    shape = "-moe" if args.moe else "-cpu" if args.tiny else ""
+    out = Path(args.out) / f"{time.strftime('%Y-%m-%d')}{shape}-determinism.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.exists():  # another part's call at the same commit
         record = common.merge_records(common.read_record(out), record)
+    both = [record["metrics"].get(f"mixed_tokens_per_s_{name}") for name in ("deterministic", "fast")]
+    if all(both):  # the two engines' throughputs, from this call or an earlier one merged in
+        record["ratios"]["deterministic_throughput_vs_fast"] = both[0] / both[1]
     common.write_record(out, record)
     common.print_tables(record)
 
