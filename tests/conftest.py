@@ -86,3 +86,9 @@ def build_checkpoint(tmp_path_factory) -> Callable:
         return out, model
 
     return build
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from tests.crash_retry import register
+
+    register(config)
