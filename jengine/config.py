@@ -329,7 +329,6 @@ def _deterministic_checks(config: EngineConfig) -> list[tuple[bool, str]]:
         return []
     why = "deterministic=True (batch-invariant matmuls) "
     return [
-        (config.parallel.tensor_parallel_size == 1, why + "runs on one device for now (tensor_parallel_size=1)"),
         (config.speculative is None, why + "does not combine with speculative decoding yet"),
         (not config.lora.enable_lora, why + "does not combine with LoRA adapters yet"),
         (config.model.quantization is None, why + "takes float checkpoints only (quantized matmuls have their own "

@@ -113,9 +113,9 @@ def load_weights(model: ModelConfig, layout: ParallelLayout) -> tuple[ModelSpec,
     return load_model(model.model, quantization=model.quantization, **placement)
 
 
-def deterministic_params(params: dict, spec: ModelSpec) -> dict:
-    """The projections and LM head made batch-invariant (`layers/invariant.py`); a quantized checkpoint (read
-    from its own quantization_config) is refused by name."""
+def deterministic_params(params: dict, spec: ModelSpec, layout: ParallelLayout) -> dict:
+    """The projections and LM head made batch-invariant (`layers/invariant.py`), split over `layout`'s mesh as
+    the weights are; a quantized checkpoint (read from its own quantization_config) is refused by name."""
     from jengine.layers.invariant import invariant_impl, make_invariant
     from jengine.layers.quant import QuantizedWeight
     from jengine.layers.quant4 import Int4Weight
@@ -125,7 +125,7 @@ def deterministic_params(params: dict, spec: ModelSpec) -> dict:
     if quantized:
         raise ConfigError("deterministic=True (batch-invariant matmuls) takes float checkpoints only: this one is "
                           "quantized")
-    return make_invariant(params, invariant_impl(jax.devices()[0].platform), spec.tie_word_embeddings)
+    return make_invariant(params, invariant_impl(jax.devices()[0].platform), spec.tie_word_embeddings, layout)
 
 
 def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = None) -> EngineParts:
@@ -151,7 +151,7 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
         spec, params, dtype = load_weights(config.model, layout)
         tokenizer = pending_tokenizer.result()
     if config.runner.deterministic:
-        params = deterministic_params(params, spec)
+        params = deterministic_params(params, spec, layout)
     draft = head = None
     method = None if config.speculative is None else config.speculative.method
     if method == "draft_model":

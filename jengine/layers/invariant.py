@@ -19,7 +19,10 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array, Float
+
+from jengine.parallel.collectives import ordered_psum
 
 InvariantImpl = Literal["xla", "pallas", "pallas_interpret"]
 
@@ -27,11 +30,14 @@ InvariantImpl = Literal["xla", "pallas", "pallas_interpret"]
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class InvariantWeight:
-    """A float weight `[in, out]` (`transposed`: `[out, in]`, the embedding-shaped LM head)."""
+    """A float weight `[in, out]` (`transposed`: `[out, in]`, the embedding-shaped LM head); under tensor
+    parallelism, `mesh` and the weight's `spec` on it (`parallel/sharding.py`)."""
 
     w: Float[Array, "a b"]
     transposed: bool = dataclasses.field(default=False, metadata=dict(static=True))
     impl: InvariantImpl = dataclasses.field(default="xla", metadata=dict(static=True))
+    mesh: Mesh | None = dataclasses.field(default=None, metadata=dict(static=True))
+    spec: P = dataclasses.field(default=P(), metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -50,13 +56,34 @@ def invariant_matmul(x: Float[Array, "tokens k"], w: InvariantWeight, precision=
                      out_dtype=None) -> Float[Array, "tokens n"]:
     """x @ w in `out_dtype` (x's by default), each row's reduction fixed by the implementation's one tiling."""
     out_dtype = out_dtype or x.dtype
+    if w.mesh is None or w.mesh.size == 1:
+        return _local_matmul(x, w.w, w, precision, out_dtype)
+    return _sharded_matmul(x, w, precision, out_dtype)
+
+
+def _local_matmul(x, weight, w: InvariantWeight, precision, out_dtype):
     if w.impl == "xla":
         dims = (((1,), (1 if w.transposed else 0,)), ((), ()))
-        return jax.lax.dot_general(x, w.w, dims, precision=precision,
+        return jax.lax.dot_general(x, weight, dims, precision=precision,
                                    preferred_element_type=jnp.float32).astype(out_dtype)
     from pallas_kernels.invariant_matmul import invariant_matmul as kernel  # Pallas imported only where used
 
-    return kernel(x, w.w, transposed=w.transposed, out_dtype=out_dtype, interpret=w.impl == "pallas_interpret")
+    return kernel(x, weight, transposed=w.transposed, out_dtype=out_dtype, interpret=w.impl == "pallas_interpret")
+
+
+def _sharded_matmul(x, w: InvariantWeight, precision, out_dtype):
+    """Each device multiplies its slices; split inputs (row-parallel) leave float32 partials added in device
+    order. The output is split as the weight's outputs are (column-parallel, the vocab-parallel LM head)."""
+    spec = tuple(w.spec) + (None,) * (2 - len(w.spec))
+    k_axis, n_axis = (spec[1], spec[0]) if w.transposed else spec
+
+    def local(x, weight):
+        if k_axis is None:
+            return _local_matmul(x, weight, w, precision, out_dtype)
+        return ordered_psum(_local_matmul(x, weight, w, precision, jnp.float32), k_axis).astype(out_dtype)
+
+    return jax.shard_map(local, mesh=w.mesh, in_specs=(P(None, k_axis), P(*spec)), out_specs=P(None, n_axis),
+                         check_vma=False)(x, w.w)
 
 
 @jax.tree_util.register_dataclass
@@ -109,16 +136,22 @@ def invariant_impl(platform: str) -> InvariantImpl:
     return "pallas" if platform == "gpu" else "xla"
 
 
-def make_invariant(params: dict, impl: InvariantImpl, tied: bool) -> dict:
+def make_invariant(params: dict, impl: InvariantImpl, tied: bool, layout=None) -> dict:
     """The model's float projections and LM head wrapped (the arrays themselves untouched). A tied model's LM head
-    is the embedding table: `lm_head` then holds the same array, the embedding lookup still reads `embed`."""
+    is the embedding table: `lm_head` then holds the same array, the embedding lookup still reads `embed`.
+    `layout` (a `parallel/sharding.py:ParallelLayout`): where the weights are split, under tensor parallelism."""
     projections = ("wqkv", "wo", "w_gate_up", "w_down", "router")
+
+    def placement(name: str) -> dict:
+        if layout is None or layout.size == 1:
+            return {}
+        return dict(mesh=layout.mesh, spec=layout.param_spec(f"['{name}']", 2))
 
     def wrap(name: str, leaf):
         if not (isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jnp.floating)):
             return leaf
         if name in projections and leaf.ndim == 2:
-            return InvariantWeight(leaf, False, impl)
+            return InvariantWeight(leaf, False, impl, **placement(name))
         if name.endswith("_norm") and leaf.ndim == 1:
             return InvariantNorm(leaf, impl)
         return leaf
@@ -126,4 +159,4 @@ def make_invariant(params: dict, impl: InvariantImpl, tied: bool) -> dict:
     layers = tuple({name: wrap(name, leaf) for name, leaf in layer.items()} for layer in params["layers"])
     head = params["embed"] if tied else params["lm_head"]
     return {**params, "layers": layers, "final_norm": wrap("final_norm", params["final_norm"]),
-            "lm_head": InvariantWeight(head, True, impl)}
+            "lm_head": InvariantWeight(head, True, impl, **placement("lm_head"))}

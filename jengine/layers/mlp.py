@@ -20,6 +20,7 @@ from jengine.layers.linear import ACTIVATIONS, Precision, linear, split_fused
 from jengine.layers.lora import LayerLora
 from jengine.layers.quant import QuantizedWeight, column_scales, dequantize
 from jengine.models.spec import MoeSpec
+from jengine.parallel.collectives import ordered_psum
 
 
 def gated_mlp(
@@ -100,7 +101,8 @@ class PallasExperts:
         axis = self.mesh.axis_names[0]
         cols, rows = P(None, None, axis), P(None, axis, None)
         scale_specs = (P(None, axis), P(None, axis), P()) if scales else ()
-        partial = jax.shard_map(lambda *a: jax.lax.psum(local(*a), axis), mesh=self.mesh,
+        add = ordered_psum if invariant else jax.lax.psum  # device order, not the collective library's
+        partial = jax.shard_map(lambda *a: add(local(*a), axis), mesh=self.mesh,
                                 in_specs=(P(), P(), P(), cols, cols, rows, *scale_specs), out_specs=P(),
                                 check_vma=False)
         return partial(x, experts, weights, *stacks, *scales)
@@ -138,14 +140,15 @@ def moe_mlp_expert_parallel(
     weights, experts = route(x, w["router"], moe, precision)
     experts = skip_padding(experts, num_tokens)
     split = P(axis)
+    add = ordered_psum if isinstance(w["router"], InvariantWeight) else jax.lax.psum  # `--deterministic`
 
     def local(x, weights, experts, we_gate, we_up, we_down):
         local_expert = experts - jax.lax.axis_index(axis) * we_gate.shape[0]
         if kernels is not None:
             local_w = {"we_gate": we_gate, "we_up": we_up, "we_down": we_down}
             single = dataclasses.replace(kernels, mesh=None)
-            return jax.lax.psum(single(x, local_w, local_expert, weights, act, precision), axis)
-        return jax.lax.psum(_ragged_experts(x, weights, local_expert, (we_gate, we_up, we_down), act, precision), axis)
+            return add(single(x, local_w, local_expert, weights, act, precision), axis)
+        return add(_ragged_experts(x, weights, local_expert, (we_gate, we_up, we_down), act, precision), axis)
 
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), split, split, split), out_specs=P(),
                          check_vma=False)(x, weights, experts, w["we_gate"], w["we_up"], w["we_down"])

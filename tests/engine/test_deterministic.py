@@ -69,7 +69,6 @@ def test_deterministic_output_is_the_same_in_every_batch(build_checkpoint, tiny_
 
 
 @pytest.mark.parametrize("engine_args,named", [
-    (dict(tensor_parallel_size=2), "tensor_parallel_size=1"),
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative decoding"),
     (dict(enable_lora=True), "LoRA"),
     (dict(quantization="fp8"), "float checkpoints"),
