@@ -2,10 +2,15 @@
 
 cuBLAS and XLA pick a GEMM algorithm (tile shape, split-K, stream-K) by the problem's shape, so a token's logits
 change with the number of rows beside it. Here one tile configuration serves every row count: programs of
-`TILE.block_m × TILE.block_n` outputs walk K in steps of `TILE.block_k` from 0 upwards, each step one tensor-core dot
-accumulated into float32, never split across programs. The order of a row's sum — and the instructions computing it,
-since the tile shape is fixed — is then the same whether the row is alone or one of thousands; rows past `m` are
-masked, never computed into the real rows. Ragged K and N edges are zero-masked.
+`TILE.block_m × TILE.block_n` outputs walk K in steps of `TILE.block_k`, each step one tensor-core dot accumulated
+into float32; rows past `m` are masked, never computed into the real rows. Ragged K and N edges are zero-masked.
+
+K is cut into a fixed number of chunks (`k_chunks`), chosen from the weight's shape alone: each chunk is summed
+from zero, and the chunk sums are added in chunk order. A decode step's few rows would leave most SMs idle on a
+narrow weight (the 8B model's o and down projections: 32 column tiles for 132 SMs), so there the chunks run as
+programs of their own, writing float32 partials that are then added in chunk order; a larger step sums its chunks
+one after the other inside each program. The arithmetic is the same either way, instruction for instruction and in
+the same order, so a row's result never depends on which way its step ran.
 
 Triton rules (JAX-PALLAS.md §1.2): power-of-two tiles, ragged edges masked, no scratch.
 """
@@ -39,11 +44,32 @@ def _arange(start, size: int):
     return start + jnp.arange(size, dtype=jnp.int32)
 
 
-def _kernel(x_ref, w_ref, y_ref, *, tile: Tile, transposed: bool):
+TARGET_PROGRAMS = 132  # one wave of an H100/H200's SMs for a decode step's single row tile
+MAX_CHUNKS = 16
+MIN_CHUNK_STEPS = 4  # a chunk of fewer K steps would spend more on its partial than its loads
+SPLIT_MAX_ROWS = 64  # steps of at most this many rows run their chunks as programs (one row tile)
+
+
+def k_chunks(k: int, n: int, tile: Tile = TILE) -> int:
+    """The number of K chunks of a `[k, n]` weight (a power of two): enough that a row tile's column tiles times
+    the chunks fill `TARGET_PROGRAMS`, each chunk at least MIN_CHUNK_STEPS steps. A function of the weight's shape
+    only, so every row count reduces the same way."""
+    column_tiles = pl.cdiv(n, tile.block_n)
+    most = min(MAX_CHUNKS, max(1, k // (MIN_CHUNK_STEPS * tile.block_k)))
+    chunks = 1
+    while column_tiles * chunks < TARGET_PROGRAMS and 2 * chunks <= most:
+        chunks *= 2
+    return chunks
+
+
+def _arange(start, size: int):
+    return start + jnp.arange(size, dtype=jnp.int32)
+
+
+def _chunk_sum(x_ref, w_ref, rows, cols, first_step, end_step, *, tile: Tile, transposed: bool):
+    """The float32 sum over K steps [first_step, end_step) of this program's tile, from zero."""
     m_dim, k_dim = x_ref.shape
     n_dim = w_ref.shape[0] if transposed else w_ref.shape[1]
-    rows = _arange(pl.program_id(0) * tile.block_m, tile.block_m)
-    cols = _arange(pl.program_id(1) * tile.block_n, tile.block_n)
 
     def step(i, acc):
         ks = _arange(i * tile.block_k, tile.block_k)
@@ -57,28 +83,66 @@ def _kernel(x_ref, w_ref, y_ref, *, tile: Tile, transposed: bool):
                           mask=(ks[:, None] < k_dim) & (cols[None, :] < n_dim), other=0)
         return acc + jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
 
-    acc = lax.fori_loop(0, pl.cdiv(k_dim, tile.block_k), step,
-                        jnp.zeros((tile.block_m, tile.block_n), jnp.float32))
-    pltr.store(y_ref.at[rows[:, None], cols[None, :]], acc.astype(y_ref.dtype),
+    return lax.fori_loop(first_step, end_step, step, jnp.zeros((tile.block_m, tile.block_n), jnp.float32))
+
+
+def _tile_indices(tile: Tile):
+    return (_arange(pl.program_id(0) * tile.block_m, tile.block_m),
+            _arange(pl.program_id(1) * tile.block_n, tile.block_n))
+
+
+def _kernel_whole(x_ref, w_ref, y_ref, *, tile: Tile, transposed: bool, chunks: int, chunk_steps: int):
+    """Every chunk of the tile, one after the other; their sums added in chunk order."""
+    rows, cols = _tile_indices(tile)
+    steps = pl.cdiv(x_ref.shape[1], tile.block_k)
+    total = None
+    for chunk in range(chunks):
+        part = _chunk_sum(x_ref, w_ref, rows, cols, min(chunk * chunk_steps, steps),
+                          min((chunk + 1) * chunk_steps, steps), tile=tile, transposed=transposed)
+        total = part if total is None else total + part
+    n_dim = y_ref.shape[1]
+    pltr.store(y_ref.at[rows[:, None], cols[None, :]], total.astype(y_ref.dtype),
+               mask=(rows[:, None] < y_ref.shape[0]) & (cols[None, :] < n_dim))
+
+
+def _kernel_chunk(x_ref, w_ref, partial_ref, *, tile: Tile, transposed: bool, chunk_steps: int):
+    """One chunk of the tile (grid axis 2), its float32 sum stored as that chunk's partial."""
+    rows, cols = _tile_indices(tile)
+    chunk = pl.program_id(2)
+    steps = pl.cdiv(x_ref.shape[1], tile.block_k)
+    part = _chunk_sum(x_ref, w_ref, rows, cols, jnp.minimum(chunk * chunk_steps, steps),
+                      jnp.minimum((chunk + 1) * chunk_steps, steps), tile=tile, transposed=transposed)
+    m_dim, n_dim = partial_ref.shape[1:]
+    pltr.store(partial_ref.at[chunk, rows[:, None], cols[None, :]], part,
                mask=(rows[:, None] < m_dim) & (cols[None, :] < n_dim))
 
 
-@functools.partial(jax.jit, static_argnames=("transposed", "out_dtype", "interpret"))
+@functools.partial(jax.jit, static_argnames=("transposed", "out_dtype", "interpret", "split"))
 def invariant_matmul(
     x: Float[Array, "m k"], w: Float[Array, "k n"] | Float[Array, "n k"], *, transposed: bool = False,
-    out_dtype=None, interpret: bool = False,
+    out_dtype=None, interpret: bool = False, split: bool | None = None,
 ) -> Float[Array, "m n"]:
-    """`x @ w` (`transposed`: `x @ w.T` for w `[n, k]`, the LM head's layout), in `out_dtype` (x's by default)."""
-    m = x.shape[0]
-    n = w.shape[0] if transposed else w.shape[1]
-    kernel = functools.partial(_kernel, tile=TILE, transposed=transposed)
-    return pl.pallas_call(
-        kernel,
-        grid=(pl.cdiv(m, TILE.block_m), pl.cdiv(n, TILE.block_n)),
-        in_specs=[pl.no_block_spec] * 2,
-        out_specs=pl.no_block_spec,
-        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype or x.dtype),
-        compiler_params=pltr.CompilerParams(num_warps=TILE.num_warps, num_stages=TILE.num_stages),
-        interpret=interpret,
-        name="invariant_matmul",
-    )(x, w)
+    """`x @ w` (`transposed`: `x @ w.T` for w `[n, k]`, the LM head's layout), in `out_dtype` (x's by default).
+    `split`: run the K chunks as programs of their own (default: for steps of at most SPLIT_MAX_ROWS rows); the
+    result is the same either way."""
+    (m, k), n = x.shape, w.shape[0] if transposed else w.shape[1]
+    out_dtype = out_dtype or x.dtype
+    chunks = k_chunks(k, n)
+    chunk_steps = pl.cdiv(pl.cdiv(k, TILE.block_k), chunks)
+    if split is None:
+        split = chunks > 1 and m <= SPLIT_MAX_ROWS
+    grid = (pl.cdiv(m, TILE.block_m), pl.cdiv(n, TILE.block_n))
+    params = dict(in_specs=[pl.no_block_spec] * 2, out_specs=pl.no_block_spec, interpret=interpret,
+                  compiler_params=pltr.CompilerParams(num_warps=TILE.num_warps, num_stages=TILE.num_stages))
+    if not split:
+        kernel = functools.partial(_kernel_whole, tile=TILE, transposed=transposed, chunks=chunks,
+                                   chunk_steps=chunk_steps)
+        return pl.pallas_call(kernel, grid=grid, out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+                              name="invariant_matmul", **params)(x, w)
+    kernel = functools.partial(_kernel_chunk, tile=TILE, transposed=transposed, chunk_steps=chunk_steps)
+    partials = pl.pallas_call(kernel, grid=(*grid, chunks), out_shape=jax.ShapeDtypeStruct((chunks, m, n), jnp.float32),
+                              name="invariant_matmul_chunks", **params)(x, w)
+    total = partials[0]
+    for chunk in range(1, chunks):  # chunk order, as the whole-tile kernel adds them (XLA keeps this order)
+        total = total + partials[chunk]
+    return total.astype(out_dtype)
