@@ -5,7 +5,10 @@ the batch-invariant matmul (`pallas_kernels/invariant_matmul`) at 16 vs 256 rows
 fast engine's projections), RMSNorm, log-softmax over a 128k vocabulary at 16 vs 64 rows; then the whole
 `deterministic=True` engine: `--requests` greedy requests alone against batched with random neighbours, with the first
 generated position at which each one's top-5 logprobs differ (0: the prefill's token). Run it once per XLA flag set
-to compare (e.g. with `XLA_FLAGS=--xla_allow_excess_precision=false`); `--name` keys the results.
+to compare (e.g. with `XLA_FLAGS=--xla_allow_excess_precision=false`); `--name` keys the results. `--matmul-cost`
+adds, for each of Llama-3.1-8B's projections and its LM head at 1–4096 rows, the invariant matmul's time beside
+XLA's dot (cuBLAS) and the weight's bytes floor at `--bandwidth` B/s, and whether its K chunks give the same bits
+run as programs and inside each program.
 
     PYTHONPATH=. python scripts/probe_invariance_gpu.py --out $OUT --name default --git-sha <sha>
     PYTHONPATH=. python scripts/probe_invariance_gpu.py --tiny --out /tmp/probe --name cpu     # CPU: paths only
@@ -70,6 +73,42 @@ def pieces(args) -> dict[str, bool]:
     return out
 
 
+LLAMA_8B_WEIGHTS = {"qkv": (4096, 6144, False), "o": (4096, 4096, False), "gate_up": (4096, 28672, False),
+                    "down": (14336, 4096, False), "lm_head": (4096, 128256, True)}  # (k, n, transposed)
+
+
+def matmul_costs(args) -> dict:
+    """µs per call of the invariant matmul and of XLA's dot, the bytes floor, and the chunk-path bit check."""
+    import jax
+    import jax.numpy as jnp
+
+    from gpu_bench_common import timeit
+    from pallas_kernels.invariant_matmul import invariant_matmul
+    from pallas_kernels.invariant_matmul.kernel import k_chunks
+
+    shapes = {"tiny": (640, 96, False)} if args.tiny else LLAMA_8B_WEIGHTS
+    out: dict = {}
+    for name, (k, n, transposed) in shapes.items():
+        w = (jax.random.normal(jax.random.key(k + n), (n, k) if transposed else (k, n), jnp.float32)
+             / np.sqrt(k)).astype(jnp.bfloat16)
+        dims = (((1,), (1 if transposed else 0,)), ((), ()))
+        xla = jax.jit(lambda a, b: jax.lax.dot_general(a, b, dims))
+        for rows in (1, 16, 64, 256, 4096):
+            x = jax.random.normal(jax.random.key(rows), (rows, k), jnp.bfloat16)
+            ours = timeit(lambda a, b: invariant_matmul(a, b, transposed=transposed, interpret=args.tiny), x, w)
+            theirs = timeit(xla, x, w)
+            floor = (w.nbytes + x.nbytes + 2 * rows * n) / args.bandwidth
+            out[f"{name}_{rows}"] = {"invariant_us": 1e6 * ours, "xla_us": 1e6 * theirs, "floor_us": 1e6 * floor,
+                                     "invariant_vs_xla": ours / theirs, "chunks": k_chunks(k, n)}
+        if k_chunks(k, n) > 1:
+            x = jax.random.normal(jax.random.key(0), (16, k), jnp.bfloat16)
+            split, whole = (invariant_matmul(x, w, transposed=transposed, interpret=args.tiny, split=mode)
+                            for mode in (True, False))
+            out[f"{name}_chunks_same_bits"] = rows_equal(split, whole)
+        log({key: value for key, value in out.items() if key.startswith(name)})
+    return out
+
+
 def first_difference(alone, batched) -> int | None:
     """The first generated position whose tokens or top-5 logprobs differ (None: identical)."""
     tokens_a, top_a = alone
@@ -117,9 +156,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--workdir", default="/tmp/jengine-determinism")
     parser.add_argument("--skip-engine", action="store_true")
+    parser.add_argument("--matmul-cost", action="store_true")
+    parser.add_argument("--bandwidth", type=float, default=4.0e12, help="copy bandwidth for the floor (B/s)")
     args = parser.parse_args()
     args.moe = False
     record = {"git_sha": args.git_sha, "xla_flags": os.environ.get("XLA_FLAGS", ""), "pieces": pieces(args)}
+    if args.matmul_cost:
+        record["matmul_cost"] = matmul_costs(args)
     if not args.skip_engine:
         record["engine"] = engine_check(args)
     out = Path(args.out)
