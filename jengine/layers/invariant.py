@@ -10,6 +10,12 @@ Row reductions go the same way: the norms' weights are wrapped as `InvariantNorm
 it), and the log-softmax of the logprobs and the MoE router's softmax use `invariant_log_softmax`, each on
 `pallas_kernels/invariant_matmul/rows.py` on NVIDIA GPUs (XLA's reduction emitter lays a row out by the whole
 shape: on the H200 a 128k-vocabulary log-softmax at 16 rows rounded differently from the same rows among 64).
+
+Under tensor parallelism a wrapped weight carries its mesh and PartitionSpec and multiplies per device under
+`shard_map` (a Pallas call must not be handed to XLA's partitioner, which would gather the whole weight); a weight
+split along its inputs (the row-parallel o and down projections) leaves partial sums that
+`parallel/collectives.py:ordered_psum` adds in device order instead of an all-reduce. The row kernels run once per
+device on whole inputs, under `shard_map` as well.
 """
 
 from __future__ import annotations
@@ -89,10 +95,12 @@ def _sharded_matmul(x, w: InvariantWeight, precision, out_dtype):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class InvariantNorm:
-    """An RMSNorm weight `[d]` whose statistics are reduced per row in a fixed order."""
+    """An RMSNorm weight `[d]` whose statistics are reduced per row in a fixed order (`mesh`: the model's, under
+    tensor parallelism)."""
 
     w: Float[Array, " d"]
     impl: InvariantImpl = dataclasses.field(default="xla", metadata=dict(static=True))
+    mesh: Mesh | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -103,19 +111,38 @@ class InvariantNorm:
         return self.w.dtype
 
 
+@dataclasses.dataclass(frozen=True)
+class RowReduction:
+    """How a row reduction (the logprobs' log-softmax, the router's softmax) runs: `impl`, and under tensor
+    parallelism the model's `mesh`. Hashable: a static field of the sampling metadata."""
+
+    impl: InvariantImpl = "xla"
+    mesh: Mesh | None = None
+
+
+def _on_every_device(fn, mesh: Mesh | None, *args):
+    """`fn` on whole (replicated) inputs, once per device of `mesh`: a Pallas kernel is per-device code, never
+    handed to XLA's partitioner (the inputs are gathered first where they are split, as the vocabulary's logits)."""
+    if mesh is None or mesh.size == 1:
+        return fn(*args)
+    return jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)(*args)
+
+
 def invariant_rms_norm(x: Float[Array, "... d"], weight: InvariantNorm, eps: float) -> Float[Array, "... d"]:
     from pallas_kernels.invariant_matmul.rows import rms_norm_rows  # Pallas imported only where used
 
-    return rms_norm_rows(x, weight.w, eps=eps, interpret=weight.impl == "pallas_interpret")
+    interpret = weight.impl == "pallas_interpret"
+    return _on_every_device(lambda x, w: rms_norm_rows(x, w, eps=eps, interpret=interpret), weight.mesh, x, weight.w)
 
 
-def invariant_log_softmax(x: Float[Array, "n v"], impl: InvariantImpl) -> Float[Array, "n v"]:
-    """Row-wise log-softmax in float32 (`impl` "xla": XLA's own)."""
-    if impl == "xla":
+def invariant_log_softmax(x: Float[Array, "n v"], how: RowReduction) -> Float[Array, "n v"]:
+    """Row-wise log-softmax in float32 (`how.impl` "xla": XLA's own)."""
+    if how.impl == "xla":
         return jax.nn.log_softmax(x.astype(jnp.float32), axis=-1)
     from pallas_kernels.invariant_matmul.rows import log_softmax_rows
 
-    return log_softmax_rows(x, interpret=impl == "pallas_interpret")
+    interpret = how.impl == "pallas_interpret"
+    return _on_every_device(lambda x: log_softmax_rows(x, interpret=interpret), how.mesh, x)
 
 
 def ordered_sum(x: Float[Array, "n k"]) -> Float[Array, " n"]:
@@ -126,10 +153,10 @@ def ordered_sum(x: Float[Array, "n k"]) -> Float[Array, " n"]:
     return total
 
 
-def row_reduction_impl(params: dict) -> InvariantImpl:
-    """How the model's row reductions run: the LM head's implementation when it is batch-invariant, else XLA's."""
+def row_reduction_for(params: dict) -> RowReduction:
+    """How the model's row reductions run: as its LM head's matmul when that is batch-invariant, else XLA's."""
     head = params.get("lm_head")
-    return head.impl if isinstance(head, InvariantWeight) else "xla"
+    return RowReduction(head.impl, head.mesh) if isinstance(head, InvariantWeight) else RowReduction()
 
 
 def invariant_impl(platform: str) -> InvariantImpl:
@@ -153,7 +180,7 @@ def make_invariant(params: dict, impl: InvariantImpl, tied: bool, layout=None) -
         if name in projections and leaf.ndim == 2:
             return InvariantWeight(leaf, False, impl, **placement(name))
         if name.endswith("_norm") and leaf.ndim == 1:
-            return InvariantNorm(leaf, impl)
+            return InvariantNorm(leaf, impl, placement(name).get("mesh"))
         return leaf
 
     layers = tuple({name: wrap(name, leaf) for name, leaf in layer.items()} for layer in params["layers"])

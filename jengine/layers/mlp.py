@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from jengine.layers.invariant import InvariantWeight, invariant_log_softmax, ordered_sum
+from jengine.layers.invariant import InvariantWeight, RowReduction, invariant_log_softmax, ordered_sum
 from jengine.layers.linear import ACTIVATIONS, Precision, linear, split_fused
 from jengine.layers.lora import LayerLora
 from jengine.layers.quant import QuantizedWeight, column_scales, dequantize
@@ -47,8 +47,10 @@ def route(
 ) -> tuple[Float[Array, "tokens k"], jax.Array]:
     """Top-k experts per token: softmax in float32 over all experts, then (optionally) renormalised over the k."""
     logits = linear(x, router, precision=precision).astype(jnp.float32)
-    impl = router.impl if isinstance(router, InvariantWeight) else "xla"
-    probs = jnp.exp(invariant_log_softmax(logits, impl)) if impl != "xla" else jax.nn.softmax(logits, axis=-1)
+    if isinstance(router, InvariantWeight) and router.impl != "xla":
+        probs = jnp.exp(invariant_log_softmax(logits, RowReduction(router.impl, router.mesh)))
+    else:
+        probs = jax.nn.softmax(logits, axis=-1)
     weights, experts = jax.lax.top_k(probs, moe.num_experts_per_tok)
     if moe.norm_topk_prob:  # k adds in one order (an XLA reduction's order may follow the row count)
         weights = weights / ordered_sum(weights)[:, None]

@@ -19,7 +19,7 @@ import numpy as np
 from jengine.attention.backend import AttentionBackend
 from jengine.attention.kv_cache import KVCache
 from jengine.config import EngineConfig
-from jengine.layers.invariant import row_reduction_impl
+from jengine.layers.invariant import RowReduction, row_reduction_for
 from jengine.layers.lora import LoraRows
 from jengine.lora.runner_slots import RunnerLora
 from jengine.lora.rows import build_rows
@@ -91,7 +91,7 @@ class ModelRunner:
                                 plan.num_blocks * plan.block_size, self.buckets, pin_shapes=pin)
         self.backend = backend
         self.sampling_rows = SamplingRowTable(sched.max_num_seqs, engine_seed=config.model.seed,
-                                              row_reduction=row_reduction_impl(params))
+                                              row_reduction=row_reduction_for(params))
         self.state = StepState(allocate(spec, plan, layout.kv_cache_sharding),
                                jax.device_put(np.zeros(sched.max_num_seqs, np.int32), layout.replicated))
         speculative = config.speculative
@@ -387,7 +387,7 @@ class ModelRunner:
         return result
 
 
-def _padding_sampling(shape: StepShape, num_sampled: int, row_reduction: str) -> SamplingMetadata:
+def _padding_sampling(shape: StepShape, num_sampled: int, row_reduction: RowReduction) -> SamplingMetadata:
     """Sampling metadata of `shape.seqs` rows, the first `num_sampled` of them at temperature 1."""
     table = SamplingRowTable(1, row_reduction=row_reduction)
     table.set_row(0, SamplingParams(temperature=1.0), 0, 0, ())

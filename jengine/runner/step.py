@@ -28,7 +28,7 @@ from jaxtyping import Array, Float, Int
 from jengine.attention.backend import AttentionBackend
 from jengine.attention.kv_cache import KVCache
 from jengine.attention.metadata import AttentionMetadata
-from jengine.layers.invariant import row_reduction_impl
+from jengine.layers.invariant import row_reduction_for
 from jengine.layers.lora import LoraRows
 from jengine.models.decoder import compute_logits, forward_capturing
 from jengine.models.spec import ModelSpec
@@ -123,7 +123,7 @@ def forward_step(model: StepModel, params: dict, state: StepState, inputs: Model
     if inputs.prompt_rows is not None:
         prompt_logits = compute_logits(model.spec, params, hidden[inputs.prompt_rows])
         prompt = raw_logprobs(inputs.prompt_targets, prompt_logits, inputs.num_prompt_logprobs,
-                              row_reduction_impl(params))
+                              row_reduction_for(params))
     return logits, prompt, StepState(kv_cache, state.row_tokens), features
 
 

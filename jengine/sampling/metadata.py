@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from jaxtyping import Array, Float, Int, UInt32
 
+from jengine.layers.invariant import RowReduction
 from jengine.sampling.params import SamplingParams
 
 TOP_K_CANDIDATE_BUCKETS = (64, 256, 1024)  # top-k widths served by lax.top_k; wider ones use a full sort
@@ -53,7 +54,7 @@ class SamplingMetadata:
     max_top_k: int = dataclasses.field(metadata=dict(static=True))  # candidates for top-k/top-p; 0 = sort all
     max_num_logprobs: int = dataclasses.field(metadata=dict(static=True))  # top-K raw logprobs to return; 0 = none
     # how the logprobs' log-softmax reduces a row: "xla", or the batch-invariant kernel (`--deterministic`)
-    row_reduction: str = dataclasses.field(default="xla", metadata=dict(static=True))
+    row_reduction: RowReduction = dataclasses.field(default=RowReduction(), metadata=dict(static=True))
 
     @property
     def num_rows(self) -> int:
@@ -94,8 +95,8 @@ class SamplingRowTable:
     active `min_tokens` ban or a penalty cost any Python work.
     """
 
-    def __init__(self, max_rows: int, *, engine_seed: int = 0, row_reduction: str = "xla") -> None:
-        """`row_reduction`: the logprobs' log-softmax implementation (`layers/invariant.py:InvariantImpl`)."""
+    def __init__(self, max_rows: int, *, engine_seed: int = 0, row_reduction: RowReduction = RowReduction()) -> None:
+        """`row_reduction`: how the logprobs' log-softmax runs (`layers/invariant.py:RowReduction`)."""
         self.engine_seed = engine_seed
         self.row_reduction = row_reduction
         self.params: list[SamplingParams | None] = [None] * max_rows

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from jengine.layers.invariant import invariant_log_softmax
+from jengine.layers.invariant import RowReduction, invariant_log_softmax
 from jengine.sampling.metadata import SamplingMetadata
 
 TOP_P_TOLERANCE = 1e-6  # a prefix whose float32 cumulative probability is within this of top_p counts as reaching it
@@ -167,11 +167,11 @@ def _gumbel_noise(md: SamplingMetadata, vocab: int) -> Float[Array, "n vocab"]:
 
 
 def raw_logprobs(token_ids: Int[Array, " n"], logits: Float[Array, "n vocab"], num_logprobs: int,
-                 row_reduction: str = "xla") -> SamplerOutput:
+                 row_reduction: RowReduction = RowReduction()) -> SamplerOutput:
     """Log-softmax of the raw logits: the given tokens' values and ranks, then the top-K (vLLM's default logprobs).
 
     The sampler reports its chosen tokens with it; the runner reuses it for prompt logprobs (tokens = the next prompt
-    token of each position). `num_logprobs` and `row_reduction` (`layers/invariant.py:InvariantImpl`) are static.
+    token of each position). `num_logprobs` and `row_reduction` (`layers/invariant.py:RowReduction`) are static.
     """
     raw = invariant_log_softmax(logits, row_reduction)
     chosen = jnp.take_along_axis(raw, token_ids[:, None], axis=1)

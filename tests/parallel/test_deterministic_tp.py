@@ -77,17 +77,21 @@ def run(model_dir, prompts, **engine_args):
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         assert llm._core.kv_manager.num_free_blocks == llm._core.kv_manager.num_blocks
+        weights = llm._core.runner.params
     tokens = [o.outputs[0].token_ids for o in outputs]
     chosen = np.array([[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
                        for o in outputs])
-    return tokens, chosen
+    return tokens, chosen, weights
+
+
+MOE = Qwen3MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16)
 
 
 @pytest.mark.parametrize("config,parallel", [
     (LlamaConfig(**COMMON), {}),
-    (Qwen3MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16),
-     dict(enable_expert_parallel=True)),
-], ids=["llama", "qwen3-moe-ep"])
+    (MOE, dict(enable_expert_parallel=True)),
+    (MOE, {}),
+], ids=["llama", "qwen3-moe-ep", "qwen3-moe-tp"])
 def test_tp2_output_is_the_same_in_every_batch(build_checkpoint, tiny_tokenizer_dir, monkeypatch, config, parallel):
     # the Pallas kernels in interpret mode, each device's under shard_map, as on GPUs
     monkeypatch.setattr("jengine.layers.invariant.invariant_impl", lambda platform: "pallas_interpret")
@@ -95,10 +99,13 @@ def test_tp2_output_is_the_same_in_every_batch(build_checkpoint, tiny_tokenizer_
     rng = np.random.default_rng(SEED)
     batch = [rng.integers(3, COMMON["vocab_size"], size=int(n)).tolist() for n in rng.integers(2, 30, size=3)]
     tp2 = dict(tensor_parallel_size=2, **parallel)
-    tokens, logprobs = run(model_dir, batch, max_num_seqs=8, **tp2)
-    alone, alone_lp = run(model_dir, batch[1:2], max_num_seqs=1, **tp2)
+    tokens, logprobs, weights = run(model_dir, batch, max_num_seqs=8, **tp2)
+    layer = weights["layers"][0]
+    assert layer["wqkv"].spec == P(None, TP_AXIS) and layer["wo"].spec == P(TP_AXIS, None)  # column, row
+    assert layer["wqkv"].mesh.size == 2 and weights["final_norm"].mesh.size == 2
+    alone, alone_lp, _ = run(model_dir, batch[1:2], max_num_seqs=1, **tp2)
     assert alone == tokens[1:2] and np.abs(alone_lp - logprobs[1:2]).max() <= 1e-5, f"seed {SEED}"
-    chunked, chunked_lp = run(model_dir, batch, max_num_seqs=8, max_num_batched_tokens=8, **tp2)
+    chunked, chunked_lp, _ = run(model_dir, batch, max_num_seqs=8, max_num_batched_tokens=8, **tp2)
     assert chunked == tokens and np.abs(chunked_lp - logprobs).max() <= 1e-5, f"seed {SEED}"
-    one, one_lp = run(model_dir, batch, max_num_seqs=8)
+    one, one_lp, _ = run(model_dir, batch, max_num_seqs=8)
     assert one == tokens and np.abs(one_lp - logprobs).max() <= 1e-4, f"seed {SEED}"
