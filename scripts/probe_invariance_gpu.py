@@ -84,7 +84,7 @@ def matmul_costs(args) -> dict:
 
     from gpu_bench_common import timeit
     from pallas_kernels.invariant_matmul import invariant_matmul
-    from pallas_kernels.invariant_matmul.kernel import k_chunks
+    from pallas_kernels.invariant_matmul.kernel import k_chunks, split_pays
 
     shapes = {"tiny": (640, 96, False)} if args.tiny else LLAMA_8B_WEIGHTS
     out: dict = {}
@@ -98,8 +98,15 @@ def matmul_costs(args) -> dict:
             ours = timeit(lambda a, b: invariant_matmul(a, b, transposed=transposed, interpret=args.tiny), x, w)
             theirs = timeit(xla, x, w)
             floor = (w.nbytes + x.nbytes + 2 * rows * n) / args.bandwidth
-            out[f"{name}_{rows}"] = {"invariant_us": 1e6 * ours, "xla_us": 1e6 * theirs, "floor_us": 1e6 * floor,
-                                     "invariant_vs_xla": ours / theirs, "chunks": k_chunks(k, n)}
+            entry = {"invariant_us": 1e6 * ours, "xla_us": 1e6 * theirs, "floor_us": 1e6 * floor,
+                     "invariant_vs_xla": ours / theirs, "chunks": k_chunks(k, n),
+                     "split": split_pays(rows, k, k_chunks(k, n), 2)}
+            if k_chunks(k, n) > 1 and rows <= 256:  # both ways timed: where the switch should sit
+                for mode in (True, False):
+                    entry[f"{'split' if mode else 'whole'}_us"] = 1e6 * timeit(
+                        lambda a, b, mode=mode: invariant_matmul(a, b, transposed=transposed, interpret=args.tiny,
+                                                                 split=mode), x, w)
+            out[f"{name}_{rows}"] = entry
         if k_chunks(k, n) > 1:
             x = jax.random.normal(jax.random.key(0), (16, k), jnp.bfloat16)
             split, whole = (invariant_matmul(x, w, transposed=transposed, interpret=args.tiny, split=mode)

@@ -40,6 +40,13 @@ class Tile:
 TILE = Tile()  # one configuration for every shape: the point of the kernel
 
 
+def split_pays(m: int, k: int, chunks: int, weight_itemsize: int) -> bool:
+    """Whether `m` rows run their K chunks as programs: a single row tile (more rows already fill the SMs) whose
+    float32 partials, written and read back (8·m·n·chunks bytes), cost at most half the weight's bytes. Only speed
+    follows: both ways give the same bits."""
+    return chunks > 1 and m <= SPLIT_MAX_ROWS and 16 * m * chunks <= k * weight_itemsize
+
+
 def _arange(start, size: int):
     return start + jnp.arange(size, dtype=jnp.int32)
 
@@ -47,7 +54,7 @@ def _arange(start, size: int):
 TARGET_PROGRAMS = 132  # one wave of an H100/H200's SMs for a decode step's single row tile
 MAX_CHUNKS = 16
 MIN_CHUNK_STEPS = 4  # a chunk of fewer K steps would spend more on its partial than its loads
-SPLIT_MAX_ROWS = 64  # steps of at most this many rows run their chunks as programs (one row tile)
+SPLIT_MAX_ROWS = 64  # steps of at most this many rows may run their chunks as programs (one row tile)
 
 
 def k_chunks(k: int, n: int, tile: Tile = TILE) -> int:
@@ -130,7 +137,7 @@ def invariant_matmul(
     chunks = k_chunks(k, n)
     chunk_steps = pl.cdiv(pl.cdiv(k, TILE.block_k), chunks)
     if split is None:
-        split = chunks > 1 and m <= SPLIT_MAX_ROWS
+        split = split_pays(m, k, chunks, jnp.dtype(w.dtype).itemsize)
     grid = (pl.cdiv(m, TILE.block_m), pl.cdiv(n, TILE.block_n))
     params = dict(in_specs=[pl.no_block_spec] * 2, out_specs=pl.no_block_spec, interpret=interpret,
                   compiler_params=pltr.CompilerParams(num_warps=TILE.num_warps, num_stages=TILE.num_stages))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.invariant_matmul import invariant_matmul
-from pallas_kernels.invariant_matmul.kernel import SPLIT_MAX_ROWS, k_chunks
+from pallas_kernels.invariant_matmul.kernel import k_chunks, split_pays
 
 
 @pytest.mark.parametrize("transposed", [False, True])
@@ -33,7 +33,9 @@ def test_a_row_is_the_same_alone_and_in_any_batch(k):
     w = jnp.asarray(rng.normal(0, 1, (k, n)).astype(np.float32))
     row = rng.normal(0, 1, (1, k)).astype(np.float32)
     alone = np.asarray(invariant_matmul(jnp.asarray(row), w, interpret=True))[0]
-    for m, at in ((5, 3), (SPLIT_MAX_ROWS, 63), (130, 100)):  # the last runs its chunks inside each program
+    if k_chunks(k, n) > 1:  # both sides of the switch are crossed below
+        assert split_pays(64, k, k_chunks(k, n), 4) and not split_pays(130, k, k_chunks(k, n), 4)
+    for m, at in ((5, 3), (64, 63), (130, 100)):
         batch = rng.normal(0, 1, (m, k)).astype(np.float32)
         batch[at] = row[0]
         out = np.asarray(invariant_matmul(jnp.asarray(batch), w, interpret=True))
@@ -49,6 +51,10 @@ def test_chunks_follow_the_weight_alone():
     assert k_chunks(4096, 28672) == 1 and k_chunks(4096, 128256) == 1  # gate/up, the LM head
     assert k_chunks(300, 128) == 1  # too short a K to split
     assert k_chunks(2048, 128) == 8  # a MoE router: each chunk at least 4 steps of 64
+    # a decode step of 64 rows splits each narrow bf16 weight (its partials at most half the weight's bytes)
+    assert all(split_pays(64, k, k_chunks(k, n), 2) for k, n in ((4096, 6144), (4096, 4096), (14336, 4096)))
+    assert not split_pays(65, 14336, 8, 2) and not split_pays(1, 4096, 1, 2)  # two row tiles; nothing to split
+    assert not split_pays(64, 2048, 8, 2)  # a router's partials would outweigh it
 
 
 @pytest.mark.parametrize("transposed", [False, True])
