@@ -1,9 +1,9 @@
 """`deterministic=True` (`--deterministic`): the projections, MoE router and LM head run the batch-invariant matmul,
 the norms and log-softmaxes the batch-invariant row reductions (`layers/invariant.py`; here the Pallas kernels in
-interpret mode, as on a GPU), and a request's greedy tokens are
-the same alone, batched and chunked, its logprobs within 1e-5 (the CPU reference attention reduces over the step's
-padded block-table width, so its last bits follow the batch; the GPU check, `scripts/check_determinism_gpu.py`,
-asks for bitwise equality) and the default engine's within 1e-4. Combinations it does not take are refused by
+interpret mode, as on a GPU), and a request's greedy tokens are the same alone, batched and chunked. In float32 its
+logprobs are within 1e-5 (the CPU reference attention reduces over the step's padded block-table width, so its last
+bits follow the batch; the GPU check, `scripts/check_determinism_gpu.py`, asks for bitwise equality) and within 1e-4
+of the default engine's; in bfloat16 they are bit for bit the same. Combinations it does not take are refused by
 name."""
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ def prompts() -> list[list[int]]:
     return [rng.integers(3, COMMON["vocab_size"], size=int(n)).tolist() for n in rng.integers(2, 30, size=3)]
 
 
-def run(model_dir, prompts, **engine_args):
-    with LLM(str(model_dir), dtype="float32", max_model_len=64, seed=0, **engine_args) as llm:
+def run(model_dir, prompts, dtype="float32", **engine_args):
+    with LLM(str(model_dir), dtype=dtype, max_model_len=64, seed=0, **engine_args) as llm:
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         weights = llm._core.runner.params
@@ -82,3 +82,17 @@ def test_combinations_it_does_not_take_are_refused(build_checkpoint, tiny_tokeni
 def test_the_cli_flag():
     args = build_parser().parse_args(["serve", "--model", "MODEL", "--deterministic"])
     assert engine_kwargs(args)["deterministic"] is True
+
+
+def test_bfloat16_output_is_the_same_in_every_batch(build_checkpoint, tiny_tokenizer_dir, kernel_on_cpu):
+    """In bfloat16 (the dtype a GPU serves), tokens and chosen-token logprobs bit for bit the same alone, batched
+    and chunked."""
+    model_dir, _ = build_checkpoint(LlamaConfig(**COMMON), tokenizer_dir=tiny_tokenizer_dir)
+    batch = prompts()
+    tokens, logprobs, _ = run(model_dir, batch, dtype="bfloat16", deterministic=True, max_num_seqs=8)
+    chunked, chunked_lp, _ = run(model_dir, batch, dtype="bfloat16", deterministic=True, max_num_seqs=8,
+                                 max_num_batched_tokens=8)
+    assert chunked == tokens and np.array_equal(chunked_lp, logprobs), f"chunked differs (seed {SEED})"
+    for i, prompt in enumerate(batch):
+        alone, alone_lp, _ = run(model_dir, [prompt], dtype="bfloat16", deterministic=True, max_num_seqs=1)
+        assert alone == [tokens[i]] and np.array_equal(alone_lp[0], logprobs[i]), f"request {i} (seed {SEED})"
