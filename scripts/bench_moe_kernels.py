@@ -25,7 +25,7 @@ from gpu_bench_common import copy_bandwidth, log, matmul_rate, timeit  # noqa: E
 
 from pallas_kernels.grouped_matmul import ExpertWeights, TileConfig, moe_experts, tile_configs  # noqa: E402
 from pallas_kernels.grouped_matmul.kernel import expert_down, expert_gate_up  # noqa: E402
-from pallas_kernels.grouped_matmul.routing import expert_tiles  # noqa: E402
+from pallas_kernels.grouped_matmul.routing import COMPARE_MAX_PAIRS, expert_tiles  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
 TOKENS = (1, 16, 64, 256, 4096)
@@ -166,8 +166,11 @@ def time_layer(key, tokens: int, w, copy_rate: float, do_sweep: bool, tkx) -> tu
     configs, m["tiles"] = sweep(x, w, ex, rw, tokens) if do_sweep else (None, str(tile_configs(tokens * TOP_K,
                                                                                                   EXPERTS)))
     cfg = configs or tile_configs(tokens * TOP_K, EXPERTS)
-    layout = jax.jit(expert_tiles, static_argnums=(2, 3))
-    m["routing_layout_us"] = timeit(layout, ex, rw, EXPERTS, cfg[0].block_rows) * 1e6
+    layout = jax.jit(expert_tiles, static_argnums=(2, 3, 4))
+    m["routing_layout_us"] = timeit(layout, ex, rw, EXPERTS, cfg[0].block_rows, "auto") * 1e6
+    if tokens * TOP_K <= 4 * COMPARE_MAX_PAIRS:  # both ways, where the switch between them should sit
+        for method in ("compare", "sort"):
+            m[f"routing_layout_{method}_us"] = timeit(layout, ex, rw, EXPERTS, cfg[0].block_rows, method) * 1e6
     fns = {"ours": jax.jit(lambda *a: ours(*a, configs=configs)),
            "xla_ragged_dot": jax.jit(lambda *a: sorted_moe(jax.lax.ragged_dot, *a))}
     if tokens <= 256:

@@ -7,11 +7,16 @@ routing — and tiles past `num_tiles` are empty; padding slots carry token -1 a
 
 Pairs routed outside `[0, num_experts)` (another device's experts under expert parallelism) get no slot: their
 `pair_slot` is `num_slots`, which the combine reads as zero.
+
+Two ways to the same layout: a decode-sized step counts each pair's earlier pairs of the same expert with one
+`[pairs, pairs]` comparison (a handful of fused kernels, no sort: a sort and the gathers through its order were a
+chain of small launches, ~87 µs per layer at one token on the H200); a prefill-sized step sorts the pairs by expert.
+Within an expert, pairs keep their order either way.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
@@ -31,33 +36,57 @@ def num_slots(num_pairs: int, num_experts: int, block_rows: int) -> int:
     return -(-bound // block_rows) * block_rows
 
 
+COMPARE_MAX_PAIRS = 2048  # up to here the [pairs, pairs] comparison (4M elements) is cheaper than a sort
+
+
 def expert_tiles(experts: Int[Array, "tokens k"], weights: Float[Array, "tokens k"], num_experts: int,
-                 block_rows: int) -> ExpertTiles:
-    """The slot layout of one step's routing (see the module docstring). Pure jnp: one sort, one bincount."""
+                 block_rows: int, method: Literal["auto", "compare", "sort"] = "auto") -> ExpertTiles:
+    """The slot layout of one step's routing (see the module docstring); `method` "auto": comparison up to
+    COMPARE_MAX_PAIRS pairs, else the sort."""
     tokens, k = experts.shape
     flat = experts.reshape(-1).astype(jnp.int32)
     kept = (flat >= 0) & (flat < num_experts)
     key = jnp.where(kept, flat, num_experts)
-    order = jnp.argsort(key, stable=True).astype(jnp.int32)
-    sorted_key = key[order]
-    sizes = jnp.bincount(key, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+    if method == "auto":
+        method = "compare" if flat.shape[0] <= COMPARE_MAX_PAIRS else "sort"
+    rank, sizes = (_ranks_by_comparison if method == "compare" else _ranks_by_sort)(key, num_experts)
     padded = -(-sizes // block_rows) * block_rows
-    group_start = jnp.cumsum(sizes) - sizes
     padded_end = jnp.cumsum(padded)
-    safe_key = jnp.minimum(sorted_key, num_experts - 1)
-    rank = jnp.arange(flat.shape[0], dtype=jnp.int32) - group_start[safe_key]
+    safe_key = jnp.minimum(key, num_experts - 1)
     slots = num_slots(flat.shape[0], num_experts, block_rows)
-    sorted_slot = jnp.where(sorted_key < num_experts, padded_end[safe_key] - padded[safe_key] + rank, slots)
-    slot_token = jnp.full((slots,), -1, jnp.int32).at[sorted_slot].set(order // k, mode="drop")
-    slot_weight = jnp.zeros((slots,), jnp.float32).at[sorted_slot].set(
-        weights.reshape(-1)[order].astype(jnp.float32), mode="drop")
-    pair_slot = jnp.zeros((flat.shape[0],), jnp.int32).at[order].set(sorted_slot).reshape(tokens, k)
+    pair_slot = jnp.where(kept, padded_end[safe_key] - padded[safe_key] + rank, slots)
+    slot_token = jnp.full((slots,), -1, jnp.int32).at[pair_slot].set(
+        jnp.arange(flat.shape[0], dtype=jnp.int32) // k, mode="drop")
+    slot_weight = jnp.zeros((slots,), jnp.float32).at[pair_slot].set(weights.reshape(-1).astype(jnp.float32),
+                                                                     mode="drop")
     tile_start = jnp.arange(slots // block_rows, dtype=jnp.int32) * block_rows
     # compare_all: one fused comparison; the default binary search is a device loop, ~0.3 ms on an H200
     tile_expert = jnp.minimum(jnp.searchsorted(padded_end, tile_start, side="right", method="compare_all"),
                               num_experts - 1)
     num_tiles = (padded_end[-1] // block_rows).astype(jnp.int32).reshape(1)
-    return ExpertTiles(slot_token, slot_weight, tile_expert.astype(jnp.int32), num_tiles, pair_slot)
+    return ExpertTiles(slot_token, slot_weight, tile_expert.astype(jnp.int32), num_tiles,
+                       pair_slot.reshape(tokens, k).astype(jnp.int32))
+
+
+def _ranks_by_comparison(key: Int[Array, " pairs"], num_experts: int) -> tuple[Array, Array]:
+    """(each pair's count of earlier pairs with its expert, pairs per expert), by comparing every pair with every
+    other: no sort, every step of it a fused elementwise-and-reduce."""
+    index = jnp.arange(key.shape[0], dtype=jnp.int32)
+    earlier_same = (key[None, :] == key[:, None]) & (index[None, :] < index[:, None])
+    rank = jnp.sum(earlier_same, axis=1, dtype=jnp.int32)
+    sizes = jnp.sum(key[:, None] == jnp.arange(num_experts, dtype=jnp.int32)[None, :], axis=0, dtype=jnp.int32)
+    return rank, sizes
+
+
+def _ranks_by_sort(key: Int[Array, " pairs"], num_experts: int) -> tuple[Array, Array]:
+    """The same from one stable sort by expert and one bincount."""
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    sizes = jnp.bincount(key, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+    group_start = jnp.cumsum(sizes) - sizes
+    sorted_key = key[order]
+    sorted_rank = jnp.arange(key.shape[0], dtype=jnp.int32) - group_start[jnp.minimum(sorted_key, num_experts - 1)]
+    rank = jnp.zeros_like(key).at[order].set(sorted_rank)
+    return rank, sizes
 
 
 def combine(slot_out: Float[Array, "slots d"], pair_slot: Int[Array, "tokens k"]) -> Float[Array, "tokens d"]:

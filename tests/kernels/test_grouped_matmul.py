@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from transformers import Qwen3MoeConfig
 
-from pallas_kernels.grouped_matmul import ExpertWeights, TileConfig, moe_experts
+from pallas_kernels.grouped_matmul import ExpertWeights, TileConfig, expert_tiles, moe_experts
+from pallas_kernels.grouped_matmul.routing import num_slots
 
 from jengine import LLM, SamplingParams
 from jengine.attention.backend import ReferenceBackend
@@ -141,3 +142,37 @@ def test_float8_experts_with_column_scales():
                       interpret=True, configs=SMALL, precision=jax.lax.Precision.HIGHEST)
     want = numpy_experts(x, dequantized, experts, routing)
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-5 * np.abs(want).max(), rtol=0)
+
+
+def numpy_layout(experts: np.ndarray, weights: np.ndarray, num_experts: int, block_rows: int):
+    """The slot layout written from its definition: experts in order, each one's pairs in pair order from the start
+    of its run, each run padded to a multiple of block_rows; pairs of other devices' experts get slot `slots`."""
+    flat, flat_w = experts.reshape(-1), weights.reshape(-1)
+    slots = num_slots(flat.size, num_experts, block_rows)
+    slot_token, slot_weight = np.full(slots, -1), np.zeros(slots, np.float32)
+    pair_slot, tile_expert = np.full(flat.size, slots), []
+    start = 0
+    for e in range(num_experts):
+        mine = [p for p in range(flat.size) if flat[p] == e]
+        for rank, p in enumerate(mine):
+            slot = start + rank
+            pair_slot[p], slot_token[slot], slot_weight[slot] = slot, p // experts.shape[1], flat_w[p]
+        run = -(-len(mine) // block_rows) * block_rows
+        tile_expert += [e] * (run // block_rows)
+        start += run
+    return slot_token, slot_weight, pair_slot.reshape(experts.shape), tile_expert
+
+
+@pytest.mark.parametrize("method", ["compare", "sort"])
+@pytest.mark.parametrize("tokens,k,num_experts,block_rows", [(1, 8, 128, 16), (37, 4, 16, 16), (300, 2, 8, 64)])
+def test_routing_layout_matches_its_definition(method, tokens, k, num_experts, block_rows):
+    rng = np.random.default_rng(tokens * k + num_experts)
+    experts = rng.integers(-1, num_experts + 2, size=(tokens, k))  # -1 and ids past the end: another device's
+    weights = rng.random((tokens, k)).astype(np.float32)
+    tiles = expert_tiles(jnp.asarray(experts), jnp.asarray(weights), num_experts, block_rows, method=method)
+    slot_token, slot_weight, pair_slot, tile_expert = numpy_layout(experts, weights, num_experts, block_rows)
+    assert np.array_equal(np.asarray(tiles.slot_token), slot_token)
+    assert np.array_equal(np.asarray(tiles.slot_weight), slot_weight)
+    assert np.array_equal(np.asarray(tiles.pair_slot), pair_slot)
+    used = int(tiles.num_tiles[0])
+    assert used == len(tile_expert) and np.array_equal(np.asarray(tiles.tile_expert)[:used], tile_expert)
