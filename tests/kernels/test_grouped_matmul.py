@@ -17,6 +17,7 @@ from pallas_kernels.grouped_matmul.routing import num_slots
 
 from jengine import LLM, SamplingParams
 from jengine.attention.backend import ReferenceBackend
+from jengine.layers.invariant import InvariantWeight
 from jengine.layers.mlp import PallasExperts, moe_mlp, moe_mlp_expert_parallel
 from jengine.models.spec import MoeSpec
 from jengine.parallel.mesh import TP_AXIS
@@ -84,8 +85,11 @@ def test_layer_through_kernels_matches_ragged_dot_and_skips_padding():
     np.testing.assert_array_equal(np.asarray(got[11:]), 0)  # padding tokens routed nowhere
 
 
+@pytest.mark.parametrize("invariant", [False, True], ids=["psum", "deterministic"])
 @pytest.mark.parametrize("expert_parallel", [False, True])
-def test_layer_through_kernels_sharded_over_devices(expert_parallel):
+def test_layer_through_kernels_sharded_over_devices(expert_parallel, invariant):
+    """Split by TP (each expert's hidden features) or by expert; `--deterministic` (a batch-invariant router) adds
+    the devices' partial outputs in device order: the compiled layer then holds no all-reduce."""
     rng = np.random.default_rng(SEED + 2)
     w, x = layer_weights(rng), jnp.asarray(rng.standard_normal((9, 32)), jnp.float32)
     hi = jax.lax.Precision.HIGHEST
@@ -96,12 +100,15 @@ def test_layer_through_kernels_sharded_over_devices(expert_parallel):
              {"we_gate": P(None, None, TP_AXIS), "we_up": P(None, None, TP_AXIS), "we_down": P(None, TP_AXIS)})
     w = {k: jax.device_put(v, jax.sharding.NamedSharding(mesh, specs.get(k, P()))) for k, v in w.items()}
     x = jax.device_put(x, jax.sharding.NamedSharding(mesh, P()))
+    if invariant:
+        w["router"] = InvariantWeight(w["router"])
     kernels = PallasExperts(interpret=True, mesh=mesh)
     if expert_parallel:
-        got = moe_mlp_expert_parallel(x, w, MOE, "silu", hi, mesh, TP_AXIS, kernels)
+        layer = jax.jit(lambda x, w: moe_mlp_expert_parallel(x, w, MOE, "silu", hi, mesh, TP_AXIS, kernels))
     else:
-        got = moe_mlp(x, w, MOE, "silu", hi, kernels)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
+        layer = jax.jit(lambda x, w: moe_mlp(x, w, MOE, "silu", hi, kernels))
+    np.testing.assert_allclose(np.asarray(layer(x, w)), np.asarray(want), atol=2e-5)
+    assert ("all-reduce" in layer.lower(x, w).compile().as_text()) != invariant
 
 
 @dataclasses.dataclass(frozen=True)
