@@ -7,7 +7,9 @@ its step time, its compile time, the weight bytes ÷ copy bandwidth floor, and h
 instructions the compiled program holds (a slice copied out of the stack before each matmul triples the bytes).
 
 Part `engine`: the engine's jitted decode step at batch 1 on a random-weight Llama with Llama-3-8B layers (fewer of
-them, tiny vocabulary), with a profiler trace summarised by kernel name.
+them, tiny vocabulary), with a profiler trace summarised by kernel name; `--engine-model qwen3-30b-a3b` (any shape
+of `moe_shapes.py`) profiles that MoE shape instead, its weights made on the device: the device step beside the
+engine's step period says whether a decode step waits on the host or on its kernels, the summary which kernels.
 
     PYTHONPATH=. python scripts/probe_layer_loop_gpu.py --out $OUT/probe.json
 """
@@ -130,18 +132,25 @@ def kernel_summary(trace_dir: Path, top: int = 25) -> list[tuple[str, float, int
     return sorted(((n, round(t, 3), c) for n, (t, c) in totals.items()), key=lambda r: -r[1])[:top]
 
 
-def engine_part(layers: int, steps: int) -> dict[str, Any]:
+def engine_part(layers: int, steps: int, shape: str = "llama") -> dict[str, Any]:
     import jax
 
     from check_pipeline_gpu import LLAMA3_8B_LAYER, Recorder, device_seconds
     from jengine import LLM, SamplingParams
     from jengine.models.demo import build_random_llama
 
-    model = build_random_llama(Path(tempfile.mkdtemp()) / "llama", num_hidden_layers=layers, **LLAMA3_8B_LAYER)
-    out: dict[str, Any] = {"layers": layers}
+    extra: dict[str, Any] = {}
+    if shape == "llama":
+        model = build_random_llama(Path(tempfile.mkdtemp()) / "llama", num_hidden_layers=layers, **LLAMA3_8B_LAYER)
+    else:
+        from moe_shapes import write_shape
+
+        model = write_shape(shape, Path(tempfile.mkdtemp()) / shape, num_layers=layers)
+        extra = dict(load_format="dummy")
+    out: dict[str, Any] = {"layers": layers, "shape": shape}
     start = time.perf_counter()
     with LLM(str(model), dtype="bfloat16", max_model_len=1024, max_num_seqs=8, enable_prefix_caching=False, seed=0,
-             num_gpu_blocks_override=4096) as llm:
+             num_gpu_blocks_override=4096, **extra) as llm:
         out["engine_start_s"] = time.perf_counter() - start
         params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
         prompt = [{"prompt_token_ids": list(range(3, 131))}]
@@ -166,6 +175,7 @@ def main() -> None:
     parser.add_argument("--part", action="append", choices=["loop", "dsf", "engine"])
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--engine-layers", type=int, default=8)
+    parser.add_argument("--engine-model", default="llama", help="llama, or a shape of moe_shapes.py")
     parser.add_argument("--only", default=None)
     args = parser.parse_args()
     result: dict[str, Any] = {}
@@ -176,7 +186,7 @@ def main() -> None:
             elif part == "dsf":
                 result["dsf"] = dsf_part(args.layers)
             else:
-                result["engine"] = engine_part(args.engine_layers, 32)
+                result["engine"] = engine_part(args.engine_layers, 32, args.engine_model)
         except Exception as e:  # one part failing must not lose the others
             result[part] = {"error": repr(e)}
         Path(args.out).write_text(json.dumps(result, indent=1, default=str))
