@@ -174,9 +174,7 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
     plan, proposer = build_model_proposer(config, draft, head, plan, layout, device.platform)
     log_plan(plan, config.scheduler.max_model_len)
     backend = select_backend(device.platform, config.runner.attention_backend, head_dim=spec.head_dim,
-                             mesh=layout.mesh)
-    if config.runner.deterministic and hasattr(backend, "invariant"):
-        backend = dataclasses.replace(backend, invariant=True)  # one attention code path for every row
+                             mesh=layout.mesh, deterministic=config.runner.deterministic)
     runner: StepRunner = ModelRunner(spec, params, dtype, config, plan, backend, layout, runner_lora, proposer)
     if parallel.num_processes > 1 and jax.process_index() == 0:  # the workers replay process 0's runner calls
         runner = PublishingRunner(runner, StepPublisher())

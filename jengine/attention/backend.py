@@ -11,6 +11,7 @@ from jaxtyping import Array, Float, Int
 from jengine.attention import reference
 from jengine.attention.metadata import AttentionMetadata
 from jengine.attention.reference import KVCache
+from jengine.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -70,14 +71,15 @@ BACKENDS = {"reference": _reference, "pallas_gpu": _pallas_gpu}
 
 
 def select_backend(platform: str, requested: str = "auto", head_dim: int | None = None, *,
-                   mesh=None) -> AttentionBackend:
+                   mesh=None, deterministic: bool = False) -> AttentionBackend:
     """`auto` picks the fastest backend the platform has; a named backend is taken as asked. On the GPU the Pallas
     kernels serve head_dim 64/128 (unknown head_dim: the backend itself falls back at trace time); others get the
-    reference, with a log line saying why. `mesh`: the engine's tensor-parallel mesh (kernels run per device)."""
+    reference, with a log line saying why. `mesh`: the engine's tensor-parallel mesh (kernels run per device).
+    `deterministic`: every request through one attention code path (`--deterministic`)."""
     if requested != "auto":
         if requested not in BACKENDS:
             raise ValueError(f"unknown attention backend {requested!r}; available: {sorted(BACKENDS)}")
-        return BACKENDS[requested](mesh)
+        return _deterministic(BACKENDS[requested](mesh), platform) if deterministic else BACKENDS[requested](mesh)
     backend = ReferenceBackend()
     if platform == "gpu":
         from pallas_kernels.ragged_paged_attention import SUPPORTED_HEAD_DIMS
@@ -88,4 +90,16 @@ def select_backend(platform: str, requested: str = "auto", head_dim: int | None 
             logger.warning("pallas_gpu attention supports head_dim %s, not %d: using reference", SUPPORTED_HEAD_DIMS,
                            head_dim)
     logger.info("attention backend on %s: %s", platform, backend.name)
+    return _deterministic(backend, platform) if deterministic else backend
+
+
+def _deterministic(backend: AttentionBackend, platform: str) -> AttentionBackend:
+    """The backend with one code path for every row. The reference attention keeps a row's result on the CPU
+    whatever the batch (the engine's tests hold it); on a GPU its XLA reductions follow the shape, so it is refused
+    rather than served as deterministic."""
+    if dataclasses.is_dataclass(backend) and any(f.name == "invariant" for f in dataclasses.fields(backend)):
+        return dataclasses.replace(backend, invariant=True)
+    if platform != "cpu":
+        raise ConfigError(f"deterministic=True needs the pallas_gpu attention backend on {platform} ({backend.name} "
+                          "attention is not batch-invariant there; pallas_gpu serves head_dim 64 and 128)")
     return backend

@@ -16,6 +16,7 @@ from jengine.attention import pallas
 from jengine.attention.backend import ReferenceBackend, select_backend
 from jengine.attention.kv_cache import QuantizedKV
 from jengine.attention.metadata import AttentionMetadata
+from jengine.errors import ConfigError
 from tests.kernels.batches import Bucket, build
 
 BUCKET = Bucket(q_heads=8, kv_heads=2)  # the shapes test_ragged_paged_attention compiles too
@@ -70,6 +71,16 @@ def test_selection_by_platform_and_head_dim(caplog):
     with caplog.at_level(logging.WARNING, logger="jengine.attention.backend"):
         assert select_backend("gpu", head_dim=96).name == "reference"
     assert "96" in caplog.text
+
+
+def test_deterministic_takes_one_attention_path_or_is_refused():
+    assert select_backend("gpu", deterministic=True).invariant  # pallas_gpu: every row through one kernel
+    assert not select_backend("gpu").invariant
+    assert select_backend("cpu", deterministic=True).name == "reference"  # invariant on the CPU (tested)
+    with pytest.raises(ConfigError, match="deterministic=True needs the pallas_gpu"):
+        select_backend("gpu", head_dim=96, deterministic=True)  # XLA's attention on a GPU is not batch-invariant
+    with pytest.raises(ConfigError, match="deterministic=True needs the pallas_gpu"):
+        select_backend("gpu", "reference", deterministic=True)
 
 
 @pytest.mark.parametrize("kernel_write", [False, True])
