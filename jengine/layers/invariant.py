@@ -102,14 +102,6 @@ class InvariantNorm:
     impl: InvariantImpl = dataclasses.field(default="xla", metadata=dict(static=True))
     mesh: Mesh | None = dataclasses.field(default=None, metadata=dict(static=True))
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.w.shape
-
-    @property
-    def dtype(self):
-        return self.w.dtype
-
 
 @dataclasses.dataclass(frozen=True)
 class RowReduction:
