@@ -1,11 +1,12 @@
 """`deterministic=True` under tensor parallelism (4 simulated CPU devices).
 
 The batch-invariant projections multiply per device: a row-parallel weight's partial sums are added in device order
-(gathered, then summed left to right), never by an all-reduce whose order the collective library picks by message
-size. Checked on the matmul against float64 numpy (1e-5 · max|ref|), against the left-to-right float32 sum of each
-device's slice computed alone (bitwise), for a row alone and in a batch (bitwise), and on the compiled program (an
-all-gather, no all-reduce); then through `LLM`: greedy tokens the same alone, batched and chunked at TP = 2 (the
-chosen-token logprobs within 1e-5, as at TP = 1), and within 1e-4 of one device's.
+(each device sums its slice of the columns from every device's piece, left to right, and the slices are gathered),
+never by an all-reduce whose order the collective library picks by message size. Checked on the matmul against
+float64 numpy (1e-5 · max|ref|), against the left-to-right float32 sum of each device's slice computed alone
+(bitwise), for a row alone and in a batch (bitwise), and on the compiled program (an all-to-all and an all-gather,
+no all-reduce); then through `LLM`: greedy tokens the same alone, batched and chunked at TP = 2 (the chosen-token
+logprobs within 1e-5, as at TP = 1), and within 1e-4 of one device's.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ def placed(w: np.ndarray, impl: str, spec: P, transposed: bool = False) -> Invar
     return InvariantWeight(jax.device_put(jnp.asarray(w), NamedSharding(mesh, spec)), transposed, impl, mesh, spec)
 
 
+@pytest.mark.parametrize("n", [72, 70], ids=["columns-split-evenly", "uneven-columns"])
 @pytest.mark.parametrize("impl", IMPLS)
-def test_row_parallel_sums_the_devices_in_order(impl):
+def test_row_parallel_sums_the_devices_in_order(impl, n):
     rng = np.random.default_rng(SEED)
-    tokens, k, n = 37, 96, 72
+    tokens, k = 37, 96
     x = rng.normal(0, 1, (tokens, k)).astype(np.float32)
     w = rng.normal(0, 1, (k, n)).astype(np.float32)
     matmul = jax.jit(invariant_matmul)
@@ -56,6 +58,8 @@ def test_row_parallel_sums_the_devices_in_order(impl):
     assert np.array_equal(alone[0], ours[5]), f"a row alone differs from the same row in a batch (seed {SEED})"
     hlo = matmul.lower(jnp.asarray(x), weight).compile().as_text()
     assert "all-gather" in hlo and "all-reduce" not in hlo
+    # columns that split evenly: each device sums its slice of them (an all-to-all), then the slices are gathered
+    assert ("all-to-all" in hlo) == (n % DEVICES == 0)
 
 
 @pytest.mark.parametrize("spec,transposed", [(P(None, TP_AXIS), False), (P(TP_AXIS, None), True), (P(), False)],
