@@ -2,7 +2,8 @@
 
 Pieces, each as "the first rows alone" against "the same rows at the top of a larger batch", bitwise:
 the batch-invariant matmul (`pallas_kernels/invariant_matmul`) at 16 vs 256 rows, XLA's plain dot the same way (the
-fast engine's projections), RMSNorm, log-softmax over a 128k vocabulary at 16 vs 64 rows; then the whole
+fast engine's projections), RMSNorm, log-softmax over a 128k vocabulary at 16 vs 64 rows, the sampler's top-p filter
+(both ways) at 16 vs 256 rows; then the whole
 `deterministic=True` engine: `--requests` greedy requests alone against batched with random neighbours, with the first
 generated position at which each one's top-5 logprobs differ (0: the prefill's token). Run it once per XLA flag set
 to compare (e.g. with `XLA_FLAGS=--xla_allow_excess_precision=false`); `--name` keys the results. `--matmul-cost`
@@ -60,8 +61,11 @@ def pieces(args) -> dict[str, bool]:
     lsm = jax.jit(lambda a: jax.nn.log_softmax(a, axis=-1))
     inv_norm = jax.jit(lambda a: rms_norm_rows(a, norm_w, eps=1e-5, interpret=interpret))
     inv_lsm = jax.jit(lambda a: log_softmax_rows(a, interpret=interpret))
+    top_p = top_p_filter(logits=jax.random.normal(next(key), (256, vocab), jnp.float32) * 4, tiny=args.tiny)
     out = {}
     for rows in (1, 16, 64):
+        out[f"top_p_{rows}_vs_256"] = rows_equal(top_p(rows, "xla"), top_p(256, "xla"))
+        out[f"invariant_top_p_{rows}_vs_256"] = rows_equal(top_p(rows, "pallas"), top_p(256, "pallas"))
         out[f"invariant_matmul_{rows}_vs_256"] = rows_equal(inv(x[:rows]), inv(x))
         out[f"invariant_head_{rows}_vs_256"] = rows_equal(inv_head(x[:rows]), inv_head(x))
         out[f"xla_dot_{rows}_vs_256"] = rows_equal(dot(x[:rows]), dot(x))
@@ -114,6 +118,26 @@ def matmul_costs(args) -> dict:
             out[f"{name}_chunks_same_bits"] = rows_equal(split, whole)
         log({key: value for key, value in out.items() if key.startswith(name)})
     return out
+
+
+def top_p_filter(logits, tiny: bool):
+    """rows, impl -> the first `rows` rows of `logits` filtered by top_p = 0.9 (the sampler's full-sort path)."""
+    import dataclasses
+
+    import jax
+
+    from jengine.layers.invariant import RowReduction
+    from jengine.sampling.metadata import RowInputs, build_sampling_metadata
+    from jengine.sampling.params import SamplingParams
+    from jengine.sampling.sampler import sampling_logits
+
+    def run(rows: int, impl: str):
+        batch = [RowInputs(SamplingParams(top_p=0.9, seed=i), [], [], 0) for i in range(rows)]
+        impl = "pallas_interpret" if tiny and impl == "pallas" else impl
+        md = dataclasses.replace(build_sampling_metadata(batch, rows), row_reduction=RowReduction(impl))
+        return jax.jit(sampling_logits)(logits[:rows], md)
+
+    return run
 
 
 def first_difference(alone, batched) -> int | None:

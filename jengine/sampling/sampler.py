@@ -135,19 +135,28 @@ def _top_k_top_p_threshold(scaled: Float[Array, "n vocab"], md: SamplingMetadata
         threshold = jnp.where(k_on, jnp.take_along_axis(ranked, k[:, None] - 1, axis=1)[:, 0], _NEG_INF)
         ranked = jnp.where(k_on[:, None] & (position >= k[:, None]), _NEG_INF, ranked)
     if md.use_top_p:
-        threshold = jnp.maximum(threshold, _top_p_threshold(ranked, md.top_p, position))
+        threshold = jnp.maximum(threshold, _top_p_threshold(ranked, md.top_p, position, md.row_reduction))
     return threshold
 
 
 def _top_p_threshold(
-    ranked: Float[Array, "n c"], top_p: Float[Array, " n"], position: Int[Array, " c"]
+    ranked: Float[Array, "n c"], top_p: Float[Array, " n"], position: Int[Array, " c"],
+    row_reduction: RowReduction = RowReduction(),
 ) -> Float[Array, " n"]:
     """The last logit of the smallest descending prefix whose probability reaches top_p (at least the top token).
 
     Probabilities are those after top-k (renormalised over the ranked candidates, which hold every survivor).
+    Under `--deterministic` the softmax is the batch-invariant row kernel's and the prefix sums an
+    `associative_scan`, whose tree of adds is fixed by the row's length alone (XLA's cumsum picks its algorithm by
+    the whole array's shape).
     """
-    probs = jax.nn.softmax(ranked, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # probability of the strictly better-ranked tokens
+    if row_reduction.impl == "xla":
+        probs = jax.nn.softmax(ranked, axis=-1)
+        prefix = jnp.cumsum(probs, axis=-1)
+    else:
+        probs = jnp.exp(invariant_log_softmax(ranked, row_reduction))
+        prefix = jax.lax.associative_scan(jnp.add, probs, axis=-1)
+    before = prefix - probs  # probability of the strictly better-ranked tokens
     keep: Bool[Array, "n c"] = (before < (top_p - TOP_P_TOLERANCE)[:, None]) | (position == 0)
     last = jnp.sum(keep, axis=-1) - 1  # keep is a prefix: `before` never decreases
     threshold = jnp.take_along_axis(ranked, last[:, None], axis=1)[:, 0]

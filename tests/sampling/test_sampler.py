@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jengine.layers.invariant import RowReduction
 from jengine.sampling.metadata import RowInputs, SamplingMetadata, build_sampling_metadata
 from jengine.sampling.params import SamplingParams
 from jengine.sampling.sampler import SamplerOutput, apply_logits_processors, raw_logprobs, row_keys, sample
@@ -108,6 +109,26 @@ def test_filters_keep_exactly_the_expected_support(vocab: int, only_top_k: bool)
     tokens = np.stack([run(logits, rows).token_ids for rows in rows_per_step], axis=1)
     for i, (kwargs, support) in enumerate(cases):
         assert set(tokens[i * seeds : (i + 1) * seeds].ravel().tolist()) == support, kwargs
+
+
+@pytest.mark.parametrize("vocab", [4, 700])
+def test_deterministic_top_p_keeps_the_same_tokens(vocab: int) -> None:
+    """`--deterministic`'s top-p (the row kernel's softmax, an associative-scan prefix sum; Pallas interpret mode)
+    draws exactly the default sampler's tokens: on the hand-built cases, every seed, and on random logits whose
+    top-p cut falls anywhere (its float32 prefix sums within rounding of cumsum's)."""
+    rng = np.random.default_rng(vocab)
+    cases = [kwargs for kwargs, _ in SUPPORT_CASES]
+    rows = [RowInputs(SamplingParams(**kwargs, seed=s), [], [], 0) for kwargs in cases for s in range(16)]
+    logits = np.tile(hand_built_logits(vocab), (len(rows), 1))
+    if vocab > 4:
+        rows += [RowInputs(SamplingParams(top_p=float(p), seed=i), [], [], 0)
+                 for i, p in enumerate(rng.uniform(0.2, 0.95, 32))]
+        logits = np.concatenate([logits, (rng.normal(size=(32, vocab)) * 3).astype(np.float32)])
+    md = build_sampling_metadata(rows, len(rows))
+    deterministic = dataclasses.replace(md, row_reduction=RowReduction("pallas_interpret"))
+    fast = SAMPLE(jnp.asarray(logits), md).token_ids
+    ours = SAMPLE(jnp.asarray(logits), deterministic).token_ids
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(fast))
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
