@@ -79,7 +79,13 @@ def select_backend(platform: str, requested: str = "auto", head_dim: int | None 
     if requested != "auto":
         if requested not in BACKENDS:
             raise ValueError(f"unknown attention backend {requested!r}; available: {sorted(BACKENDS)}")
-        return _deterministic(BACKENDS[requested](mesh), platform) if deterministic else BACKENDS[requested](mesh)
+        backend = BACKENDS[requested](mesh)
+    else:
+        backend = _fastest(platform, head_dim, mesh)
+    return _deterministic(backend, platform) if deterministic else backend
+
+
+def _fastest(platform: str, head_dim: int | None, mesh) -> AttentionBackend:
     backend = ReferenceBackend()
     if platform == "gpu":
         from pallas_kernels.ragged_paged_attention import SUPPORTED_HEAD_DIMS
@@ -90,7 +96,7 @@ def select_backend(platform: str, requested: str = "auto", head_dim: int | None 
             logger.warning("pallas_gpu attention supports head_dim %s, not %d: using reference", SUPPORTED_HEAD_DIMS,
                            head_dim)
     logger.info("attention backend on %s: %s", platform, backend.name)
-    return _deterministic(backend, platform) if deterministic else backend
+    return backend
 
 
 def _deterministic(backend: AttentionBackend, platform: str) -> AttentionBackend:

@@ -53,7 +53,8 @@ class SamplingMetadata:
     use_min_p: bool = dataclasses.field(metadata=dict(static=True))  # some sampling row has min_p > 0
     max_top_k: int = dataclasses.field(metadata=dict(static=True))  # candidates for top-k/top-p; 0 = sort all
     max_num_logprobs: int = dataclasses.field(metadata=dict(static=True))  # top-K raw logprobs to return; 0 = none
-    # how the logprobs' log-softmax reduces a row: "xla", or the batch-invariant kernel (`--deterministic`)
+    # how the logprobs' log-softmax and top-p's softmax reduce a row: XLA's, or the batch-invariant kernel
+    # (`--deterministic`)
     row_reduction: RowReduction = dataclasses.field(default=RowReduction(), metadata=dict(static=True))
 
     @property

@@ -9,9 +9,9 @@ Pairs routed outside `[0, num_experts)` (another device's experts under expert p
 `pair_slot` is `num_slots`, which the combine reads as zero.
 
 Two ways to the same layout: a decode-sized step counts each pair's earlier pairs of the same expert with one
-`[pairs, pairs]` comparison (a handful of fused kernels, no sort: a sort and the gathers through its order were a
-chain of small launches, ~87 µs per layer at one token on the H200); a prefill-sized step sorts the pairs by expert.
-Within an expert, pairs keep their order either way.
+`[pairs, pairs]` comparison (fused elementwise-and-reduce kernels in place of a sort and the gathers through its
+order; which is faster on the H200 at each size is for `scripts/bench_moe_kernels.py` to show); a prefill-sized step
+sorts the pairs by expert. Within an expert, pairs keep their order either way.
 """
 
 from __future__ import annotations

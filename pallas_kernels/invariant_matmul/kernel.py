@@ -40,17 +40,6 @@ class Tile:
 TILE = Tile()  # one configuration for every shape: the point of the kernel
 
 
-def split_pays(m: int, k: int, chunks: int, weight_itemsize: int) -> bool:
-    """Whether `m` rows run their K chunks as programs: a single row tile (more rows already fill the SMs) whose
-    float32 partials, written and read back (8·m·n·chunks bytes), cost at most half the weight's bytes. Only speed
-    follows: both ways give the same bits."""
-    return chunks > 1 and m <= SPLIT_MAX_ROWS and 16 * m * chunks <= k * weight_itemsize
-
-
-def _arange(start, size: int):
-    return start + jnp.arange(size, dtype=jnp.int32)
-
-
 TARGET_PROGRAMS = 132  # one wave of an H100/H200's SMs for a decode step's single row tile
 MAX_CHUNKS = 16
 MIN_CHUNK_STEPS = 4  # a chunk of fewer K steps would spend more on its partial than its loads
@@ -67,6 +56,13 @@ def k_chunks(k: int, n: int, tile: Tile = TILE) -> int:
     while column_tiles * chunks < TARGET_PROGRAMS and 2 * chunks <= most:
         chunks *= 2
     return chunks
+
+
+def split_pays(m: int, k: int, chunks: int, weight_itemsize: int) -> bool:
+    """Whether `m` rows run their K chunks as programs: a single row tile (more rows already fill the SMs) whose
+    float32 partials, written and read back (8·m·n·chunks bytes), cost at most half the weight's bytes. Only speed
+    follows: both ways give the same bits."""
+    return chunks > 1 and m <= SPLIT_MAX_ROWS and 16 * m * chunks <= k * weight_itemsize
 
 
 def _arange(start, size: int):
