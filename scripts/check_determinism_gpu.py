@@ -180,7 +180,8 @@ def main() -> None:
         args.requests, args.mixed, args.max_tokens, args.step_tokens = 6, 24, 8, 8
     path = model_dir(args)
     rng = np.random.default_rng(0)
-    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    vocab = min(json.loads((path / "config.json").read_text())["vocab_size"],  # the MoE shapes' tokenizer is
+                len(json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]))  # smaller than the model's
     high = 60 if args.tiny else 700
     requests = prompts(rng, args.requests, vocab, 20, high)
     neighbours = prompts(rng, 3 * args.requests, vocab, 1, high)
