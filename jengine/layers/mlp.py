@@ -19,6 +19,7 @@ from jengine.layers.invariant import InvariantWeight, RowReduction, invariant_lo
 from jengine.layers.linear import ACTIVATIONS, Precision, linear, split_fused
 from jengine.layers.lora import LayerLora
 from jengine.layers.quant import QuantizedWeight, column_scales, dequantize
+from jengine.layers.quant4 import Int4Experts, dequantize4
 from jengine.models.spec import MoeSpec
 from jengine.parallel.collectives import ordered_psum
 
@@ -60,8 +61,13 @@ def route(
 def expert_stacks(w: dict, dtype) -> tuple[tuple[Array, Array, Array], tuple[Array, ...]]:
     """The experts' (gate, up, down) as the grouped-matmul kernels take them, and their scales: float stacks as they
     are (no scales); 8-bit ones with a scale per (expert, output column) as stored, 8 bits read, with those scales
-    (gate, up, down); 8-bit ones with block or group scales dequantized to `dtype` (no scales)."""
+    (gate, up, down); 8-bit ones with block or group scales dequantized to `dtype` (no scales); 4-bit ones as their
+    packed words, with their group scales and then their zero points (gate, up, down each)."""
     stacks = tuple(w[name] for name in ("we_gate", "we_up", "we_down"))
+    if all(isinstance(s, Int4Experts) for s in stacks):
+        return tuple(s.packed for s in stacks), tuple(s.scales for s in stacks) + tuple(s.zeros for s in stacks)
+    if any(isinstance(s, Int4Experts) for s in stacks):  # the loader packs a layer's three stacks or none
+        stacks = tuple(expert_float(s, dtype) for s in stacks)
     if not any(isinstance(s, QuantizedWeight) for s in stacks):
         return stacks, ()
     scales = tuple(column_scales(s) for s in stacks)
@@ -70,8 +76,10 @@ def expert_stacks(w: dict, dtype) -> tuple[tuple[Array, Array, Array], tuple[Arr
     return tuple(dequantize(s, dtype) for s in stacks), ()
 
 
-def expert_float(w: Array | QuantizedWeight, dtype) -> Array:
-    """One expert stack for `ragged_dot`: 8-bit ones dequantized to `dtype`."""
+def expert_float(w: Array | QuantizedWeight | Int4Experts, dtype) -> Array:
+    """One expert stack for `ragged_dot`: 8-bit and 4-bit ones dequantized to `dtype`."""
+    if isinstance(w, Int4Experts):
+        return dequantize4(w, dtype)
     return dequantize(w, dtype) if isinstance(w, QuantizedWeight) else w
 
 
@@ -102,7 +110,10 @@ class PallasExperts:
             return local(x, experts, weights, *stacks, *scales)
         axis = self.mesh.axis_names[0]
         cols, rows = P(None, None, axis), P(None, axis, None)
-        scale_specs = (P(None, axis), P(None, axis), P()) if scales else ()
+        if len(scales) == 6:  # 4-bit: group scales and zero points split as their weights (down: whole groups)
+            scale_specs = (cols, cols, rows) * 2
+        else:  # 8-bit: one scale per (expert, output column)
+            scale_specs = (P(None, axis), P(None, axis), P()) if scales else ()
         add = ordered_psum if invariant else jax.lax.psum  # device order, not the collective library's
         partial = jax.shard_map(lambda *a: add(local(*a), axis), mesh=self.mesh,
                                 in_specs=(P(), P(), P(), cols, cols, rows, *scale_specs), out_specs=P(),

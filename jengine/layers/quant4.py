@@ -57,6 +57,33 @@ class Int4Weight:
         return self.packed.nbytes + self.zeros.nbytes + self.scales.nbytes + extra
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int4Experts:
+    """A MoE layer's stack of 4-bit expert projections, logical shape `[experts, K, N]`: each expert in the layout of
+    `Int4Weight` (`packed [experts, K / 8, N]`, `zeros` and `scales` `[experts, K / group, N]`), the input rows in
+    their natural order (the loader dequantizes stacks in activation order). The grouped-matmul kernels read them
+    packed (`layers/mlp.py:PallasExperts`); `ragged_dot` (the CPU) takes them dequantized. The group is read from
+    the shapes, so a stack split over devices (by expert, or by whole groups) stays consistent."""
+
+    packed: Int[Array, "e k8 n"]
+    zeros: Float[Array, "e g n"]
+    scales: Float[Array, "e g n"]
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        experts, k8, n = self.packed.shape
+        return (experts, k8 * PACK, n)
+
+    @property
+    def group(self) -> int:
+        return self.shape[1] // self.zeros.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.zeros.nbytes + self.scales.nbytes
+
+
 def fits_kernel(n: int) -> bool:
     """Whether the kernels tile `n` output features (power-of-two column strips of at least 16)."""
     return n % 16 == 0
@@ -96,10 +123,14 @@ def _local_matmul(x, packed, zeros, scales, *, w: Int4Weight):
                         interpret=w.impl == "pallas_interpret")
 
 
-def dequantize4(w: Int4Weight, dtype=jnp.float32) -> Float[Array, "k n"]:
-    """The real `[K, N]` weight in the input features' natural order."""
+def dequantize4(w: Int4Weight | Int4Experts, dtype=jnp.float32) -> Float[Array, "... k n"]:
+    """The real `[K, N]` weight (`[experts, K, N]` for a stack), input features in their natural order."""
     from pallas_kernels.w4a16 import unpack
 
+    if isinstance(w, Int4Experts):
+        q = jax.vmap(unpack)(w.packed).astype(jnp.float32)
+        rows = jnp.arange(q.shape[1]) // w.group
+        return ((q - w.zeros[:, rows].astype(jnp.float32)) * w.scales[:, rows].astype(jnp.float32)).astype(dtype)
     q = unpack(w.packed).astype(jnp.float32)
     rows = jnp.arange(q.shape[0]) // w.group
     stored = (q - w.zeros[rows].astype(jnp.float32)) * w.scales[rows].astype(jnp.float32)

@@ -13,7 +13,11 @@ Two launches per MoE layer:
 The combine back to token order (a sum of k rows per token) is one gather in `routing.combine`.
 
 Weights may be stored in a narrower type than the activations (float8, int8) with a per-(expert, output column)
-scale applied to the float32 accumulator, so quantized experts reuse the same kernels; `None` means unscaled.
+scale applied to the float32 accumulator, so quantized experts reuse the same kernels; `None` means unscaled. 4-bit
+experts (AWQ, GPTQ, compressed-tensors W4A16) travel packed, `[experts, K / 8, N]` int32 words (input rows
+8r … 8r + 7 of column c in word (r, c), row 8r + j at bits 4j), with a zero point and a scale per (expert, group of
+input rows, column): each K step turns its words into the `[block_k, block_n]` tile `(q − z) · s` in registers
+(`pallas_kernels/w4a16/nibbles.py`, no integer-to-float conversion) before the dot, so only 4 bits a weight move.
 `precision` is `jnp.dot`'s: HIGHEST makes float32 products exact (IEEE) instead of TF32.
 
 Triton rules (JAX-PALLAS.md §1.2): power-of-two tiles, ragged edges masked, block-table-style indices loaded in
@@ -34,6 +38,7 @@ from jax.experimental.pallas import triton as pltr
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.grouped_matmul.routing import ExpertTiles
+from pallas_kernels.w4a16.nibbles import PACK, nibbles_as_float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,16 +73,50 @@ def _weight_tile(w_ref, e, ks, cols, k_dim: int, n_dim: int, dtype, cfg: TileCon
     return jnp.where(mask, pltr.load(index, mask=mask).astype(dtype), 0)
 
 
+def _int4_tile(w_ref, z_ref, s_ref, e, k0, cols, n_dim: int, dtype, block_k: int, group: int):
+    """One expert's `[block_k, block_n]` 4-bit weight tile, dequantized: `(1 + q/16) · 16s − s(16 + z) = (q − z) · s`
+    per (row, column), the zero point and scale of each row's group (one group per step when `block_k ≤ group`).
+    K needs no mask (`block_k` divides it); a ragged N edge is masked where the shape has one (static)."""
+    word_rows = _arange(k0 // PACK, block_k // PACK)
+    ragged = n_dim % cols.shape[0] != 0
+
+    def load(ref, index, shape):
+        if not ragged:
+            return pltr.load(ref.at[index])
+        return pltr.load(ref.at[index], mask=jnp.broadcast_to(cols < n_dim, shape), other=0)
+
+    block_n = cols.shape[0]
+    words = load(w_ref, (e, word_rows[:, None], cols[None, :]), (block_k // PACK, block_n))
+    if block_k <= group:
+        index, shape = (e, k0 // group, cols), (block_n,)
+    else:
+        index, shape = (e, (word_rows // (group // PACK))[:, None], cols[None, :]), (block_k // PACK, block_n)
+    zero = load(z_ref, index, shape).astype(jnp.float32)
+    scale = load(s_ref, index, shape).astype(jnp.float32)
+    if block_k <= group:
+        zero, scale = zero[None, :], scale[None, :]
+    a, b = (16 * scale)[:, None, :], (-scale * (16 + zero))[:, None, :]
+    return (nibbles_as_float(words) * a + b).reshape(block_k, block_n).astype(dtype)
+
+
+def _expert_tile(w_ref, s_ref, z_ref, e, k0, cols, k_dim: int, n_dim: int, dtype, cfg: TileConfig, group: int):
+    """The step's weight tile in the compute dtype: 4-bit stacks (`z_ref` given) dequantized in registers, float and
+    8-bit ones cast (their column scales apply to the accumulator)."""
+    if z_ref is not None:
+        return _int4_tile(w_ref, z_ref, s_ref, e, k0, cols, n_dim, dtype, cfg.block_k, group)
+    return _weight_tile(w_ref, e, _arange(k0, cfg.block_k), cols, k_dim, n_dim, dtype, cfg)
+
+
 def _column_scale(scale_ref, e, cols, n_dim: int):
     if scale_ref is None:
         return None
     return pltr.load(scale_ref.at[e, cols], mask=cols < n_dim, other=0.0)[None, :]
 
 
-def _gate_up_kernel(x_ref, wg_ref, wu_ref, sg_ref, su_ref, slot_token_ref, tile_expert_ref, num_tiles_ref, h_ref, *,
-                    cfg: TileConfig, act: Callable, precision):
+def _gate_up_kernel(x_ref, wg_ref, wu_ref, sg_ref, su_ref, zg_ref, zu_ref, slot_token_ref, tile_expert_ref,
+                    num_tiles_ref, h_ref, *, cfg: TileConfig, act: Callable, precision, group: int):
     t, j = pl.program_id(0), pl.program_id(1)
-    k_dim, n_dim = wg_ref.shape[1], wg_ref.shape[2]
+    k_dim, n_dim = x_ref.shape[1], wg_ref.shape[2]
 
     @pl.when(t < num_tiles_ref[0])
     def _():
@@ -86,26 +125,27 @@ def _gate_up_kernel(x_ref, wg_ref, wu_ref, sg_ref, su_ref, slot_token_ref, tile_
         cols = _arange(j * cfg.block_n, cfg.block_n)
 
         def step(i, acc):
-            ks = _arange(i * cfg.block_k, cfg.block_k)
+            k0 = i * cfg.block_k
+            ks = _arange(k0, cfg.block_k)
             x = pltr.load(x_ref.at[token[:, None], ks[None, :]], mask=real[:, None] & (ks[None, :] < k_dim), other=0)
-            gate = jnp.dot(x, _weight_tile(wg_ref, e, ks, cols, k_dim, n_dim, x.dtype, cfg),
-                           preferred_element_type=jnp.float32, precision=precision)
-            up = jnp.dot(x, _weight_tile(wu_ref, e, ks, cols, k_dim, n_dim, x.dtype, cfg),
-                         preferred_element_type=jnp.float32, precision=precision)
+            tile = functools.partial(_expert_tile, e=e, k0=k0, cols=cols, k_dim=k_dim, n_dim=n_dim, dtype=x.dtype,
+                                     cfg=cfg, group=group)
+            gate = jnp.dot(x, tile(wg_ref, sg_ref, zg_ref), preferred_element_type=jnp.float32, precision=precision)
+            up = jnp.dot(x, tile(wu_ref, su_ref, zu_ref), preferred_element_type=jnp.float32, precision=precision)
             return acc[0] + gate, acc[1] + up
 
         zeros = jnp.zeros((cfg.block_rows, cfg.block_n), jnp.float32)
         gate, up = lax.fori_loop(0, pl.cdiv(k_dim, cfg.block_k), step, (zeros, zeros))
-        if sg_ref is not None:
+        if sg_ref is not None and zg_ref is None:  # 8-bit column scales (4-bit group scales were applied per tile)
             gate, up = gate * _column_scale(sg_ref, e, cols, n_dim), up * _column_scale(su_ref, e, cols, n_dim)
         h = act(gate) * up
         pltr.store(h_ref.at[slots[:, None], cols[None, :]], h.astype(h_ref.dtype), mask=cols[None, :] < n_dim)
 
 
-def _down_kernel(h_ref, wd_ref, sd_ref, slot_weight_ref, tile_expert_ref, num_tiles_ref, y_ref, *, cfg: TileConfig,
-                 precision):
+def _down_kernel(h_ref, wd_ref, sd_ref, zd_ref, slot_weight_ref, tile_expert_ref, num_tiles_ref, y_ref, *,
+                 cfg: TileConfig, precision, group: int):
     t, j = pl.program_id(0), pl.program_id(1)
-    k_dim, n_dim = wd_ref.shape[1], wd_ref.shape[2]
+    k_dim, n_dim = h_ref.shape[1], wd_ref.shape[2]
 
     @pl.when(t < num_tiles_ref[0])
     def _():
@@ -114,14 +154,15 @@ def _down_kernel(h_ref, wd_ref, sd_ref, slot_weight_ref, tile_expert_ref, num_ti
         cols = _arange(j * cfg.block_n, cfg.block_n)
 
         def step(i, acc):
-            ks = _arange(i * cfg.block_k, cfg.block_k)
+            k0 = i * cfg.block_k
+            ks = _arange(k0, cfg.block_k)
             h = pltr.load(h_ref.at[slots[:, None], ks[None, :]], mask=ks[None, :] < k_dim, other=0)
-            return acc + jnp.dot(h, _weight_tile(wd_ref, e, ks, cols, k_dim, n_dim, h.dtype, cfg),
-                                 preferred_element_type=jnp.float32, precision=precision)
+            w = _expert_tile(wd_ref, sd_ref, zd_ref, e, k0, cols, k_dim, n_dim, h.dtype, cfg, group)
+            return acc + jnp.dot(h, w, preferred_element_type=jnp.float32, precision=precision)
 
         acc = lax.fori_loop(0, pl.cdiv(k_dim, cfg.block_k), step,
                             jnp.zeros((cfg.block_rows, cfg.block_n), jnp.float32))
-        if sd_ref is not None:
+        if sd_ref is not None and zd_ref is None:
             acc = acc * _column_scale(sd_ref, e, cols, n_dim)
         weight = pltr.load(slot_weight_ref.at[slots])
         pltr.store(y_ref.at[slots[:, None], cols[None, :]], (acc * weight[:, None]).astype(y_ref.dtype),
@@ -150,20 +191,49 @@ def _optional(kernel, present: tuple[bool, ...]):
     return bound
 
 
+def int4_group(k_dim: int, zeros: Array | None) -> int:
+    """Input rows per group of a 4-bit stack whose zero points are `[experts, groups, N]` (0 when not 4-bit)."""
+    if zeros is None:
+        return 0
+    groups = zeros.shape[1]
+    if k_dim % groups or (k_dim // groups) % 16:
+        raise ValueError(f"4-bit experts need whole groups of a multiple of 16 input rows ({k_dim} rows in {groups} "
+                         "groups)")
+    return k_dim // groups
+
+
+def _check_int4(w: Array, k_dim: int, group: int, cfg: TileConfig) -> None:
+    if w.dtype != jnp.int32 or w.shape[1] * PACK != k_dim:
+        raise ValueError(f"4-bit experts are int32 words [experts, K / 8, N]: got {w.dtype} {w.shape} for K={k_dim}")
+    if k_dim % cfg.block_k or (group % cfg.block_k and cfg.block_k % group):
+        raise ValueError(f"block_k {cfg.block_k} must divide K ({k_dim}) and divide or be a multiple of the group "
+                         f"({group}) for 4-bit experts (moe.int4_tiles picks one)")
+
+
 @functools.partial(jax.jit, static_argnames=("act", "cfg", "interpret", "precision"))
 def expert_gate_up(
     x: Float[Array, "tokens d"], w_gate: Float[Array, "experts d inter"], w_up: Float[Array, "experts d inter"],
     tiles: ExpertTiles, *, act: Callable, cfg: TileConfig, interpret: bool = False, precision=None,
     gate_scale: Float[Array, "experts inter"] | None = None, up_scale: Float[Array, "experts inter"] | None = None,
+    gate_zero: Float[Array, "experts groups inter"] | None = None,
+    up_zero: Float[Array, "experts groups inter"] | None = None,
 ) -> Float[Array, "slots inter"]:
-    """`act(x·W_gate[e]) * (x·W_up[e])` for every slot's token and expert (padding slots: zeros, never read)."""
+    """`act(x·W_gate[e]) * (x·W_up[e])` for every slot's token and expert (padding slots: zeros, never read). With
+    `gate_zero`/`up_zero` the weights are 4-bit words and the scales per group (`[experts, groups, inter]`)."""
     slots, inter = tiles.slot_token.shape[0], w_gate.shape[2]
-    if (gate_scale is None) != (up_scale is None):
-        raise ValueError("gate and up weights are scaled both or neither")
+    if (gate_scale is None) != (up_scale is None) or (gate_zero is None) != (up_zero is None):
+        raise ValueError("gate and up weights are scaled (and 4-bit) both or neither")
+    group = int4_group(x.shape[1], gate_zero)
+    if group:
+        if gate_scale is None:
+            raise ValueError("4-bit experts need their group scales")
+        for w in (w_gate, w_up):
+            _check_int4(w, x.shape[1], group, cfg)
     scales = () if gate_scale is None else (gate_scale, up_scale)
-    kernel = functools.partial(_gate_up_kernel, cfg=cfg, act=act, precision=precision)
-    kernel = _optional(kernel, (True,) * 3 + (bool(scales),) * 2)
-    operands = (x, w_gate, w_up, *scales, tiles.slot_token, tiles.tile_expert, tiles.num_tiles)
+    zeros = () if gate_zero is None else (gate_zero, up_zero)
+    kernel = functools.partial(_gate_up_kernel, cfg=cfg, act=act, precision=precision, group=group)
+    kernel = _optional(kernel, (True,) * 3 + (bool(scales),) * 2 + (bool(zeros),) * 2)
+    operands = (x, w_gate, w_up, *scales, *zeros, tiles.slot_token, tiles.tile_expert, tiles.num_tiles)
     return _launch(kernel, operands, jax.ShapeDtypeStruct((slots, inter), x.dtype), slots, inter, cfg, interpret,
                    "expert_gate_up")
 
@@ -172,12 +242,18 @@ def expert_gate_up(
 def expert_down(
     h: Float[Array, "slots inter"], w_down: Float[Array, "experts inter d"], tiles: ExpertTiles, *, cfg: TileConfig,
     interpret: bool = False, precision=None, down_scale: Float[Array, "experts d"] | None = None,
+    down_zero: Float[Array, "experts groups d"] | None = None,
 ) -> Float[Array, "slots d"]:
-    """Each slot's hidden row times its expert's down weight, times its routing weight."""
+    """Each slot's hidden row times its expert's down weight, times its routing weight (4-bit: as gate/up)."""
     slots, d = h.shape[0], w_down.shape[2]
-    kernel = functools.partial(_down_kernel, cfg=cfg, precision=precision)
-    kernel = _optional(kernel, (True, True, down_scale is not None))
-    operands = (h, w_down, *(() if down_scale is None else (down_scale,)), tiles.slot_weight, tiles.tile_expert,
-                tiles.num_tiles)
+    group = int4_group(h.shape[1], down_zero)
+    if group:
+        if down_scale is None:
+            raise ValueError("4-bit experts need their group scales")
+        _check_int4(w_down, h.shape[1], group, cfg)
+    kernel = functools.partial(_down_kernel, cfg=cfg, precision=precision, group=group)
+    kernel = _optional(kernel, (True, True, down_scale is not None, down_zero is not None))
+    operands = (h, w_down, *(() if down_scale is None else (down_scale,)),
+                *(() if down_zero is None else (down_zero,)), tiles.slot_weight, tiles.tile_expert, tiles.num_tiles)
     return _launch(kernel, operands, jax.ShapeDtypeStruct((slots, d), h.dtype), slots, d, cfg, interpret,
                    "expert_down")

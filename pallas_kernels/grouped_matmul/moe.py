@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -11,19 +12,24 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.addressing import next_pow2
-from pallas_kernels.grouped_matmul.kernel import TileConfig, expert_down, expert_gate_up
+from pallas_kernels.grouped_matmul.kernel import TileConfig, expert_down, expert_gate_up, int4_group
 from pallas_kernels.grouped_matmul.routing import combine, expert_tiles
 
 
 class ExpertWeights(NamedTuple):
-    """One layer's stacked experts; the scales (per expert and output column, float32) go with narrow weights."""
+    """One layer's stacked experts. Float ones alone; 8-bit ones with a scale per (expert, output column); 4-bit ones
+    as int32 words `[experts, K / 8, N]` with a zero point and a scale per (expert, group of K rows, column)
+    (`kernel.py` gives the packing)."""
 
-    gate: Float[Array, "experts d inter"]
-    up: Float[Array, "experts d inter"]
-    down: Float[Array, "experts inter d"]
-    gate_scale: Float[Array, "experts inter"] | None = None
-    up_scale: Float[Array, "experts inter"] | None = None
-    down_scale: Float[Array, "experts d"] | None = None
+    gate: Float[Array, "experts d inter"] | Int[Array, "experts d8 inter"]
+    up: Float[Array, "experts d inter"] | Int[Array, "experts d8 inter"]
+    down: Float[Array, "experts inter d"] | Int[Array, "experts inter8 d"]
+    gate_scale: Float[Array, "experts inter"] | Float[Array, "experts groups inter"] | None = None
+    up_scale: Float[Array, "experts inter"] | Float[Array, "experts groups inter"] | None = None
+    down_scale: Float[Array, "experts d"] | Float[Array, "experts groups d"] | None = None
+    gate_zero: Float[Array, "experts groups inter"] | None = None  # 4-bit only
+    up_zero: Float[Array, "experts groups inter"] | None = None
+    down_zero: Float[Array, "experts groups d"] | None = None
 
 
 def tile_configs(num_pairs: int, num_experts: int, itemsize: int = 2) -> tuple[TileConfig, TileConfig]:
@@ -42,6 +48,16 @@ def tile_configs(num_pairs: int, num_experts: int, itemsize: int = 2) -> tuple[T
     return wide, wide
 
 
+def int4_tiles(cfg: TileConfig, k_dim: int, group: int) -> TileConfig:
+    """`cfg` with the largest K step at most its own that a 4-bit weight can take: dividing K, and dividing or a
+    multiple of the group (whole groups per step, or whole steps per group). 16 always fits a group of a multiple
+    of 16."""
+    block_k = cfg.block_k
+    while block_k > 16 and (k_dim % block_k or (group % block_k and block_k % group)):
+        block_k //= 2
+    return dataclasses.replace(cfg, block_k=block_k)
+
+
 def moe_experts(
     x: Float[Array, "tokens d"], weights: ExpertWeights, experts: Int[Array, "tokens k"],
     routing_weights: Float[Array, "tokens k"], *, act: Callable, precision=None, interpret: bool = False,
@@ -53,9 +69,14 @@ def moe_experts(
     up_cfg, down_cfg = configs or tile_configs(experts.size, num_experts, jnp.dtype(x.dtype).itemsize)
     if up_cfg.block_rows != down_cfg.block_rows:
         raise ValueError("both launches tile the same slots: block_rows must agree")
+    if weights.gate_zero is not None:
+        inter = weights.gate.shape[2]
+        up_cfg = int4_tiles(up_cfg, x.shape[1], int4_group(x.shape[1], weights.gate_zero))
+        down_cfg = int4_tiles(down_cfg, inter, int4_group(inter, weights.down_zero))
     tiles = expert_tiles(experts, routing_weights, num_experts, up_cfg.block_rows)
     h = expert_gate_up(x, weights.gate, weights.up, tiles, act=act, cfg=up_cfg, interpret=interpret,
-                       precision=precision, gate_scale=weights.gate_scale, up_scale=weights.up_scale)
+                       precision=precision, gate_scale=weights.gate_scale, up_scale=weights.up_scale,
+                       gate_zero=weights.gate_zero, up_zero=weights.up_zero)
     y = expert_down(h, weights.down, tiles, cfg=down_cfg, interpret=interpret, precision=precision,
-                    down_scale=weights.down_scale)
+                    down_scale=weights.down_scale, down_zero=weights.down_zero)
     return combine(y, tiles.pair_slot)
