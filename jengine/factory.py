@@ -118,10 +118,10 @@ def deterministic_params(params: dict, spec: ModelSpec, layout: ParallelLayout) 
     the weights are; a quantized checkpoint (read from its own quantization_config) is refused by name."""
     from jengine.layers.invariant import invariant_impl, make_invariant
     from jengine.layers.quant import QuantizedWeight
-    from jengine.layers.quant4 import Int4Weight
+    from jengine.layers.quant4 import Int4Experts, Int4Weight
 
     quantized = [leaf for layer in params["layers"] for leaf in layer.values()
-                 if isinstance(leaf, (QuantizedWeight, Int4Weight))]
+                 if isinstance(leaf, (QuantizedWeight, Int4Weight, Int4Experts))]
     if quantized:
         raise ConfigError("deterministic=True (batch-invariant matmuls) takes float checkpoints only: this one is "
                           "quantized")
@@ -165,7 +165,7 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
     adapters, runner_lora, params = build_lora(config, spec, dtype, layout.replicated, params)
     plan = agree_across_processes(plan_kv_cache(spec, config.cache, config.scheduler, dtype, device,
                                                 kv_shards=layout.size,
-                                                workspace=workspace_bytes(params, dtype) // layout.size))
+                                                workspace=workspace_bytes(params, dtype, device.platform) // layout.size))
     if plan.num_tokens < config.scheduler.max_model_len:
         raise ConfigError(
             f"the KV cache holds {plan.num_tokens} tokens, fewer than one request of max_model_len="

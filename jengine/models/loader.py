@@ -24,7 +24,7 @@ from jengine.models.checkpoint import CheckpointReader, checkpoint_dtype
 from jengine.models.converted import converted_metadata, restore_converted, save_converted
 from jengine.models.formats import open_checkpoint, read_model_config, unpacked_at_open
 from jengine.models.quant4_load import Quant4Reader
-from jengine.models.quant4_place import int4_plans, place_int4, read_int4
+from jengine.models.quant4_place import int4_plans, place_int4, place_int4_experts, read_int4, read_int4_experts
 from jengine.models.quant_config import QuantConfig, read_quant_config
 from jengine.models.quant_load import QUANTIZED_LEAVES, dequantized_float, leaf_quant, module_quant, place, read_leaf
 from jengine.models.registry import spec_from_hf_config
@@ -113,7 +113,7 @@ def load_model(
             return spec, _with_kv_scales(params, spec, kv_scales, sharding_for), resolved
         plans = _quant_plans(reader, sources, quant, platform)
         if isinstance(reader, Quant4Reader):  # 4-bit projections the W4A16 kernel takes stay packed
-            plans = int4_plans(reader, _flat_sources(sources), projection_shards, platform)
+            plans = int4_plans(reader, _flat_sources(sources), projection_shards, platform, sharding_for)
         _check_sources(reader, sources, plans)
         params = _place_all(reader, sources, resolved, sharding_for, progress, plans)
     if quant is not None:
@@ -259,6 +259,8 @@ def _place_any(reader: CheckpointReader, leaf: Source, dtype: jnp.dtype, shardin
     kind, how, impl = plan
     if kind == "int4":
         return place_int4(read_int4(reader, leaf), path, sharding_for, impl)
+    if kind == "int4_experts":
+        return place_int4_experts(read_int4_experts(reader, leaf), path, sharding_for)
     if kind == "run":
         return place(read_leaf(reader, leaf, how), path, sharding_for, impl)
     full = np.asarray(dequantized_float(reader, str(leaf.names), how), dtype=dtype)

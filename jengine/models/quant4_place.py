@@ -1,12 +1,17 @@
-"""4-bit projections of AWQ / GPTQ / compressed-tensors checkpoints kept packed (`layers/quant4.py:Int4Weight`).
+"""4-bit projections of AWQ / GPTQ / compressed-tensors checkpoints kept packed (`layers/quant4.py:Int4Weight`,
+and `Int4Experts` for a MoE layer's expert stacks).
 
 The loader asks `why_dequantized` per dense projection leaf: None means it is repacked into the W4A16 kernel's
 layout (`read_int4` → `place_int4`), a sentence means the leaf stays on the float path (the reader dequantizes it)
 and the log says why: groups that are not a multiple of 128 (the kernel walks K one group per step of 16·8 rows),
-8-bit GPTQ, column counts no power-of-two strip divides, fused parts in different activation orders, expert
-stacks (the grouped-matmul kernels take float or 8-bit experts), and under tensor parallelism the splits the kernel
-cannot run per device: column-parallel leaves (q/k/v, gate/up) need whole 16-column strips on each device, and
-row-parallel ones (o, down) whole groups. Split leaves run the kernel under `shard_map` (`layers/quant4.py`).
+8-bit GPTQ, column counts no power-of-two strip divides, fused parts in different activation orders, and under
+tensor parallelism the splits the kernel cannot run per device: column-parallel leaves (q/k/v, gate/up) need whole
+16-column strips on each device, and row-parallel ones (o, down) whole groups. Split leaves run the kernel under
+`shard_map` (`layers/quant4.py`).
+
+Expert stacks ask `why_experts_dequantized`: the grouped-matmul kernels step through K by whole groups or within
+one, so they take any group of a multiple of 16 rows, in the rows' natural order (an activation order differs
+from expert to expert), and under tensor parallelism whole groups of the down projection's rows on each device.
 """
 
 from __future__ import annotations
@@ -18,14 +23,14 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jengine.layers.quant4 import PACK, Int4Weight, fits_kernel
+from jengine.layers.quant4 import PACK, Int4Experts, Int4Weight, fits_kernel
 from jengine.models.quant4 import Unpacked
 from jengine.models.quant4_load import Quant4Reader
 from jengine.models.weights import FusedSource, LeafSource, Source, leaf_name
 
 logger = logging.getLogger("jengine.models.quant4_load")  # one logger for the 4-bit loading messages
 PACKED_LEAVES = ("wqkv", "wo", "w_gate_up", "w_down")
-EXPERT_LEAVES = ("we_gate", "we_up", "we_down")  # counted in the log too (they stay float)
+EXPERT_LEAVES = ("we_gate", "we_up", "we_down")
 ROW_PARALLEL = ("wo", "w_down")  # the rest split their output columns (parallel/sharding.py)
 KERNEL_GROUP = 128
 
@@ -56,8 +61,6 @@ def _group(unpacked: Unpacked) -> int:
 def why_dequantized(reader: Quant4Reader, leaf: Source, shards: int, name: str = "") -> str | None:
     """None when the leaf (named `name`, e.g. `wo`) can run packed through the W4A16 kernel on each of `shards`
     devices, else the reason it is dequantized."""
-    if any(p.names.ndim for p in _parts(leaf)):
-        return "expert stacks (the MoE kernels take float or 8-bit experts)"
     if reader.quant.bits != 4:
         return f"{reader.quant.bits}-bit weights (the W4A16 kernel takes 4)"
     rows = [reader.group_rows(_module(p)) for p in _parts(leaf)]
@@ -78,6 +81,58 @@ def why_dequantized(reader: Quant4Reader, leaf: Source, shards: int, name: str =
     if not fits_kernel(leaf.shape[-1]):
         return f"{leaf.shape[-1]} output features (not a multiple of 16)"
     return None
+
+
+EXPERT_GROUP_ROWS = 16  # the grouped-matmul kernels' smallest K step (one Triton dot's K)
+
+
+def why_experts_dequantized(reader: Quant4Reader, leaf: LeafSource, rows_per_device: int) -> str | None:
+    """None when an expert stack (one leaf: an HF module per expert) can run packed through the grouped-matmul
+    kernels, each device holding `rows_per_device` of its K input rows, else the reason it is dequantized."""
+    if reader.quant.bits != 4:
+        return f"{reader.quant.bits}-bit expert weights (the grouped-matmul kernels take 4-bit ones packed)"
+    rows = [reader.group_rows(module) for module in _expert_modules(leaf)]
+    groups = {len(g_idx) // count if len(g_idx) % count == 0 else 0 for g_idx, count in rows}
+    group = groups.pop() if len(groups) == 1 else 0
+    if group == 0 or group % EXPERT_GROUP_ROWS:
+        return (f"expert groups of {sorted(groups | {group})} rows (the grouped-matmul kernels take multiples of "
+                f"{EXPERT_GROUP_ROWS})")
+    if any(sorted_order(g_idx) is not None for g_idx, _ in rows):
+        return "expert stacks in activation order (desc_act: each expert orders its rows its own way)"
+    if rows_per_device % group:
+        return (f"tensor parallelism: {rows_per_device} of the experts' input rows on each device is not whole "
+                f"groups of {group}")
+    return None
+
+
+def _expert_modules(leaf: LeafSource) -> list[str]:
+    return [str(name).removesuffix(".weight") for name in leaf.names.flat]
+
+
+@dataclasses.dataclass(frozen=True)
+class HostInt4Experts:
+    packed: np.ndarray  # [E, K / 8, N] int32
+    zeros: np.ndarray  # [E, G, N] float16
+    scales: np.ndarray  # [E, G, N] float16 where exact, else float32
+
+
+def read_int4_experts(reader: Quant4Reader, leaf: LeafSource) -> HostInt4Experts:
+    """Each expert's module unpacked and repacked into the kernels' words, stacked along the expert axis."""
+    unpacked = [reader.unpacked(module) for module in _expert_modules(leaf)]
+    scales = np.stack([u.scales for u in unpacked])
+    if np.array_equal(scales.astype(np.float16).astype(np.float32), scales):
+        scales = scales.astype(np.float16)  # AWQ and GPTQ store float16 scales: keep their bytes
+    return HostInt4Experts(np.stack([_pack_rows(u.values) for u in unpacked]),
+                           np.stack([u.zeros.astype(np.float16) for u in unpacked]), scales)
+
+
+def place_int4_experts(host: HostInt4Experts, path: str, sharding_for) -> Int4Experts:
+    """On the devices where the layout puts the float stack's experts, columns or rows (`parallel/sharding.py`)."""
+    def put(array: np.ndarray, name: str) -> jax.Array:
+        sharding = sharding_for(path + name, array.shape)
+        return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+    return Int4Experts(put(host.packed, ".packed"), put(host.zeros, ".zeros"), put(host.scales, ".scales"))
 
 
 def sorted_order(g_idx: np.ndarray) -> np.ndarray | None:
@@ -151,7 +206,8 @@ def log_packing(reader: Quant4Reader, packed: int, reasons: dict[str, int]) -> N
     """One line for the packed projections and one per reason the others were dequantized (counted per module)."""
     quant = reader.quant
     if packed:
-        logger.info("quantization: %s; %d projections kept in 4 bits (W4A16 kernel)", quant.label, packed)
+        logger.info("quantization: %s; %d projections kept in 4 bits (W4A16 and grouped-matmul kernels)",
+                    quant.label, packed)
     for reason, count in reasons.items():
         logger.info("quantization: %s; %d projections unpacked and dequantized at load to the model dtype, running "
                     "with a float model's memory; why: %s", quant.label, count, reason)
@@ -162,20 +218,47 @@ def int4_impl(platform: str) -> str:
     return "pallas" if platform == "gpu" else "reference"
 
 
-def int4_plans(reader: Quant4Reader, flat_sources: list[tuple[str, Source]], shards: int, platform: str) -> dict:
-    """Leaf path → ("int4", None, impl) for the projections kept packed; the rest read as float. Logs the split."""
+def int4_plans(reader: Quant4Reader, flat_sources: list[tuple[str, Source]], shards: int, platform: str,
+               sharding_for=None) -> dict:
+    """Leaf path → ("int4", None, impl) for the projections kept packed, ("int4_experts", None, None) for the expert
+    stacks kept packed; the rest read as float. Logs the split. `sharding_for` (the loader's placement callback)
+    tells how many devices split an expert stack's input rows (tensor parallelism splits the down projection's;
+    expert parallelism none)."""
     plans, packed, reasons = {}, 0, {}
+    expert_layers: dict[str, list[tuple[str, Source]]] = {}
     for path, leaf in flat_sources:
         name = leaf_name(path)
-        if name not in PACKED_LEAVES and name not in EXPERT_LEAVES:
-            continue
-        modules = sum(int(np.prod(p.names.shape)) for p in _parts(leaf))
-        reason = why_dequantized(reader, leaf, shards, name)
-        if reason is None:
-            plans[path] = ("int4", None, int4_impl(platform))
-            packed += modules
-        else:
-            reasons[reason] = reasons.get(reason, 0) + modules
+        if name in EXPERT_LEAVES:
+            expert_layers.setdefault(path.rsplit("[", 1)[0], []).append((path, leaf))
+        elif name in PACKED_LEAVES:
+            reason = why_dequantized(reader, leaf, shards, name)
+            packed += _count(plans, reasons, path, leaf, reason, ("int4", None, int4_impl(platform)))
+    for stacks in expert_layers.values():
+        # a layer's three stacks run packed together or not at all: the kernels take one kind of weight per layer
+        why = [why_experts_dequantized(reader, leaf, _rows_per_device(sharding_for, path, leaf)) for path, leaf in stacks]
+        reason = next((r for r in why if r is not None), None)
+        for path, leaf in stacks:
+            packed += _count(plans, reasons, path, leaf, reason, ("int4_experts", None, None))
     log_packing(reader, packed, reasons)
     return plans
 
+
+def _rows_per_device(sharding_for, path: str, leaf: LeafSource) -> int:
+    """The input rows of an expert stack each device holds where `sharding_for` places its packed words."""
+    experts, k, n = leaf.shape
+    sharding = None if sharding_for is None else sharding_for(path + ".packed", (experts, k // PACK, n))
+    if not isinstance(sharding, NamedSharding):
+        return k
+    axis = (tuple(sharding.spec) + (None,) * 3)[1]
+    names = () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
+    return k // int(np.prod([sharding.mesh.shape[a] for a in names]))
+
+
+def _count(plans: dict, reasons: dict, path: str, leaf: Source, reason: str | None, plan: tuple) -> int:
+    """Records the leaf's plan (kept packed) or its reason (dequantized); returns the modules kept packed."""
+    modules = sum(int(np.prod(p.names.shape)) for p in _parts(leaf))
+    if reason is not None:
+        reasons[reason] = reasons.get(reason, 0) + modules
+        return 0
+    plans[path] = plan
+    return modules

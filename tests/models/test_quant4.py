@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import logging
 
+import jax
 import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, Qwen3MoeConfig
 
 from jengine.errors import UnsupportedModelError
-from jengine.layers.quant4 import Int4Weight
+from jengine.layers.quant4 import Int4Experts, Int4Weight
 from jengine.models.loader import load_model
 from jengine.models.quant4 import unpack_awq, unpack_compressed_tensors, unpack_gptq
 from jengine.models.quant4_load import read_quant4_config
@@ -55,16 +56,38 @@ def test_quantized_checkpoint_logits(build_checkpoint, fmt, kwargs, caplog):
     assert "21 projections unpacked and dequantized at load" in caplog.text
 
 
-def test_moe_experts_in_4_bits(build_checkpoint, caplog):
-    """Per-expert projections, as AWQ/GPTQ MoE checkpoints name them, unpack like any other (routers stay float)."""
+@pytest.mark.parametrize("fmt,kwargs", [
+    ("gptq", dict(symmetric=True, v1=True)),
+    ("awq", {}),
+    ("ct", dict(symmetric=False)),
+], ids=["gptq-v1-sym", "awq", "ct-asym"])
+def test_moe_experts_kept_in_4_bits(build_checkpoint, fmt, kwargs, caplog):
+    """Per-expert projections, as AWQ/GPTQ/compressed-tensors MoE checkpoints name them, stay packed as one
+    `Int4Experts` stack per projection and layer (routers stay float), with the logits of the HF model holding the
+    dequantized weights; attention in groups of 32 (which the dense W4A16 kernel does not take) is dequantized."""
     config = Qwen3MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
     model_dir, _ = build_checkpoint(config)
-    model = quantize_checkpoint(model_dir, "gptq", group=32, symmetric=True, v1=True)
+    model = quantize_checkpoint(model_dir, fmt, group=32, **kwargs)
     with caplog.at_level(logging.INFO, logger="jengine.models.quant4_load"):
-        _check_logits(model_dir, model)
-    assert "36 projections unpacked and dequantized at load" in caplog.text  # 3 layers × 4 experts × 3
-    assert "why: expert stacks" in caplog.text
+        params = _check_logits(model_dir, model)
+    assert "36 projections kept in 4 bits" in caplog.text  # 3 layers × 4 experts × 3
     assert "12 projections unpacked and dequantized at load" in caplog.text  # attention, in groups of 32
+    for layer in params["layers"]:
+        for name, shape in (("we_gate", (4, 64, 64)), ("we_up", (4, 64, 64)), ("we_down", (4, 64, 64))):
+            stack = layer[name]
+            assert isinstance(stack, Int4Experts) and stack.shape == shape and stack.group == 32
+            assert stack.packed.nbytes * 2 == np.prod(shape)  # half a byte a weight
+
+
+def test_moe_experts_in_activation_order_are_dequantized_with_a_reason(build_checkpoint, caplog):
+    """GPTQ's desc_act orders each expert's rows its own way: those stacks read as float, and the log says why."""
+    config = Qwen3MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+    model_dir, _ = build_checkpoint(config)
+    model = quantize_checkpoint(model_dir, "gptq", group=32, symmetric=False, desc_act=True)
+    with caplog.at_level(logging.INFO, logger="jengine.models.quant4_load"):
+        params = _check_logits(model_dir, model)
+    assert "why: expert stacks in activation order" in caplog.text
+    assert not isinstance(params["layers"][0]["we_gate"], Int4Experts)
 
 
 @pytest.mark.parametrize("group", [128, 64])
@@ -229,3 +252,73 @@ def test_weights_take_4_bit_bytes(build_checkpoint):
                          for leaf in jax.tree.leaves(layer[name])))
     packed, full = sizes
     assert packed == full * 4.25 / 32  # half a byte a weight + float16 zeros and scales per 128 (float32: 4)
+
+
+MOE_SHAPED = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+
+
+def _llm_greedy(path, tokenizer, **engine) -> tuple[list, np.ndarray, dict]:
+    from jengine import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=5, min_tokens=5, logprobs=1)
+    with LLM(str(path), tokenizer=str(tokenizer), dtype="float32", max_model_len=64, **engine) as llm:
+        out = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        core = llm._core
+        assert not core.has_unfinished() and core.kv_manager.num_free_blocks == core.kv_manager.num_blocks
+        layer = core.runner.params["layers"][0]
+    tokens = [o.outputs[0].token_ids for o in out]
+    logprobs = np.array([[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                         for o in out])
+    return tokens, logprobs, layer
+
+
+def test_the_engine_serves_packed_experts_through_the_kernels(build_checkpoint, tiny_tokenizer_dir, monkeypatch):
+    """Through `LLM` with the experts on the grouped-matmul kernels (interpret mode, reading the 4-bit words): the
+    float32 dequantized checkpoint's greedy tokens, logprobs within 1e-4."""
+    from tests.kernels.test_grouped_matmul import ReferenceAttentionKernelExperts
+
+    model_dir, _ = build_checkpoint(Qwen3MoeConfig(**COMMON, **MOE_SHAPED), tokenizer_dir=tiny_tokenizer_dir)
+    quantize_checkpoint(model_dir, "awq", group=32)
+    want_tokens, want_logprobs, _ = _llm_greedy(model_dir.with_name(model_dir.name + "-dequantized"), model_dir)
+    monkeypatch.setattr("jengine.factory.select_backend", lambda *a, **k: ReferenceAttentionKernelExperts())
+    tokens, logprobs, layer = _llm_greedy(model_dir, model_dir)
+    assert isinstance(layer["we_down"], Int4Experts)
+    assert tokens == want_tokens
+    assert np.abs(logprobs - want_logprobs).max() <= 1e-4
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])
+def test_packed_experts_split_over_devices_serve_as_the_dequantized_model(build_checkpoint, tiny_tokenizer_dir,
+                                                                         expert_parallel):
+    """Over 2 devices the stacks stay packed: split by columns (gate, up) and whole groups of rows (down) under TP,
+    by expert under EP; the greedy tokens are the float32 dequantized checkpoint's on one device."""
+    model_dir, _ = build_checkpoint(Qwen3MoeConfig(**COMMON, **MOE_SHAPED), tokenizer_dir=tiny_tokenizer_dir)
+    quantize_checkpoint(model_dir, "gptq", group=32, symmetric=False)
+    want_tokens, want_logprobs, _ = _llm_greedy(model_dir.with_name(model_dir.name + "-dequantized"), model_dir)
+    tokens, logprobs, layer = _llm_greedy(model_dir, model_dir, tensor_parallel_size=2,
+                                          enable_expert_parallel=expert_parallel)
+    assert tokens == want_tokens
+    assert np.abs(logprobs - want_logprobs).max() <= 1e-4
+    for name, axis in (("we_gate", 2), ("we_up", 2), ("we_down", 1)):
+        stack = layer[name]
+        assert isinstance(stack, Int4Experts)
+        split = 0 if expert_parallel else axis
+        assert stack.packed.addressable_shards[0].data.shape[split] * 2 == stack.packed.shape[split]
+
+
+def test_tensor_parallel_splits_that_break_expert_groups_dequantize_with_a_reason(build_checkpoint, caplog):
+    """Groups of 64 over 2 devices leave half a group of the down projection's rows on each: the layer's three
+    stacks read as float together, and the log says why."""
+    model_dir, _ = build_checkpoint(Qwen3MoeConfig(**COMMON, **MOE_SHAPED))
+    quantize_checkpoint(model_dir, "awq", group=64)
+    from jengine.parallel.mesh import TP_AXIS
+    from jengine.parallel.sharding import ParallelLayout
+
+    mesh = jax.make_mesh((2,), (TP_AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
+    layout = ParallelLayout(mesh, expert_parallel=False, kv_head_repeat=1, shard_vocab=True)
+    with caplog.at_level(logging.INFO, logger="jengine.models.quant4_load"):
+        _, params, _ = load_model(model_dir, dtype="float32", progress=False, projection_shards=2,
+                                  sharding=layout.param_sharding)
+    assert "why: tensor parallelism: 32 of the experts' input rows on each device is not whole groups of 64" in caplog.text
+    assert "36 projections unpacked and dequantized" in caplog.text
+    assert not any(isinstance(params["layers"][0][name], Int4Experts) for name in ("we_gate", "we_up", "we_down"))
