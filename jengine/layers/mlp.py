@@ -9,6 +9,7 @@ at a 4,096-token budget — while the kernels read each routed expert's weights 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,22 +59,48 @@ def route(
     return weights.astype(x.dtype), experts
 
 
-def expert_stacks(w: dict, dtype) -> tuple[tuple[Array, Array, Array], tuple[Array, ...]]:
-    """The experts' (gate, up, down) as the grouped-matmul kernels take them, and their scales: float stacks as they
-    are (no scales); 8-bit ones with a scale per (expert, output column) as stored, 8 bits read, with those scales
-    (gate, up, down); 8-bit ones with block or group scales dequantized to `dtype` (no scales); 4-bit ones as their
-    packed words, with their group scales and then their zero points (gate, up, down each)."""
+class ExpertOperands(NamedTuple):
+    """A layer's experts as the grouped-matmul kernels take them (`expert_stacks`)."""
+
+    stacks: tuple[Array, Array, Array]  # gate, up, down: float, 8-bit or 4-bit words
+    scales: tuple[Array, ...]  # () | 3 scales (gate, up, down) | 3 scales then 3 zero points (4-bit)
+    kind: str  # "float" | "column" | "block" | "int4"
+    scale_block: tuple[int, int] | None = None  # (rows, columns) of each block scale ("block")
+
+
+def expert_stacks(w: dict, dtype, shards: int = 1) -> ExpertOperands:
+    """The experts' (gate, up, down) as the grouped-matmul kernels take them, with their scales: float stacks as they
+    are; 8-bit ones as stored, 8 bits read, with their scales per (expert, output column) or per (expert, block) —
+    block-scaled ones dequantized to `dtype` where a block is under 16 rows (a kernel's smallest K step) or split
+    across the `shards` devices of tensor parallelism (gate/up by columns, down by rows); 4-bit ones as their packed
+    words, with their group scales and then their zero points (gate, up, down each)."""
     stacks = tuple(w[name] for name in ("we_gate", "we_up", "we_down"))
     if all(isinstance(s, Int4Experts) for s in stacks):
-        return tuple(s.packed for s in stacks), tuple(s.scales for s in stacks) + tuple(s.zeros for s in stacks)
+        return ExpertOperands(tuple(s.packed for s in stacks),
+                              tuple(s.scales for s in stacks) + tuple(s.zeros for s in stacks), "int4")
     if any(isinstance(s, Int4Experts) for s in stacks):  # the loader packs a layer's three stacks or none
         stacks = tuple(expert_float(s, dtype) for s in stacks)
     if not any(isinstance(s, QuantizedWeight) for s in stacks):
-        return stacks, ()
+        return ExpertOperands(stacks, (), "float")
     scales = tuple(column_scales(s) for s in stacks)
     if all(scale is not None for scale in scales):
-        return tuple(s.weight for s in stacks), scales
-    return tuple(dequantize(s, dtype) for s in stacks), ()
+        return ExpertOperands(tuple(s.weight for s in stacks), scales, "column")
+    schemes = {s.scheme for s in stacks}
+    if len(schemes) == 1 and _block_scales_fit(stacks, shards):
+        scheme = schemes.pop()
+        return ExpertOperands(tuple(s.weight for s in stacks), tuple(s.scale for s in stacks), "block",
+                              (scheme.block_k, scheme.block_n))
+    return ExpertOperands(tuple(dequantize(s, dtype) for s in stacks), (), "float")
+
+
+def _block_scales_fit(stacks: tuple[QuantizedWeight, ...], shards: int) -> bool:
+    """Whether the kernels can read these block-scaled stacks (`expert_stacks`) on each of `shards` devices."""
+    gate, _, down = stacks
+    rows, cols = gate.scheme.block_k, gate.scheme.block_n
+    if rows == 0 or rows % 16:
+        return False
+    inter = gate.shape[-1]
+    return shards == 1 or (inter % (shards * cols) == 0 and down.shape[-2] % (shards * rows) == 0)
 
 
 def expert_float(w: Array | QuantizedWeight | Int4Experts, dtype) -> Array:
@@ -103,22 +130,23 @@ class PallasExperts:
 
         def local(x, experts, weights, gate, up, down, *scales):
             return moe_experts(x, ExpertWeights(gate, up, down, *scales), experts, weights, act=ACTIVATIONS[act],
-                               precision=precision, interpret=self.interpret, configs=fixed)
+                               precision=precision, interpret=self.interpret, configs=fixed,
+                               scale_block=operands.scale_block)
 
-        stacks, scales = expert_stacks(w, x.dtype)
-        if self.mesh is None or self.mesh.size == 1:
-            return local(x, experts, weights, *stacks, *scales)
+        shards = 1 if self.mesh is None else self.mesh.size
+        operands = expert_stacks(w, x.dtype, shards)
+        if shards == 1:
+            return local(x, experts, weights, *operands.stacks, *operands.scales)
         axis = self.mesh.axis_names[0]
         cols, rows = P(None, None, axis), P(None, axis, None)
-        if len(scales) == 6:  # 4-bit: group scales and zero points split as their weights (down: whole groups)
-            scale_specs = (cols, cols, rows) * 2
-        else:  # 8-bit: one scale per (expert, output column)
-            scale_specs = (P(None, axis), P(None, axis), P()) if scales else ()
+        scale_specs = {"float": (), "column": (P(None, axis), P(None, axis), P()),  # per output column
+                       "block": (cols, cols, rows),  # as their weights, whole blocks on each device
+                       "int4": (cols, cols, rows) * 2}[operands.kind]  # scales, then zero points
         add = ordered_psum if invariant else jax.lax.psum  # device order, not the collective library's
         partial = jax.shard_map(lambda *a: add(local(*a), axis), mesh=self.mesh,
                                 in_specs=(P(), P(), P(), cols, cols, rows, *scale_specs), out_specs=P(),
                                 check_vma=False)
-        return partial(x, experts, weights, *stacks, *scales)
+        return partial(x, experts, weights, *operands.stacks, *operands.scales)
 
 
 def skip_padding(experts: Int[Array, "tokens k"], num_tokens: Int[Array, ""] | None) -> Int[Array, "tokens k"]:

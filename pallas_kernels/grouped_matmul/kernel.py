@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +51,20 @@ class TileConfig:
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Scaling:
+    """How one launch's weights are stored and scaled (static). `none`: float weights. `column`: 8-bit, one scale per
+    (expert, output column) `[experts, N]`, applied to the float32 accumulator. `block`: 8-bit, one scale per
+    (expert, `rows` × `cols` block) `[experts, ceil(K / rows), ceil(N / cols)]` (DeepSeek / Qwen3-FP8's 128 × 128,
+    or group-wise W8A16's `rows` × 1), applied to each K step's product (a step never straddles a block row).
+    `int4`: 4-bit words with scales and zero points per (expert, group of `rows` input rows, column), dequantized
+    in registers."""
+
+    kind: Literal["none", "column", "block", "int4"] = "none"
+    rows: int = 0
+    cols: int = 1
 
 
 def _arange(start, size: int):
@@ -99,22 +114,30 @@ def _int4_tile(w_ref, z_ref, s_ref, e, k0, cols, n_dim: int, dtype, block_k: int
     return (nibbles_as_float(words) * a + b).reshape(block_k, block_n).astype(dtype)
 
 
-def _expert_tile(w_ref, s_ref, z_ref, e, k0, cols, k_dim: int, n_dim: int, dtype, cfg: TileConfig, group: int):
-    """The step's weight tile in the compute dtype: 4-bit stacks (`z_ref` given) dequantized in registers, float and
-    8-bit ones cast (their column scales apply to the accumulator)."""
-    if z_ref is not None:
-        return _int4_tile(w_ref, z_ref, s_ref, e, k0, cols, n_dim, dtype, cfg.block_k, group)
+def _expert_tile(w_ref, s_ref, z_ref, e, k0, cols, k_dim: int, n_dim: int, dtype, cfg: TileConfig,
+                 scaling: Scaling):
+    """The step's weight tile in the compute dtype: 4-bit words dequantized in registers, float and 8-bit weights
+    cast (their scales apply to the products: `_scaled_step`, `_column_scale`)."""
+    if scaling.kind == "int4":
+        return _int4_tile(w_ref, z_ref, s_ref, e, k0, cols, n_dim, dtype, cfg.block_k, scaling.rows)
     return _weight_tile(w_ref, e, _arange(k0, cfg.block_k), cols, k_dim, n_dim, dtype, cfg)
 
 
+def _scaled_step(part, s_ref, e, k0, cols, n_dim: int, scaling: Scaling):
+    """One K step's float32 product with its block scales (`block`: the step lies in one block row), else as is."""
+    if scaling.kind != "block":
+        return part
+    index = s_ref.at[e, k0 // scaling.rows, cols // scaling.cols]
+    scale = pltr.load(index) if n_dim % cols.shape[0] == 0 else pltr.load(index, mask=cols < n_dim, other=0.0)
+    return part * scale[None, :]
+
+
 def _column_scale(scale_ref, e, cols, n_dim: int):
-    if scale_ref is None:
-        return None
     return pltr.load(scale_ref.at[e, cols], mask=cols < n_dim, other=0.0)[None, :]
 
 
 def _gate_up_kernel(x_ref, wg_ref, wu_ref, sg_ref, su_ref, zg_ref, zu_ref, slot_token_ref, tile_expert_ref,
-                    num_tiles_ref, h_ref, *, cfg: TileConfig, act: Callable, precision, group: int):
+                    num_tiles_ref, h_ref, *, cfg: TileConfig, act: Callable, precision, scaling: Scaling):
     t, j = pl.program_id(0), pl.program_id(1)
     k_dim, n_dim = x_ref.shape[1], wg_ref.shape[2]
 
@@ -128,22 +151,23 @@ def _gate_up_kernel(x_ref, wg_ref, wu_ref, sg_ref, su_ref, zg_ref, zu_ref, slot_
             k0 = i * cfg.block_k
             ks = _arange(k0, cfg.block_k)
             x = pltr.load(x_ref.at[token[:, None], ks[None, :]], mask=real[:, None] & (ks[None, :] < k_dim), other=0)
-            tile = functools.partial(_expert_tile, e=e, k0=k0, cols=cols, k_dim=k_dim, n_dim=n_dim, dtype=x.dtype,
-                                     cfg=cfg, group=group)
-            gate = jnp.dot(x, tile(wg_ref, sg_ref, zg_ref), preferred_element_type=jnp.float32, precision=precision)
-            up = jnp.dot(x, tile(wu_ref, su_ref, zu_ref), preferred_element_type=jnp.float32, precision=precision)
-            return acc[0] + gate, acc[1] + up
+            def product(w_ref, s_ref, z_ref):
+                w = _expert_tile(w_ref, s_ref, z_ref, e, k0, cols, k_dim, n_dim, x.dtype, cfg, scaling)
+                part = jnp.dot(x, w, preferred_element_type=jnp.float32, precision=precision)
+                return _scaled_step(part, s_ref, e, k0, cols, n_dim, scaling)
+
+            return acc[0] + product(wg_ref, sg_ref, zg_ref), acc[1] + product(wu_ref, su_ref, zu_ref)
 
         zeros = jnp.zeros((cfg.block_rows, cfg.block_n), jnp.float32)
         gate, up = lax.fori_loop(0, pl.cdiv(k_dim, cfg.block_k), step, (zeros, zeros))
-        if sg_ref is not None and zg_ref is None:  # 8-bit column scales (4-bit group scales were applied per tile)
+        if scaling.kind == "column":
             gate, up = gate * _column_scale(sg_ref, e, cols, n_dim), up * _column_scale(su_ref, e, cols, n_dim)
         h = act(gate) * up
         pltr.store(h_ref.at[slots[:, None], cols[None, :]], h.astype(h_ref.dtype), mask=cols[None, :] < n_dim)
 
 
 def _down_kernel(h_ref, wd_ref, sd_ref, zd_ref, slot_weight_ref, tile_expert_ref, num_tiles_ref, y_ref, *,
-                 cfg: TileConfig, precision, group: int):
+                 cfg: TileConfig, precision, scaling: Scaling):
     t, j = pl.program_id(0), pl.program_id(1)
     k_dim, n_dim = h_ref.shape[1], wd_ref.shape[2]
 
@@ -157,12 +181,13 @@ def _down_kernel(h_ref, wd_ref, sd_ref, zd_ref, slot_weight_ref, tile_expert_ref
             k0 = i * cfg.block_k
             ks = _arange(k0, cfg.block_k)
             h = pltr.load(h_ref.at[slots[:, None], ks[None, :]], mask=ks[None, :] < k_dim, other=0)
-            w = _expert_tile(wd_ref, sd_ref, zd_ref, e, k0, cols, k_dim, n_dim, h.dtype, cfg, group)
-            return acc + jnp.dot(h, w, preferred_element_type=jnp.float32, precision=precision)
+            w = _expert_tile(wd_ref, sd_ref, zd_ref, e, k0, cols, k_dim, n_dim, h.dtype, cfg, scaling)
+            part = jnp.dot(h, w, preferred_element_type=jnp.float32, precision=precision)
+            return acc + _scaled_step(part, sd_ref, e, k0, cols, n_dim, scaling)
 
         acc = lax.fori_loop(0, pl.cdiv(k_dim, cfg.block_k), step,
                             jnp.zeros((cfg.block_rows, cfg.block_n), jnp.float32))
-        if sd_ref is not None and zd_ref is None:
+        if scaling.kind == "column":
             acc = acc * _column_scale(sd_ref, e, cols, n_dim)
         weight = pltr.load(slot_weight_ref.at[slots])
         pltr.store(y_ref.at[slots[:, None], cols[None, :]], (acc * weight[:, None]).astype(y_ref.dtype),
@@ -202,56 +227,76 @@ def int4_group(k_dim: int, zeros: Array | None) -> int:
     return k_dim // groups
 
 
-def _check_int4(w: Array, k_dim: int, group: int, cfg: TileConfig) -> None:
-    if w.dtype != jnp.int32 or w.shape[1] * PACK != k_dim:
-        raise ValueError(f"4-bit experts are int32 words [experts, K / 8, N]: got {w.dtype} {w.shape} for K={k_dim}")
-    if k_dim % cfg.block_k or (group % cfg.block_k and cfg.block_k % group):
+def scaling_of(w: Array, k_dim: int, scale: Array | None, zero: Array | None,
+               scale_block: tuple[int, int] | None) -> Scaling:
+    """The launch's `Scaling` from its operands: zero points mean 4-bit words, `[experts, N]` scales one per column,
+    `[experts, K blocks, N blocks]` ones blocks of `scale_block`; checked against the weight's shape."""
+    if zero is not None:
+        group = int4_group(k_dim, zero)
+        if scale is None or w.dtype != jnp.int32 or w.shape[1] * PACK != k_dim:
+            raise ValueError(f"4-bit experts are int32 words [experts, K / 8, N] with group scales: got {w.dtype} "
+                             f"{w.shape} for K={k_dim}")
+        return Scaling("int4", group)
+    if scale is None:
+        return Scaling()
+    if scale.ndim == 2:
+        return Scaling("column")
+    if scale_block is None:
+        raise ValueError("block scales [experts, K blocks, N blocks] need their scale_block (rows, columns)")
+    rows, cols = scale_block
+    expected = (w.shape[0], -(-k_dim // rows), -(-w.shape[2] // cols))
+    if scale.shape != expected:
+        raise ValueError(f"block scales of {rows} x {cols} on a {w.shape} weight are {expected}, not {scale.shape}")
+    return Scaling("block", rows, cols)
+
+
+def _check_steps(scaling: Scaling, k_dim: int, cfg: TileConfig) -> None:
+    """A K step must lie in one block row (block scales), or divide K and align with the groups (4-bit)."""
+    if scaling.kind == "block" and scaling.rows % cfg.block_k:
+        raise ValueError(f"block_k {cfg.block_k} must divide the scale blocks' {scaling.rows} rows")
+    if scaling.kind == "int4" and (k_dim % cfg.block_k or (scaling.rows % cfg.block_k and
+                                                           cfg.block_k % scaling.rows)):
         raise ValueError(f"block_k {cfg.block_k} must divide K ({k_dim}) and divide or be a multiple of the group "
-                         f"({group}) for 4-bit experts (moe.int4_tiles picks one)")
+                         f"({scaling.rows}) for 4-bit experts (moe.fit_steps picks one)")
 
 
-@functools.partial(jax.jit, static_argnames=("act", "cfg", "interpret", "precision"))
+@functools.partial(jax.jit, static_argnames=("act", "cfg", "interpret", "precision", "scale_block"))
 def expert_gate_up(
     x: Float[Array, "tokens d"], w_gate: Float[Array, "experts d inter"], w_up: Float[Array, "experts d inter"],
     tiles: ExpertTiles, *, act: Callable, cfg: TileConfig, interpret: bool = False, precision=None,
-    gate_scale: Float[Array, "experts inter"] | None = None, up_scale: Float[Array, "experts inter"] | None = None,
+    gate_scale: Float[Array, "experts ..."] | None = None, up_scale: Float[Array, "experts ..."] | None = None,
     gate_zero: Float[Array, "experts groups inter"] | None = None,
-    up_zero: Float[Array, "experts groups inter"] | None = None,
+    up_zero: Float[Array, "experts groups inter"] | None = None, scale_block: tuple[int, int] | None = None,
 ) -> Float[Array, "slots inter"]:
-    """`act(x·W_gate[e]) * (x·W_up[e])` for every slot's token and expert (padding slots: zeros, never read). With
-    `gate_zero`/`up_zero` the weights are 4-bit words and the scales per group (`[experts, groups, inter]`)."""
+    """`act(x·W_gate[e]) * (x·W_up[e])` for every slot's token and expert (padding slots: zeros, never read). The
+    weights' storage and scales as `scaling_of` reads them (gate and up alike)."""
     slots, inter = tiles.slot_token.shape[0], w_gate.shape[2]
     if (gate_scale is None) != (up_scale is None) or (gate_zero is None) != (up_zero is None):
         raise ValueError("gate and up weights are scaled (and 4-bit) both or neither")
-    group = int4_group(x.shape[1], gate_zero)
-    if group:
-        if gate_scale is None:
-            raise ValueError("4-bit experts need their group scales")
-        for w in (w_gate, w_up):
-            _check_int4(w, x.shape[1], group, cfg)
+    scaling = scaling_of(w_gate, x.shape[1], gate_scale, gate_zero, scale_block)
+    if scaling_of(w_up, x.shape[1], up_scale, up_zero, scale_block) != scaling:
+        raise ValueError("gate and up weights must be stored and scaled alike")
+    _check_steps(scaling, x.shape[1], cfg)
     scales = () if gate_scale is None else (gate_scale, up_scale)
     zeros = () if gate_zero is None else (gate_zero, up_zero)
-    kernel = functools.partial(_gate_up_kernel, cfg=cfg, act=act, precision=precision, group=group)
+    kernel = functools.partial(_gate_up_kernel, cfg=cfg, act=act, precision=precision, scaling=scaling)
     kernel = _optional(kernel, (True,) * 3 + (bool(scales),) * 2 + (bool(zeros),) * 2)
     operands = (x, w_gate, w_up, *scales, *zeros, tiles.slot_token, tiles.tile_expert, tiles.num_tiles)
     return _launch(kernel, operands, jax.ShapeDtypeStruct((slots, inter), x.dtype), slots, inter, cfg, interpret,
                    "expert_gate_up")
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "interpret", "precision"))
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret", "precision", "scale_block"))
 def expert_down(
     h: Float[Array, "slots inter"], w_down: Float[Array, "experts inter d"], tiles: ExpertTiles, *, cfg: TileConfig,
-    interpret: bool = False, precision=None, down_scale: Float[Array, "experts d"] | None = None,
-    down_zero: Float[Array, "experts groups d"] | None = None,
+    interpret: bool = False, precision=None, down_scale: Float[Array, "experts ..."] | None = None,
+    down_zero: Float[Array, "experts groups d"] | None = None, scale_block: tuple[int, int] | None = None,
 ) -> Float[Array, "slots d"]:
-    """Each slot's hidden row times its expert's down weight, times its routing weight (4-bit: as gate/up)."""
+    """Each slot's hidden row times its expert's down weight, times its routing weight (storage as gate/up's)."""
     slots, d = h.shape[0], w_down.shape[2]
-    group = int4_group(h.shape[1], down_zero)
-    if group:
-        if down_scale is None:
-            raise ValueError("4-bit experts need their group scales")
-        _check_int4(w_down, h.shape[1], group, cfg)
-    kernel = functools.partial(_down_kernel, cfg=cfg, precision=precision, group=group)
+    scaling = scaling_of(w_down, h.shape[1], down_scale, down_zero, scale_block)
+    _check_steps(scaling, h.shape[1], cfg)
+    kernel = functools.partial(_down_kernel, cfg=cfg, precision=precision, scaling=scaling)
     kernel = _optional(kernel, (True, True, down_scale is not None, down_zero is not None))
     operands = (h, w_down, *(() if down_scale is None else (down_scale,)),
                 *(() if down_zero is None else (down_zero,)), tiles.slot_weight, tiles.tile_expert, tiles.num_tiles)

@@ -12,21 +12,22 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.addressing import next_pow2
-from pallas_kernels.grouped_matmul.kernel import TileConfig, expert_down, expert_gate_up, int4_group
+from pallas_kernels.grouped_matmul.kernel import Scaling, TileConfig, expert_down, expert_gate_up, scaling_of
 from pallas_kernels.grouped_matmul.routing import combine, expert_tiles
 
 
 class ExpertWeights(NamedTuple):
-    """One layer's stacked experts. Float ones alone; 8-bit ones with a scale per (expert, output column); 4-bit ones
-    as int32 words `[experts, K / 8, N]` with a zero point and a scale per (expert, group of K rows, column)
-    (`kernel.py` gives the packing)."""
+    """One layer's stacked experts. Float ones alone; 8-bit ones with a scale per (expert, output column) `[experts,
+    N]` or per (expert, block) `[experts, K blocks, N blocks]` (with `moe_experts`' `scale_block`); 4-bit ones as int32
+    words `[experts, K / 8, N]` with a zero point and a scale per (expert, group of K rows, column) (`kernel.py`
+    gives the packing)."""
 
     gate: Float[Array, "experts d inter"] | Int[Array, "experts d8 inter"]
     up: Float[Array, "experts d inter"] | Int[Array, "experts d8 inter"]
     down: Float[Array, "experts inter d"] | Int[Array, "experts inter8 d"]
-    gate_scale: Float[Array, "experts inter"] | Float[Array, "experts groups inter"] | None = None
-    up_scale: Float[Array, "experts inter"] | Float[Array, "experts groups inter"] | None = None
-    down_scale: Float[Array, "experts d"] | Float[Array, "experts groups d"] | None = None
+    gate_scale: Float[Array, "experts ..."] | None = None
+    up_scale: Float[Array, "experts ..."] | None = None
+    down_scale: Float[Array, "experts ..."] | None = None
     gate_zero: Float[Array, "experts groups inter"] | None = None  # 4-bit only
     up_zero: Float[Array, "experts groups inter"] | None = None
     down_zero: Float[Array, "experts groups d"] | None = None
@@ -48,12 +49,19 @@ def tile_configs(num_pairs: int, num_experts: int, itemsize: int = 2) -> tuple[T
     return wide, wide
 
 
-def int4_tiles(cfg: TileConfig, k_dim: int, group: int) -> TileConfig:
-    """`cfg` with the largest K step at most its own that a 4-bit weight can take: dividing K, and dividing or a
-    multiple of the group (whole groups per step, or whole steps per group). 16 always fits a group of a multiple
-    of 16."""
+def fit_steps(cfg: TileConfig, k_dim: int, scaling: Scaling) -> TileConfig:
+    """`cfg` with the largest K step at most its own that the weights' scaling allows: within one block row (block
+    scales), or dividing K and dividing or a multiple of the group (4-bit). 16 fits any block or group of a
+    multiple of 16."""
+    def fits(block_k: int) -> bool:
+        if scaling.kind == "block":
+            return scaling.rows % block_k == 0
+        if scaling.kind == "int4":
+            return k_dim % block_k == 0 and (scaling.rows % block_k == 0 or block_k % scaling.rows == 0)
+        return True
+
     block_k = cfg.block_k
-    while block_k > 16 and (k_dim % block_k or (group % block_k and block_k % group)):
+    while block_k > 16 and not fits(block_k):
         block_k //= 2
     return dataclasses.replace(cfg, block_k=block_k)
 
@@ -61,22 +69,24 @@ def int4_tiles(cfg: TileConfig, k_dim: int, group: int) -> TileConfig:
 def moe_experts(
     x: Float[Array, "tokens d"], weights: ExpertWeights, experts: Int[Array, "tokens k"],
     routing_weights: Float[Array, "tokens k"], *, act: Callable, precision=None, interpret: bool = False,
-    configs: tuple[TileConfig, TileConfig] | None = None,
+    configs: tuple[TileConfig, TileConfig] | None = None, scale_block: tuple[int, int] | None = None,
 ) -> Float[Array, "tokens d"]:
     """Σ_k routing_weight · down_e(act(gate_e(x)) · up_e(x)) over each token's k experts. Expert ids outside
-    `[0, experts)` are skipped (expert parallelism: another device's experts)."""
+    `[0, experts)` are skipped (expert parallelism: another device's experts). `scale_block`: the (rows, columns) of
+    8-bit block scales (`[experts, K blocks, N blocks]`), None for any other storage."""
     num_experts = weights.gate.shape[0]
     up_cfg, down_cfg = configs or tile_configs(experts.size, num_experts, jnp.dtype(x.dtype).itemsize)
     if up_cfg.block_rows != down_cfg.block_rows:
         raise ValueError("both launches tile the same slots: block_rows must agree")
-    if weights.gate_zero is not None:
-        inter = weights.gate.shape[2]
-        up_cfg = int4_tiles(up_cfg, x.shape[1], int4_group(x.shape[1], weights.gate_zero))
-        down_cfg = int4_tiles(down_cfg, inter, int4_group(inter, weights.down_zero))
+    inter = weights.gate.shape[2]
+    up_cfg = fit_steps(up_cfg, x.shape[1], scaling_of(weights.gate, x.shape[1], weights.gate_scale,
+                                                      weights.gate_zero, scale_block))
+    down_cfg = fit_steps(down_cfg, inter, scaling_of(weights.down, inter, weights.down_scale, weights.down_zero,
+                                                     scale_block))
     tiles = expert_tiles(experts, routing_weights, num_experts, up_cfg.block_rows)
     h = expert_gate_up(x, weights.gate, weights.up, tiles, act=act, cfg=up_cfg, interpret=interpret,
                        precision=precision, gate_scale=weights.gate_scale, up_scale=weights.up_scale,
-                       gate_zero=weights.gate_zero, up_zero=weights.up_zero)
+                       gate_zero=weights.gate_zero, up_zero=weights.up_zero, scale_block=scale_block)
     y = expert_down(h, weights.down, tiles, cfg=down_cfg, interpret=interpret, precision=precision,
-                    down_scale=weights.down_scale, down_zero=weights.down_zero)
+                    down_scale=weights.down_scale, down_zero=weights.down_zero, scale_block=scale_block)
     return combine(y, tiles.pair_slot)

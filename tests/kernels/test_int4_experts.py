@@ -109,8 +109,8 @@ def test_layer_with_int4_experts_matches_its_dequantized_floats(mode):
     x = jnp.asarray(rng.standard_normal((9, 32)), jnp.float32)
     hi = jax.lax.Precision.HIGHEST
     want = np.asarray(moe_mlp(x, floats, MOE, "silu", hi))
-    stacks, scales = expert_stacks(w4, jnp.float32)
-    assert stacks[0].dtype == jnp.int32 and len(scales) == 6  # packed: 3 scales, 3 zero points
+    operands = expert_stacks(w4, jnp.float32)
+    assert operands.kind == "int4" and operands.stacks[0].dtype == jnp.int32 and len(operands.scales) == 6
     if mode == "one_device":
         got = moe_mlp(x, w4, MOE, "silu", hi, PallasExperts(interpret=True))
         np.testing.assert_allclose(np.asarray(moe_mlp(x, w4, MOE, "silu", hi)), want, atol=2e-5)

@@ -107,3 +107,18 @@ def test_int4_grouped_matmul_lowers_for_h200(tokens, group):
     text = lower_for_h200(fn, S((tokens, d), jnp.bfloat16), S((tokens, k), i32), S((tokens, k), jnp.bfloat16),
                           *w, *per_group, *per_group)
     assert text.count("__gpu$xla.gpu.triton") == 2
+
+
+@pytest.mark.parametrize("tokens", [16, 4096])
+def test_block_scaled_fp8_grouped_matmul_lowers_for_h200(tokens):
+    """Qwen3-30B-A3B-FP8's experts: float8 weights with one scale per 128 × 128 block, applied per K step."""
+    from pallas_kernels.grouped_matmul import ExpertWeights, moe_experts
+
+    e, d, inter, k = 128, 2048, 768, 8
+    f8 = jnp.float8_e4m3fn
+    w = [S((e, d, inter), f8), S((e, d, inter), f8), S((e, inter, d), f8)]
+    scales = [S((e, d // 128, inter // 128), jnp.float32)] * 2 + [S((e, inter // 128, d // 128), jnp.float32)]
+    fn = lambda x, ex, rw, *ws: moe_experts(x, ExpertWeights(*ws), ex, rw, act=jax.nn.silu, scale_block=(128, 128))
+    text = lower_for_h200(fn, S((tokens, d), jnp.bfloat16), S((tokens, k), i32), S((tokens, k), jnp.bfloat16),
+                          *w, *scales)
+    assert text.count("__gpu$xla.gpu.triton") == 2

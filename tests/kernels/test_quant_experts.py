@@ -1,6 +1,7 @@
-"""8-bit expert stacks through the MoE layer: the Pallas grouped-matmul kernels (interpret mode) read per-column
-8-bit stacks with their scales, block-scaled ones dequantized, on one device and split over two; all give the layer
-of the dequantized float weights (float32, within 2e-5)."""
+"""8-bit expert stacks through the MoE layer: the Pallas grouped-matmul kernels (interpret mode) read per-column and
+block-scaled 8-bit stacks (DeepSeek/Qwen3-FP8's blocks, group-wise int8) with their scales, on one device and split
+over two; blocks the kernels cannot step through (under 16 rows, or cut by the split) are dequantized; all give the
+layer of the dequantized float weights (float32, within 2e-5)."""
 
 from __future__ import annotations
 
@@ -14,35 +15,52 @@ from jengine.layers.quant import FP8, FP8_MAX, QuantizedWeight, QuantScheme, deq
 from jengine.parallel.mesh import TP_AXIS
 from tests.kernels.test_grouped_matmul import MOE, layer_weights
 
-SCHEMES = {"channel": QuantScheme("fp8", "fp8"), "block": QuantScheme("fp8", "fp8", 8, 8, 8)}
+SCHEMES = {"channel": QuantScheme("fp8", "fp8"), "block8": QuantScheme("fp8", "fp8", 8, 8, 8),
+           "block16": QuantScheme("fp8", "fp8", 16, 16, 16), "int8_group32": QuantScheme("int8", None, 32, 1)}
+KIND = {"channel": "column", "block8": "float", "block16": "block", "int8_group32": "block"}
 
 
 def quantized_experts(w: dict, scheme: QuantScheme) -> dict:
     out = dict(w)
+    top = FP8_MAX if scheme.weight_dtype == "fp8" else 127.0
     for name in ("we_gate", "we_up", "we_down"):
         stack = np.asarray(w[name], np.float32)
         e, k, n = stack.shape
-        if scheme.block_k:
-            blocks = np.abs(stack).reshape(e, k // 8, 8, n // 8, 8).max(axis=(2, 4))
+        if scheme.block_k:  # ceil-sized blocks: a ragged edge block covers what is left
+            bk, bn = scheme.block_k, scheme.block_n
+            padded = np.zeros((e, -(-k // bk) * bk, -(-n // bn) * bn), np.float32)
+            padded[:, :k, :n] = np.abs(stack)
+            blocks = padded.reshape(e, -(-k // bk), bk, -(-n // bn), bn).max(axis=(2, 4))
         else:
             blocks = np.abs(stack).max(axis=1, keepdims=True)
-        scale = jnp.asarray(blocks / FP8_MAX)
-        values = jnp.clip(stack / expand_scale(scale, scheme, k, n), -FP8_MAX, FP8_MAX).astype(FP8)
+        scale = jnp.asarray(blocks / top)
+        scaled = jnp.clip(stack / expand_scale(scale, scheme, k, n), -top, top)
+        values = scaled.astype(FP8) if scheme.weight_dtype == "fp8" else jnp.round(scaled).astype(jnp.int8)
         out[name] = QuantizedWeight.from_kn(values, scale, None, scheme, keep_kn=True)
     return out
 
 
+def wide_layer(rng) -> dict:
+    """8 experts, d 32, inter 64: 16-row blocks split whole over 2 devices (gate/up by columns, down by rows)."""
+    shape = {"router": (32, 8), "we_gate": (8, 32, 64), "we_up": (8, 32, 64), "we_down": (8, 64, 32)}
+    return {k: jnp.asarray(rng.standard_normal(s) * s[-2] ** -0.5, jnp.float32) for k, s in shape.items()}
+
+
 @pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("wide", [False, True], ids=["inter24", "inter64"])
 @pytest.mark.parametrize("name", SCHEMES)
-def test_8bit_experts_through_the_kernels_match_their_dequantized_floats(name, tp):
+def test_8bit_experts_through_the_kernels_match_their_dequantized_floats(name, wide, tp):
     rng = np.random.default_rng(7)
-    w8 = quantized_experts(layer_weights(rng), SCHEMES[name])
+    w8 = quantized_experts(wide_layer(rng) if wide else layer_weights(rng), SCHEMES[name])
     x = jnp.asarray(rng.standard_normal((9, 32)), jnp.float32)
     hi = jax.lax.Precision.HIGHEST
     floats = {k: dequantize(v) if isinstance(v, QuantizedWeight) else v for k, v in w8.items()}
     want = moe_mlp(x, floats, MOE, "silu", hi)
-    stacks, scales = expert_stacks(w8, jnp.float32)
-    assert (stacks[0].dtype == FP8 and len(scales) == 3) if name == "channel" else scales == ()
+    operands = expert_stacks(w8, jnp.float32, tp)
+    # inter 24 cannot be split into whole 16-row (or 32-row) blocks over 2 devices: dequantized there
+    kind = "float" if tp == 2 and not wide and KIND[name] == "block" else KIND[name]
+    assert operands.kind == kind
+    assert (operands.stacks[0].dtype != jnp.float32 and len(operands.scales) == 3) == (kind != "float")
     mesh = None
     if tp > 1:
         mesh = jax.make_mesh((tp,), (TP_AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
@@ -51,7 +69,10 @@ def test_8bit_experts_through_the_kernels_match_their_dequantized_floats(name, t
         put = lambda a, spec: jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))  # noqa: E731
         for key, spec in (("we_gate", col), ("we_up", col), ("we_down", row)):
             q = w8[key]
-            scale_spec = P(None, None, TP_AXIS) if key != "we_down" and q.scale.shape[-1] % tp == 0 else P()
+            if kind == "block":  # block scales split as their weights
+                scale_spec = spec
+            else:  # column scales split with gate/up's columns; blocks cut by the split replicated
+                scale_spec = P(None, None, TP_AXIS) if key != "we_down" and kind == "column" else P()
             w8[key] = QuantizedWeight(put(q.weight, spec), put(q.scale, scale_spec), None, q.scheme,
                                       q.in_features, True)
         x = put(x, P())

@@ -117,6 +117,40 @@ def test_moe_experts_in_fp8_blocks_run_through_the_expert_path(build_checkpoint,
     assert _relative(prompt_logits(quantized), prompt_logits(dequantized)) <= REFERENCE_TOL
 
 
+def test_the_engine_serves_fp8_block_experts_through_the_kernels(build_checkpoint, tiny_tokenizer_dir, tmp_path,
+                                                                 monkeypatch):
+    """Qwen3-FP8's layout (128 × 128 blocks here 16 × 16) through `LLM` with the experts on the grouped-matmul kernels
+    (interpret mode), which read the float8 stacks and apply each block's scale per K step: the dequantized
+    checkpoint's greedy tokens, logprobs within 1e-4 (float32, weight-only math)."""
+    from jengine import LLM, SamplingParams
+    from jengine.layers import mlp
+    from tests.kernels.test_grouped_matmul import ReferenceAttentionKernelExperts
+
+    config = Qwen3MoeConfig(**{**COMMON, "num_hidden_layers": 2}, moe_intermediate_size=32, num_experts=4,
+                            num_experts_per_tok=2, norm_topk_prob=True)
+    src, _ = build_checkpoint(config, seed=6, tokenizer_dir=tiny_tokenizer_dir)
+    fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 16]}
+    quantized, dequantized = qc.write_quantized(src, tmp_path, fp8, qc.fp8_block(16, 16))
+    params = SamplingParams(temperature=0, max_tokens=5, min_tokens=5, logprobs=1)
+
+    def greedy(path) -> tuple[list, np.ndarray]:
+        with LLM(str(path), tokenizer=str(src), dtype="float32", max_model_len=64) as llm:
+            out = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        return ([o.outputs[0].token_ids for o in out],
+                np.array([[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                          for o in out]))
+
+    want_tokens, want_logprobs = greedy(dequantized)
+    monkeypatch.setattr("jengine.factory.select_backend", lambda *a, **k: ReferenceAttentionKernelExperts())
+    kinds = []
+    read = mlp.expert_stacks
+    monkeypatch.setattr(mlp, "expert_stacks", lambda *a, **k: kinds.append((ops := read(*a, **k)).kind) or ops)
+    tokens, logprobs = greedy(quantized)
+    assert set(kinds) == {"block"}  # the float8 stacks reached the kernels with their block scales
+    assert tokens == want_tokens
+    assert np.abs(logprobs - want_logprobs).max() <= 1e-4
+
+
 @pytest.mark.parametrize(("config", "message"), [
     ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "AWQ version 'gemv' is not supported"),
     ({"quant_method": "gptq", "bits": 3}, "GPTQ with 3 bits is not supported"),
