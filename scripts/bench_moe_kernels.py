@@ -1,17 +1,18 @@
 """The MoE grouped matmul on the GPU: correctness first, then one layer's experts timed beside XLA's `ragged_dot`,
 a loop over experts, tokamax's Mosaic GPU `ragged_dot` and the bytes / FLOP ceilings measured in the same call.
 
-    PYTHONPATH=. python scripts/bench_moe_kernels.py --out DIR --git-sha SHA [--sweep] [--int4]
+    PYTHONPATH=. python scripts/bench_moe_kernels.py --out DIR --git-sha SHA [--sweep] [--narrow int4 fp8_block]
 
 Shapes: one Qwen3-30B-A3B layer (hidden 2048, 128 experts, top-8, expert width 768) at 1, 16, 64, 256 and 4096
 tokens, random bf16 weights and uniform random routing. The decode floor of a layer's experts is the bytes of the
 distinct experts routed to (counted from the routing) plus the activations, ÷ the copy bandwidth. Writes
 `DIR/<date>-moe.json` (merged with the whole-model figures of `scripts/bench_moe.py`).
 
-`--int4` times the same layer with 4-bit experts (random words, float16 group-128 scales and zero points, as an
-AWQ/GPTQ Qwen3-30B-A3B stores them) beside the bf16 experts, after checking it against the float32 reference of
-its dequantized weights: `moe_int4_layer_t<N>_vs_floor` (4-bit bytes of the routed experts, scales and zeros
-included) and `moe_int4_layer_t<N>_vs_bf16` (bf16 time ÷ 4-bit time).
+`--narrow KIND ...` times the same layer with quantized experts beside the bf16 ones, after checking each against the
+float32 reference of its dequantized weights: `int4` (random words, float16 group-128 scales and zero points, as an
+AWQ/GPTQ Qwen3-30B-A3B stores them) and `fp8_block` (float8 weights, one float32 scale per 128 × 128 block, as
+Qwen3-30B-A3B-FP8). Ratios `moe_<KIND>_layer_t<N>_vs_floor` (the routed experts' bytes in that format, scales and
+zero points included) and `moe_<KIND>_layer_t<N>_vs_bf16` (bf16 time ÷ its time).
 """
 
 from __future__ import annotations
@@ -206,13 +207,18 @@ def time_layer(key, tokens: int, w, copy_rate: float, do_sweep: bool, tkx) -> tu
     return m, r
 
 
-INT4_GROUP = 128
+INT4_GROUP, FP8_BLOCK = 128, 128
 
 
-def int4_weights(key, e=EXPERTS, d=HIDDEN, i=INTER) -> tuple[ExpertWeights, ExpertWeights]:
-    """(packed 4-bit experts, their dequantized bf16 twin) with random values, zero points and scales."""
+def _expert_shapes(d=HIDDEN, i=INTER) -> tuple[tuple[int, int], ...]:
+    return ((d, i), (d, i), (i, d))
+
+
+def int4_weights(key, e=EXPERTS, d=HIDDEN, i=INTER) -> tuple[ExpertWeights, ExpertWeights, dict]:
+    """(packed 4-bit experts, their dequantized bf16 twin, moe_experts kwargs) with random values, zero points and
+    scales."""
     packed, scales, zeros, dense = [], [], [], []
-    for j, (k, n) in enumerate(((d, i), (d, i), (i, d))):
+    for j, (k, n) in enumerate(_expert_shapes(d, i)):
         kq, kz, ks = jax.random.split(jax.random.fold_in(key, j), 3)
         words = jax.random.bits(kq, (e, k // 8, n), jnp.uint32).view(jnp.int32)
         zero = jax.random.randint(kz, (e, k // INT4_GROUP, n), 0, 16).astype(jnp.float16)
@@ -224,43 +230,63 @@ def int4_weights(key, e=EXPERTS, d=HIDDEN, i=INTER) -> tuple[ExpertWeights, Expe
         rows = jnp.arange(k) // INT4_GROUP
         dense.append(((q - zero[:, rows].astype(jnp.float32)) * scale[:, rows].astype(jnp.float32)
                       ).astype(jnp.bfloat16))
-    return ExpertWeights(*packed, *scales, *zeros), ExpertWeights(*dense)
+    return ExpertWeights(*packed, *scales, *zeros), ExpertWeights(*dense), {}
 
 
-def time_int4_layer(key, tokens: int, w4: ExpertWeights, w16: ExpertWeights, copy_rate: float) -> tuple[dict, dict]:
-    """The 4-bit layer beside the bf16 one on the same routing; checked first against float32 on the dequantized
-    weights (bf16 rounding of the dequantized tile and the hidden rows: 2e-2 of the largest output)."""
+def fp8_block_weights(key, e=EXPERTS, d=HIDDEN, i=INTER) -> tuple[ExpertWeights, ExpertWeights, dict]:
+    """(float8 experts with 128 × 128 block scales, their dequantized bf16 twin, moe_experts kwargs)."""
+    values, scales, dense = [], [], []
+    for j, (k, n) in enumerate(_expert_shapes(d, i)):
+        kv, ks = jax.random.split(jax.random.fold_in(key, j))
+        w = jax.random.normal(kv, (e, k, n), jnp.float32).astype(jnp.float8_e4m3fn)
+        scale = jax.random.uniform(ks, (e, k // FP8_BLOCK, n // FP8_BLOCK), minval=0.5, maxval=1.5) * k ** -0.5
+        full = jnp.repeat(jnp.repeat(scale, FP8_BLOCK, axis=1), FP8_BLOCK, axis=2)
+        values.append(w), scales.append(scale), dense.append((w.astype(jnp.float32) * full).astype(jnp.bfloat16))
+    return ExpertWeights(*values, *scales), ExpertWeights(*dense), {"scale_block": (FP8_BLOCK, FP8_BLOCK)}
+
+
+NARROW = {"int4": int4_weights, "fp8_block": fp8_block_weights}
+
+
+def expert_nbytes(w: ExpertWeights) -> int:
+    """One expert's bytes in its stored format (weights, scales, zero points)."""
+    return sum(a.nbytes // a.shape[0] for a in w if a is not None)
+
+
+def time_narrow_layer(kind: str, key, tokens: int, narrow: ExpertWeights, w16: ExpertWeights, kwargs: dict,
+                      copy_rate: float) -> tuple[dict, dict]:
+    """The quantized layer beside the bf16 one on the same routing; checked first against float32 on the
+    dequantized weights (bf16 rounding of the weight tile and the hidden rows: 2e-2 of the largest output)."""
     kx, kr = jax.random.split(jax.random.fold_in(key, tokens))
     x = jax.random.normal(kx, (tokens, HIDDEN), jnp.bfloat16)
     ex, rw = routing(kr, tokens)
-    fn = jax.jit(ours)
+    fn = jax.jit(lambda x, w, ex, rw: moe_experts(x, w, ex, rw, act=jax.nn.silu, **kwargs))
     m: dict = {}
     if tokens <= 256:
         ref = reference(x, w16, ex, rw)
-        m["int4_rel_err"] = float(jnp.max(jnp.abs(fn(x, w4, ex, rw).astype(jnp.float32) - ref)) /
-                                  jnp.max(jnp.abs(ref)))
-        assert m["int4_rel_err"] < 2e-2, m
-    m["int4_us"] = timeit(fn, x, w4, ex, rw) * 1e6
-    m["bf16_us"] = timeit(fn, x, w16, ex, rw) * 1e6
+        m["rel_err"] = float(jnp.max(jnp.abs(fn(x, narrow, ex, rw).astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
+        assert m["rel_err"] < 2e-2, m
+    m["us"] = timeit(fn, x, narrow, ex, rw) * 1e6
+    m["bf16_us"] = timeit(jax.jit(ours), x, w16, ex, rw) * 1e6
     n_exp = distinct_experts(ex)
-    groups = 2 * HIDDEN // INT4_GROUP * INTER + INTER // INT4_GROUP * HIDDEN
-    floor_bytes = n_exp * (3 * HIDDEN * INTER // 2 + 2 * 2 * groups) + 2 * tokens * HIDDEN * 2
-    m["distinct_experts"], m["int4_floor_us"] = n_exp, floor_bytes / copy_rate * 1e6
-    log(f"T={tokens} int4 {m['int4_us']:.1f} us (floor {m['int4_floor_us']:.1f}), bf16 {m['bf16_us']:.1f} us")
-    return m, {f"moe_int4_layer_t{tokens}_vs_floor": m["int4_us"] / m["int4_floor_us"],
-               f"moe_int4_layer_t{tokens}_vs_bf16": m["bf16_us"] / m["int4_us"]}
+    m["distinct_experts"] = n_exp
+    m["floor_us"] = (n_exp * expert_nbytes(narrow) + 2 * tokens * HIDDEN * 2) / copy_rate * 1e6
+    log(f"T={tokens} {kind} {m['us']:.1f} us (floor {m['floor_us']:.1f}), bf16 {m['bf16_us']:.1f} us")
+    return m, {f"moe_{kind}_layer_t{tokens}_vs_floor": m["us"] / m["floor_us"],
+               f"moe_{kind}_layer_t{tokens}_vs_bf16": m["bf16_us"] / m["us"]}
 
 
-def main_int4(args, key) -> None:
+def main_narrow(args, key) -> None:
     _, copy_rate = copy_bandwidth()
     metrics: dict = {"copy_bandwidth_gbs": copy_rate / 1e9}
-    w4, w16 = int4_weights(jax.random.fold_in(key, 11))
     ratios: dict = {}
-    for tokens in args.tokens:
-        m, r = time_int4_layer(key, tokens, w4, w16, copy_rate)
-        metrics[f"layer_int4_t{tokens}"] = m
-        ratios |= r
-    save(args.out, args.git_sha, metrics, ratios)
+    for kind in args.narrow:
+        narrow, w16, kwargs = NARROW[kind](jax.random.fold_in(key, 11))
+        for tokens in args.tokens:
+            m, r = time_narrow_layer(kind, key, tokens, narrow, w16, kwargs, copy_rate)
+            metrics[f"layer_{kind}_t{tokens}"] = m
+            ratios |= r
+        save(args.out, args.git_sha, metrics, ratios)
     log(ratios)
 
 
@@ -270,11 +296,12 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
     ap.add_argument("--git-sha", default="unknown", help="the commit measured (the GPU machine has no .git)")
-    ap.add_argument("--int4", action="store_true", help="4-bit experts beside bf16 ones (see the module docstring)")
+    ap.add_argument("--narrow", nargs="+", choices=tuple(NARROW), help="quantized experts beside bf16 ones "
+                    "(see the module docstring)")
     args = ap.parse_args()
     key = jax.random.key(0)
-    if args.int4:
-        return main_int4(args, key)
+    if args.narrow:
+        return main_narrow(args, key)
     metrics: dict = {"correctness_rel_err": correctness(key)}
     _, copy_rate = copy_bandwidth()
     rate = matmul_rate()

@@ -63,7 +63,7 @@ class ExpertOperands(NamedTuple):
     """A layer's experts as the grouped-matmul kernels take them (`expert_stacks`)."""
 
     stacks: tuple[Array, Array, Array]  # gate, up, down: float, 8-bit or 4-bit words
-    scales: tuple[Array, ...]  # () | 3 scales (gate, up, down) | 3 scales then 3 zero points (4-bit)
+    scales: tuple[Array, ...]  # () | 3 scales (gate, up, down) | 4-bit: 3 scales, 3 zero points[, gate/up's perm]
     kind: str  # "float" | "column" | "block" | "int4"
     scale_block: tuple[int, int] | None = None  # (rows, columns) of each block scale ("block")
 
@@ -76,8 +76,9 @@ def expert_stacks(w: dict, dtype, shards: int = 1) -> ExpertOperands:
     words, with their group scales and then their zero points (gate, up, down each)."""
     stacks = tuple(w[name] for name in ("we_gate", "we_up", "we_down"))
     if all(isinstance(s, Int4Experts) for s in stacks):
+        perm = () if stacks[0].perm is None else (stacks[0].perm,)  # gate's and up's (the loader made them one)
         return ExpertOperands(tuple(s.packed for s in stacks),
-                              tuple(s.scales for s in stacks) + tuple(s.zeros for s in stacks), "int4")
+                              tuple(s.scales for s in stacks) + tuple(s.zeros for s in stacks) + perm, "int4")
     if any(isinstance(s, Int4Experts) for s in stacks):  # the loader packs a layer's three stacks or none
         stacks = tuple(expert_float(s, dtype) for s in stacks)
     if not any(isinstance(s, QuantizedWeight) for s in stacks):
@@ -141,7 +142,8 @@ class PallasExperts:
         cols, rows = P(None, None, axis), P(None, axis, None)
         scale_specs = {"float": (), "column": (P(None, axis), P(None, axis), P()),  # per output column
                        "block": (cols, cols, rows),  # as their weights, whole blocks on each device
-                       "int4": (cols, cols, rows) * 2}[operands.kind]  # scales, then zero points
+                       "int4": (cols, cols, rows) * 2 + (P(),)}[operands.kind]  # scales, zero points, perm
+        scale_specs = scale_specs[:len(operands.scales)]
         add = ordered_psum if invariant else jax.lax.psum  # device order, not the collective library's
         partial = jax.shard_map(lambda *a: add(local(*a), axis), mesh=self.mesh,
                                 in_specs=(P(), P(), P(), cols, cols, rows, *scale_specs), out_specs=P(),

@@ -64,11 +64,17 @@ class Int4Experts:
     `Int4Weight` (`packed [experts, K / 8, N]`, `zeros` and `scales` `[experts, K / group, N]`), the input rows in
     their natural order (the loader dequantizes stacks in activation order). The grouped-matmul kernels read them
     packed (`layers/mlp.py:PallasExperts`); `ragged_dot` (the CPU) takes them dequantized. The group is read from
-    the shapes, so a stack split over devices (by expert, or by whole groups) stays consistent."""
+    the shapes, so a stack split over devices (by expert, or by whole groups) stays consistent.
+
+    GPTQ's activation order (`desc_act`) orders each expert's rows its own way. The loader sorts every stack's rows
+    by group: gate's and up's `perm[e, k]` is the input feature of stored row k (the kernels gather x's features by
+    it); the down projection's order is folded into gate's and up's output columns (stored in down's row order,
+    so the hidden features arrive as down's rows expect them), and its `perm` is None."""
 
     packed: Int[Array, "e k8 n"]
     zeros: Float[Array, "e g n"]
     scales: Float[Array, "e g n"]
+    perm: Int[Array, "e k"] | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -81,7 +87,8 @@ class Int4Experts:
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes + self.zeros.nbytes + self.scales.nbytes
+        extra = 0 if self.perm is None else self.perm.nbytes
+        return self.packed.nbytes + self.zeros.nbytes + self.scales.nbytes + extra
 
 
 def fits_kernel(n: int) -> bool:
@@ -130,7 +137,10 @@ def dequantize4(w: Int4Weight | Int4Experts, dtype=jnp.float32) -> Float[Array, 
     if isinstance(w, Int4Experts):
         q = jax.vmap(unpack)(w.packed).astype(jnp.float32)
         rows = jnp.arange(q.shape[1]) // w.group
-        return ((q - w.zeros[:, rows].astype(jnp.float32)) * w.scales[:, rows].astype(jnp.float32)).astype(dtype)
+        stored = (q - w.zeros[:, rows].astype(jnp.float32)) * w.scales[:, rows].astype(jnp.float32)
+        if w.perm is not None:  # stored row k is feature perm[e, k]: back to the features' order
+            stored = jnp.take_along_axis(stored, jnp.argsort(w.perm, axis=1)[:, :, None], axis=1)
+        return stored.astype(dtype)
     q = unpack(w.packed).astype(jnp.float32)
     rows = jnp.arange(q.shape[0]) // w.group
     stored = (q - w.zeros[rows].astype(jnp.float32)) * w.scales[rows].astype(jnp.float32)

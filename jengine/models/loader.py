@@ -259,8 +259,8 @@ def _place_any(reader: CheckpointReader, leaf: Source, dtype: jnp.dtype, shardin
     kind, how, impl = plan
     if kind == "int4":
         return place_int4(read_int4(reader, leaf), path, sharding_for, impl)
-    if kind == "int4_experts":
-        return place_int4_experts(read_int4_experts(reader, leaf), path, sharding_for)
+    if kind == "int4_experts":  # `how`: the layer's down projection, for gate and up
+        return place_int4_experts(read_int4_experts(reader, leaf, how), path, sharding_for)
     if kind == "run":
         return place(read_leaf(reader, leaf, how), path, sharding_for, impl)
     full = np.asarray(dequantized_float(reader, str(leaf.names), how), dtype=dtype)

@@ -10,8 +10,10 @@ tensor parallelism the splits the kernel cannot run per device: column-parallel 
 `shard_map` (`layers/quant4.py`).
 
 Expert stacks ask `why_experts_dequantized`: the grouped-matmul kernels step through K by whole groups or within
-one, so they take any group of a multiple of 16 rows, in the rows' natural order (an activation order differs
-from expert to expert), and under tensor parallelism whole groups of the down projection's rows on each device.
+one, so they take any group of a multiple of 16 rows (equal groups), and under tensor parallelism whole groups of
+the down projection's rows on each device. GPTQ's activation order is kept packed: each expert's rows sorted by
+group, gate's and up's with their order (the kernel gathers x's features by it; the two must agree), down's folded
+into gate's and up's output columns (`layers/quant4.py:Int4Experts`).
 """
 
 from __future__ import annotations
@@ -97,8 +99,8 @@ def why_experts_dequantized(reader: Quant4Reader, leaf: LeafSource, rows_per_dev
     if group == 0 or group % EXPERT_GROUP_ROWS:
         return (f"expert groups of {sorted(groups | {group})} rows (the grouped-matmul kernels take multiples of "
                 f"{EXPERT_GROUP_ROWS})")
-    if any(sorted_order(g_idx) is not None for g_idx, _ in rows):
-        return "expert stacks in activation order (desc_act: each expert orders its rows its own way)"
+    if any(np.any(np.bincount(g_idx, minlength=count) != group) for g_idx, count in rows):
+        return "expert groups of unequal sizes"
     if rows_per_device % group:
         return (f"tensor parallelism: {rows_per_device} of the experts' input rows on each device is not whole "
                 f"groups of {group}")
@@ -109,30 +111,66 @@ def _expert_modules(leaf: LeafSource) -> list[str]:
     return [str(name).removesuffix(".weight") for name in leaf.names.flat]
 
 
+def _row_orders(reader: Quant4Reader, leaf: LeafSource) -> list[np.ndarray | None]:
+    """Each expert's stored row order (rows sorted by group, GPTQ's activation order), None where natural."""
+    return [sorted_order(reader.group_rows(module)[0]) for module in _expert_modules(leaf)]
+
+
+def why_gate_up_apart(reader: Quant4Reader, gate: LeafSource, up: LeafSource) -> str | None:
+    """The kernels gather x's features once for gate and up: their row orders must agree expert by expert."""
+    for g, u in zip(_row_orders(reader, gate), _row_orders(reader, up), strict=True):
+        if (g is None) != (u is None) or (g is not None and not np.array_equal(g, u)):
+            return "experts' gate and up projections in different activation orders"
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class HostInt4Experts:
     packed: np.ndarray  # [E, K / 8, N] int32
     zeros: np.ndarray  # [E, G, N] float16
     scales: np.ndarray  # [E, G, N] float16 where exact, else float32
+    perm: np.ndarray | None  # [E, K] int32: stored row k of expert e is input feature perm[e, k]
 
 
-def read_int4_experts(reader: Quant4Reader, leaf: LeafSource) -> HostInt4Experts:
-    """Each expert's module unpacked and repacked into the kernels' words, stacked along the expert axis."""
+def read_int4_experts(reader: Quant4Reader, leaf: LeafSource, down: LeafSource | None = None) -> HostInt4Experts:
+    """Each expert's module unpacked, its rows sorted by group, repacked into the kernels' words and stacked. `down`
+    (given for gate and up): the layer's down projection, whose row order (activation order) the output columns
+    take, so the hidden features reach down in its stored row order (`layers/quant4.py:Int4Experts`)."""
     unpacked = [reader.unpacked(module) for module in _expert_modules(leaf)]
-    scales = np.stack([u.scales for u in unpacked])
+    rows = _row_orders(reader, leaf)
+    columns = _row_orders(reader, down) if down is not None else [None] * len(unpacked)
+
+    def stored(array: np.ndarray, row: np.ndarray | None, column: np.ndarray | None) -> np.ndarray:
+        array = array if row is None else array[row]
+        return array if column is None else array[:, column]
+
+    values = [_pack_rows(stored(u.values, r, c)) for u, r, c in zip(unpacked, rows, columns)]
+    zeros = [stored(u.zeros.astype(np.float16), None, c) for u, c in zip(unpacked, columns)]
+    scales = np.stack([stored(u.scales, None, c) for u, c in zip(unpacked, columns)])
     if np.array_equal(scales.astype(np.float16).astype(np.float32), scales):
         scales = scales.astype(np.float16)  # AWQ and GPTQ store float16 scales: keep their bytes
-    return HostInt4Experts(np.stack([_pack_rows(u.values) for u in unpacked]),
-                           np.stack([u.zeros.astype(np.float16) for u in unpacked]), scales)
+    perm = None
+    if any(r is not None for r in rows) and down is not None:  # down's own order went into gate's and up's columns
+        k = unpacked[0].values.shape[0]
+        perm = np.stack([np.arange(k) if r is None else r for r in rows]).astype(np.int32)
+    return HostInt4Experts(np.stack(values), np.stack(zeros), scales, perm)
 
 
 def place_int4_experts(host: HostInt4Experts, path: str, sharding_for) -> Int4Experts:
-    """On the devices where the layout puts the float stack's experts, columns or rows (`parallel/sharding.py`)."""
-    def put(array: np.ndarray, name: str) -> jax.Array:
-        sharding = sharding_for(path + name, array.shape)
+    """On the devices where the layout puts the float stack's experts, columns or rows (`parallel/sharding.py`); the
+    row order split as the experts are (every device holds its experts' whole input rows)."""
+    def put(array: np.ndarray | None, sharding) -> jax.Array | None:
+        if array is None:
+            return None
         return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
-    return Int4Experts(put(host.packed, ".packed"), put(host.zeros, ".zeros"), put(host.scales, ".scales"))
+    packed_sharding = sharding_for(path + ".packed", host.packed.shape)
+    perm_sharding = packed_sharding
+    if isinstance(packed_sharding, NamedSharding):
+        perm_sharding = NamedSharding(packed_sharding.mesh, P((tuple(packed_sharding.spec) + (None,))[0], None))
+    return Int4Experts(put(host.packed, packed_sharding), put(host.zeros, sharding_for(path + ".zeros", host.zeros.shape)),
+                       put(host.scales, sharding_for(path + ".scales", host.scales.shape)),
+                       put(host.perm, perm_sharding))
 
 
 def sorted_order(g_idx: np.ndarray) -> np.ndarray | None:
@@ -235,10 +273,13 @@ def int4_plans(reader: Quant4Reader, flat_sources: list[tuple[str, Source]], sha
             packed += _count(plans, reasons, path, leaf, reason, ("int4", None, int4_impl(platform)))
     for stacks in expert_layers.values():
         # a layer's three stacks run packed together or not at all: the kernels take one kind of weight per layer
-        why = [why_experts_dequantized(reader, leaf, _rows_per_device(sharding_for, path, leaf)) for path, leaf in stacks]
+        named = {leaf_name(path): leaf for path, leaf in stacks}
+        why = [why_experts_dequantized(reader, leaf, _rows_per_device(sharding_for, path, leaf))
+               for path, leaf in stacks] + [why_gate_up_apart(reader, named["we_gate"], named["we_up"])]
         reason = next((r for r in why if r is not None), None)
         for path, leaf in stacks:
-            packed += _count(plans, reasons, path, leaf, reason, ("int4_experts", None, None))
+            down = named["we_down"] if leaf_name(path) != "we_down" else None  # gate/up take down's row order
+            packed += _count(plans, reasons, path, leaf, reason, ("int4_experts", down, None))
     log_packing(reader, packed, reasons)
     return plans
 

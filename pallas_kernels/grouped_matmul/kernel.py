@@ -136,7 +136,7 @@ def _column_scale(scale_ref, e, cols, n_dim: int):
     return pltr.load(scale_ref.at[e, cols], mask=cols < n_dim, other=0.0)[None, :]
 
 
-def _gate_up_kernel(x_ref, wg_ref, wu_ref, sg_ref, su_ref, zg_ref, zu_ref, slot_token_ref, tile_expert_ref,
+def _gate_up_kernel(x_ref, wg_ref, wu_ref, sg_ref, su_ref, zg_ref, zu_ref, perm_ref, slot_token_ref, tile_expert_ref,
                     num_tiles_ref, h_ref, *, cfg: TileConfig, act: Callable, precision, scaling: Scaling):
     t, j = pl.program_id(0), pl.program_id(1)
     k_dim, n_dim = x_ref.shape[1], wg_ref.shape[2]
@@ -150,7 +150,13 @@ def _gate_up_kernel(x_ref, wg_ref, wu_ref, sg_ref, su_ref, zg_ref, zu_ref, slot_
         def step(i, acc):
             k0 = i * cfg.block_k
             ks = _arange(k0, cfg.block_k)
-            x = pltr.load(x_ref.at[token[:, None], ks[None, :]], mask=real[:, None] & (ks[None, :] < k_dim), other=0)
+            if perm_ref is not None:  # the weight's rows are the features perm[e, k] (block_k divides K: no edge)
+                features = pltr.load(perm_ref.at[e, ks])
+                x = pltr.load(x_ref.at[token[:, None], features[None, :]], mask=real[:, None], other=0)
+            else:
+                x = pltr.load(x_ref.at[token[:, None], ks[None, :]], mask=real[:, None] & (ks[None, :] < k_dim),
+                              other=0)
+
             def product(w_ref, s_ref, z_ref):
                 w = _expert_tile(w_ref, s_ref, z_ref, e, k0, cols, k_dim, n_dim, x.dtype, cfg, scaling)
                 part = jnp.dot(x, w, preferred_element_type=jnp.float32, precision=precision)
@@ -267,9 +273,12 @@ def expert_gate_up(
     gate_scale: Float[Array, "experts ..."] | None = None, up_scale: Float[Array, "experts ..."] | None = None,
     gate_zero: Float[Array, "experts groups inter"] | None = None,
     up_zero: Float[Array, "experts groups inter"] | None = None, scale_block: tuple[int, int] | None = None,
+    input_perm: Int[Array, "experts d"] | None = None,
 ) -> Float[Array, "slots inter"]:
     """`act(x·W_gate[e]) * (x·W_up[e])` for every slot's token and expert (padding slots: zeros, never read). The
-    weights' storage and scales as `scaling_of` reads them (gate and up alike)."""
+    weights' storage and scales as `scaling_of` reads them (gate and up alike). `input_perm` (4-bit only): expert
+    e's stored weight row k multiplies feature `input_perm[e, k]` of x (GPTQ's activation order, rows sorted by
+    group)."""
     slots, inter = tiles.slot_token.shape[0], w_gate.shape[2]
     if (gate_scale is None) != (up_scale is None) or (gate_zero is None) != (up_zero is None):
         raise ValueError("gate and up weights are scaled (and 4-bit) both or neither")
@@ -277,11 +286,14 @@ def expert_gate_up(
     if scaling_of(w_up, x.shape[1], up_scale, up_zero, scale_block) != scaling:
         raise ValueError("gate and up weights must be stored and scaled alike")
     _check_steps(scaling, x.shape[1], cfg)
+    if input_perm is not None and (scaling.kind != "int4" or input_perm.shape != (w_gate.shape[0], x.shape[1])):
+        raise ValueError("input_perm [experts, d] goes with 4-bit experts")
     scales = () if gate_scale is None else (gate_scale, up_scale)
     zeros = () if gate_zero is None else (gate_zero, up_zero)
+    perm = () if input_perm is None else (input_perm.astype(jnp.int32),)
     kernel = functools.partial(_gate_up_kernel, cfg=cfg, act=act, precision=precision, scaling=scaling)
-    kernel = _optional(kernel, (True,) * 3 + (bool(scales),) * 2 + (bool(zeros),) * 2)
-    operands = (x, w_gate, w_up, *scales, *zeros, tiles.slot_token, tiles.tile_expert, tiles.num_tiles)
+    kernel = _optional(kernel, (True,) * 3 + (bool(scales),) * 2 + (bool(zeros),) * 2 + (bool(perm),))
+    operands = (x, w_gate, w_up, *scales, *zeros, *perm, tiles.slot_token, tiles.tile_expert, tiles.num_tiles)
     return _launch(kernel, operands, jax.ShapeDtypeStruct((slots, inter), x.dtype), slots, inter, cfg, interpret,
                    "expert_gate_up")
 

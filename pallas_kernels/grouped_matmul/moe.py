@@ -31,6 +31,8 @@ class ExpertWeights(NamedTuple):
     gate_zero: Float[Array, "experts groups inter"] | None = None  # 4-bit only
     up_zero: Float[Array, "experts groups inter"] | None = None
     down_zero: Float[Array, "experts groups d"] | None = None
+    # 4-bit, GPTQ's activation order: gate's and up's stored row k of expert e is feature input_perm[e, k] of x
+    input_perm: Int[Array, "experts d"] | None = None
 
 
 def tile_configs(num_pairs: int, num_experts: int, itemsize: int = 2) -> tuple[TileConfig, TileConfig]:
@@ -86,7 +88,8 @@ def moe_experts(
     tiles = expert_tiles(experts, routing_weights, num_experts, up_cfg.block_rows)
     h = expert_gate_up(x, weights.gate, weights.up, tiles, act=act, cfg=up_cfg, interpret=interpret,
                        precision=precision, gate_scale=weights.gate_scale, up_scale=weights.up_scale,
-                       gate_zero=weights.gate_zero, up_zero=weights.up_zero, scale_block=scale_block)
+                       gate_zero=weights.gate_zero, up_zero=weights.up_zero, scale_block=scale_block,
+                       input_perm=weights.input_perm)
     y = expert_down(h, weights.down, tiles, cfg=down_cfg, interpret=interpret, precision=precision,
                     down_scale=weights.down_scale, down_zero=weights.down_zero, scale_block=scale_block)
     return combine(y, tiles.pair_slot)

@@ -73,6 +73,20 @@ def test_int4_experts_match_float64(groups, layout, dtype):
         np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=tol * np.abs(want).max(), rtol=0)
 
 
+def test_int4_experts_in_activation_order_gather_their_features():
+    """GPTQ's desc_act: each expert's stored gate/up row k is feature perm[e, k] of x (a permutation of its own);
+    the kernels gather x's features by it and match the float64 reference on the natural-order weights."""
+    rng = np.random.default_rng(SEED + 4)
+    x, packed, real, experts, routing = int4_case(rng, 13, 6, 2, 128, 96, 32, 32, jnp.float32)
+    perm = np.stack([rng.permutation(128) for _ in range(6)]).astype(np.int32)
+    natural = lambda w: np.take_along_axis(w, np.argsort(perm, axis=1)[:, :, None], axis=1)  # noqa: E731
+    real = real._replace(gate=natural(real.gate), up=natural(real.up))
+    got = moe_experts(x, packed._replace(input_perm=jnp.asarray(perm)), jnp.asarray(experts), routing,
+                      act=jax.nn.silu, interpret=True, configs=TILES, precision=jax.lax.Precision.HIGHEST)
+    want = numpy_experts(x, real, experts, routing)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-5 * np.abs(want).max(), rtol=0)
+
+
 def test_a_group_the_kernels_cannot_step_through_is_refused():
     rng = np.random.default_rng(SEED + 1)
     x, packed, _, experts, routing = int4_case(rng, 4, 6, 2, 128, 96, 32, 24, jnp.float32)

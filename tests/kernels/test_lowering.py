@@ -94,18 +94,20 @@ def test_grouped_matmul_lowers_for_h200(tokens, weight_dtype):
     assert text.count("__gpu$xla.gpu.triton") == 2
 
 
-@pytest.mark.parametrize("tokens,group", [(16, 128), (4096, 128), (64, 32)])
-def test_int4_grouped_matmul_lowers_for_h200(tokens, group):
+@pytest.mark.parametrize("tokens,group,act_order", [(16, 128, False), (4096, 128, False), (64, 32, False),
+                                                     (16, 128, True), (4096, 128, True)])
+def test_int4_grouped_matmul_lowers_for_h200(tokens, group, act_order):
     """4-bit experts (int32 words, float16 group scales and zero points, as AWQ/GPTQ store them) at decode and prefill
-    tiles on the Qwen3-30B-A3B layer shape."""
+    tiles on the Qwen3-30B-A3B layer shape; GPTQ's activation order gathers x's features per expert."""
     from pallas_kernels.grouped_matmul import ExpertWeights, moe_experts
 
     e, d, inter, k = 128, 2048, 768, 8
     w = [S((e, d // 8, inter), i32), S((e, d // 8, inter), i32), S((e, inter // 8, d), i32)]
     per_group = [S((e, d // group, inter), jnp.float16)] * 2 + [S((e, inter // group, d), jnp.float16)]
     fn = lambda x, ex, rw, *ws: moe_experts(x, ExpertWeights(*ws), ex, rw, act=jax.nn.silu)
+    perm = [S((e, d), i32)] if act_order else []
     text = lower_for_h200(fn, S((tokens, d), jnp.bfloat16), S((tokens, k), i32), S((tokens, k), jnp.bfloat16),
-                          *w, *per_group, *per_group)
+                          *w, *per_group, *per_group, *perm)
     assert text.count("__gpu$xla.gpu.triton") == 2
 
 

@@ -79,15 +79,20 @@ def test_moe_experts_kept_in_4_bits(build_checkpoint, fmt, kwargs, caplog):
             assert stack.packed.nbytes * 2 == np.prod(shape)  # half a byte a weight
 
 
-def test_moe_experts_in_activation_order_are_dequantized_with_a_reason(build_checkpoint, caplog):
-    """GPTQ's desc_act orders each expert's rows its own way: those stacks read as float, and the log says why."""
+def test_moe_experts_in_activation_order_stay_packed(build_checkpoint, caplog):
+    """GPTQ's desc_act orders each expert's rows its own way: the stacks stay packed, rows sorted by group, gate's and
+    up's order kept for the activations and down's folded into their columns; the logits are the dequantized
+    model's."""
     config = Qwen3MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
     model_dir, _ = build_checkpoint(config)
     model = quantize_checkpoint(model_dir, "gptq", group=32, symmetric=False, desc_act=True)
     with caplog.at_level(logging.INFO, logger="jengine.models.quant4_load"):
         params = _check_logits(model_dir, model)
-    assert "why: expert stacks in activation order" in caplog.text
-    assert not isinstance(params["layers"][0]["we_gate"], Int4Experts)
+    assert "36 projections kept in 4 bits" in caplog.text
+    layer = params["layers"][0]
+    assert all(isinstance(layer[name], Int4Experts) for name in ("we_gate", "we_up", "we_down"))
+    assert layer["we_gate"].perm.shape == (4, 64) and layer["we_down"].perm is None
+    assert not np.array_equal(np.asarray(layer["we_gate"].perm[0]), np.arange(64))
 
 
 @pytest.mark.parametrize("group", [128, 64])
@@ -272,13 +277,16 @@ def _llm_greedy(path, tokenizer, **engine) -> tuple[list, np.ndarray, dict]:
     return tokens, logprobs, layer
 
 
-def test_the_engine_serves_packed_experts_through_the_kernels(build_checkpoint, tiny_tokenizer_dir, monkeypatch):
-    """Through `LLM` with the experts on the grouped-matmul kernels (interpret mode, reading the 4-bit words): the
-    float32 dequantized checkpoint's greedy tokens, logprobs within 1e-4."""
+@pytest.mark.parametrize("fmt,kwargs", [("awq", {}), ("gptq", dict(symmetric=False, desc_act=True))],
+                         ids=["awq", "gptq-act-order"])
+def test_the_engine_serves_packed_experts_through_the_kernels(build_checkpoint, tiny_tokenizer_dir, monkeypatch,
+                                                              fmt, kwargs):
+    """Through `LLM` with the experts on the grouped-matmul kernels (interpret mode, reading the 4-bit words; GPTQ's
+    activation order gathered): the float32 dequantized checkpoint's greedy tokens, logprobs within 1e-4."""
     from tests.kernels.test_grouped_matmul import ReferenceAttentionKernelExperts
 
     model_dir, _ = build_checkpoint(Qwen3MoeConfig(**COMMON, **MOE_SHAPED), tokenizer_dir=tiny_tokenizer_dir)
-    quantize_checkpoint(model_dir, "awq", group=32)
+    quantize_checkpoint(model_dir, fmt, group=32, **kwargs)
     want_tokens, want_logprobs, _ = _llm_greedy(model_dir.with_name(model_dir.name + "-dequantized"), model_dir)
     monkeypatch.setattr("jengine.factory.select_backend", lambda *a, **k: ReferenceAttentionKernelExperts())
     tokens, logprobs, layer = _llm_greedy(model_dir, model_dir)
@@ -287,13 +295,15 @@ def test_the_engine_serves_packed_experts_through_the_kernels(build_checkpoint, 
     assert np.abs(logprobs - want_logprobs).max() <= 1e-4
 
 
+@pytest.mark.parametrize("desc_act", [False, True], ids=["natural", "act-order"])
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])
 def test_packed_experts_split_over_devices_serve_as_the_dequantized_model(build_checkpoint, tiny_tokenizer_dir,
-                                                                         expert_parallel):
+                                                                         expert_parallel, desc_act):
     """Over 2 devices the stacks stay packed: split by columns (gate, up) and whole groups of rows (down) under TP,
-    by expert under EP; the greedy tokens are the float32 dequantized checkpoint's on one device."""
+    by expert under EP (activation order too); the greedy tokens are the float32 dequantized checkpoint's on one
+    device."""
     model_dir, _ = build_checkpoint(Qwen3MoeConfig(**COMMON, **MOE_SHAPED), tokenizer_dir=tiny_tokenizer_dir)
-    quantize_checkpoint(model_dir, "gptq", group=32, symmetric=False)
+    quantize_checkpoint(model_dir, "gptq", group=32, symmetric=False, desc_act=desc_act)
     want_tokens, want_logprobs, _ = _llm_greedy(model_dir.with_name(model_dir.name + "-dequantized"), model_dir)
     tokens, logprobs, layer = _llm_greedy(model_dir, model_dir, tensor_parallel_size=2,
                                           enable_expert_parallel=expert_parallel)
