@@ -107,9 +107,7 @@ def load_weights(model: ModelConfig, layout: ParallelLayout) -> tuple[ModelSpec,
     placement = dict(dtype=model.dtype, sharding=layout.param_sharding, kv_head_repeat=layout.kv_head_repeat,
                      projection_shards=layout.size)
     if model.load_format == "dummy":
-        if model.quantization is not None:
-            raise ConfigError("quantization with load_format='dummy' is not supported (dummy weights are float)")
-        return dummy_model(model.model, seed=model.seed, **placement)
+        return dummy_model(model.model, seed=model.seed, quantization=model.quantization, **placement)
     return load_model(model.model, quantization=model.quantization, **placement)
 
 

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jengine.models.dummy_quant import quantized_makers
+from jengine.models.formats import read_model_config
 from jengine.models.loader import ShardingFor, _sharding_function, load_spec, resolve_dtype
 from jengine.models.spec import ModelSpec
 from jengine.models.weights import is_source, parameter_sources
@@ -36,22 +38,32 @@ def dummy_model(
     kv_head_repeat: int = 1,
     projection_shards: int = 1,
     seed: int = 0,
+    quantization: str | None = None,
 ) -> tuple[ModelSpec, dict, jnp.dtype]:
     """`load_model`'s result, (spec, params, dtype), with random weights; `dtype="auto"` is config.json's
-    `torch_dtype` (float32 when unstated, bfloat16 on GPUs)."""
+    `torch_dtype` (float32 when unstated, bfloat16 on GPUs). A config with a `quantization_config` (or
+    `quantization="fp8"`) gets the quantized leaves its checkpoint would give (`models/dummy_quant.py`)."""
     spec = load_spec(model_dir)
-    resolved = resolve_dtype(dtype, spec.checkpoint_dtype, jax.devices()[0].platform)
+    platform = jax.devices()[0].platform
+    resolved = resolve_dtype(dtype, spec.checkpoint_dtype, platform)
     sources = parameter_sources(spec, kv_head_repeat, projection_shards)
     spec = dataclasses.replace(spec, num_kv_heads=spec.num_kv_heads * kv_head_repeat,
                                projection_shards=projection_shards)
-    params = random_params(sources, resolved, _sharding_function(sharding), seed, progress)
+    sharding_for = _sharding_function(sharding)
+    flat = [(jax.tree_util.keystr(path), leaf)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(sources, is_leaf=is_source)[0]]
+    makers = quantized_makers(read_model_config(model_dir), quantization, flat, sharding_for, projection_shards,
+                              platform, WEIGHT_STD)
+    params = random_params(sources, resolved, sharding_for, seed, progress, makers)
     logger.info("random (dummy) weights for %s (%s) from %s in %s", spec.architecture, spec.family, model_dir,
                 resolved.name)
     return spec, params, resolved
 
 
-def random_params(sources: dict, dtype: jnp.dtype, sharding_for: ShardingFor, seed: int, progress: bool) -> dict:
-    """One placed random array per source leaf; leaf i draws from fold_in(PRNGKey(seed), i)."""
+def random_params(sources: dict, dtype: jnp.dtype, sharding_for: ShardingFor, seed: int, progress: bool,
+                  makers: dict | None = None) -> dict:
+    """One placed random array per source leaf (`makers[path]`'s quantized leaf where given); leaf i draws from
+    fold_in(PRNGKey(seed), i)."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(sources, is_leaf=is_source)
     total = sum(int(np.prod(leaf.shape)) * dtype.itemsize for _, leaf in flat)
     key = jax.random.key(seed)
@@ -59,6 +71,10 @@ def random_params(sources: dict, dtype: jnp.dtype, sharding_for: ShardingFor, se
     with progress_bar(total=total, unit="B", unit_scale=True, desc="Random weights", enabled=progress) as bar:
         for index, (path, leaf) in enumerate(flat):
             name = jax.tree_util.keystr(path)
+            if name in (makers or {}):
+                placed.append(jax.block_until_ready(makers[name](jax.random.fold_in(key, index))))
+                bar.update(int(np.prod(leaf.shape)) * dtype.itemsize)
+                continue
             # a jit of the one module-level `_draw`: alike leaves (every layer's) share one compiled program
             draw = jax.jit(_draw, static_argnames=("shape", "dtype", "ones"),
                            out_shardings=sharding_for(name, leaf.shape))

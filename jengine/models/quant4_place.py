@@ -67,21 +67,30 @@ def why_dequantized(reader: Quant4Reader, leaf: Source, shards: int, name: str =
         return f"{reader.quant.bits}-bit weights (the W4A16 kernel takes 4)"
     rows = [reader.group_rows(_module(p)) for p in _parts(leaf)]
     groups = {len(g_idx) // count if len(g_idx) % count == 0 else 0 for g_idx, count in rows}
-    if len(groups) != 1 or (group := groups.pop()) % KERNEL_GROUP or group == 0:
-        return f"group size {sorted(groups | {group})} (the W4A16 kernel takes multiples of {KERNEL_GROUP})"
-    k, n = leaf.shape[-2:]
-    if shards > 1 and name in ROW_PARALLEL and k % (shards * group):
-        return (f"tensor parallelism: {k} input features over {shards} devices is not whole groups of {group} "
-                "on each")
-    if shards > 1 and name not in ROW_PARALLEL and (n % shards or not fits_kernel(n // shards)):
-        return f"tensor parallelism: {n} output features over {shards} devices is not a multiple of 16 on each"
+    if len(groups) != 1:
+        return f"fused parts in groups of {sorted(groups)} rows"
+    if (reason := shape_reason(*leaf.shape[-2:], group := groups.pop(), shards, name)) is not None:
+        return reason
     if any(np.any(np.bincount(g_idx, minlength=count) != group) for g_idx, count in rows):
         return "groups of unequal sizes"
     perms = [sorted_order(g_idx) for g_idx, _ in rows]
     if any((p is None) != (perms[0] is None) or (p is not None and not np.array_equal(p, perms[0])) for p in perms):
         return "fused projections in different activation orders"
-    if not fits_kernel(leaf.shape[-1]):
-        return f"{leaf.shape[-1]} output features (not a multiple of 16)"
+    return None
+
+
+def shape_reason(k: int, n: int, group: int, shards: int, name: str) -> str | None:
+    """What of a `[k, n]` projection's shape, its group and its split over `shards` devices keeps it from the W4A16
+    kernel (None: nothing)."""
+    if group == 0 or group % KERNEL_GROUP:
+        return f"group size [{group}] (the W4A16 kernel takes multiples of {KERNEL_GROUP})"
+    if shards > 1 and name in ROW_PARALLEL and k % (shards * group):
+        return (f"tensor parallelism: {k} input features over {shards} devices is not whole groups of {group} "
+                "on each")
+    if shards > 1 and name not in ROW_PARALLEL and (n % shards or not fits_kernel(n // shards)):
+        return f"tensor parallelism: {n} output features over {shards} devices is not a multiple of 16 on each"
+    if not fits_kernel(n):
+        return f"{n} output features (not a multiple of 16)"
     return None
 
 
@@ -95,12 +104,19 @@ def why_experts_dequantized(reader: Quant4Reader, leaf: LeafSource, rows_per_dev
         return f"{reader.quant.bits}-bit expert weights (the grouped-matmul kernels take 4-bit ones packed)"
     rows = [reader.group_rows(module) for module in _expert_modules(leaf)]
     groups = {len(g_idx) // count if len(g_idx) % count == 0 else 0 for g_idx, count in rows}
-    group = groups.pop() if len(groups) == 1 else 0
-    if group == 0 or group % EXPERT_GROUP_ROWS:
-        return (f"expert groups of {sorted(groups | {group})} rows (the grouped-matmul kernels take multiples of "
-                f"{EXPERT_GROUP_ROWS})")
+    if len(groups) != 1:
+        return f"experts in groups of {sorted(groups)} rows"
+    if (reason := expert_shape_reason(group := groups.pop(), rows_per_device)) is not None:
+        return reason
     if any(np.any(np.bincount(g_idx, minlength=count) != group) for g_idx, count in rows):
         return "expert groups of unequal sizes"
+    return None
+
+
+def expert_shape_reason(group: int, rows_per_device: int) -> str | None:
+    """What of an expert stack's group and split keeps it from the grouped-matmul kernels (None: nothing)."""
+    if group == 0 or group % EXPERT_GROUP_ROWS:
+        return f"expert groups of [{group}] rows (the grouped-matmul kernels take multiples of {EXPERT_GROUP_ROWS})"
     if rows_per_device % group:
         return (f"tensor parallelism: {rows_per_device} of the experts' input rows on each device is not whole "
                 f"groups of {group}")
@@ -224,7 +240,7 @@ def place_int4(host: HostInt4, path: str, sharding_for, impl: str) -> Int4Weight
             return None
         return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
-    mesh, split = _split_of(packed_sharding)
+    mesh, split = split_of(packed_sharding)
     return Int4Weight(put(host.packed, packed_sharding),
                       put(host.zeros, sharding_for(path + ".zeros", host.zeros.shape)),
                       put(host.scales, sharding_for(path + ".scales", host.scales.shape)),
@@ -232,7 +248,7 @@ def place_int4(host: HostInt4, path: str, sharding_for, impl: str) -> Int4Weight
                       mesh=mesh if split else None, split=split)
 
 
-def _split_of(sharding) -> tuple:
+def split_of(sharding) -> tuple:
     """(mesh, "rows" | "columns" | None) of a packed `[K / 8, N]` leaf's sharding."""
     if not isinstance(sharding, NamedSharding):
         return None, None
@@ -274,7 +290,7 @@ def int4_plans(reader: Quant4Reader, flat_sources: list[tuple[str, Source]], sha
     for stacks in expert_layers.values():
         # a layer's three stacks run packed together or not at all: the kernels take one kind of weight per layer
         named = {leaf_name(path): leaf for path, leaf in stacks}
-        why = [why_experts_dequantized(reader, leaf, _rows_per_device(sharding_for, path, leaf))
+        why = [why_experts_dequantized(reader, leaf, rows_per_device(sharding_for, path, leaf))
                for path, leaf in stacks] + [why_gate_up_apart(reader, named["we_gate"], named["we_up"])]
         reason = next((r for r in why if r is not None), None)
         for path, leaf in stacks:
@@ -284,7 +300,7 @@ def int4_plans(reader: Quant4Reader, flat_sources: list[tuple[str, Source]], sha
     return plans
 
 
-def _rows_per_device(sharding_for, path: str, leaf: LeafSource) -> int:
+def rows_per_device(sharding_for, path: str, leaf: LeafSource) -> int:
     """The input rows of an expert stack each device holds where `sharding_for` places its packed words."""
     experts, k, n = leaf.shape
     sharding = None if sharding_for is None else sharding_for(path + ".packed", (experts, k // PACK, n))

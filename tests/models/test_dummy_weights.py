@@ -21,6 +21,8 @@ from jengine import LLM, SamplingParams
 from jengine.cli import build_parser, engine_kwargs
 from jengine.config import EngineConfig
 from jengine.errors import CheckpointError, ConfigError
+from jengine.layers.quant import QuantizedWeight, dequantize
+from jengine.layers.quant4 import Int4Experts, Int4Weight, dequantize4
 from jengine.models.dummy import WEIGHT_STD, dummy_model
 from jengine.models.loader import load_model, load_spec
 from jengine.models.registry import SUPPORTED_ARCHITECTURES
@@ -134,3 +136,88 @@ def test_load_format_values():
     for command in (["generate"], ["serve", "m"], ["bench", "throughput"]):
         args = build_parser().parse_args([*command, "--load-format", "dummy"])
         assert engine_kwargs(args)["load_format"] == "dummy"
+
+
+def _quantized_pair(build_checkpoint, tmp_path, config, quantize) -> tuple[Path, Path]:
+    """(a real checkpoint of `config` quantized by `quantize(model_dir)`, a directory with its config.json alone)."""
+    hf_dir, _ = build_checkpoint(config)
+    quantize(hf_dir)
+    bare = tmp_path / "config-only"
+    bare.mkdir()
+    shutil.copy(hf_dir / "config.json", bare / "config.json")
+    return hf_dir, bare
+
+
+def _awq(group: int):
+    from tests.models.quant4_packing import quantize_checkpoint
+    return lambda model_dir: quantize_checkpoint(model_dir, "awq", group=group)
+
+
+def _fp8_blocks(tmp_path):
+    from tests.models import quant_checkpoints as qc
+
+    def quantize(model_dir: Path) -> None:
+        fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 16]}
+        quantized, _ = qc.write_quantized(model_dir, tmp_path / "fp8", fp8, qc.fp8_block(16, 16))
+        for item in quantized.iterdir():  # the quantized checkpoint in place of the float one
+            shutil.copy(item, model_dir / item.name)
+    return quantize
+
+
+MOE_QUANT = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+QUANTIZED_CASES = {
+    # experts packed in groups of 32; attention in groups of 32 read as float (the W4A16 kernel takes 128s)
+    "awq-moe-tp2": (lambda: Qwen3MoeConfig(**COMMON, **MOE_QUANT), lambda tmp: _awq(32), 2, False),
+    "awq-moe-ep2": (lambda: Qwen3MoeConfig(**COMMON, **MOE_QUANT), lambda tmp: _awq(32), 2, True),
+    # every dense projection packed in groups of 128
+    "awq-dense": (lambda: LlamaConfig(**{**COMMON, "hidden_size": 128, "intermediate_size": 256}),
+                  lambda tmp: _awq(128), 1, False),
+    "fp8-block-moe-tp2": (lambda: Qwen3MoeConfig(**COMMON, **MOE_QUANT), _fp8_blocks, 2, False),
+}
+
+
+@pytest.mark.parametrize("case", QUANTIZED_CASES)
+def test_quantized_leaves_are_placed_as_the_loader_places_a_checkpoint(case, build_checkpoint, tmp_path):
+    """A quantized config.json alone gives the quantized leaves its checkpoint gives: 4-bit projections and expert
+    stacks packed where the kernels take them (float where the loader dequantizes), 8-bit ones in their scheme;
+    the same pytree (static fields included), shapes, dtypes and shardings."""
+    make_config, quantize, tp, ep = QUANTIZED_CASES[case]
+    hf_dir, bare = _quantized_pair(build_checkpoint, tmp_path, make_config(), quantize(tmp_path))
+    layout = plan_layout(load_spec(hf_dir), build_mesh(replica_devices(tp)), ep)
+    placement = dict(dtype="float32", sharding=layout.param_sharding, kv_head_repeat=layout.kv_head_repeat,
+                     projection_shards=layout.size, progress=False)
+    _, loaded, _ = load_model(hf_dir, **placement)
+    _, params, _ = dummy_model(bare, **placement)
+    assert jax.tree.structure(params) == jax.tree.structure(loaded)
+    quantized = (Int4Weight, Int4Experts, QuantizedWeight)
+    kinds = {type(leaf) for leaf in jax.tree.leaves(params["layers"][0], is_leaf=lambda x: isinstance(x, quantized))}
+    assert kinds & set(quantized)
+    for (path, leaf), want in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(loaded)):
+        name = jax.tree_util.keystr(path)
+        assert (leaf.shape, leaf.dtype) == (want.shape, want.dtype), name
+        assert leaf.sharding.is_equivalent_to(want.sharding, leaf.ndim), name
+
+
+def test_quantized_dummy_weights_have_the_float_dummies_scale(build_checkpoint, tmp_path):
+    _, bare = _quantized_pair(build_checkpoint, tmp_path, Qwen3MoeConfig(**COMMON, **MOE_QUANT), _awq(32))
+    _, params, _ = dummy_model(bare, dtype="float32", progress=False)
+    for stack in (params["layers"][0]["we_gate"], params["layers"][2]["we_down"]):
+        assert isinstance(stack, Int4Experts)
+        values = np.asarray(dequantize4(stack))
+        assert abs(values.std() / WEIGHT_STD - 1) < 0.1 and abs(values.mean()) < 0.1 * WEIGHT_STD
+    fp8 = dummy_model(config_only_dir(CONFIGS["LlamaForCausalLM"](), tmp_path / "f", None), dtype="float32",
+                      progress=False, quantization="fp8")[1]["layers"][0]["wqkv"]
+    assert isinstance(fp8, QuantizedWeight) and fp8.weight.dtype == jnp.float8_e4m3fn
+    assert abs(np.asarray(dequantize(fp8)).std() / WEIGHT_STD - 1) < 0.1
+
+
+def test_a_quantized_dummy_model_generates(build_checkpoint, tmp_path, tiny_tokenizer_dir):
+    _, bare = _quantized_pair(build_checkpoint, tmp_path, Qwen3MoeConfig(**COMMON, **MOE_QUANT), _awq(32))
+    for item in Path(tiny_tokenizer_dir).iterdir():
+        shutil.copy(item, bare / item.name)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1)
+    with LLM(str(bare), load_format="dummy", max_model_len=64) as llm:
+        choice = llm.generate(["Hello"], params, use_tqdm=False)[0].outputs[0]
+        assert isinstance(llm._core.runner.params["layers"][0]["we_up"], Int4Experts)
+    assert len(choice.token_ids) == 4
+    assert all(np.isfinite(lp[t].logprob) for lp, t in zip(choice.logprobs, choice.token_ids))
