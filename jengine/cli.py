@@ -64,8 +64,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="sampling defaults for unset request fields: auto = the model's generation_config.json, "
                             "vllm = none (SamplingParams' own), or a directory holding a generation_config.json")
     group.add_argument("--load-format", default="auto", metavar="{auto,safetensors,dummy}",
-                       help="dummy: random weights from config.json alone, no checkpoint read (benchmarks); the "
-                            "tokenizer still comes from the model directory or --tokenizer")
+                       help="dummy: random weights from config.json alone, no checkpoint read (benchmarks; "
+                            "quantized as its quantization_config says); the tokenizer still comes from the model "
+                            "directory or --tokenizer")
     group.add_argument("--compile-buckets", default="auto", choices=["all", "lazy", "auto"],
                        help="auto: every shape compiled at start-up on a GPU, on first use on the CPU")
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
