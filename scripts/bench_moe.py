@@ -4,12 +4,18 @@ the engine at its defaults serving the sharegpt-like mixed set. Random weights m
 
     PYTHONPATH=. python scripts/bench_moe.py --out DIR --git-sha SHA --part parity decode  # Qwen3-30B-A3B, 48 layers
     PYTHONPATH=. python scripts/bench_moe.py --out DIR --git-sha SHA --part mixed-qwen mixed-mixtral
+    PYTHONPATH=. python scripts/bench_moe.py --out DIR --git-sha SHA --part decode --quant bf16 awq fp8-block
 
 Decode: 256-token prompts at batch 1, 16, 64, 256; the step time is the difference of a 65-token and a 1-token
 generation ÷ 64 (each timed after a warm-up of the same shapes). Its floor: the bytes of every layer's attention
 projections, norms and router, the distinct experts the step reads (E·(1 − (1 − k/E)^batch) per layer for uniform
 routing), the LM head, the embedding rows and the KV read, ÷ the copy bandwidth measured in the same call.
 Writes into `DIR/<date>-moe.json` (merged with `scripts/bench_moe_kernels.py`'s figures).
+
+`--quant` adds the same model quantized, dummy weights from a `quantization_config` in its config.json: `awq`
+(4-bit, group 128: every projection and expert packed) and `fp8-block` (float8, 128 × 128 block scales, as
+Qwen3-30B-A3B-FP8); their floor counts those bytes (scales and zero points included). Keys
+`moe_<quant>_decode_b<N>_ms`, `..._vs_floor`, and `..._vs_bf16` (bf16 step ÷ its step) where bf16 ran in the same call.
 """
 
 from __future__ import annotations
@@ -56,23 +62,36 @@ def parity(tmp: Path) -> dict:
     return {"greedy_identical_fraction": same / len(ref)}
 
 
-def floor_bytes(config: dict, batch: int, context: int) -> int:
+QUANT_CONFIGS = {
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True},
+    "fp8-block": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                  "weight_block_size": [128, 128]},
+}
+# bytes a quantized projection weight takes per element: 4 bits + float16 scale and zero per 128 rows; 1 byte + a
+# float32 scale per 128 × 128 block
+PROJECTION_BYTES = {"bf16": 2.0, "awq": 0.5 + 4 / 128, "fp8-block": 1 + 4 / (128 * 128)}
+
+
+def floor_bytes(config: dict, batch: int, context: int, quant: str = "bf16") -> int:
     d, layers, e, k = (config[x] for x in ("hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_tok"))
     heads, kv, hd, inter = (config[x] for x in ("num_attention_heads", "num_key_value_heads", "head_dim",
                                                 "moe_intermediate_size"))
-    attention = 2 * d * heads * hd + 2 * d * kv * hd + 2 * d + 2 * hd + d * e  # q and o, k and v, norms, router
+    projections = 2 * d * heads * hd + 2 * d * kv * hd  # q and o, k and v
+    floats = 2 * d + 2 * hd + d * e  # norms, router
     distinct = e * (1 - (1 - k / e) ** batch)
     experts = distinct * 3 * d * inter
     kv_read = batch * context * layers * 2 * kv * hd
-    elements = layers * (attention + experts) + config["vocab_size"] * d + batch * d + kv_read
-    return int(elements * 2)
+    float_elements = layers * floats + config["vocab_size"] * d + batch * d + kv_read
+    return int(float_elements * 2 + layers * (projections + experts) * PROJECTION_BYTES[quant])
 
 
-def decode(tmp: Path, copy_rate: float, batches: list[int], save) -> tuple[dict, dict]:
+def decode(tmp: Path, copy_rate: float, batches: list[int], save, quant: str = "bf16") -> tuple[dict, dict]:
     from jengine import LLM, SamplingParams
 
-    model_dir = write_shape("qwen3-30b-a3b", tmp / "qwen3")
+    extra = {} if quant == "bf16" else {"quantization_config": QUANT_CONFIGS[quant]}
+    model_dir = write_shape("qwen3-30b-a3b", tmp / f"qwen3-{quant}", **extra)
     config = json.loads((model_dir / "config.json").read_text())
+    prefix = "moe" if quant == "bf16" else f"moe_{quant.replace('-', '_')}"
     metrics, ratios = {}, {}
     rng = np.random.default_rng(1)
     # no prefix caching: the timed repeat of a warm-up would hit the cache, change the prefill's shape and compile;
@@ -90,11 +109,12 @@ def decode(tmp: Path, copy_rate: float, batches: list[int], save) -> tuple[dict,
                 return time.perf_counter() - start
 
             step = (run(NEW_TOKENS + 1) - run(1)) / NEW_TOKENS
-            floor = floor_bytes(config, batch, PROMPT_LEN + NEW_TOKENS // 2) / copy_rate
-            metrics[f"moe_decode_b{batch}_ms"] = step * 1e3
-            metrics[f"moe_decode_b{batch}_floor_ms"] = floor * 1e3
-            ratios[f"moe_decode_b{batch}_vs_floor"] = step / floor
-            log(f"decode b{batch}: {step * 1e3:.3f} ms/step, floor {floor * 1e3:.3f} ms → {step / floor:.2f}×")
+            floor = floor_bytes(config, batch, PROMPT_LEN + NEW_TOKENS // 2, quant) / copy_rate
+            metrics[f"{prefix}_decode_b{batch}_ms"] = step * 1e3
+            metrics[f"{prefix}_decode_b{batch}_floor_ms"] = floor * 1e3
+            ratios[f"{prefix}_decode_b{batch}_vs_floor"] = step / floor
+            log(f"decode {quant} b{batch}: {step * 1e3:.3f} ms/step, floor {floor * 1e3:.3f} ms → "
+                f"{step / floor:.2f}×")
             save(metrics, ratios)  # a long call keeps what it measured
     return metrics, ratios
 
@@ -127,6 +147,8 @@ def main() -> None:
     ap.add_argument("--part", nargs="+", choices=("parity", "decode", "mixed-qwen", "mixed-mixtral"), required=True)
     ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     ap.add_argument("--git-sha", default="unknown", help="the commit measured (the GPU machine has no .git)")
+    ap.add_argument("--quant", nargs="+", choices=("bf16", *QUANT_CONFIGS), default=["bf16"],
+                    help="decode: the model in these weight formats, one after the other (see the docstring)")
     args = ap.parse_args()
     metrics: dict = {}
     ratios: dict = {}
@@ -138,7 +160,16 @@ def main() -> None:
         if "decode" in args.part:
             _, copy_rate = copy_bandwidth()
             metrics["copy_bandwidth_gbs"] = copy_rate / 1e9
-            decode(tmp, copy_rate, args.batches, lambda m, r: save(args.out, args.git_sha, metrics | m, ratios | r))
+            for quant in args.quant:
+                m, r = decode(tmp, copy_rate, args.batches,
+                              lambda m, r: save(args.out, args.git_sha, metrics | m, ratios | r), quant)
+                metrics, ratios = metrics | m, ratios | r
+            for quant in args.quant:  # both sides measured in this call
+                for batch in args.batches:
+                    key = f"moe_{quant.replace('-', '_')}_decode_b{batch}"
+                    if quant != "bf16" and "bf16" in args.quant:
+                        ratios[f"{key}_vs_bf16"] = metrics[f"moe_decode_b{batch}_ms"] / metrics[f"{key}_ms"]
+            save(args.out, args.git_sha, metrics, ratios)
         for part, shape, key in (("mixed-qwen", "qwen3-30b-a3b", "moe_mixed_tokens_per_s"),
                                  ("mixed-mixtral", "mixtral-8x7b", "mixtral_mixed_tokens_per_s")):
             if part in args.part:
