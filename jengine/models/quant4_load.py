@@ -186,6 +186,10 @@ class Quant4Reader:
         return unpack_compressed_tensors(get["weight_packed"], get["weight_scale"], get["weight_zero_point"],
                                          self._out_in(module), get["weight_g_idx"])
 
+    def is_packed(self, module: str) -> bool:
+        """Whether the checkpoint stores `module` quantized (a 4-bit checkpoint may keep some projections float)."""
+        return module in self._module_set
+
     def group_rows(self, module: str) -> tuple[np.ndarray, int]:
         """(each input row's group, the number of groups) from the scales' shape and any g_idx, without unpacking
         the weight (what deciding whether a module can stay packed needs)."""

@@ -35,6 +35,7 @@ PACKED_LEAVES = ("wqkv", "wo", "w_gate_up", "w_down")
 EXPERT_LEAVES = ("we_gate", "we_up", "we_down")
 ROW_PARALLEL = ("wo", "w_down")  # the rest split their output columns (parallel/sharding.py)
 KERNEL_GROUP = 128
+FLOAT_IN_CHECKPOINT = "some of its modules are stored in float (not quantized in this checkpoint)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +64,8 @@ def _group(unpacked: Unpacked) -> int:
 def why_dequantized(reader: Quant4Reader, leaf: Source, shards: int, name: str = "") -> str | None:
     """None when the leaf (named `name`, e.g. `wo`) can run packed through the W4A16 kernel on each of `shards`
     devices, else the reason it is dequantized."""
+    if not all(reader.is_packed(_module(p)) for p in _parts(leaf)):
+        return FLOAT_IN_CHECKPOINT
     if reader.quant.bits != 4:
         return f"{reader.quant.bits}-bit weights (the W4A16 kernel takes 4)"
     rows = [reader.group_rows(_module(p)) for p in _parts(leaf)]
@@ -100,6 +103,8 @@ EXPERT_GROUP_ROWS = 16  # the grouped-matmul kernels' smallest K step (one Trito
 def why_experts_dequantized(reader: Quant4Reader, leaf: LeafSource, rows_per_device: int) -> str | None:
     """None when an expert stack (one leaf: an HF module per expert) can run packed through the grouped-matmul
     kernels, each device holding `rows_per_device` of its K input rows, else the reason it is dequantized."""
+    if not all(reader.is_packed(module) for module in _expert_modules(leaf)):
+        return FLOAT_IN_CHECKPOINT
     if reader.quant.bits != 4:
         return f"{reader.quant.bits}-bit expert weights (the grouped-matmul kernels take 4-bit ones packed)"
     rows = [reader.group_rows(module) for module in _expert_modules(leaf)]
@@ -134,6 +139,8 @@ def _row_orders(reader: Quant4Reader, leaf: LeafSource) -> list[np.ndarray | Non
 
 def why_gate_up_apart(reader: Quant4Reader, gate: LeafSource, up: LeafSource) -> str | None:
     """The kernels gather x's features once for gate and up: their row orders must agree expert by expert."""
+    if not all(reader.is_packed(module) for module in _expert_modules(gate) + _expert_modules(up)):
+        return FLOAT_IN_CHECKPOINT
     for g, u in zip(_row_orders(reader, gate), _row_orders(reader, up), strict=True):
         if (g is None) != (u is None) or (g is not None and not np.array_equal(g, u)):
             return "experts' gate and up projections in different activation orders"
@@ -263,6 +270,10 @@ def log_packing(reader: Quant4Reader, packed: int, reasons: dict[str, int]) -> N
         logger.info("quantization: %s; %d projections kept in 4 bits (W4A16 and grouped-matmul kernels)",
                     quant.label, packed)
     for reason, count in reasons.items():
+        if reason == FLOAT_IN_CHECKPOINT:
+            logger.info("quantization: %s; %d projections run in the model dtype: their leaf (a fused projection or "
+                        "an expert stack) has modules the checkpoint stores in float", quant.label, count)
+            continue
         logger.info("quantization: %s; %d projections unpacked and dequantized at load to the model dtype, running "
                     "with a float model's memory; why: %s", quant.label, count, reason)
 

@@ -332,3 +332,32 @@ def test_tensor_parallel_splits_that_break_expert_groups_dequantize_with_a_reaso
     assert "why: tensor parallelism: 32 of the experts' input rows on each device is not whole groups of 64" in caplog.text
     assert "36 projections unpacked and dequantized" in caplog.text
     assert not any(isinstance(params["layers"][0][name], Int4Experts) for name in ("we_gate", "we_up", "we_down"))
+
+
+def _keep_float(model_dir, modules: list[str]) -> None:
+    """Stores these modules in float, as checkpoints that leave some projections unquantized do (the float weight
+    is the dequantized one the reference model holds, so the logits stay comparable)."""
+    from safetensors.numpy import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    tensors = load_file(str(path))
+    held = load_file(str(model_dir.with_name(model_dir.name + "-dequantized") / "model.safetensors"))
+    for module in modules:
+        for name in [n for n in tensors if n.startswith(module + ".")]:
+            del tensors[name]
+        tensors[module + ".weight"] = held[module + ".weight"]
+    save_file(tensors, str(path))
+
+
+def test_projections_a_checkpoint_keeps_in_float_read_as_float(build_checkpoint, caplog):
+    """A 4-bit checkpoint with some modules stored in float (layer 0's o_proj and one expert's down_proj): those leaves
+    run in float, every other stays packed, and the logits are the dequantized model's."""
+    config = Qwen3MoeConfig(**{**COMMON, "hidden_size": 128}, **MOE_SHAPED)
+    model_dir, _ = build_checkpoint(config)
+    model = quantize_checkpoint(model_dir, "awq", group=32)
+    _keep_float(model_dir, ["model.layers.0.self_attn.o_proj", "model.layers.1.mlp.experts.2.down_proj"])
+    with caplog.at_level(logging.INFO, logger="jengine.models.quant4_load"):
+        params = _check_logits(model_dir, model)
+    assert "modules the checkpoint stores in float" in caplog.text
+    assert isinstance(params["layers"][0]["we_down"], Int4Experts)
+    assert not any(isinstance(params["layers"][1][name], Int4Experts) for name in ("we_gate", "we_up", "we_down"))
