@@ -23,6 +23,7 @@ from jengine.errors import CheckpointError, ConfigError
 from jengine.models.checkpoint import CheckpointReader, checkpoint_dtype
 from jengine.models.converted import converted_metadata, restore_converted, save_converted
 from jengine.models.formats import open_checkpoint, read_model_config, unpacked_at_open
+from jengine.models.gptq8 import int8_plans, read_gptq8
 from jengine.models.quant4_load import Quant4Reader
 from jengine.models.quant4_place import int4_plans, place_int4, place_int4_experts, read_int4, read_int4_experts
 from jengine.models.quant_config import QuantConfig, read_quant_config
@@ -112,7 +113,9 @@ def load_model(
             params = restore_converted(converted_dir, _abstract_params(sources, resolved, sharding_for))
             return spec, _with_kv_scales(params, spec, kv_scales, sharding_for), resolved
         plans = _quant_plans(reader, sources, quant, platform)
-        if isinstance(reader, Quant4Reader):  # 4-bit projections the W4A16 kernel takes stay packed
+        if isinstance(reader, Quant4Reader) and reader.quant.bits == 8:  # 8-bit GPTQ onto the 8-bit path
+            plans = int8_plans(reader, _flat_sources(sources), platform)
+        elif isinstance(reader, Quant4Reader):  # 4-bit projections the kernels take stay packed
             plans = int4_plans(reader, _flat_sources(sources), projection_shards, platform, sharding_for)
         _check_sources(reader, sources, plans)
         params = _place_all(reader, sources, resolved, sharding_for, progress, plans)
@@ -261,6 +264,8 @@ def _place_any(reader: CheckpointReader, leaf: Source, dtype: jnp.dtype, shardin
         return place_int4(read_int4(reader, leaf), path, sharding_for, impl)
     if kind == "int4_experts":  # `how`: the layer's down projection, for gate and up
         return place_int4_experts(read_int4_experts(reader, leaf, how), path, sharding_for)
+    if kind == "gptq8":
+        return place(read_gptq8(reader, leaf), path, sharding_for, impl)
     if kind == "run":
         return place(read_leaf(reader, leaf, how), path, sharding_for, impl)
     full = np.asarray(dequantized_float(reader, str(leaf.names), how), dtype=dtype)

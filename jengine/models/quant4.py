@@ -99,12 +99,17 @@ def unpack_gptq(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, g_i
                 bits: int, group_size: int, zeros_one_less: bool) -> Unpacked:
     """`zeros_one_less`: GPTQ v1 checkpoints (`checkpoint_format: "gptq"`)."""
     values = _along_first(qweight, bits)
-    zeros = _along_last(qzeros, bits).astype(np.int16) + (1 if zeros_one_less else 0)
+    zeros = gptq_zero_points(qzeros, bits, zeros_one_less, values.shape[1])
     k = values.shape[0]
     rows = np.asarray(g_idx, np.int32) if g_idx is not None else _groups(k, group_size if group_size > 0 else k)
     if rows.shape != (k,) or rows.min() < 0 or rows.max() >= scales.shape[0]:
         raise CheckpointError(f"GPTQ g_idx has shape {rows.shape} / values outside the {scales.shape[0]} groups")
-    return Unpacked(values.astype(np.uint8), zeros[:, :values.shape[1]], np.asarray(scales, np.float32), rows)
+    return Unpacked(values.astype(np.uint8), zeros, np.asarray(scales, np.float32), rows)
+
+
+def gptq_zero_points(qzeros: np.ndarray, bits: int, zeros_one_less: bool, n: int) -> np.ndarray:
+    """GPTQ's `qzeros` `[groups, N·bits/32]` → `[groups, N]` zero points (v1 stores each one less)."""
+    return (_along_last(qzeros, bits).astype(np.int16) + (1 if zeros_one_less else 0))[:, :n]
 
 
 def unpack_compressed_tensors(packed: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None,

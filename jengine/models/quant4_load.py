@@ -186,6 +186,17 @@ class Quant4Reader:
         return unpack_compressed_tensors(get["weight_packed"], get["weight_scale"], get["weight_zero_point"],
                                          self._out_in(module), get["weight_g_idx"])
 
+    def zero_points(self, module: str) -> np.ndarray:
+        """A GPTQ module's zero points `[groups, N]` in the values' unsigned scale (v1's stored ones corrected),
+        read without the weight."""
+        from jengine.models.quant4 import gptq_zero_points
+
+        q = self._quant
+        if q.method != "gptq":
+            raise ValueError("zero_points reads GPTQ modules")
+        return gptq_zero_points(self._reader.read(module + ".qzeros"), q.bits, q.zeros_one_less,
+                                self._out_in(module)[0])
+
     def is_packed(self, module: str) -> bool:
         """Whether the checkpoint stores `module` quantized (a 4-bit checkpoint may keep some projections float)."""
         return module in self._module_set

@@ -361,3 +361,50 @@ def test_projections_a_checkpoint_keeps_in_float_read_as_float(build_checkpoint,
     assert "modules the checkpoint stores in float" in caplog.text
     assert isinstance(params["layers"][0]["we_down"], Int4Experts)
     assert not any(isinstance(params["layers"][1][name], Int4Experts) for name in ("we_gate", "we_up", "we_down"))
+
+
+@pytest.mark.parametrize("v1", [True, False], ids=["gptq-v1", "gptq-v2"])
+def test_8bit_gptq_is_kept_in_8_bits(build_checkpoint, caplog, v1):
+    """Symmetric 8-bit GPTQ (Qwen's GPTQ-Int8 layout): every projection and expert stack runs as int8 weights with
+    group scales on the 8-bit path (a byte a weight), with the dequantized model's logits."""
+    from jengine.layers.quant import QuantizedWeight
+
+    model_dir, _ = build_checkpoint(Qwen3MoeConfig(**COMMON, **MOE_SHAPED))
+    model = quantize_checkpoint(model_dir, "gptq", group=32, bits=8, symmetric=True, v1=v1)
+    with caplog.at_level(logging.INFO, logger="jengine.models.quant4_load"):
+        params = _check_logits(model_dir, model)
+    assert "48 projections kept in 8 bits" in caplog.text and "dequantized" not in caplog.text
+    layer = params["layers"][0]
+    for name in ("wqkv", "wo", "we_gate", "we_down"):
+        w = layer[name]
+        assert isinstance(w, QuantizedWeight) and w.weight.dtype == np.int8, name
+        assert (w.scheme.weight_dtype, w.scheme.activations, w.scheme.block_k, w.scheme.block_n) == ("int8", None,
+                                                                                                      32, 1)
+    assert layer["we_gate"].shape == (4, 64, 64)
+
+
+def test_asymmetric_8bit_gptq_is_dequantized_with_a_reason(build_checkpoint, caplog):
+    model_dir, _ = build_checkpoint(Qwen3MoeConfig(**COMMON, **MOE_SHAPED))
+    model = quantize_checkpoint(model_dir, "gptq", group=32, bits=8, symmetric=False)
+    with caplog.at_level(logging.INFO, logger="jengine.models.quant4_load"):
+        _check_logits(model_dir, model)
+    assert "why: asymmetric 8-bit zero points" in caplog.text
+
+
+def test_the_engine_serves_8bit_gptq_experts_through_the_kernels(build_checkpoint, tiny_tokenizer_dir, monkeypatch):
+    """The int8 expert stacks reach the grouped-matmul kernels (interpret mode) with their group scales as blocks:
+    the dequantized checkpoint's greedy tokens, logprobs within 1e-4."""
+    from jengine.layers import mlp
+    from tests.kernels.test_grouped_matmul import ReferenceAttentionKernelExperts
+
+    model_dir, _ = build_checkpoint(Qwen3MoeConfig(**COMMON, **MOE_SHAPED), tokenizer_dir=tiny_tokenizer_dir)
+    quantize_checkpoint(model_dir, "gptq", group=32, bits=8, symmetric=True)
+    want_tokens, want_logprobs, _ = _llm_greedy(model_dir.with_name(model_dir.name + "-dequantized"), model_dir)
+    monkeypatch.setattr("jengine.factory.select_backend", lambda *a, **k: ReferenceAttentionKernelExperts())
+    kinds = []
+    read = mlp.expert_stacks
+    monkeypatch.setattr(mlp, "expert_stacks", lambda *a, **k: kinds.append((ops := read(*a, **k)).kind) or ops)
+    tokens, logprobs, _ = _llm_greedy(model_dir, model_dir)
+    assert set(kinds) == {"block"}
+    assert tokens == want_tokens
+    assert np.abs(logprobs - want_logprobs).max() <= 1e-4
