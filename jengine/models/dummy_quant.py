@@ -3,7 +3,8 @@ way): what the loader would place for such a checkpoint, drawn on the devices fr
 
 - 4-bit (`quant_method` awq, gptq, compressed-tensors W4A16): dense projections the W4A16 kernel takes and expert
   stacks the grouped-matmul kernels take stay packed (`layers/quant4.py`), by the same shape rules as the loader
-  (`models/quant4_place.py`); the others are float, as the loader dequantizes them. Words are uniform random
+  (`models/quant4_place.py`); the others are float, as the loader dequantizes them. Symmetric 8-bit GPTQ in row
+  order: int8 with group scales, as `models/gptq8.py` keeps it. Words are uniform random
   nibbles, zero points at their mean (7.5), scales giving the dummy float weights' standard deviation.
 - 8-bit (fp8, compressed-tensors 8-bit, `quantization="fp8"` on a float config): every projection the config
   quantizes (`models/quant_config.py`) becomes a `QuantizedWeight` of its scheme, values normal at the dummy
@@ -75,10 +76,8 @@ def _first_module(leaf: Source) -> str:
 
 def _int4_makers(quant: Quant4Config, config: dict[str, Any], flat_sources, sharding_for, shards: int,
                  platform: str, std: float) -> dict[str, Maker]:
-    if quant.bits != 4:
-        logger.info("dummy weights: %s is not kept packed (the kernels take 4 bits); float weights instead",
-                    quant.label)
-        return {}
+    if quant.bits == 8:
+        return _gptq8_makers(quant, config, flat_sources, sharding_for, platform, std)
     makers, layers = {}, {}
     for path, leaf in flat_sources:
         name = leaf_name(path)
@@ -96,6 +95,25 @@ def _int4_makers(quant: Quant4Config, config: dict[str, Any], flat_sources, shar
                                                  group=_group(quant, config, leaf.shape[-2]),
                                                  sharding_for=sharding_for, std=std)
     logger.info("dummy weights: %d leaves in 4 bits (%s), the rest float", len(makers), quant.label)
+    return makers
+
+
+def _gptq8_makers(quant: Quant4Config, config: dict[str, Any], flat_sources, sharding_for, platform: str,
+                  std: float) -> dict[str, Maker]:
+    """8-bit GPTQ as the loader keeps it (`models/gptq8.py`): symmetric, rows in order, int8 with group scales."""
+    qc = config.get("quantization_config") or {}
+    if not quant.symmetric or qc.get("desc_act"):
+        logger.info("dummy weights: %s is dequantized by the loader (asymmetric or in activation order); float "
+                    "weights instead", quant.label)
+        return {}
+    impl = "reference" if platform == "cpu" else "xla"
+    makers = {}
+    for path, leaf in flat_sources:
+        if leaf_name(path) in PACKED_LEAVES + EXPERT_LEAVES and (group := _group(quant, config, leaf.shape[-2])):
+            makers[path] = functools.partial(_int8_leaf, path=path, shape=leaf.shape,
+                                             scheme=QuantScheme("int8", None, group, 1, impl=impl),
+                                             static_input=False, sharding_for=sharding_for, std=std)
+    logger.info("dummy weights: %d leaves in 8 bits (%s), the rest float", len(makers), quant.label)
     return makers
 
 

@@ -153,6 +153,11 @@ def _awq(group: int):
     return lambda model_dir: quantize_checkpoint(model_dir, "awq", group=group)
 
 
+def _gptq8(model_dir: Path) -> None:
+    from tests.models.quant4_packing import quantize_checkpoint
+    quantize_checkpoint(model_dir, "gptq", group=32, bits=8, symmetric=True)
+
+
 def _fp8_blocks(tmp_path):
     from tests.models import quant_checkpoints as qc
 
@@ -173,6 +178,7 @@ QUANTIZED_CASES = {
     "awq-dense": (lambda: LlamaConfig(**{**COMMON, "hidden_size": 128, "intermediate_size": 256}),
                   lambda tmp: _awq(128), 1, False),
     "fp8-block-moe-tp2": (lambda: Qwen3MoeConfig(**COMMON, **MOE_QUANT), _fp8_blocks, 2, False),
+    "gptq8-moe-tp2": (lambda: Qwen3MoeConfig(**COMMON, **MOE_QUANT), lambda tmp: _gptq8, 2, False),
 }
 
 
