@@ -163,7 +163,8 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
     adapters, runner_lora, params = build_lora(config, spec, dtype, layout.replicated, params)
     plan = agree_across_processes(plan_kv_cache(spec, config.cache, config.scheduler, dtype, device,
                                                 kv_shards=layout.size,
-                                                workspace=workspace_bytes(params, dtype, device.platform) // layout.size))
+                                                workspace=workspace_bytes(params, dtype, device.platform)
+                                                // layout.size))
     if plan.num_tokens < config.scheduler.max_model_len:
         raise ConfigError(
             f"the KV cache holds {plan.num_tokens} tokens, fewer than one request of max_model_len="

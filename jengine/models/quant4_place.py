@@ -191,7 +191,8 @@ def place_int4_experts(host: HostInt4Experts, path: str, sharding_for) -> Int4Ex
     perm_sharding = packed_sharding
     if isinstance(packed_sharding, NamedSharding):
         perm_sharding = NamedSharding(packed_sharding.mesh, P((tuple(packed_sharding.spec) + (None,))[0], None))
-    return Int4Experts(put(host.packed, packed_sharding), put(host.zeros, sharding_for(path + ".zeros", host.zeros.shape)),
+    return Int4Experts(put(host.packed, packed_sharding),
+                       put(host.zeros, sharding_for(path + ".zeros", host.zeros.shape)),
                        put(host.scales, sharding_for(path + ".scales", host.scales.shape)),
                        put(host.perm, perm_sharding))
 

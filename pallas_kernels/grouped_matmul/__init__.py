@@ -4,4 +4,5 @@ from pallas_kernels.grouped_matmul.moe import ExpertWeights, moe_experts, tile_c
 from pallas_kernels.grouped_matmul.kernel import Scaling, TileConfig
 from pallas_kernels.grouped_matmul.routing import ExpertTiles, combine, expert_tiles
 
-__all__ = ["ExpertTiles", "ExpertWeights", "Scaling", "TileConfig", "combine", "expert_tiles", "moe_experts", "tile_configs"]
+__all__ = ["ExpertTiles", "ExpertWeights", "Scaling", "TileConfig", "combine", "expert_tiles", "moe_experts",
+           "tile_configs"]

@@ -89,9 +89,10 @@ def _weight_tile(w_ref, e, ks, cols, k_dim: int, n_dim: int, dtype, cfg: TileCon
 
 
 def _int4_tile(w_ref, z_ref, s_ref, e, k0, cols, n_dim: int, dtype, block_k: int, group: int):
-    """One expert's `[block_k, block_n]` 4-bit weight tile, dequantized: `(1 + q/16) · 16s − s(16 + z) = (q − z) · s`
-    per (row, column), the zero point and scale of each row's group (one group per step when `block_k ≤ group`).
-    K needs no mask (`block_k` divides it); a ragged N edge is masked where the shape has one (static)."""
+    """One expert's `[block_k, block_n]` 4-bit weight tile, dequantized: `(1 + q/16) · 16s − s(16 + z) =
+    (q − z) · s` per (row, column), the zero point and scale of each row's group (one group per step when
+    `block_k ≤ group`). K needs no mask (`block_k` divides it); a ragged N edge is masked where the shape has one
+    (static)."""
     word_rows = _arange(k0 // PACK, block_k // PACK)
     ragged = n_dim % cols.shape[0] != 0
 

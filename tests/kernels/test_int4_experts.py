@@ -22,7 +22,8 @@ SEED = fresh_seed()
 
 
 def pack_words(q: np.ndarray) -> np.ndarray:
-    """`[..., K, N]` values 0…15 → `[..., K / 8, N]` int32: input row 8r + j of column c at bits 4j of word (r, c)."""
+    """`[..., K, N]` values 0…15 → `[..., K / 8, N]` int32: input row 8r + j of column c at bits 4j of word
+    (r, c)."""
     *lead, k, n = q.shape
     rows = q.astype(np.uint32).reshape(*lead, k // 8, 8, n)
     words = sum(rows[..., j, :] << np.uint32(4 * j) for j in range(8))

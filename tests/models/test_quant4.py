@@ -329,7 +329,8 @@ def test_tensor_parallel_splits_that_break_expert_groups_dequantize_with_a_reaso
     with caplog.at_level(logging.INFO, logger="jengine.models.quant4_load"):
         _, params, _ = load_model(model_dir, dtype="float32", progress=False, projection_shards=2,
                                   sharding=layout.param_sharding)
-    assert "why: tensor parallelism: 32 of the experts' input rows on each device is not whole groups of 64" in caplog.text
+    assert ("why: tensor parallelism: 32 of the experts' input rows on each device is not whole groups of 64"
+            in caplog.text)
     assert "36 projections unpacked and dequantized" in caplog.text
     assert not any(isinstance(params["layers"][0][name], Int4Experts) for name in ("we_gate", "we_up", "we_down"))
 
