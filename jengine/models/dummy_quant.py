@@ -29,7 +29,8 @@ from jengine.layers.quant import FP8, FP8_MAX, INT8_MAX, QuantizedWeight, QuantS
 from jengine.layers.quant4 import PACK, Int4Experts, Int4Weight
 from jengine.models.quant4_load import Quant4Config, read_quant4_config
 from jengine.models.quant4_place import (
-    EXPERT_LEAVES, PACKED_LEAVES, expert_shape_reason, int4_impl, rows_per_device, shape_reason, split_of)
+    EXPERT_LEAVES, PACKED_LEAVES, expert_shape_reason, int4_impl, kernel_group, rows_per_device, shape_reason,
+    split_of)
 from jengine.models.quant_config import read_quant_config
 from jengine.models.quant_load import QUANTIZED_LEAVES
 from jengine.models.weights import FusedSource, Source, leaf_name
@@ -82,8 +83,9 @@ def _int4_makers(quant: Quant4Config, config: dict[str, Any], flat_sources, shar
     for path, leaf in flat_sources:
         name = leaf_name(path)
         k, n = leaf.shape[-2:] if name in PACKED_LEAVES + EXPERT_LEAVES else (0, 0)
-        if name in PACKED_LEAVES and shape_reason(k, n, _group(quant, config, k), shards, name) is None:
-            makers[path] = functools.partial(_int4_leaf, path=path, shape=leaf.shape, group=_group(quant, config, k),
+        group = kernel_group(_group(quant, config, k)) if name in PACKED_LEAVES else 0
+        if name in PACKED_LEAVES and shape_reason(k, n, group, shards, name) is None:
+            makers[path] = functools.partial(_int4_leaf, path=path, shape=leaf.shape, group=group,
                                              sharding_for=sharding_for, impl=int4_impl(platform), std=std)
         elif name in EXPERT_LEAVES:
             fits = expert_shape_reason(_group(quant, config, k), rows_per_device(sharding_for, path, leaf)) is None

@@ -72,7 +72,8 @@ def why_dequantized(reader: Quant4Reader, leaf: Source, shards: int, name: str =
     groups = {len(g_idx) // count if len(g_idx) % count == 0 else 0 for g_idx, count in rows}
     if len(groups) != 1:
         return f"fused parts in groups of {sorted(groups)} rows"
-    if (reason := shape_reason(*leaf.shape[-2:], group := groups.pop(), shards, name)) is not None:
+    group = groups.pop()
+    if (reason := shape_reason(*leaf.shape[-2:], kernel_group(group), shards, name)) is not None:
         return reason
     if any(np.any(np.bincount(g_idx, minlength=count) != group) for g_idx, count in rows):
         return "groups of unequal sizes"
@@ -226,8 +227,17 @@ def read_int4(reader: Quant4Reader, leaf: Source) -> HostInt4:
     scale = fuse(scales)
     if np.array_equal(scale.astype(np.float16).astype(np.float32), scale):
         scale = scale.astype(np.float16)  # AWQ and GPTQ store float16 scales: keep their bytes
-    return HostInt4(_pack_rows(fuse(values)), fuse(zeros), scale,
-                    None if perm is None else perm.astype(np.int32), _group(unpacked[0]))
+    group = _group(unpacked[0])
+    repeat = group // kernel_group(group)  # larger groups as runs of the kernel's, sharing their scale and zero
+    return HostInt4(_pack_rows(fuse(values)), np.repeat(fuse(zeros), repeat, axis=0), np.repeat(scale, repeat, axis=0),
+                    None if perm is None else perm.astype(np.int32), group // repeat)
+
+
+def kernel_group(group: int) -> int:
+    """The group a projection runs in: a multiple of 128 rows (a channel-wise one too) as groups of 128 sharing its
+    scale and zero point. The kernel walks K a group a step with the group's words in registers: a group of 14,336
+    rows (Llama's down_proj, channel-wise) is neither a power of two, which Triton needs, nor a register tile."""
+    return KERNEL_GROUP if group % KERNEL_GROUP == 0 else group
 
 
 def _repeat_heads(array: np.ndarray, part: LeafSource) -> np.ndarray:

@@ -4,9 +4,11 @@ agree with compressed-tensors' own unpack; unsupported variants are refused by n
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -409,3 +411,22 @@ def test_the_engine_serves_8bit_gptq_experts_through_the_kernels(build_checkpoin
     assert set(kinds) == {"block"}
     assert tokens == want_tokens
     assert np.abs(logprobs - want_logprobs).max() <= 1e-4
+
+
+def test_channel_wise_groups_run_as_the_kernels_groups_of_128(build_checkpoint, caplog):
+    """One group per projection (compressed-tensors' channel strategy; Llama's down_proj has 14,336 rows): the
+    projections stay packed as groups of 128 sharing their scale and zero point, which the kernel compiles for
+    (a 384-row group is no power of two, and no register tile), with the dequantized model's logits."""
+    from tests.kernels.test_lowering import S, lower_for_h200
+    from jengine.layers.quant4 import int4_matmul
+
+    model_dir, _ = build_checkpoint(LlamaConfig(**{**KERNEL_SHAPED, "intermediate_size": 384}))
+    model = quantize_checkpoint(model_dir, "ct", group=1 << 16, symmetric=False)  # one group of all the rows
+    with caplog.at_level(logging.INFO, logger="jengine.models.quant4_load"):
+        params = _check_logits(model_dir, model)
+    assert "21 projections kept in 4 bits" in caplog.text
+    down = params["layers"][0]["w_down"]
+    assert down.group == 128 and down.zeros.shape == (3, 128)
+    gpu = dataclasses.replace(down, impl="pallas")
+    text = lower_for_h200(lambda x, w: int4_matmul(x, w), S((1, 384), jnp.bfloat16), gpu)
+    assert "__gpu$xla.gpu.triton" in text
