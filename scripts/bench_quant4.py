@@ -17,6 +17,7 @@ Two levels, both sides of every ratio timed in this one call, correctness checke
     PYTHONPATH=. python scripts/bench_quant4.py --out $OUT/quant4.json --git-sha <sha>
     PYTHONPATH=. python scripts/bench_quant4.py --sweep --out $OUT/quant4.json --git-sha <sha>
     PYTHONPATH=. python scripts/bench_quant4.py --tiny --out /tmp/quant4.json     # shape check on the CPU
+    PYTHONPATH=. python scripts/bench_quant4.py --out $OUT/quant4-g32.json --group 32 --git-sha <sha>  # GPTQ 32g
     PYTHONPATH=. python scripts/bench_quant4.py --out $OUT/quant4.json --gguf /tmp/gguf-scratch   # + GGUF load time
       (the GPU machine has no gguf package: install its wheel first, e.g. from /work/wt/wheels/quant4/)
 """
@@ -113,6 +114,8 @@ def parse_args():
     parser.add_argument("--prefill", type=int, default=4096)
     parser.add_argument("--context", type=int, default=1024, help="tokens in the cache at the model decode steps")
     parser.add_argument("--no-model", action="store_true", help="projection level only")
+    parser.add_argument("--group", type=int, default=GROUP, help="the model level's group size (32, 64: GPTQ's "
+                        "small groups; keys then carry _g<group>)")
     parser.add_argument("--sweep", action="store_true", help="the full configuration sweep (quant4_sweep.py)")
     parser.add_argument("--sweep-budget", type=float, default=200.0, help="seconds; later candidates are skipped")
     parser.add_argument("--configs", default=None, help="an earlier --sweep's JSON: its winners join the candidates")
@@ -145,7 +148,7 @@ def main() -> None:
         model_metrics, model_ratios = model_level(MODEL_TINY if args.tiny else MODEL_8B, args.tiny,
                                                   32 if args.tiny else args.context,
                                                   64 if args.tiny else args.prefill, metrics["copy_bytes_per_s"],
-                                                  configs=configs)
+                                                  configs=configs, group=args.group)
         metrics.update(model_metrics)
         ratios.update(model_ratios)
     metrics["gguf_q4k_load_seconds"] = gguf_seconds  # None unless --gguf

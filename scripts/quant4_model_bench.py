@@ -25,29 +25,29 @@ GROUP = 128
 PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
-def quantize4(w, impl: str, configs: tuple | None = None):
-    """A bfloat16 `[K, N]` weight → an `Int4Weight`: asymmetric round-to-nearest per (128-row group, column)."""
+def quantize4(w, impl: str, configs: tuple | None = None, group: int = GROUP):
+    """A bfloat16 `[K, N]` weight → an `Int4Weight`: asymmetric round-to-nearest per (`group`-row group, column)."""
     import jax.numpy as jnp
 
     from jengine.layers.quant4 import Int4Weight
 
     k, n = w.shape
-    wf = w.astype(jnp.float32).reshape(k // GROUP, GROUP, n)
+    wf = w.astype(jnp.float32).reshape(k // group, group, n)
     lo, hi = jnp.minimum(wf.min(axis=1), 0), jnp.maximum(wf.max(axis=1), 0)
     scale = jnp.maximum((hi - lo) / 15, 1e-8).astype(jnp.float16)
     zero = jnp.clip(jnp.round(-lo / scale.astype(jnp.float32)), 0, 15)
     q = jnp.clip(jnp.round(wf / scale.astype(jnp.float32)[:, None]) + zero[:, None], 0, 15).astype(jnp.int32)
     shifts = 4 * jnp.arange(8, dtype=jnp.int32)
     packed = jnp.sum(q.reshape(k // 8, 8, n) << shifts[None, :, None], axis=1, dtype=jnp.int32)  # disjoint bits
-    return Int4Weight(packed, zero.astype(jnp.float16), scale, None, GROUP, impl, configs)
+    return Int4Weight(packed, zero.astype(jnp.float16), scale, None, group, impl, configs)
 
 
-def int4_params(params: dict, impl: str, configs: tuple | None = None) -> dict:
+def int4_params(params: dict, impl: str, configs: tuple | None = None, group: int = GROUP) -> dict:
     import functools
 
     import jax
 
-    quant = jax.jit(functools.partial(quantize4, impl=impl, configs=configs))
+    quant = jax.jit(functools.partial(quantize4, impl=impl, configs=configs, group=group))
     layers = tuple({k: (quant(v) if k in PROJECTIONS else v) for k, v in layer.items()} for layer in params["layers"])
     return {**params, "layers": layers}
 
@@ -123,16 +123,17 @@ def check_logits(spec, name: str, w4: dict, ours, case: tuple, known_noise: floa
 
 
 def model_level(shape: dict, tiny: bool, context: int, prefill: int, copy_rate: float, runs: int = 5,
-                calls: int = 20, configs: tuple | None = None) -> tuple[dict, dict]:
-    """(metrics, ratios) of the model step: bf16 and W4A16 at decode batch 1 and 64 and one prefill chunk, the
-    kernels at `configs` (`Int4Weight.configs`; None: their defaults)."""
+                calls: int = 20, configs: tuple | None = None, group: int = GROUP) -> tuple[dict, dict]:
+    """(metrics, ratios) of the model step: bf16 and W4A16 (groups of `group` rows) at decode batch 1 and 64 and one
+    prefill chunk, the kernels at `configs` (`Int4Weight.configs`; None: their defaults). Keys of a group other than
+    128 carry it (`w4a16_g32_decode_b1_vs_bf16`)."""
     import jax
     import jax.numpy as jnp
 
     spec = model_spec(shape)
     impl = "pallas" if jax.devices()[0].platform == "gpu" and not tiny else "pallas_interpret"
     base = random_params(spec)
-    w4 = int4_params(base, impl, configs)
+    w4 = int4_params(base, impl, configs, group)
     cases = {"decode_b1": (1, 1, context), "decode_b64": (4 if tiny else 64, 1, context),
              "prefill": (1, prefill, prefill)}
     metrics: dict = {"model_layers": spec.num_layers, "model_context_tokens": context,
@@ -156,4 +157,8 @@ def model_level(shape: dict, tiny: bool, context: int, prefill: int, copy_rate: 
     ratios = {f"w4a16_{name}_vs_bf16": metrics[f"model_{name}_bf16_s"] / metrics[f"model_{name}_w4a16_s"]
               for name in cases}
     ratios["w4a16_decode_b1_vs_floor"] = metrics["model_decode_b1_w4a16_s"] / floor
+    if group != GROUP:
+        tag = f"_g{group}"
+        metrics = {k.replace("model_", f"model{tag}_", 1): v for k, v in metrics.items()}
+        ratios = {k.replace("w4a16_", f"w4a16{tag}_", 1): v for k, v in ratios.items()}
     return metrics, ratios

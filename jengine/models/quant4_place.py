@@ -3,7 +3,7 @@ and `Int4Experts` for a MoE layer's expert stacks).
 
 The loader asks `why_dequantized` per dense projection leaf: None means it is repacked into the W4A16 kernel's
 layout (`read_int4` → `place_int4`), a sentence means the leaf stays on the float path (the reader dequantizes it)
-and the log says why: groups that are not a multiple of 128 (the kernel walks K one group per step of 16·8 rows),
+and the log says why: groups other than 16, 32, 64 or a multiple of 128 rows (the kernel walks K 128 rows a step),
 8-bit GPTQ, column counts no power-of-two strip divides, fused parts in different activation orders, and under
 tensor parallelism the splits the kernel cannot run per device: column-parallel leaves (q/k/v, gate/up) need whole
 16-column strips on each device, and row-parallel ones (o, down) whole groups. Split leaves run the kernel under
@@ -72,7 +72,8 @@ def why_dequantized(reader: Quant4Reader, leaf: Source, shards: int, name: str =
     groups = {len(g_idx) // count if len(g_idx) % count == 0 else 0 for g_idx, count in rows}
     if len(groups) != 1:
         return f"fused parts in groups of {sorted(groups)} rows"
-    group = groups.pop()
+    if (group := groups.pop()) == 0:
+        return "groups of unequal sizes (a short last group)"
     if (reason := shape_reason(*leaf.shape[-2:], kernel_group(group), shards, name)) is not None:
         return reason
     if any(np.any(np.bincount(g_idx, minlength=count) != group) for g_idx, count in rows):
@@ -86,11 +87,13 @@ def why_dequantized(reader: Quant4Reader, leaf: Source, shards: int, name: str =
 def shape_reason(k: int, n: int, group: int, shards: int, name: str) -> str | None:
     """What of a `[k, n]` projection's shape, its group and its split over `shards` devices keeps it from the W4A16
     kernel (None: nothing)."""
-    if group == 0 or group % KERNEL_GROUP:
-        return f"group size [{group}] (the W4A16 kernel takes multiples of {KERNEL_GROUP})"
-    if shards > 1 and name in ROW_PARALLEL and k % (shards * group):
-        return (f"tensor parallelism: {k} input features over {shards} devices is not whole groups of {group} "
-                "on each")
+    if group == 0 or group % 16 or KERNEL_GROUP % group:
+        return f"group size [{group}] (the W4A16 kernel takes 16, 32, 64 or a multiple of {KERNEL_GROUP} rows)"
+    if k % KERNEL_GROUP:
+        return f"{k} input features (the W4A16 kernel walks K {KERNEL_GROUP} rows a step)"
+    if shards > 1 and name in ROW_PARALLEL and k % (shards * KERNEL_GROUP):
+        return (f"tensor parallelism: {k} input features over {shards} devices is not whole groups of "
+                f"{KERNEL_GROUP} on each")
     if shards > 1 and name not in ROW_PARALLEL and (n % shards or not fits_kernel(n // shards)):
         return f"tensor parallelism: {n} output features over {shards} devices is not a multiple of 16 on each"
     if not fits_kernel(n):
@@ -235,8 +238,9 @@ def read_int4(reader: Quant4Reader, leaf: Source) -> HostInt4:
 
 def kernel_group(group: int) -> int:
     """The group a projection runs in: a multiple of 128 rows (a channel-wise one too) as groups of 128 sharing its
-    scale and zero point. The kernel walks K a group a step with the group's words in registers: a group of 14,336
-    rows (Llama's down_proj, channel-wise) is neither a power of two, which Triton needs, nor a register tile."""
+    scale and zero point; smaller groups (16, 32, 64) as they are. The kernel walks K 128 rows a step, with one
+    zero point and scale per step or per word row: a group of 14,336 rows (Llama's down_proj, channel-wise) would
+    be neither a power of two, which Triton needs, nor a register tile."""
     return KERNEL_GROUP if group % KERNEL_GROUP == 0 else group
 
 

@@ -7,7 +7,8 @@ row 8r + j at bits 4j; it is dequantized in registers, never in memory, by one o
 so that a few wide column strips still fill the GPU) and `tiled.py` for more rows (tensor cores). Prefill-sized m
 takes the `dequant` path: dequantize in one XLA fusion, then cuBLAS.
 
-Triton rules (JAX-PALLAS.md §1.2): power-of-two tiles; k a multiple of the group (itself of 128), n of 16.
+Triton rules (JAX-PALLAS.md §1.2): power-of-two tiles; k a multiple of 128 and of the group (16, 32 or 64 rows,
+or a multiple of 128), n of 16.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.w4a16.config import W4A16Config, column_block, default_config, k_splits, pow2_at_least
-from pallas_kernels.w4a16.gemv import gemv_call
+from pallas_kernels.w4a16.gemv import STEP_ROWS, gemv_call
 from pallas_kernels.w4a16.nibbles import PACK
 from pallas_kernels.w4a16.reference import dequantized_matmul
 from pallas_kernels.w4a16.tiled import dot_call
@@ -31,9 +32,10 @@ GEMV_ROW_LIMIT = 8  # the gemv kernel unrolls its rows, one accumulator tile eac
 
 
 def _check(m: int, k: int, n: int, k8: int, group: int, cfg: W4A16Config) -> None:
-    if k % group or group % (16 * PACK) or k8 * PACK != k or n % 16:
-        raise ValueError(f"w4a16_matmul needs k ({k}) a multiple of the group ({group}, itself of 128), n ({n}) of "
-                         f"16 and packed rows = k / 8 (got {k8})")
+    group_fits = group % 16 == 0 and (STEP_ROWS % group == 0 or group % STEP_ROWS == 0)
+    if k % group or k % STEP_ROWS or not group_fits or k8 * PACK != k or n % 16:
+        raise ValueError(f"w4a16_matmul needs k ({k}) a multiple of 128 and of the group ({group}: 16, 32 or 64 "
+                         f"rows, or a multiple of 128), n ({n}) of 16 and packed rows = k / 8 (got {k8})")
     if cfg.method == "gemv" and m > GEMV_ROW_LIMIT:
         raise ValueError(f"the gemv kernel takes at most {GEMV_ROW_LIMIT} rows (got {m}): use the dot method")
     if cfg.method == "dot" and (k % cfg.block_k or cfg.block_k % 16 or (group % cfg.block_k and cfg.block_k % group)):
@@ -54,7 +56,7 @@ def w4a16_matmul(
         return dequantized_matmul(x, packed, zeros, scales, group=group)
     block_n = column_block(n, cfg.block_n)
     if cfg.method == "gemv":
-        split = k_splits(k // group, n // block_n, cfg.min_programs)
+        split = k_splits(k // STEP_ROWS, n // block_n, cfg.min_programs)
         out = gemv_call(x, packed, zeros, scales, group=group, block_n=block_n, split=split,
                         num_warps=cfg.num_warps, num_stages=cfg.num_stages, prefetch=cfg.prefetch,
                         interpret=interpret)

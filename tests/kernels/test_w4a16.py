@@ -20,13 +20,13 @@ from tests.models.quant4_packing import pack_rows
 GROUP = 128
 
 
-def _case(m: int, k: int, n: int, seed: int):
+def _case(m: int, k: int, n: int, seed: int, group: int = GROUP):
     rng = np.random.default_rng(seed)
     q = rng.integers(0, 16, size=(k, n))
-    zeros = rng.integers(0, 16, size=(k // GROUP, n)).astype(np.float32)
-    scales = rng.uniform(0.005, 0.05, size=(k // GROUP, n)).astype(np.float32)
+    zeros = rng.integers(0, 16, size=(k // group, n)).astype(np.float32)
+    scales = rng.uniform(0.005, 0.05, size=(k // group, n)).astype(np.float32)
     x = rng.normal(size=(m, k)).astype(np.float32)
-    exact = x.astype(np.float64) @ ((q - np.repeat(zeros, GROUP, 0)) * np.repeat(scales, GROUP, 0))
+    exact = x.astype(np.float64) @ ((q - np.repeat(zeros, group, 0)) * np.repeat(scales, group, 0))
     return (jnp.asarray(x), jnp.asarray(pack_rows(q, 4)), jnp.asarray(zeros), jnp.asarray(scales)), exact
 
 
@@ -48,6 +48,22 @@ def test_kernel_and_reference_match_float64(m, k, n, cfg):
         out = np.asarray(fn(*args, group=GROUP, config=cfg))
         assert out.shape == (m, n)
         assert np.abs(out - exact).max() <= 1e-5 * scale, f"seed {seed}"
+
+
+@pytest.mark.parametrize("group", [32, 64, 256])
+@pytest.mark.parametrize("m,cfg", [
+    (1, W4A16Config("gemv", block_n=64, min_programs=4)),  # K split: each split a whole number of 128-row steps
+    (3, W4A16Config("gemv", block_n=32, min_programs=1, prefetch=True)),
+    (17, W4A16Config("dot", block_m=16, block_n=64, block_k=128, min_programs=1)),  # several groups a step
+    (5, W4A16Config("dot", block_m=16, block_n=32, block_k=64, min_programs=8)),
+])
+def test_groups_other_than_128_match_float64(group, m, cfg):
+    """GPTQ's 32- and 64-row groups (one zero point and scale per word row in the decode kernel) and groups of
+    several steps."""
+    seed = fresh_seed()
+    args, exact = _case(m, 512, 128, seed, group)
+    out = np.asarray(w4a16_matmul(*args, group=group, config=cfg, interpret=True))
+    assert np.abs(out - exact).max() <= 1e-5 * np.abs(exact).max(), f"seed {seed}"
 
 
 @pytest.mark.parametrize("k,n", [(256, 40), (200, 64)])
@@ -73,6 +89,18 @@ def test_w4a16_lowers_for_h200(m, cfg):
     fn = functools.partial(w4a16_matmul, group=GROUP, config=cfg)
     text = lower_for_h200(fn, S((m, 4096), jnp.bfloat16), S((512, 6144), jnp.int32), S((32, 6144), jnp.bfloat16),
                           S((32, 6144), jnp.bfloat16))
+    assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("group", [32, 64])
+def test_small_groups_lower_for_h200(m, group):
+    from tests.kernels.test_lowering import S, lower_for_h200
+
+    fn = functools.partial(w4a16_matmul, group=group)
+    g = 4096 // group
+    text = lower_for_h200(fn, S((m, 4096), jnp.bfloat16), S((512, 6144), jnp.int32), S((g, 6144), jnp.float16),
+                          S((g, 6144), jnp.float16))
     assert text.count("__gpu$xla.gpu.triton") == 1
 
 
