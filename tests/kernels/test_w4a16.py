@@ -50,7 +50,7 @@ def test_kernel_and_reference_match_float64(m, k, n, cfg):
         assert np.abs(out - exact).max() <= 1e-5 * scale, f"seed {seed}"
 
 
-@pytest.mark.parametrize("group", [32, 64, 256])
+@pytest.mark.parametrize("group", [16, 32, 64, 256])
 @pytest.mark.parametrize("m,cfg", [
     (1, W4A16Config("gemv", block_n=64, min_programs=4)),  # K split: each split a whole number of 128-row steps
     (3, W4A16Config("gemv", block_n=32, min_programs=1, prefetch=True)),
