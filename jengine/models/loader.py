@@ -23,6 +23,7 @@ from jengine.errors import CheckpointError, ConfigError
 from jengine.models.checkpoint import CheckpointReader, checkpoint_dtype
 from jengine.models.converted import converted_metadata, restore_converted, save_converted
 from jengine.models.formats import open_checkpoint, read_model_config, unpacked_at_open
+from jengine.models.gguf.reader import GGUFCheckpoint
 from jengine.models.gptq8 import int8_plans, read_gptq8
 from jengine.models.quant4_load import Quant4Reader
 from jengine.models.quant4_place import int4_plans, place_int4, place_int4_experts, read_int4, read_int4_experts
@@ -107,16 +108,14 @@ def load_model(
         kv_scales = load_kv_scales(reader, spec, kv_head_repeat)
         spec = dataclasses.replace(spec, num_kv_heads=spec.num_kv_heads * kv_head_repeat,
                                    projection_shards=projection_shards)
+        if isinstance(reader, GGUFCheckpoint) and reader.has_int4:  # 4-bit leaves: no float conversion to save
+            converted_dir = None
         fingerprint = _fingerprint(reader, resolved, kv_head_repeat, projection_shards) if converted_dir else None
         if converted_dir and (converted_metadata(converted_dir) or {}).get("fingerprint") == fingerprint:
             logger.info("restoring converted weights from %s", converted_dir)
             params = restore_converted(converted_dir, _abstract_params(sources, resolved, sharding_for))
             return spec, _with_kv_scales(params, spec, kv_scales, sharding_for), resolved
-        plans = _quant_plans(reader, sources, quant, platform)
-        if isinstance(reader, Quant4Reader) and reader.quant.bits == 8:  # 8-bit GPTQ onto the 8-bit path
-            plans = int8_plans(reader, _flat_sources(sources), platform)
-        elif isinstance(reader, Quant4Reader):  # 4-bit projections the kernels take stay packed
-            plans = int4_plans(reader, _flat_sources(sources), projection_shards, platform, sharding_for)
+        plans = _all_plans(reader, sources, quant, platform, projection_shards, sharding_for)
         _check_sources(reader, sources, plans)
         params = _place_all(reader, sources, resolved, sharding_for, progress, plans)
     if quant is not None:
@@ -223,12 +222,30 @@ def _quant_plans(reader: CheckpointReader, sources: dict, quant: QuantConfig | N
     return plans
 
 
+def _all_plans(reader: CheckpointReader, sources: dict, quant: QuantConfig | None, platform: str, shards: int,
+               sharding_for: ShardingFor) -> dict:
+    """Leaf path → how it is read and placed (absent: float): 8-bit leaves from the quantization_config; a 4-bit
+    checkpoint's projections packed where the kernels take them (8-bit GPTQ onto the 8-bit path); a GGUF file's
+    Q4_0/Q4_K projections likewise, beside its Q8_0 ones."""
+    plans = _quant_plans(reader, sources, quant, platform)
+    flat = _flat_sources(sources)
+    if isinstance(reader, Quant4Reader) and reader.quant.bits == 8:
+        return int8_plans(reader, flat, platform)
+    if isinstance(reader, Quant4Reader):
+        return int4_plans(reader, flat, shards, platform, sharding_for)
+    if isinstance(reader, GGUFCheckpoint) and reader.has_int4:
+        return plans | int4_plans(reader, [(p, leaf) for p, leaf in flat if p not in plans], shards, platform,
+                                  sharding_for)
+    return plans
+
+
 def _log_quantized(quant: QuantConfig, plans: dict, params: dict, dtype: jnp.dtype) -> None:
     run = [path for path, plan in plans.items() if plan[0] == "run"]
-    schemes = sorted({plan[1].scheme.label for plan in plans.values()})
+    schemes = sorted({plan[1].scheme.label for plan in plans.values() if plan[0] in ("run", "float")})
+    four_bit = sum(plan[0].startswith("int4") for plan in plans.values())
     total = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
-    logger.info("quantization: %s; %d projections in 8 bits (%s), the rest in %s; weights take %.2f GiB",
-                quant.label, len(run), ", ".join(schemes), dtype.name, total / (1 << 30))
+    logger.info("quantization: %s; %d projections in 8 bits (%s), %d leaves in 4 bits, the rest in %s; weights "
+                "take %.2f GiB", quant.label, len(run), ", ".join(schemes), four_bit, dtype.name, total / (1 << 30))
     for path, plan in plans.items():
         if plan[0] == "float":
             logger.info("%s is stored in 8 bits and runs dequantized to %s", path, dtype.name)

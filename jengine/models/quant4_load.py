@@ -21,7 +21,7 @@ _AWQ_REFUSED = ("gemv", "gemv_fast", "marlin", "exllama", "ipex")
 
 @dataclasses.dataclass(frozen=True)
 class Quant4Config:
-    method: Literal["awq", "gptq", "compressed-tensors"]
+    method: Literal["awq", "gptq", "compressed-tensors", "gguf"]
     bits: int
     group_size: int  # -1: one group over the whole input (GPTQ); 0: compressed-tensors reads it from the scales
     zeros_one_less: bool = False  # GPTQ v1

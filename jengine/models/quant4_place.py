@@ -35,13 +35,13 @@ PACKED_LEAVES = ("wqkv", "wo", "w_gate_up", "w_down")
 EXPERT_LEAVES = ("we_gate", "we_up", "we_down")
 ROW_PARALLEL = ("wo", "w_down")  # the rest split their output columns (parallel/sharding.py)
 KERNEL_GROUP = 128
-FLOAT_IN_CHECKPOINT = "some of its modules are stored in float (not quantized in this checkpoint)"
+FLOAT_IN_CHECKPOINT = "some of its modules are not stored in a packed 4-bit format (float, or GGUF's other types)"
 
 
 @dataclasses.dataclass(frozen=True)
 class HostInt4:
     packed: np.ndarray  # [K / 8, N] int32
-    zeros: np.ndarray  # [G, N] float16
+    zeros: np.ndarray  # [G, N] float16 where exact, else float32
     scales: np.ndarray  # [G, N] float16 where exact, else float32
     perm: np.ndarray | None  # [K] int32
     group: int
@@ -154,7 +154,7 @@ def why_gate_up_apart(reader: Quant4Reader, gate: LeafSource, up: LeafSource) ->
 @dataclasses.dataclass(frozen=True)
 class HostInt4Experts:
     packed: np.ndarray  # [E, K / 8, N] int32
-    zeros: np.ndarray  # [E, G, N] float16
+    zeros: np.ndarray  # [E, G, N] float16 where exact, else float32
     scales: np.ndarray  # [E, G, N] float16 where exact, else float32
     perm: np.ndarray | None  # [E, K] int32: stored row k of expert e is input feature perm[e, k]
 
@@ -172,10 +172,8 @@ def read_int4_experts(reader: Quant4Reader, leaf: LeafSource, down: LeafSource |
         return array if column is None else array[:, column]
 
     values = [_pack_rows(stored(u.values, r, c)) for u, r, c in zip(unpacked, rows, columns)]
-    zeros = [stored(u.zeros.astype(np.float16), None, c) for u, c in zip(unpacked, columns)]
-    scales = np.stack([stored(u.scales, None, c) for u, c in zip(unpacked, columns)])
-    if np.array_equal(scales.astype(np.float16).astype(np.float32), scales):
-        scales = scales.astype(np.float16)  # AWQ and GPTQ store float16 scales: keep their bytes
+    zeros = compact(np.stack([stored(u.zeros.astype(np.float32), None, c) for u, c in zip(unpacked, columns)]))
+    scales = compact(np.stack([stored(u.scales, None, c) for u, c in zip(unpacked, columns)]))
     perm = None
     if any(r is not None for r in rows) and down is not None:  # down's own order went into gate's and up's columns
         k = unpacked[0].values.shape[0]
@@ -221,19 +219,24 @@ def read_int4(reader: Quant4Reader, leaf: Source) -> HostInt4:
     unpacked = [reader.unpacked(_module(p)) for p in parts]
     perm = unpacked[0].perm
     values = [_repeat_heads(u.values if perm is None else u.values[perm], p) for u, p in zip(unpacked, parts)]
-    zeros = [_repeat_heads(u.zeros.astype(np.float16), p) for u, p in zip(unpacked, parts)]
+    zeros = [_repeat_heads(u.zeros.astype(np.float32), p) for u, p in zip(unpacked, parts)]
     scales = [_repeat_heads(u.scales, p) for u, p in zip(unpacked, parts)]
 
     def fuse(arrays: list[np.ndarray]) -> np.ndarray:
         return leaf.fuse(arrays) if isinstance(leaf, FusedSource) else arrays[0]
 
-    scale = fuse(scales)
-    if np.array_equal(scale.astype(np.float16).astype(np.float32), scale):
-        scale = scale.astype(np.float16)  # AWQ and GPTQ store float16 scales: keep their bytes
+    scale, zero = compact(fuse(scales)), compact(fuse(zeros))
     group = _group(unpacked[0])
     repeat = group // kernel_group(group)  # larger groups as runs of the kernel's, sharing their scale and zero
-    return HostInt4(_pack_rows(fuse(values)), np.repeat(fuse(zeros), repeat, axis=0), np.repeat(scale, repeat, axis=0),
+    return HostInt4(_pack_rows(fuse(values)), np.repeat(zero, repeat, axis=0), np.repeat(scale, repeat, axis=0),
                     None if perm is None else perm.astype(np.int32), group // repeat)
+
+
+def compact(array: np.ndarray) -> np.ndarray:
+    """float16 where that is exact (AWQ and GPTQ store float16 scales, integer zero points: keep their bytes), else
+    float32 (GGUF Q4_K's products of two scales and fractional zero points)."""
+    array = np.asarray(array, np.float32)
+    return array.astype(np.float16) if np.array_equal(array.astype(np.float16).astype(np.float32), array) else array
 
 
 def kernel_group(group: int) -> int:
@@ -287,7 +290,7 @@ def log_packing(reader: Quant4Reader, packed: int, reasons: dict[str, int]) -> N
     for reason, count in reasons.items():
         if reason == FLOAT_IN_CHECKPOINT:
             logger.info("quantization: %s; %d projections run in the model dtype: their leaf (a fused projection or "
-                        "an expert stack) has modules the checkpoint stores in float", quant.label, count)
+                        "an expert stack) has modules not stored in a packed 4-bit format", quant.label, count)
             continue
         logger.info("quantization: %s; %d projections unpacked and dequantized at load to the model dtype, running "
                     "with a float model's memory; why: %s", quant.label, count, reason)

@@ -111,9 +111,12 @@ def test_gguf_qwen3_k_quants(tmp_path, caplog):
     model, original = _pair(Qwen3Config(**K_SHAPE))
     path = write_gguf(tmp_path / "qwen3.gguf", model, "qwen3",
                       lambda name, a: next((q for key, q in mix.items() if key in name), T.Q4_K))
-    with caplog.at_level(logging.INFO, logger="jengine.models.gguf.reader"):
+    with caplog.at_level(logging.INFO):
         check_file(path, model, original, 0.5)
-    assert "11 Q4_K, 2 Q5_K, 3 Q6_K tensors are dequantized at load" in caplog.text
+    # q, k, o, gate, up of 2 layers; the head (Q4_K) and q/k (fused with a Q5_K v) are read dequantized
+    assert "10 Q4_0/Q4_K projections offered in 4 bits" in caplog.text
+    assert "1 Q4_K, 2 Q5_K, 3 Q6_K tensors are dequantized at load" in caplog.text
+    assert "6 projections kept in 4 bits" in caplog.text  # o, gate and up of 2 layers
 
 
 def test_gguf_qwen3_moe_expert_stacks(tmp_path):
@@ -213,3 +216,73 @@ def test_unsupported_gguf_metadata_refused_by_name(metadata, named):
 
     with pytest.raises(UnsupportedModelError, match=named):
         hf_config(metadata, {"token_embd.weight": (384, 64)})
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_K])
+def test_int4_parts_are_the_dequantized_values(qtype):
+    """Q4_0 and Q4_K as (q − z)·s per 32 inputs: equal to `gguf`'s own dequantization (float32 rounding)."""
+    from jengine.models.gguf.dequant import int4_parts, int4_representable
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(6, 512)).astype(np.float32)
+    raw = quantize(x, qtype)
+    q, zeros, scales = int4_parts(raw, qtype.name, x.shape)
+    assert int4_representable(raw, qtype.name) and q.dtype == np.uint8 and q.max() <= 15
+    ours = (q - np.repeat(zeros, 32, axis=1)) * np.repeat(scales, 32, axis=1)
+    want = gguf.quants.dequantize(raw, qtype)
+    np.testing.assert_allclose(ours, want, rtol=0, atol=1e-6 * np.abs(want).max())
+
+
+def test_a_q4_k_sub_block_with_no_scale_but_an_offset_is_not_offered_packed():
+    from jengine.models.gguf.dequant import int4_representable
+
+    raw = quantize(np.random.default_rng(2).normal(size=(2, 256)).astype(np.float32), T.Q4_K)
+    blocks = raw.reshape(-1, 144).copy()
+    blocks[0, 4] &= 0xC0  # sub-block 0's scale to 0 (its min, byte 8's low 6 bits, stays non-zero)
+    blocks[0, 8] |= 0x01
+    assert not int4_representable(blocks, "Q4_K")
+
+
+def test_gguf_q4_projections_stay_packed(tmp_path, caplog):
+    """Llama with Q4_0 and Q4_K projections (q/k rows permuted in the file): the projections the W4A16 kernel takes
+    stay packed in groups of 32, and the logits are HF's on the file's weights."""
+    from jengine.layers.quant4 import Int4Weight
+
+    model, original = _pair(LlamaConfig(**K_SHAPE))
+    path = write_gguf(tmp_path / "q4.gguf", model, "llama",
+                      lambda name, a: T.Q4_0 if "attn" in name else T.Q4_K)
+    with caplog.at_level(logging.INFO):
+        check_file(path, model, original, 0.5)
+    _, params, _ = load_model(path, dtype="float32", progress=False)
+    for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+        w = params["layers"][0][name]
+        assert isinstance(w, Int4Weight) and w.group == 32, name
+    assert params["layers"][0]["wo"].zeros.dtype == np.float16  # Q4_0: zero point 8, float16 d
+    assert params["layers"][0]["w_down"].zeros.dtype == np.float32  # Q4_K: fractional zero points
+
+
+def test_gguf_moe_experts_in_q4_k_stay_packed(tmp_path):
+    from jengine.layers.quant4 import Int4Experts
+
+    config = Qwen3MoeConfig(**K_SHAPE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+                            norm_topk_prob=True)
+    model, original = _pair(config)
+    # the router, embedding and head in 8 bits, as llama.cpp's Q4_K_M keeps them finer
+    finer = ("gate_inp", "token_embd", "output")
+    path = write_gguf(tmp_path / "moe-q4k.gguf", model, "qwen3moe",
+                      lambda name, a: T.Q8_0 if any(key in name for key in finer) else T.Q4_K)
+    check_file(path, model, original, 0.5)
+    _, params, _ = load_model(path, dtype="float32", progress=False)
+    stack = params["layers"][1]["we_down"]
+    assert isinstance(stack, Int4Experts) and stack.shape == (4, 256, 256) and stack.group == 32
+
+
+def test_gguf_q4_k_through_the_w4a16_kernel_matches_the_reference_path(tmp_path, monkeypatch):
+    """The packed Q4_K projections (groups of 32, fractional zero points) through the W4A16 kernels in interpret
+    mode give the CPU reference path's logits within 1e-5 · max|ref|."""
+    model, _ = _pair(LlamaConfig(**K_SHAPE))
+    path = write_gguf(tmp_path / "q4k.gguf", model, "llama", lambda name, a: T.Q4_K)
+    reference = _our_logits(path)
+    monkeypatch.setattr("jengine.models.quant4_place.int4_impl", lambda platform: "pallas_interpret")
+    for ours, ref in zip(_our_logits(path), reference, strict=True):
+        assert np.abs(ours - ref).max() <= 1e-5 * np.abs(ref).max()

@@ -110,3 +110,46 @@ def q8_0_parts(raw: np.ndarray, shape: tuple[int, ...]) -> tuple[np.ndarray, np.
     blocks = np.ascontiguousarray(raw).reshape(-1).view(np.uint8).reshape(-1, 34)
     values = blocks[:, 2:].view(np.int8).reshape(shape)
     return values, _f16(blocks, 0).reshape(*shape[:-1], shape[-1] // 32)
+
+
+INT4_TYPES = ("Q4_0", "Q4_K")  # 4-bit values with a scale and an offset per 32 inputs: the W4A16 kernels' layout
+INT4_GROUP = 32
+
+
+def _blocks(raw: np.ndarray, type_name: str) -> np.ndarray:
+    _, _, block_bytes = next(block for block in BLOCKS.values() if block[0] == type_name)
+    return np.ascontiguousarray(raw).reshape(-1).view(np.uint8).reshape(-1, block_bytes)
+
+
+def _k_affine(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's per-sub-block (scale d·sc, offset dmin·m), `[n, 8]` each: x = scale·q − offset."""
+    scales, mins = _k_scales(blocks[:, 4:16])
+    return _f16(blocks, 0) * scales, _f16(blocks, 2) * mins
+
+
+def int4_representable(raw: np.ndarray, type_name: str) -> bool:
+    """Whether every 32-value group is `(q − z)·s` for a finite zero point z: Q4_0 always; Q4_K unless a sub-block
+    has a zero scale and a non-zero offset (a constant no zero point gives)."""
+    if type_name == "Q4_0":
+        return True
+    scale, offset = _k_affine(_blocks(raw, type_name))
+    return not np.any((scale == 0) & (offset != 0))
+
+
+def int4_parts(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q4_0/Q4_K `[rows, K]` tensor as (values 0–15 uint8 `[rows, K]`, zero points and scales float32
+    `[rows, K / 32]`) with x = (q − z)·s: Q4_0's z = 8, s = d; Q4_K's s = d·sc, z = dmin·m / s (0 where s is 0 and
+    so is the offset; `int4_representable` says whether that covers the tensor)."""
+    blocks = _blocks(raw, type_name)
+    rows, k = shape
+    if type_name == "Q4_0":
+        packed = blocks[:, 2:]
+        q = np.concatenate([packed & 0x0F, packed >> 4], axis=1)
+        scale = _f16(blocks, 0)
+        zero = np.full_like(scale, 8.0)
+    else:
+        q = _k_nibbles(blocks[:, 16:])
+        scale, offset = _k_affine(blocks)
+        zero = np.divide(offset, scale, out=np.zeros_like(offset), where=scale != 0)
+    return (q.reshape(rows, k), zero.reshape(rows, k // INT4_GROUP).astype(np.float32),
+            scale.reshape(rows, k // INT4_GROUP).astype(np.float32))

@@ -2,16 +2,20 @@
 config dict) over the file's memory-mapped tensors, each dequantized when the loader reads it.
 
 Q8_0 projections stay in 8 bits: read as int8 `weight` + float32 `weight_scale` (one per 32 inputs) under a
-compressed-tensors int8 W8A16 `quantization_config`, which the loader's 8-bit path runs. Every other block-quantized
-tensor (Q4_0, Q4_K, Q5_K, Q6_K, and Q8_0 embeddings/heads or projections fused with other types) comes out as float32
-and is cast once by the loader to the model's dtype. Tensors of any other type are refused
-by their type's name before any weight is read.
+compressed-tensors int8 W8A16 `quantization_config`, which the loader's 8-bit path runs. Q4_0 and Q4_K projections
+are offered packed, as a 4-bit checkpoint's reader offers them (`quant`, `is_packed`, `group_rows`, `unpacked`):
+4-bit values with a scale and a zero point per 32 inputs, which the loader keeps in 4 bits where the W4A16 or
+grouped-matmul kernels take them (`models/quant4_place.py`) and reads dequantized elsewhere. Every other
+block-quantized tensor (Q5_K, Q6_K, and Q8_0 embeddings/heads or projections fused with other types) comes out as
+float32 and is cast once by the loader to the model's dtype. Tensors of any other type are refused by their type's
+name before any weight is read.
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import re
 import logging
 from pathlib import Path
 from types import TracebackType
@@ -22,14 +26,18 @@ import numpy as np
 from jengine.errors import CheckpointError, UnsupportedModelError
 from jengine.models.checkpoint import TensorInfo
 from jengine.models.gguf.config import hf_config, llama3_rope
-from jengine.models.gguf.dequant import BLOCKS, QUANTIZED, dequantize, q8_0_parts
+from jengine.models.gguf.dequant import (
+    BLOCKS, INT4_GROUP, INT4_TYPES, QUANTIZED, dequantize, int4_parts, int4_representable, q8_0_parts)
 from jengine.models.gguf.names import IGNORED, Origin, hf_names, int8_modules, unpermute_heads
+from jengine.models.quant4 import Unpacked
+from jengine.models.quant4_load import Quant4Config
 
 logger = logging.getLogger(__name__)
 
 GGUF_SUFFIX = ".gguf"
 _PERMUTED_ARCHITECTURES = ("llama",)
 _STORED_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2")}
+_PROJECTION_NAME = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -89,6 +97,7 @@ class GGUFCheckpoint:
                 logger.warning("%s: tensor %s has no HF counterpart; ignored", self._path.name, name)
             self._origins.update(found)
         self._tensors, self._shapes = tensors, shapes
+        self._representable: dict[str, bool] = {}
         # Q8_0 projections stay in 8 bits: presented as compressed-tensors int8 W8A16 with group-32 scales (Q8_0's
         # own blocks), which the loader's 8-bit path runs
         self._int8 = int8_modules({name: self._type_name(o.tensor) for name, o in self._origins.items()})
@@ -113,10 +122,58 @@ class GGUFCheckpoint:
             logger.info("%s: %d Q8_0 projections kept in 8 bits (int8 weights, one scale per 32 inputs)",
                         self._path.name, len(self._int8))
             quantized["Q8_0"] -= len(self._int8)
+        offered = sum(self.is_packed(name.removesuffix(".weight")) for name in self._origins)
+        if offered:
+            logger.info("%s: %d Q4_0/Q4_K projections offered in 4 bits (the loader says which stay packed)",
+                        self._path.name, offered)
+            for name in self._origins:  # the rest of them are dequantized
+                if self.is_packed(name.removesuffix(".weight")):
+                    quantized[self._type_name(self._origins[name].tensor)] -= 1
         quantized = {name: n for name, n in quantized.items() if n}
         if quantized:
-            logger.info("%s: %s tensors are dequantized at load to the model dtype (the model runs unquantized)",
-                        self._path.name, ", ".join(f"{n} {name}" for name, n in sorted(quantized.items())))
+            logger.info("%s: %s tensors are dequantized at load to the model dtype", self._path.name,
+                        ", ".join(f"{n} {name}" for name, n in sorted(quantized.items())))
+
+    @property
+    def quant(self) -> Quant4Config:
+        """How the 4-bit projections are offered: groups of 32 inputs, as Q4_0's and Q4_K's blocks are."""
+        return Quant4Config("gguf", 4, INT4_GROUP)
+
+    def is_packed(self, module: str) -> bool:
+        """Whether `module` (`model.layers.0.self_attn.q_proj`) is a Q4_0/Q4_K projection offered in 4 bits."""
+        name = module + ".weight"
+        if name not in self._origins or not _PROJECTION_NAME.search(name):
+            return False
+        tensor = self._origins[name].tensor
+        type_name = self._type_name(tensor)
+        if type_name not in INT4_TYPES:
+            return False
+        if tensor not in self._representable:  # once per tensor (an expert stack's experts share one)
+            self._representable[tensor] = int4_representable(self._tensors[tensor].data, type_name)
+        return self._representable[tensor]
+
+    def group_rows(self, module: str) -> tuple[np.ndarray, int]:
+        """(each input row's group, the number of groups): consecutive groups of 32."""
+        k = self.shape(module + ".weight")[-1]
+        return np.arange(k, dtype=np.int32) // INT4_GROUP, k // INT4_GROUP
+
+    def unpacked(self, module: str) -> Unpacked:
+        """A Q4_0/Q4_K projection's values, zero points and scales in our `[in, out]` orientation (HF's row order)."""
+        name = module + ".weight"
+        origin = self._origin(name)
+        raw = self._tensors[origin.tensor].data
+        if origin.expert is not None:
+            raw = raw[origin.expert]
+        parts = int4_parts(raw, self._type_name(origin.tensor), self.shape(name))
+        if origin.permuted_heads:
+            parts = tuple(unpermute_heads(part, origin.permuted_heads) for part in parts)
+        values, zeros, scales = (part.T for part in parts)
+        return Unpacked(values, zeros, scales, self.group_rows(module)[0])
+
+    @property
+    def has_int4(self) -> bool:
+        """Whether any projection is offered in 4 bits."""
+        return any(self.is_packed(name.removesuffix(".weight")) for name in self._origins)
 
     @property
     def model_dir(self) -> Path:
