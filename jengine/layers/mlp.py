@@ -9,7 +9,6 @@ at a 4,096-token budget — while the kernels read each routed expert's weights 
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +18,7 @@ from jaxtyping import Array, Float, Int
 from jengine.layers.invariant import InvariantWeight, RowReduction, invariant_log_softmax, ordered_sum
 from jengine.layers.linear import ACTIVATIONS, Precision, linear, split_fused
 from jengine.layers.lora import LayerLora
-from jengine.layers.quant import QuantizedWeight, column_scales, dequantize
-from jengine.layers.quant4 import Int4Experts, dequantize4
+from jengine.layers.experts import expert_float, expert_operands, kernel_weight_specs, kernel_weights
 from jengine.models.spec import MoeSpec
 from jengine.parallel.collectives import ordered_psum
 
@@ -59,58 +57,6 @@ def route(
     return weights.astype(x.dtype), experts
 
 
-class ExpertOperands(NamedTuple):
-    """A layer's experts as the grouped-matmul kernels take them (`expert_stacks`)."""
-
-    stacks: tuple[Array, Array, Array]  # gate, up, down: float, 8-bit or 4-bit words
-    scales: tuple[Array, ...]  # () | 3 scales (gate, up, down) | 4-bit: 3 scales, 3 zero points[, gate/up's perm]
-    kind: str  # "float" | "column" | "block" | "int4"
-    scale_block: tuple[int, int] | None = None  # (rows, columns) of each block scale ("block")
-
-
-def expert_stacks(w: dict, dtype, shards: int = 1) -> ExpertOperands:
-    """The experts' (gate, up, down) as the grouped-matmul kernels take them, with their scales: float stacks as they
-    are; 8-bit ones as stored, 8 bits read, with their scales per (expert, output column) or per (expert, block) —
-    block-scaled ones dequantized to `dtype` where a block is under 16 rows (a kernel's smallest K step) or split
-    across the `shards` devices of tensor parallelism (gate/up by columns, down by rows); 4-bit ones as their packed
-    words, with their group scales and then their zero points (gate, up, down each)."""
-    stacks = tuple(w[name] for name in ("we_gate", "we_up", "we_down"))
-    if all(isinstance(s, Int4Experts) for s in stacks):
-        perm = () if stacks[0].perm is None else (stacks[0].perm,)  # gate's and up's (the loader made them one)
-        return ExpertOperands(tuple(s.packed for s in stacks),
-                              tuple(s.scales for s in stacks) + tuple(s.zeros for s in stacks) + perm, "int4")
-    if any(isinstance(s, Int4Experts) for s in stacks):  # the loader packs a layer's three stacks or none
-        stacks = tuple(expert_float(s, dtype) for s in stacks)
-    if not any(isinstance(s, QuantizedWeight) for s in stacks):
-        return ExpertOperands(stacks, (), "float")
-    scales = tuple(column_scales(s) for s in stacks)
-    if all(scale is not None for scale in scales):
-        return ExpertOperands(tuple(s.weight for s in stacks), scales, "column")
-    schemes = {s.scheme for s in stacks}
-    if len(schemes) == 1 and _block_scales_fit(stacks, shards):
-        scheme = schemes.pop()
-        return ExpertOperands(tuple(s.weight for s in stacks), tuple(s.scale for s in stacks), "block",
-                              (scheme.block_k, scheme.block_n))
-    return ExpertOperands(tuple(dequantize(s, dtype) for s in stacks), (), "float")
-
-
-def _block_scales_fit(stacks: tuple[QuantizedWeight, ...], shards: int) -> bool:
-    """Whether the kernels can read these block-scaled stacks (`expert_stacks`) on each of `shards` devices."""
-    gate, _, down = stacks
-    rows, cols = gate.scheme.block_k, gate.scheme.block_n
-    if rows == 0 or rows % 16:
-        return False
-    inter = gate.shape[-1]
-    return shards == 1 or (inter % (shards * cols) == 0 and down.shape[-2] % (shards * rows) == 0)
-
-
-def expert_float(w: Array | QuantizedWeight | Int4Experts, dtype) -> Array:
-    """One expert stack for `ragged_dot`: 8-bit and 4-bit ones dequantized to `dtype`."""
-    if isinstance(w, Int4Experts):
-        return dequantize4(w, dtype)
-    return dequantize(w, dtype) if isinstance(w, QuantizedWeight) else w
-
-
 @dataclasses.dataclass(frozen=True)
 class PallasExperts:
     """The experts as the Pallas grouped-matmul kernels (hashable: part of the step's static model). The kernels
@@ -123,32 +69,26 @@ class PallasExperts:
     def __call__(self, x, w: dict[str, Array], experts, weights, act: str, precision: Precision):
         """With a batch-invariant router (`--deterministic`), one tile configuration serves every step size, so a
         token's expert sums never change with the bucket (the decode tiles: their K steps are the fixed order)."""
-        from pallas_kernels.grouped_matmul import ExpertWeights, moe_experts  # Pallas imported only where used
+        from pallas_kernels.grouped_matmul import moe_experts  # Pallas imported only where used
         from pallas_kernels.grouped_matmul.moe import tile_configs
 
         invariant = isinstance(w.get("router"), InvariantWeight)
         fixed = tile_configs(0, 1, jnp.dtype(x.dtype).itemsize) if invariant else None
-
-        def local(x, experts, weights, gate, up, down, *scales):
-            return moe_experts(x, ExpertWeights(gate, up, down, *scales), experts, weights, act=ACTIVATIONS[act],
-                               precision=precision, interpret=self.interpret, configs=fixed,
-                               scale_block=operands.scale_block)
-
         shards = 1 if self.mesh is None else self.mesh.size
-        operands = expert_stacks(w, x.dtype, shards)
+        operands = expert_operands(w, x.dtype, shards)
+
+        def local(x, experts, weights, stacks):
+            return moe_experts(x, stacks, experts, weights, act=ACTIVATIONS[act], precision=precision,
+                               interpret=self.interpret, configs=fixed, scale_block=operands.scale_block)
+
         if shards == 1:
-            return local(x, experts, weights, *operands.stacks, *operands.scales)
+            return local(x, experts, weights, kernel_weights(operands))
         axis = self.mesh.axis_names[0]
-        cols, rows = P(None, None, axis), P(None, axis, None)
-        scale_specs = {"float": (), "column": (P(None, axis), P(None, axis), P()),  # per output column
-                       "block": (cols, cols, rows),  # as their weights, whole blocks on each device
-                       "int4": (cols, cols, rows) * 2 + (P(),)}[operands.kind]  # scales, zero points, perm
-        scale_specs = scale_specs[:len(operands.scales)]
         add = ordered_psum if invariant else jax.lax.psum  # device order, not the collective library's
         partial = jax.shard_map(lambda *a: add(local(*a), axis), mesh=self.mesh,
-                                in_specs=(P(), P(), P(), cols, cols, rows, *scale_specs), out_specs=P(),
+                                in_specs=(P(), P(), P(), kernel_weight_specs(operands, axis)), out_specs=P(),
                                 check_vma=False)
-        return partial(x, experts, weights, *operands.stacks, *operands.scales)
+        return partial(x, experts, weights, kernel_weights(operands))
 
 
 def skip_padding(experts: Int[Array, "tokens k"], num_tokens: Int[Array, ""] | None) -> Int[Array, "tokens k"]:

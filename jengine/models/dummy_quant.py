@@ -90,9 +90,10 @@ def _int4_makers(quant: Quant4Config, config: dict[str, Any], flat_sources, shar
         elif name in EXPERT_LEAVES:
             fits = expert_shape_reason(_group(quant, config, k), rows_per_device(sharding_for, path, leaf)) is None
             layers.setdefault(path.rsplit("[", 1)[0], []).append((path, leaf, fits))
-    for stacks in layers.values():  # a layer's three stacks packed together or not at all, as the loader does
-        if all(fits for _, _, fits in stacks):
-            for path, leaf, _ in stacks:
+    for stacks in layers.values():  # gate and up packed both or neither (one launch), down on its own
+        gate_up = all(fits for path, _, fits in stacks if leaf_name(path) != "we_down")
+        for path, leaf, fits in stacks:
+            if fits if leaf_name(path) == "we_down" else gate_up:
                 makers[path] = functools.partial(_int4_experts, path=path, shape=leaf.shape,
                                                  group=_group(quant, config, leaf.shape[-2]),
                                                  sharding_for=sharding_for, std=std)

@@ -11,7 +11,8 @@ tensor parallelism the splits the kernel cannot run per device: column-parallel 
 
 Expert stacks ask `why_experts_dequantized`: the grouped-matmul kernels step through K by whole groups or within
 one, so they take any group of a multiple of 16 rows (equal groups), and under tensor parallelism whole groups of
-the down projection's rows on each device. GPTQ's activation order is kept packed: each expert's rows sorted by
+the down projection's rows on each device. Gate and up share a launch (packed both or neither); down has its own,
+so a layer may read gate/up packed and down in float (GGUF's Q4_K_M keeps some down projections in Q6_K). GPTQ's activation order is kept packed: each expert's rows sorted by
 group, gate's and up's with their order (the kernel gathers x's features by it; the two must agree), down's folded
 into gate's and up's output columns (`layers/quant4.py:Int4Experts`).
 """
@@ -317,16 +318,34 @@ def int4_plans(reader: Quant4Reader, flat_sources: list[tuple[str, Source]], sha
             reason = why_dequantized(reader, leaf, shards, name)
             packed += _count(plans, reasons, path, leaf, reason, ("int4", None, int4_impl(platform)))
     for stacks in expert_layers.values():
-        # a layer's three stacks run packed together or not at all: the kernels take one kind of weight per layer
-        named = {leaf_name(path): leaf for path, leaf in stacks}
-        why = [why_experts_dequantized(reader, leaf, rows_per_device(sharding_for, path, leaf))
-               for path, leaf in stacks] + [why_gate_up_apart(reader, named["we_gate"], named["we_up"])]
-        reason = next((r for r in why if r is not None), None)
+        gate_up_reason, down_reason = _expert_reasons(reader, dict(stacks), sharding_for)
+        down = next(leaf for path, leaf in stacks if leaf_name(path) == "we_down")
         for path, leaf in stacks:
-            down = named["we_down"] if leaf_name(path) != "we_down" else None  # gate/up take down's row order
-            packed += _count(plans, reasons, path, leaf, reason, ("int4_experts", down, None))
+            if leaf_name(path) == "we_down":
+                packed += _count(plans, reasons, path, leaf, down_reason, ("int4_experts", None, None))
+            else:  # gate and up take a packed down's row order as their columns
+                order = down if down_reason is None else None
+                packed += _count(plans, reasons, path, leaf, gate_up_reason, ("int4_experts", order, None))
     log_packing(reader, packed, reasons)
     return plans
+
+
+def _expert_reasons(reader: Quant4Reader, stacks: dict[str, LeafSource], sharding_for) -> tuple:
+    """(why gate and up are dequantized, why down is; None: packed). Gate and up share one launch: packed both or
+    neither. A down projection in activation order needs gate and up packed, whose columns take its order."""
+    by_name = {leaf_name(path): (path, leaf) for path, leaf in stacks.items()}
+
+    def why(name: str) -> str | None:
+        path, leaf = by_name[name]
+        return why_experts_dequantized(reader, leaf, rows_per_device(sharding_for, path, leaf))
+
+    gate, up = by_name["we_gate"][1], by_name["we_up"][1]
+    gate_up = why("we_gate") or why("we_up") or why_gate_up_apart(reader, gate, up)
+    down = why("we_down")
+    if down is None and gate_up is not None and any(o is not None for o in
+                                                     _row_orders(reader, by_name["we_down"][1])):
+        down = "the down projection's activation order needs gate and up packed"
+    return gate_up, down
 
 
 def rows_per_device(sharding_for, path: str, leaf: LeafSource) -> int:

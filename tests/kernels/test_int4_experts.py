@@ -12,7 +12,8 @@ import pytest
 
 from pallas_kernels.grouped_matmul import ExpertWeights, TileConfig, moe_experts
 
-from jengine.layers.mlp import PallasExperts, expert_stacks, moe_mlp, moe_mlp_expert_parallel
+from jengine.layers.experts import expert_operands
+from jengine.layers.mlp import PallasExperts, moe_mlp, moe_mlp_expert_parallel
 from jengine.layers.quant4 import Int4Experts, dequantize4
 from jengine.parallel.mesh import TP_AXIS
 from tests.conftest import fresh_seed
@@ -124,8 +125,8 @@ def test_layer_with_int4_experts_matches_its_dequantized_floats(mode):
     x = jnp.asarray(rng.standard_normal((9, 32)), jnp.float32)
     hi = jax.lax.Precision.HIGHEST
     want = np.asarray(moe_mlp(x, floats, MOE, "silu", hi))
-    operands = expert_stacks(w4, jnp.float32)
-    assert operands.kind == "int4" and operands.stacks[0].dtype == jnp.int32 and len(operands.scales) == 6
+    operands = expert_operands(w4, jnp.float32)
+    assert operands.kind == "int4" and operands.down.weight.dtype == jnp.int32 and operands.down.zero is not None
     if mode == "one_device":
         got = moe_mlp(x, w4, MOE, "silu", hi, PallasExperts(interpret=True))
         np.testing.assert_allclose(np.asarray(moe_mlp(x, w4, MOE, "silu", hi)), want, atol=2e-5)
@@ -143,4 +144,30 @@ def test_layer_with_int4_experts_matches_its_dequantized_floats(mode):
             got = moe_mlp_expert_parallel(x, w4, MOE, "silu", hi, mesh, TP_AXIS, kernels)
         else:
             got = moe_mlp(x, w4, MOE, "silu", hi, kernels)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_layer_with_packed_gate_up_and_a_float_down(tp):
+    """Gate and up in 4 bits, down in float (a checkpoint that keeps its down projections finer): each launch reads
+    its own storage; the layer is the dequantized float layer's (float32, 2e-5)."""
+    rng = np.random.default_rng(SEED + 5)
+    w4, floats = int4_layer(rng, 16)
+    w4["we_down"] = floats["we_down"]
+    x = jnp.asarray(rng.standard_normal((9, 32)), jnp.float32)
+    hi = jax.lax.Precision.HIGHEST
+    want = np.asarray(moe_mlp(x, floats, MOE, "silu", hi))
+    assert expert_operands(w4, jnp.float32, tp).kind == "int4+float"
+    mesh = None
+    if tp > 1:
+        mesh = jax.make_mesh((tp,), (TP_AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
+        P = jax.sharding.PartitionSpec
+        put = lambda a, spec: jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))  # noqa: E731
+        cols = P(None, None, TP_AXIS)
+        for name in ("we_gate", "we_up"):
+            stack = w4[name]
+            w4[name] = Int4Experts(put(stack.packed, cols), put(stack.zeros, cols), put(stack.scales, cols))
+        w4["we_down"] = put(w4["we_down"], P(None, TP_AXIS, None))
+        x = put(x, P())
+    got = moe_mlp(x, w4, MOE, "silu", hi, PallasExperts(interpret=True, mesh=mesh))
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)

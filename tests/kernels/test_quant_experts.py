@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jengine.layers.mlp import PallasExperts, expert_stacks, moe_mlp
+from jengine.layers.experts import expert_operands
+from jengine.layers.mlp import PallasExperts, moe_mlp
 from jengine.layers.quant import FP8, FP8_MAX, QuantizedWeight, QuantScheme, dequantize, expand_scale
 from jengine.parallel.mesh import TP_AXIS
 from tests.kernels.test_grouped_matmul import MOE, layer_weights
@@ -56,11 +57,16 @@ def test_8bit_experts_through_the_kernels_match_their_dequantized_floats(name, w
     hi = jax.lax.Precision.HIGHEST
     floats = {k: dequantize(v) if isinstance(v, QuantizedWeight) else v for k, v in w8.items()}
     want = moe_mlp(x, floats, MOE, "silu", hi)
-    operands = expert_stacks(w8, jnp.float32, tp)
-    # inter 24 cannot be split into whole 16-row (or 32-row) blocks over 2 devices: dequantized there
-    kind = "float" if tp == 2 and not wide and KIND[name] == "block" else KIND[name]
-    assert operands.kind == kind
-    assert (operands.stacks[0].dtype != jnp.float32 and len(operands.scales) == 3) == (kind != "float")
+    operands = expert_operands(w8, jnp.float32, tp)
+    # inter 24 over 2 devices cuts 16-row (and 32-row) blocks: down (and gate/up's 16-column blocks) dequantized
+    kinds = (KIND[name], KIND[name])
+    if tp == 2 and not wide and name == "block16":
+        kinds = ("float", "float")
+    if tp == 2 and not wide and name == "int8_group32":
+        kinds = ("block", "float")
+    assert (operands.gate.kind, operands.down.kind) == kinds
+    for op, kind in ((operands.gate, kinds[0]), (operands.up, kinds[0]), (operands.down, kinds[1])):
+        assert (op.weight.dtype != jnp.float32 and op.scale is not None) == (kind != "float")
     mesh = None
     if tp > 1:
         mesh = jax.make_mesh((tp,), (TP_AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
@@ -68,7 +74,7 @@ def test_8bit_experts_through_the_kernels_match_their_dequantized_floats(name, w
         col, row = P(None, None, TP_AXIS), P(None, TP_AXIS, None)
         put = lambda a, spec: jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))  # noqa: E731
         for key, spec in (("we_gate", col), ("we_up", col), ("we_down", row)):
-            q = w8[key]
+            q, kind = w8[key], kinds[key == "we_down"]
             if kind == "block":  # block scales split as their weights
                 scale_spec = spec
             else:  # column scales split with gate/up's columns; blocks cut by the split replicated

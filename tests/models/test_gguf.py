@@ -286,3 +286,22 @@ def test_gguf_q4_k_through_the_w4a16_kernel_matches_the_reference_path(tmp_path,
     monkeypatch.setattr("jengine.models.quant4_place.int4_impl", lambda platform: "pallas_interpret")
     for ours, ref in zip(_our_logits(path), reference, strict=True):
         assert np.abs(ours - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+def test_gguf_q4_k_m_moe_keeps_gate_and_up_packed_beside_a_q6_k_down(tmp_path):
+    """Q4_K_M keeps some down projections in Q6_K: those layers read gate/up packed (one launch) and down in float
+    (its own launch); the logits are HF's on the file's weights."""
+    from jengine.layers.quant4 import Int4Experts
+
+    config = Qwen3MoeConfig(**K_SHAPE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+                            norm_topk_prob=True)
+    model, original = _pair(config)
+    finer = ("gate_inp", "token_embd", "output")
+    path = write_gguf(tmp_path / "moe-q4km.gguf", model, "qwen3moe",
+                      lambda name, a: T.Q8_0 if any(key in name for key in finer)
+                      else T.Q6_K if name == "blk.0.ffn_down_exps.weight" else T.Q4_K)
+    check_file(path, model, original, 0.5)
+    _, params, _ = load_model(path, dtype="float32", progress=False)
+    first, second = params["layers"]
+    assert isinstance(first["we_gate"], Int4Experts) and not isinstance(first["we_down"], Int4Experts)
+    assert all(isinstance(second[name], Int4Experts) for name in ("we_gate", "we_up", "we_down"))

@@ -143,8 +143,8 @@ def test_the_engine_serves_fp8_block_experts_through_the_kernels(build_checkpoin
     want_tokens, want_logprobs = greedy(dequantized)
     monkeypatch.setattr("jengine.factory.select_backend", lambda *a, **k: ReferenceAttentionKernelExperts())
     kinds = []
-    read = mlp.expert_stacks
-    monkeypatch.setattr(mlp, "expert_stacks", lambda *a, **k: kinds.append((ops := read(*a, **k)).kind) or ops)
+    read = mlp.expert_operands
+    monkeypatch.setattr(mlp, "expert_operands", lambda *a, **k: kinds.append((ops := read(*a, **k)).kind) or ops)
     tokens, logprobs = greedy(quantized)
     assert set(kinds) == {"block"}  # the float8 stacks reached the kernels with their block scales
     assert tokens == want_tokens
