@@ -3,8 +3,8 @@ and `Int4Experts` for a MoE layer's expert stacks).
 
 The loader asks `why_dequantized` per dense projection leaf: None means it is repacked into the W4A16 kernel's
 layout (`read_int4` → `place_int4`), a sentence means the leaf stays on the float path (the reader dequantizes it)
-and the log says why: groups other than 16, 32, 64 or a multiple of 128 rows (the kernel walks K 128 rows a step),
-8-bit GPTQ, column counts no power-of-two strip divides, fused parts in different activation orders, and under
+and the log says why: groups other than 16, 32, 64 or a multiple of 128 rows (the kernel walks K 128 rows a step,
+larger groups run as groups of 128), 8-bit GPTQ (`models/gptq8.py` takes it), column counts no power-of-two strip divides, fused parts in different activation orders, and under
 tensor parallelism the splits the kernel cannot run per device: column-parallel leaves (q/k/v, gate/up) need whole
 16-column strips on each device, and row-parallel ones (o, down) whole groups. Split leaves run the kernel under
 `shard_map` (`layers/quant4.py`).
@@ -12,9 +12,10 @@ tensor parallelism the splits the kernel cannot run per device: column-parallel 
 Expert stacks ask `why_experts_dequantized`: the grouped-matmul kernels step through K by whole groups or within
 one, so they take any group of a multiple of 16 rows (equal groups), and under tensor parallelism whole groups of
 the down projection's rows on each device. Gate and up share a launch (packed both or neither); down has its own,
-so a layer may read gate/up packed and down in float (GGUF's Q4_K_M keeps some down projections in Q6_K). GPTQ's activation order is kept packed: each expert's rows sorted by
-group, gate's and up's with their order (the kernel gathers x's features by it; the two must agree), down's folded
-into gate's and up's output columns (`layers/quant4.py:Int4Experts`).
+so a layer may read gate/up packed and down in float (GGUF's Q4_K_M keeps some down projections in Q6_K). GPTQ's
+activation order is kept packed: each expert's rows sorted by group, gate's and up's with their order (the kernel
+gathers x's features by it; the two must agree), down's folded into gate's and up's output columns
+(`layers/quant4.py:Int4Experts`), so an ordered down needs gate and up packed.
 """
 
 from __future__ import annotations
