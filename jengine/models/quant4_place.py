@@ -3,11 +3,12 @@ and `Int4Experts` for a MoE layer's expert stacks).
 
 The loader asks `why_dequantized` per dense projection leaf: None means it is repacked into the W4A16 kernel's
 layout (`read_int4` → `place_int4`), a sentence means the leaf stays on the float path (the reader dequantizes it)
-and the log says why: groups other than 16, 32, 64 or a multiple of 128 rows (the kernel walks K 128 rows a step,
-larger groups run as groups of 128), 8-bit GPTQ (`models/gptq8.py` takes it), column counts no power-of-two strip divides, fused parts in different activation orders, and under
-tensor parallelism the splits the kernel cannot run per device: column-parallel leaves (q/k/v, gate/up) need whole
-16-column strips on each device, and row-parallel ones (o, down) whole groups. Split leaves run the kernel under
-`shard_map` (`layers/quant4.py`).
+and the log says why: groups other than 16, 32, 64 or a multiple of 128 rows (the kernel walks K 128 rows a step;
+larger groups run as groups of 128), input widths that are not whole steps, column counts no power-of-two strip
+divides, fused parts in different activation orders, and under tensor parallelism the splits the kernel cannot run
+per device: column-parallel leaves (q/k/v, gate/up) need whole 16-column strips on each device, and row-parallel ones
+(o, down) whole steps. Split leaves run the kernel under `shard_map` (`layers/quant4.py`). 8-bit GPTQ goes to
+`models/gptq8.py`.
 
 Expert stacks ask `why_experts_dequantized`: the grouped-matmul kernels step through K by whole groups or within
 one, so they take any group of a multiple of 16 rows (equal groups), and under tensor parallelism whole groups of
