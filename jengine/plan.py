@@ -32,6 +32,7 @@ class PlanRequest:
     gpu_memory_utilization: float
     kv_cache_dtype: str  # auto | fp8 | fp8_e4m3
     quantization: str | None  # None | fp8 | awq | gptq
+    weight_bytes: float | None = None  # bytes per linear weight read from the config's quantization_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +66,27 @@ def parameter_counts(spec: ModelSpec) -> tuple[int, int]:
     return linear, embeddings
 
 
+def config_weight_bytes(hf_config: dict) -> tuple[float, str] | None:
+    """(bytes per linear weight, a label) of a checkpoint's `quantization_config` as jengine holds its weights:
+    4-bit values with float16 scales and zero points per group, 8-bit ones with their scales; None for a float
+    checkpoint or a method the loader refuses."""
+    qc = hf_config.get("quantization_config") or hf_config.get("compression_config") or {}
+    method = qc.get("quant_method")
+    if method == "fp8":
+        return 1.0, "fp8"
+    if method in ("awq", "gptq"):
+        bits, group = int(qc.get("bits", qc.get("w_bit", 4))), int(qc.get("group_size", qc.get("q_group_size", 128)))
+    elif method == "compressed-tensors":
+        weights = [g.get("weights") or {} for g in (qc.get("config_groups") or {}).values()]
+        if not weights:
+            return None
+        bits, group = int(weights[0].get("num_bits", 8)), int(weights[0].get("group_size") or -1)
+    else:
+        return None
+    per_group = 4 / group if group > 0 else 0.0  # two float16s (or one float32) per group of inputs
+    return bits / 8 + per_group, f"{method} {bits}-bit" + (f", group {group}" if group > 0 else "")
+
+
 def device_figures(spec: ModelSpec, request: PlanRequest, tp: int, max_num_seqs: int) -> DeviceFigures:
     """The per-device figures at `tp` devices and `max_num_seqs` requests (the engine's arithmetic throughout)."""
     from jengine.attention.kv_cache import cache_dtype
@@ -78,7 +100,7 @@ def device_figures(spec: ModelSpec, request: PlanRequest, tp: int, max_num_seqs:
     kv_spec = dataclasses.replace(spec, num_kv_heads=spec.num_kv_heads * repeat)
     block_bytes = bytes_per_block(kv_spec, request.block_size, cache_dtype(request.kv_cache_dtype, dtype)) // tp
     linear, embeddings = parameter_counts(spec)
-    linear_bytes = WEIGHT_BYTES.get(request.quantization or "", dtype.itemsize)
+    linear_bytes = WEIGHT_BYTES.get(request.quantization or "", request.weight_bytes or dtype.itemsize)
     weights = math.ceil((linear * linear_bytes + embeddings * dtype.itemsize) / tp)
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=request.max_num_batched_tokens,
                             max_model_len=request.max_model_len)
@@ -117,7 +139,8 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--block-size", type=int, default=16)
     plan.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
     plan.add_argument("--quantization", default=None, choices=sorted(WEIGHT_BYTES),
-                      help="weight format of the linear layers (embeddings keep the model dtype)")
+                      help="weight format of the linear layers (embeddings keep the model dtype); default: the "
+                           "config's quantization_config, else the model dtype")
     plan.add_argument("--gpu-memory", type=float, default=80.0, metavar="GiB", help="memory of one GPU (80: H100)")
     plan.add_argument("--gpu-memory-utilization", type=float, default=0.92)
 
@@ -128,12 +151,17 @@ def run_plan(args: argparse.Namespace) -> int:
     from jengine.models.hub import resolve_model
     from jengine.models.loader import load_spec
 
+    from jengine.models.formats import read_model_config
+
     model = resolve_model(args.model, revision=args.revision, download_dir=args.download_dir, config_only=True)
     spec = load_spec(model.path)  # config.json (or a GGUF file's metadata) only
+    stored = None if args.quantization else config_weight_bytes(read_model_config(model.path))
     request = PlanRequest(args.tensor_parallel_size, args.max_model_len or model_context_limit(spec)[0],
                           args.max_num_seqs, args.max_num_batched_tokens, args.block_size,
                           int(args.gpu_memory * GIB), args.gpu_memory_utilization, args.kv_cache_dtype,
-                          args.quantization)
+                          args.quantization, stored[0] if stored else None)
+    if stored:
+        print(f"weights as its quantization_config stores them: {stored[1]} ({stored[0]:.3g} bytes a weight)")
     figures = device_figures(spec, request, request.tensor_parallel_size, request.max_num_seqs)
     for line in plan_report(model.name, spec, request, figures):
         print(line)

@@ -76,3 +76,26 @@ def test_the_engine_planner_finds_the_same_blocks(config_only: Path) -> None:
     engine = plan_kv_cache(spec, CacheConfig(), SchedulerConfig(max_num_seqs=32, max_model_len=8192), jnp.bfloat16,
                            _Device(figures.weights), kv_shards=4)
     assert figures.fits and engine.num_blocks == figures.kv_blocks_that_fit
+
+
+# the 70B's projections (q, o, k, v; gate, up, down) and its embedding + LM head, counted from LLAMA_70B
+PROJECTIONS_70B = 80 * (8192 * 128 * (2 * 64 + 2 * 8) + 3 * 8192 * 28672)
+EMBEDDINGS_70B = 2 * 128256 * 8192
+
+
+@pytest.mark.parametrize("quantization_config,bytes_per_weight", [
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True}, 0.5 + 4 / 128),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 32}, 0.5 + 4 / 32),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}, 1.0),
+])
+def test_a_quantized_config_is_planned_in_its_own_bytes(tmp_path: Path, capsys, quantization_config,
+                                                        bytes_per_weight):
+    """Without --quantization, the config's quantization_config decides the projections' bytes (4 bits + float16
+    scales and zeros per group; fp8 one byte): a 70B AWQ model fits one 141 GiB GPU with room for its KV cache."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B | {"quantization_config": quantization_config}))
+    status, out = _plan(capsys, str(tmp_path), "--max-model-len", "8192", "--max-num-seqs", "16",
+                        "--gpu-memory", "141")
+    assert "weights as its quantization_config stores them" in out
+    want = (PROJECTIONS_70B * bytes_per_weight + EMBEDDINGS_70B * 2) / GIB
+    assert abs(_gib(out, "weights") - want) < 0.05  # the norms' 2 × 8192 a layer, counted with the projections
+    assert status == 0
