@@ -8,7 +8,8 @@ tokens, random bf16 weights and uniform random routing. The decode floor of a la
 distinct experts routed to (counted from the routing) plus the activations, ÷ the copy bandwidth. Writes
 `DIR/<date>-moe.json` (merged with the whole-model figures of `scripts/bench_moe.py`).
 
-`--narrow KIND ...` times the same layer with quantized experts beside the bf16 ones, after checking each against the
+`--narrow KIND ...` (with `--sweep`: each format's own tile sweep first) times the same layer with quantized
+experts beside the bf16 ones, after checking each against the
 float32 reference of its dequantized weights: `int4` (random words, float16 group-128 scales and zero points, as an
 AWQ/GPTQ Qwen3-30B-A3B stores them) and `fp8_block` (float8 weights, one float32 scale per 128 × 128 block, as
 Qwen3-30B-A3B-FP8). Ratios `moe_<KIND>_layer_t<N>_vs_floor` (the routed experts' bytes in that format, scales and
@@ -30,7 +31,8 @@ from bench_moe import save  # noqa: E402
 from gpu_bench_common import copy_bandwidth, log, matmul_rate, timeit  # noqa: E402
 
 from pallas_kernels.grouped_matmul import ExpertWeights, TileConfig, moe_experts, tile_configs  # noqa: E402
-from pallas_kernels.grouped_matmul.kernel import expert_down, expert_gate_up  # noqa: E402
+from pallas_kernels.grouped_matmul.kernel import expert_down, expert_gate_up, scaling_of  # noqa: E402
+from pallas_kernels.grouped_matmul.moe import fit_steps  # noqa: E402
 from pallas_kernels.grouped_matmul.routing import COMPARE_MAX_PAIRS, expert_tiles  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
@@ -129,23 +131,39 @@ def sweep_configs(tokens: int) -> list[tuple[TileConfig, TileConfig]]:
     return cands
 
 
-def sweep(x, w, ex, rw, tokens: int) -> tuple[tuple[TileConfig, TileConfig], dict]:
+def _launch_kwargs(w: ExpertWeights, scale_block) -> tuple[dict, dict]:
+    """The gate/up and down launches' storage arguments for `w` (none for float experts)."""
+    up = dict(gate_scale=w.gate_scale, up_scale=w.up_scale, gate_zero=w.gate_zero, up_zero=w.up_zero,
+              input_perm=w.input_perm, scale_block=scale_block)
+    return up, dict(down_scale=w.down_scale, down_zero=w.down_zero, scale_block=scale_block)
+
+
+def _fitted(cfg: TileConfig, w: ExpertWeights, scale_block) -> tuple[TileConfig, TileConfig]:
+    """`cfg` with each launch's K step fitted to its storage (blocks and groups), as `moe_experts` fits it."""
+    d, inter = w.gate.shape[1] * (8 if w.gate_zero is not None else 1), w.gate.shape[2]
+    up = fit_steps(cfg, d, scaling_of(w.gate, d, w.gate_scale, w.gate_zero, scale_block))
+    return up, fit_steps(cfg, inter, scaling_of(w.down, inter, w.down_scale, w.down_zero, scale_block))
+
+
+def sweep(x, w, ex, rw, tokens: int, scale_block=None) -> tuple[tuple[TileConfig, TileConfig], dict]:
     """Each launch timed alone per candidate; the best gate/up and the best down at one block_rows."""
     best: dict[int, dict[str, tuple[float, TileConfig]]] = {}
-    for cfg in sweep_configs(tokens):
-        tiles = jax.jit(expert_tiles, static_argnums=(2, 3))(ex, rw, EXPERTS, cfg.block_rows)
+    up_kw, down_kw = _launch_kwargs(w, scale_block)
+    for candidate in sweep_configs(tokens):
+        tiles = jax.jit(expert_tiles, static_argnums=(2, 3))(ex, rw, EXPERTS, candidate.block_rows)
+        up_cfg, down_cfg = _fitted(candidate, w, scale_block)
         try:
-            up = jax.jit(lambda x, g, u, t, c=cfg: expert_gate_up(x, g, u, t, act=jax.nn.silu, cfg=c))
+            up = jax.jit(lambda x, g, u, t, c=up_cfg: expert_gate_up(x, g, u, t, act=jax.nn.silu, cfg=c, **up_kw))
             h = up(x, w.gate, w.up, tiles)
             t_up = timeit(up, x, w.gate, w.up, tiles, runs=3)
-            down = jax.jit(lambda h, d, t, c=cfg: expert_down(h, d, t, cfg=c))
+            down = jax.jit(lambda h, d, t, c=down_cfg: expert_down(h, d, t, cfg=c, **down_kw))
             t_down = timeit(down, h, w.down, tiles, runs=3)
         except Exception as e:  # a tile the compiler refuses (shared memory, registers): skip it
-            log(f"  {cfg}: {type(e).__name__}: {str(e)[:120]}")
+            log(f"  {candidate}: {type(e).__name__}: {str(e)[:120]}")
             continue
-        log(f"  {cfg}: gate_up {t_up * 1e6:.1f} us, down {t_down * 1e6:.1f} us")
-        slot = best.setdefault(cfg.block_rows, {})
-        for part, t in (("up", t_up), ("down", t_down)):
+        log(f"  {up_cfg} / {down_cfg}: gate_up {t_up * 1e6:.1f} us, down {t_down * 1e6:.1f} us")
+        slot = best.setdefault(candidate.block_rows, {})
+        for part, t, cfg in (("up", t_up, up_cfg), ("down", t_down, down_cfg)):
             if part not in slot or t < slot[part][0]:
                 slot[part] = (t, cfg)
     rows = min(best, key=lambda r: best[r]["up"][0] + best[r]["down"][0])
@@ -254,14 +272,17 @@ def expert_nbytes(w: ExpertWeights) -> int:
 
 
 def time_narrow_layer(kind: str, key, tokens: int, narrow: ExpertWeights, w16: ExpertWeights, kwargs: dict,
-                      copy_rate: float) -> tuple[dict, dict]:
+                      copy_rate: float, do_sweep: bool = False) -> tuple[dict, dict]:
     """The quantized layer beside the bf16 one on the same routing; checked first against float32 on the
     dequantized weights (bf16 rounding of the weight tile and the hidden rows: 2e-2 of the largest output)."""
     kx, kr = jax.random.split(jax.random.fold_in(key, tokens))
     x = jax.random.normal(kx, (tokens, HIDDEN), jnp.bfloat16)
     ex, rw = routing(kr, tokens)
-    fn = jax.jit(lambda x, w, ex, rw: moe_experts(x, w, ex, rw, act=jax.nn.silu, **kwargs))
     m: dict = {}
+    configs = None
+    if do_sweep:  # the tiles this storage prefers, each launch's K step fitted to it
+        configs, m["tiles"] = sweep(x, narrow, ex, rw, tokens, kwargs.get("scale_block"))
+    fn = jax.jit(lambda x, w, ex, rw: moe_experts(x, w, ex, rw, act=jax.nn.silu, configs=configs, **kwargs))
     if tokens <= 256:
         ref = reference(x, w16, ex, rw)
         m["rel_err"] = float(jnp.max(jnp.abs(fn(x, narrow, ex, rw).astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
@@ -283,7 +304,7 @@ def main_narrow(args, key) -> None:
     for kind in args.narrow:
         narrow, w16, kwargs = NARROW[kind](jax.random.fold_in(key, 11))
         for tokens in args.tokens:
-            m, r = time_narrow_layer(kind, key, tokens, narrow, w16, kwargs, copy_rate)
+            m, r = time_narrow_layer(kind, key, tokens, narrow, w16, kwargs, copy_rate, args.sweep)
             metrics[f"layer_{kind}_t{tokens}"] = m
             ratios |= r
         save(args.out, args.git_sha, metrics, ratios)
