@@ -223,15 +223,17 @@ TP_SHAPED = COMMON | dict(hidden_size=256, intermediate_size=512, num_attention_
                           head_dim=64)
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_packed_weights_split_over_devices_serve_as_the_dequantized_model(build_checkpoint, tiny_tokenizer_dir, tp):
+@pytest.mark.parametrize("tp,group", [(2, 128), (4, 128), (2, 32)])
+def test_packed_weights_split_over_devices_serve_as_the_dequantized_model(build_checkpoint, tiny_tokenizer_dir, tp,
+                                                                          group):
     """Tensor parallelism keeps every projection in 4 bits, each device holding its columns (q/k/v, gate/up) or its
-    whole groups of rows (o, down; GPTQ's activation order included), and serves the float32 dequantized
-    checkpoint's greedy tokens on one device, logprobs within 1e-4. At 4 devices the 2 KV heads are repeated."""
+    whole groups of rows (o, down; GPTQ's activation order included; 32-row groups whole 128-row steps), and serves
+    the float32 dequantized checkpoint's greedy tokens on one device, logprobs within 1e-4. At 4 devices the 2 KV
+    heads are repeated."""
     from tests.parallel.test_tensor_parallel import generate
 
     model_dir, _ = build_checkpoint(LlamaConfig(**TP_SHAPED), tokenizer_dir=tiny_tokenizer_dir)
-    quantize_checkpoint(model_dir, "gptq", group=128, symmetric=False, desc_act=True)
+    quantize_checkpoint(model_dir, "gptq", group=group, symmetric=False, desc_act=True)
     want_tokens, want_logprobs, llm = generate(model_dir.with_name(model_dir.name + "-dequantized"), PROMPTS,
                                                tokenizer=str(model_dir))
     llm.shutdown()
