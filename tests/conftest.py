@@ -58,6 +58,37 @@ def to_checkpoint_spelling(model_dir: Path) -> None:
     path.write_text(json.dumps(config, indent=2))
 
 
+# Half of Linux's default vm.max_map_count (65,530): room for one more test module's programs.
+MAPPINGS_BEFORE_RELEASE = 32_000
+
+
+def _mappings() -> int:
+    """This process's memory mappings (`/proc/self/maps` lines; 0 where there is none)."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return maps.read().count(b"\n")
+    except OSError:
+        return 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_compiled_programs():
+    """XLA's CPU runtime maps each loaded executable's code and data sections (about three mappings each) for as
+    long as JAX's caches hold it. A test worker that has run much of the suite reached the kernel's limit on a
+    process's mappings (vm.max_map_count), and the next executable it loaded aborted ("Unable to allocate section
+    memory!" in RuntimeDyld, seen in a core dump with 65,532 mappings) or segfaulted. After each module, past half
+    that limit, JAX's caches are cleared so unreferenced executables are freed and unmapped (a program needed
+    again recompiles or loads from the persistent cache)."""
+    yield
+    if _mappings() > MAPPINGS_BEFORE_RELEASE:
+        import gc
+
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory) -> Path:
     return train_tiny_tokenizer(tmp_path_factory.mktemp("tokenizer"), vocab_size=TOKENIZER_VOCAB)
