@@ -1,9 +1,10 @@
 """A test whose xdist worker dies of a native crash runs once more on a fresh worker, and the crash is printed.
 
-XLA's CPU runtime has, rarely and never twice for one test, killed a worker with a segfault (once while loading an
-executable from the shared compilation cache); the worker's other results are kept by xdist, but the test it was
-running is lost. Its re-run decides it: a second crash, or any ordinary failure, fails as usual. Every crash is listed
-in the terminal summary, so none goes unseen.
+XLA's CPU runtime has killed late workers while loading an executable from the shared compilation cache (abort or
+segfault, never twice for one test): a core dump showed the worker at the kernel's limit on memory mappings, which
+`tests/conftest.py:release_compiled_programs` now keeps it from reaching. Should a worker still die, xdist keeps its
+other results, but the test it was running is lost; its re-run decides it: a second crash, or any ordinary failure,
+fails as usual. Every crash is listed in the terminal summary, so none goes unseen.
 """
 
 from __future__ import annotations
