@@ -84,8 +84,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def _add_weight_variant_args(group: argparse._ArgumentGroup) -> None:
     """Flags that change what the weights compute: quantization, LoRA adapters, speculative decoding."""
     group.add_argument("-q", "--quantization", default=None,
-                       help="fp8, compressed-tensors, awq or gptq; unset: the checkpoint's quantization_config. "
-                            "fp8 on a float checkpoint quantizes it at load")
+                       help="fp8, compressed-tensors, awq or gptq (vLLM's awq_marlin and gptq_marlin name the same "
+                            "checkpoints); unset: the checkpoint's quantization_config. fp8 on a float checkpoint "
+                            "quantizes it at load")
     group.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters over the base model")
     group.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                        help="PEFT adapter directories loaded at start-up (name=path or a JSON object with name, "

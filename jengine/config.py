@@ -62,7 +62,9 @@ class ModelConfig:
     quantization: str | None = None
 
 
-QUANTIZATION_METHODS = (None, "fp8", "compressed-tensors", "awq", "gptq")  # awq/gptq: 4-bit, dequantized at load
+QUANTIZATION_METHODS = (None, "fp8", "compressed-tensors", "awq", "gptq")  # awq/gptq: kept in 4 (or 8) bits
+# vLLM's Marlin kernel names for AWQ/GPTQ checkpoints in their usual format: the same checkpoints, jengine's kernels
+QUANTIZATION_ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}
 
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
@@ -255,6 +257,8 @@ class EngineConfig:
             kwargs["served_model_name"], kwargs["served_model_aliases"] = names[0], tuple(names[1:])
         if "load_format" in kwargs and kwargs["load_format"] is None:  # vLLM scripts pass None for the default
             del kwargs["load_format"]
+        if kwargs.get("quantization") in QUANTIZATION_ALIASES:
+            kwargs["quantization"] = QUANTIZATION_ALIASES[kwargs["quantization"]]
         if "seed" in kwargs and kwargs["seed"] is None:  # vLLM's seed=None: not reproducible from run to run
             kwargs["seed"] = secrets.randbits(63)
         speculative = SpeculativeConfig.from_value(kwargs.pop("speculative_config", None))
@@ -300,7 +304,8 @@ class EngineConfig:
             (self.model.max_logprobs >= 0, "max_logprobs must be >= 0"),
             (self.model.quantization in QUANTIZATION_METHODS,
              f"quantization={self.model.quantization!r} is not supported; choose fp8 or compressed-tensors (8-bit "
-             "checkpoints), awq or gptq (4-bit ones), or leave it unset to read the checkpoint's quantization_config"),
+             "checkpoints), awq or gptq (awq_marlin, gptq_marlin: the same), or leave it unset to read the "
+             "checkpoint's quantization_config"),
             (self.model.load_format in LOAD_FORMATS,
              f"load_format={self.model.load_format!r} is not supported: choose {', '.join(LOAD_FORMATS)} (weights "
              "load from safetensors only; pickle files are never opened)"),

@@ -36,3 +36,16 @@ def test_chat_parsing_takes_vllm_flags_and_refuses_unknown_parsers():
         EngineConfig.from_kwargs("m", enable_auto_tool_choice=True)
     with pytest.raises(SystemExit):  # argparse lists the parsers it knows
         build_parser().parse_args(["serve", "--tool-call-parser", "json"])
+
+
+def test_vllm_marlin_quantization_names_mean_the_same_checkpoints():
+    """vLLM users pass `--quantization awq_marlin` / `gptq_marlin` for AWQ/GPTQ checkpoints in their usual format:
+    they read as awq / gptq (jengine's kernels run them); other names are still refused."""
+    from jengine.cli import build_parser, engine_kwargs
+
+    assert EngineConfig.from_kwargs("m", quantization="awq_marlin").model.quantization == "awq"
+    assert EngineConfig.from_kwargs("m", quantization="gptq_marlin").model.quantization == "gptq"
+    args = build_parser().parse_args(["serve", "m", "--quantization", "gptq_marlin"])
+    assert EngineConfig.from_kwargs("m", **engine_kwargs(args)).model.quantization == "gptq"
+    with pytest.raises(ConfigError, match="'marlin' is not supported"):
+        EngineConfig.from_kwargs("m", quantization="marlin")
