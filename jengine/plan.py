@@ -148,10 +148,9 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
 def run_plan(args: argparse.Namespace) -> int:
     """Prints the per-device figures and the verdict; exit status 0 when it fits, 1 when it does not."""
     from jengine.factory import model_context_limit
+    from jengine.models.formats import read_model_config
     from jengine.models.hub import resolve_model
     from jengine.models.loader import load_spec
-
-    from jengine.models.formats import read_model_config
 
     model = resolve_model(args.model, revision=args.revision, download_dir=args.download_dir, config_only=True)
     spec = load_spec(model.path)  # config.json (or a GGUF file's metadata) only

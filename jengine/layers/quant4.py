@@ -61,8 +61,8 @@ class Int4Weight:
 @dataclasses.dataclass(frozen=True)
 class Int4Experts:
     """A MoE layer's stack of 4-bit expert projections, logical shape `[experts, K, N]`: each expert in the layout of
-    `Int4Weight` (`packed [experts, K / 8, N]`, `zeros` and `scales` `[experts, K / group, N]`), the input rows in
-    their natural order (the loader dequantizes stacks in activation order). The grouped-matmul kernels read them
+    `Int4Weight` (`packed [experts, K / 8, N]`, `zeros` and `scales` `[experts, K / group, N]`), the input rows
+    sorted by group (`perm` below). The grouped-matmul kernels read them
     packed (`layers/mlp.py:PallasExperts`); `ragged_dot` (the CPU) takes them dequantized. The group is read from
     the shapes, so a stack split over devices (by expert, or by whole groups) stays consistent.
 

@@ -29,11 +29,11 @@ from jengine.layers.quant import FP8, FP8_MAX, INT8_MAX, QuantizedWeight, QuantS
 from jengine.layers.quant4 import PACK, Int4Experts, Int4Weight
 from jengine.models.quant4_load import Quant4Config, read_quant4_config
 from jengine.models.quant4_place import (
-    EXPERT_LEAVES, PACKED_LEAVES, expert_shape_reason, int4_impl, kernel_group, rows_per_device, shape_reason,
-    split_of)
+    EXPERT_LEAVES, PACKED_LEAVES, expert_shape_reason, int4_impl, kernel_group, leaf_modules, rows_per_device,
+    shape_reason, split_of)
 from jengine.models.quant_config import read_quant_config
-from jengine.models.quant_load import QUANTIZED_LEAVES
-from jengine.models.weights import FusedSource, Source, leaf_name
+from jengine.models.quant_load import QUANTIZED_LEAVES, quant8_impl
+from jengine.models.weights import Source, leaf_name
 
 logger = logging.getLogger(__name__)
 
@@ -56,23 +56,18 @@ def quantized_makers(config: dict[str, Any], quantization: str | None, flat_sour
     quant8 = read_quant_config(config, quantization)
     if quant8 is None:
         return {}
-    impl = "reference" if platform == "cpu" else "xla"
+    impl = quant8_impl(platform)
     makers = {}
     for path, leaf in flat_sources:
         if leaf_name(path) not in QUANTIZED_LEAVES:
             continue
-        how = quant8.module(_first_module(leaf))
+        how = quant8.module(leaf_modules(leaf)[0])
         if how is not None:
             scheme = dataclasses.replace(how.scheme, impl=impl)
             makers[path] = functools.partial(_int8_leaf, path=path, shape=leaf.shape, scheme=scheme,
                                              static_input=how.static_input, sharding_for=sharding_for, std=std)
     logger.info("dummy weights: %d projections in 8 bits (%s)", len(makers), quant8.label)
     return makers
-
-
-def _first_module(leaf: Source) -> str:
-    part = leaf.parts[0] if isinstance(leaf, FusedSource) else leaf
-    return str(part.names.flat[0]).removesuffix(".weight")
 
 
 def _int4_makers(quant: Quant4Config, config: dict[str, Any], flat_sources, sharding_for, shards: int,
@@ -82,13 +77,15 @@ def _int4_makers(quant: Quant4Config, config: dict[str, Any], flat_sources, shar
     makers, layers = {}, {}
     for path, leaf in flat_sources:
         name = leaf_name(path)
-        k, n = leaf.shape[-2:] if name in PACKED_LEAVES + EXPERT_LEAVES else (0, 0)
-        group = kernel_group(_group(quant, config, k)) if name in PACKED_LEAVES else 0
-        if name in PACKED_LEAVES and shape_reason(k, n, group, shards, name) is None:
-            makers[path] = functools.partial(_int4_leaf, path=path, shape=leaf.shape, group=group,
-                                             sharding_for=sharding_for, impl=int4_impl(platform), std=std)
+        if name in PACKED_LEAVES:
+            k, n = leaf.shape
+            group = kernel_group(_group(quant, config, k))
+            if shape_reason(k, n, group, shards, name) is None:
+                makers[path] = functools.partial(_int4_leaf, path=path, shape=leaf.shape, group=group,
+                                                 sharding_for=sharding_for, impl=int4_impl(platform), std=std)
         elif name in EXPERT_LEAVES:
-            fits = expert_shape_reason(_group(quant, config, k), rows_per_device(sharding_for, path, leaf)) is None
+            group = _group(quant, config, leaf.shape[-2])
+            fits = expert_shape_reason(group, rows_per_device(sharding_for, path, leaf)) is None
             layers.setdefault(path.rsplit("[", 1)[0], []).append((path, leaf, fits))
     for stacks in layers.values():  # gate and up packed both or neither (one launch), down on its own
         gate_up = all(fits for path, _, fits in stacks if leaf_name(path) != "we_down")
@@ -109,7 +106,7 @@ def _gptq8_makers(quant: Quant4Config, config: dict[str, Any], flat_sources, sha
         logger.info("dummy weights: %s is dequantized by the loader (asymmetric or in activation order); float "
                     "weights instead", quant.label)
         return {}
-    impl = "reference" if platform == "cpu" else "xla"
+    impl = quant8_impl(platform)
     makers = {}
     for path, leaf in flat_sources:
         if leaf_name(path) in PACKED_LEAVES + EXPERT_LEAVES and (group := _group(quant, config, leaf.shape[-2])):

@@ -18,22 +18,17 @@ from jengine.layers.quant import QuantScheme
 from jengine.models.quant4 import Unpacked
 from jengine.models.quant4_load import Quant4Reader
 from jengine.models.quant4_place import (
-    EXPERT_LEAVES, FLOAT_IN_CHECKPOINT, PACKED_LEAVES, _repeat_heads, int4_impl, log_packing, sorted_order)
-from jengine.models.quant_load import HostQuantized
+    EXPERT_LEAVES, FLOAT_IN_CHECKPOINT, PACKED_LEAVES, _repeat_heads, leaf_modules, log_packing, sorted_order)
+from jengine.models.quant_load import HostQuantized, quant8_impl
 from jengine.models.weights import FusedSource, LeafSource, Source, leaf_name
 
 logger = logging.getLogger("jengine.models.quant4_load")  # one logger for the integer checkpoints' loading messages
 MIDPOINT = 128
 
 
-def _modules(leaf: Source) -> list[str]:
-    parts = leaf.parts if isinstance(leaf, FusedSource) else (leaf,)
-    return [str(name).removesuffix(".weight") for part in parts for name in part.names.flat]
-
-
 def why_not_int8(reader: Quant4Reader, leaf: Source) -> str | None:
     """None when the leaf's modules can run as int8 W8A16 group weights, else why they are dequantized."""
-    modules = _modules(leaf)
+    modules = leaf_modules(leaf)
     if not all(reader.is_packed(m) for m in modules):
         return FLOAT_IN_CHECKPOINT
     rows = [reader.group_rows(m) for m in modules]
@@ -74,11 +69,11 @@ def int8_plans(reader: Quant4Reader, flat_sources: list[tuple[str, Source]], pla
     """Leaf path → ("gptq8", None, impl) for the projections and expert stacks kept in 8 bits; the rest read as
     float (dequantized by the reader). Logs the split."""
     plans, kept, reasons = {}, 0, {}
-    impl = "reference" if int4_impl(platform) == "reference" else "xla"  # the 8-bit path's implementations
+    impl = quant8_impl(platform)
     for path, leaf in flat_sources:
         if leaf_name(path) not in PACKED_LEAVES + EXPERT_LEAVES:
             continue
-        count = len(_modules(leaf))
+        count = len(leaf_modules(leaf))
         reason = why_not_int8(reader, leaf)
         if reason is None:
             plans[path], kept = ("gptq8", None, impl), kept + count

@@ -28,7 +28,8 @@ from jengine.models.gptq8 import int8_plans, read_gptq8
 from jengine.models.quant4_load import Quant4Reader
 from jengine.models.quant4_place import int4_plans, place_int4, place_int4_experts, read_int4, read_int4_experts
 from jengine.models.quant_config import QuantConfig, read_quant_config
-from jengine.models.quant_load import QUANTIZED_LEAVES, dequantized_float, leaf_quant, module_quant, place, read_leaf
+from jengine.models.quant_load import (
+    QUANTIZED_LEAVES, dequantized_float, leaf_quant, module_quant, place, quant8_impl, read_leaf)
 from jengine.models.registry import spec_from_hf_config
 from jengine.models.spec import ModelSpec
 from jengine.models.weights import (
@@ -214,7 +215,7 @@ def _quant_plans(reader: CheckpointReader, sources: dict, quant: QuantConfig | N
         if name in QUANTIZED_LEAVES:
             how = leaf_quant(quant, reader, leaf)
             if how is not None:
-                plans[path] = ("run", how, "reference" if platform == "cpu" else "xla")
+                plans[path] = ("run", how, quant8_impl(platform))
         elif name == "lm_head" and quant.method != "fp8-at-load":
             how = module_quant(quant, reader, "lm_head")
             if how is not None:

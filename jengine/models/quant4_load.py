@@ -12,7 +12,8 @@ import numpy as np
 
 from jengine.errors import CheckpointError, UnsupportedModelError
 from jengine.models.checkpoint import CheckpointReader, TensorInfo
-from jengine.models.quant4 import GPTQ_BITS, Unpacked, _groups, unpack_awq, unpack_compressed_tensors, unpack_gptq
+from jengine.models.quant4 import (
+    GPTQ_BITS, Unpacked, _groups, gptq_zero_points, unpack_awq, unpack_compressed_tensors, unpack_gptq)
 
 logger = logging.getLogger(__name__)
 
@@ -189,8 +190,6 @@ class Quant4Reader:
     def zero_points(self, module: str) -> np.ndarray:
         """A GPTQ module's zero points `[groups, N]` in the values' unsigned scale (v1's stored ones corrected),
         read without the weight."""
-        from jengine.models.quant4 import gptq_zero_points
-
         q = self._quant
         if q.method != "gptq":
             raise ValueError("zero_points reads GPTQ modules")

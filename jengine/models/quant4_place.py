@@ -54,6 +54,12 @@ def _parts(leaf: Source) -> tuple[LeafSource, ...]:
     return leaf.parts if isinstance(leaf, FusedSource) else (leaf,)
 
 
+def leaf_modules(leaf: Source) -> list[str]:
+    """The checkpoint modules (`model.layers.0.mlp.experts.3.gate_proj`) behind a leaf: each fused part's, each
+    stacked expert's."""
+    return [str(name).removesuffix(".weight") for part in _parts(leaf) for name in part.names.flat]
+
+
 def _module(leaf: LeafSource) -> str:
     return str(leaf.names).removesuffix(".weight")
 
@@ -110,11 +116,11 @@ EXPERT_GROUP_ROWS = 16  # the grouped-matmul kernels' smallest K step (one Trito
 def why_experts_dequantized(reader: Quant4Reader, leaf: LeafSource, rows_per_device: int) -> str | None:
     """None when an expert stack (one leaf: an HF module per expert) can run packed through the grouped-matmul
     kernels, each device holding `rows_per_device` of its K input rows, else the reason it is dequantized."""
-    if not all(reader.is_packed(module) for module in _expert_modules(leaf)):
+    if not all(reader.is_packed(module) for module in leaf_modules(leaf)):
         return FLOAT_IN_CHECKPOINT
     if reader.quant.bits != 4:
         return f"{reader.quant.bits}-bit expert weights (the grouped-matmul kernels take 4-bit ones packed)"
-    rows = [reader.group_rows(module) for module in _expert_modules(leaf)]
+    rows = [reader.group_rows(module) for module in leaf_modules(leaf)]
     groups = {len(g_idx) // count if len(g_idx) % count == 0 else 0 for g_idx, count in rows}
     if len(groups) != 1:
         return f"experts in groups of {sorted(groups)} rows"
@@ -135,19 +141,14 @@ def expert_shape_reason(group: int, rows_per_device: int) -> str | None:
     return None
 
 
-def _expert_modules(leaf: LeafSource) -> list[str]:
-    return [str(name).removesuffix(".weight") for name in leaf.names.flat]
-
-
 def _row_orders(reader: Quant4Reader, leaf: LeafSource) -> list[np.ndarray | None]:
     """Each expert's stored row order (rows sorted by group, GPTQ's activation order), None where natural."""
-    return [sorted_order(reader.group_rows(module)[0]) for module in _expert_modules(leaf)]
+    return [sorted_order(reader.group_rows(module)[0]) for module in leaf_modules(leaf)]
 
 
 def why_gate_up_apart(reader: Quant4Reader, gate: LeafSource, up: LeafSource) -> str | None:
-    """The kernels gather x's features once for gate and up: their row orders must agree expert by expert."""
-    if not all(reader.is_packed(module) for module in _expert_modules(gate) + _expert_modules(up)):
-        return FLOAT_IN_CHECKPOINT
+    """The kernels gather x's features once for gate and up: their row orders must agree expert by expert (both
+    stored packed: `why_experts_dequantized` asked first)."""
     for g, u in zip(_row_orders(reader, gate), _row_orders(reader, up), strict=True):
         if (g is None) != (u is None) or (g is not None and not np.array_equal(g, u)):
             return "experts' gate and up projections in different activation orders"
@@ -166,7 +167,7 @@ def read_int4_experts(reader: Quant4Reader, leaf: LeafSource, down: LeafSource |
     """Each expert's module unpacked, its rows sorted by group, repacked into the kernels' words and stacked. `down`
     (given for gate and up): the layer's down projection, whose row order (activation order) the output columns
     take, so the hidden features reach down in its stored row order (`layers/quant4.py:Int4Experts`)."""
-    unpacked = [reader.unpacked(module) for module in _expert_modules(leaf)]
+    unpacked = [reader.unpacked(module) for module in leaf_modules(leaf)]
     rows = _row_orders(reader, leaf)
     columns = _row_orders(reader, down) if down is not None else [None] * len(unpacked)
 
@@ -187,19 +188,14 @@ def read_int4_experts(reader: Quant4Reader, leaf: LeafSource, down: LeafSource |
 def place_int4_experts(host: HostInt4Experts, path: str, sharding_for) -> Int4Experts:
     """On the devices where the layout puts the float stack's experts, columns or rows (`parallel/sharding.py`); the
     row order split as the experts are (every device holds its experts' whole input rows)."""
-    def put(array: np.ndarray | None, sharding) -> jax.Array | None:
-        if array is None:
-            return None
-        return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
-
     packed_sharding = sharding_for(path + ".packed", host.packed.shape)
     perm_sharding = packed_sharding
     if isinstance(packed_sharding, NamedSharding):
         perm_sharding = NamedSharding(packed_sharding.mesh, P((tuple(packed_sharding.spec) + (None,))[0], None))
-    return Int4Experts(put(host.packed, packed_sharding),
-                       put(host.zeros, sharding_for(path + ".zeros", host.zeros.shape)),
-                       put(host.scales, sharding_for(path + ".scales", host.scales.shape)),
-                       put(host.perm, perm_sharding))
+    return Int4Experts(_put(host.packed, packed_sharding),
+                       _put(host.zeros, sharding_for(path + ".zeros", host.zeros.shape)),
+                       _put(host.scales, sharding_for(path + ".scales", host.scales.shape)),
+                       _put(host.perm, perm_sharding))
 
 
 def sorted_order(g_idx: np.ndarray) -> np.ndarray | None:
@@ -262,18 +258,19 @@ def place_int4(host: HostInt4, path: str, sharding_for, impl: str) -> Int4Weight
     """On the devices, where the layout puts the float leaf's rows or columns; the row order `perm` replicated
     (the activations are gathered by it before any split)."""
     packed_sharding = sharding_for(path + ".packed", host.packed.shape)
-
-    def put(array: np.ndarray | None, sharding) -> jax.Array | None:
-        if array is None:
-            return None
-        return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
-
     mesh, split = split_of(packed_sharding)
-    return Int4Weight(put(host.packed, packed_sharding),
-                      put(host.zeros, sharding_for(path + ".zeros", host.zeros.shape)),
-                      put(host.scales, sharding_for(path + ".scales", host.scales.shape)),
-                      put(host.perm, NamedSharding(mesh, P()) if mesh else packed_sharding), host.group, impl,
+    return Int4Weight(_put(host.packed, packed_sharding),
+                      _put(host.zeros, sharding_for(path + ".zeros", host.zeros.shape)),
+                      _put(host.scales, sharding_for(path + ".scales", host.scales.shape)),
+                      _put(host.perm, NamedSharding(mesh, P()) if mesh else packed_sharding), host.group, impl,
                       mesh=mesh if split else None, split=split)
+
+
+def _put(array: np.ndarray | None, sharding) -> jax.Array | None:
+    """A host array on the devices where `sharding` puts it, each device reading only its slice (None stays None)."""
+    if array is None:
+        return None
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
 
 def split_of(sharding) -> tuple:

@@ -29,6 +29,11 @@ QUANTIZED_LEAVES = ("wqkv", "wo", "w_gate_up", "w_down", "we_gate", "we_up", "we
 _STORED = {"fp8": np.dtype(ml_dtypes.float8_e4m3fn), "int8": np.dtype("i1")}
 
 
+def quant8_impl(platform: str) -> str:
+    """The 8-bit matmuls' implementation for `platform`: the dequantizing reference on the CPU, XLA's elsewhere."""
+    return "reference" if platform == "cpu" else "xla"
+
+
 @dataclasses.dataclass(frozen=True)
 class HostQuantized:
     """One module or leaf on the host, in our layout: weight `[..., in, out]`, scale `[..., in_g, out_g]`."""

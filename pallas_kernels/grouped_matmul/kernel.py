@@ -39,7 +39,7 @@ from jax.experimental.pallas import triton as pltr
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.grouped_matmul.routing import ExpertTiles
-from pallas_kernels.w4a16.nibbles import PACK, nibbles_as_float
+from pallas_kernels.w4a16.nibbles import PACK, affine, nibbles_as_float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +111,7 @@ def _int4_tile(w_ref, z_ref, s_ref, e, k0, cols, n_dim: int, dtype, block_k: int
     scale = load(s_ref, index, shape).astype(jnp.float32)
     if block_k <= group:
         zero, scale = zero[None, :], scale[None, :]
-    a, b = (16 * scale)[:, None, :], (-scale * (16 + zero))[:, None, :]
+    a, b = affine(zero, scale)
     return (nibbles_as_float(words) * a + b).reshape(block_k, block_n).astype(dtype)
 
 

@@ -20,6 +20,12 @@ def nibble_as_float(words, j: int):
     return lax.bitcast_convert_type((moved & FIELD) | ONE_BITS, jnp.float32)
 
 
+def affine(zero, scale):
+    """(a, b) with `nibbles_as_float(words) · a + b = (q − z) · s`, that is `(1 + q/16) · 16s − s(16 + z)`: zero
+    points and scales `[r, c]` (or `[1, c]`, one group) as `[r, 1, c]`, broadcast over the nibble axis; float32."""
+    return (16 * scale)[:, None, :], (-scale * (16 + zero))[:, None, :]
+
+
 def nibbles_as_float(words):
     """`1 + q / 16` for all 8 nibbles: `[r, c]` words → `[r, 8, c]`, nibble j of word r at `[r, j]` (input row
     8r + j), so merging the first two axes gives the rows in their natural order."""

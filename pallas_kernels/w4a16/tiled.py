@@ -17,7 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels.w4a16.nibbles import PACK, nibble_as_float, nibbles_as_float
+from pallas_kernels.w4a16.nibbles import PACK, affine, nibble_as_float, nibbles_as_float
 
 
 def _arange(start, size: int):
@@ -35,7 +35,7 @@ def _affine(z_ref, s_ref, k0, cols, *, block_k: int, group: int):
     scale = pltr.load(s_ref.at[index]).astype(jnp.float32)
     if block_k <= group:
         zero, scale = zero[None, :], scale[None, :]
-    return (16 * scale)[:, None, :], (-scale * (16 + zero))[:, None, :]
+    return affine(zero, scale)
 
 
 def _merged_step(x_ref, words, a, b, rows, in_m, k0, *, block_k: int):

@@ -17,7 +17,7 @@ from jengine.layers.mlp import PallasExperts, moe_mlp, moe_mlp_expert_parallel
 from jengine.layers.quant4 import Int4Experts, dequantize4
 from jengine.parallel.mesh import TP_AXIS
 from tests.conftest import fresh_seed
-from tests.kernels.test_grouped_matmul import MOE, layer_weights, numpy_experts
+from tests.kernels.test_grouped_matmul import MOE, numpy_experts
 
 SEED = fresh_seed()
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import collections
 import json
-import re
 import logging
+import re
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -97,10 +97,10 @@ class GGUFCheckpoint:
                 logger.warning("%s: tensor %s has no HF counterpart; ignored", self._path.name, name)
             self._origins.update(found)
         self._tensors, self._shapes = tensors, shapes
-        self._representable: dict[str, bool] = {}
         # Q8_0 projections stay in 8 bits: presented as compressed-tensors int8 W8A16 with group-32 scales (Q8_0's
         # own blocks), which the loader's 8-bit path runs
         self._int8 = int8_modules({name: self._type_name(o.tensor) for name, o in self._origins.items()})
+        self._int4 = self._int4_modules()
         self._scales = {module + ".weight_scale": module + ".weight" for module in self._int8}
         if self._int8:
             self._config["quantization_config"] = _q8_0_config(sorted(self._int8))
@@ -122,13 +122,11 @@ class GGUFCheckpoint:
             logger.info("%s: %d Q8_0 projections kept in 8 bits (int8 weights, one scale per 32 inputs)",
                         self._path.name, len(self._int8))
             quantized["Q8_0"] -= len(self._int8)
-        offered = sum(self.is_packed(name.removesuffix(".weight")) for name in self._origins)
-        if offered:
+        if self._int4:
             logger.info("%s: %d Q4_0/Q4_K projections offered in 4 bits (the loader says which stay packed)",
-                        self._path.name, offered)
-            for name in self._origins:  # the rest of them are dequantized
-                if self.is_packed(name.removesuffix(".weight")):
-                    quantized[self._type_name(self._origins[name].tensor)] -= 1
+                        self._path.name, len(self._int4))
+            for module in self._int4:  # the rest of them are dequantized
+                quantized[self._type_name(self._origins[module + ".weight"].tensor)] -= 1
         quantized = {name: n for name, n in quantized.items() if n}
         if quantized:
             logger.info("%s: %s tensors are dequantized at load to the model dtype", self._path.name,
@@ -139,18 +137,24 @@ class GGUFCheckpoint:
         """How the 4-bit projections are offered: groups of 32 inputs, as Q4_0's and Q4_K's blocks are."""
         return Quant4Config("gguf", 4, INT4_GROUP)
 
+    def _int4_modules(self) -> frozenset[str]:
+        """The modules (`model.layers.0.self_attn.q_proj`) of Q4_0/Q4_K projections every 32-input group of which is
+        `(q − z)·s` (checked once per GGUF tensor: an expert stack's experts share one)."""
+        representable: dict[str, bool] = {}
+        modules = set()
+        for name, origin in self._origins.items():
+            type_name = self._type_name(origin.tensor)
+            if type_name not in INT4_TYPES or not _PROJECTION_NAME.search(name):
+                continue
+            if origin.tensor not in representable:
+                representable[origin.tensor] = int4_representable(self._tensors[origin.tensor].data, type_name)
+            if representable[origin.tensor]:
+                modules.add(name.removesuffix(".weight"))
+        return frozenset(modules)
+
     def is_packed(self, module: str) -> bool:
-        """Whether `module` (`model.layers.0.self_attn.q_proj`) is a Q4_0/Q4_K projection offered in 4 bits."""
-        name = module + ".weight"
-        if name not in self._origins or not _PROJECTION_NAME.search(name):
-            return False
-        tensor = self._origins[name].tensor
-        type_name = self._type_name(tensor)
-        if type_name not in INT4_TYPES:
-            return False
-        if tensor not in self._representable:  # once per tensor (an expert stack's experts share one)
-            self._representable[tensor] = int4_representable(self._tensors[tensor].data, type_name)
-        return self._representable[tensor]
+        """Whether `module` is a Q4_0/Q4_K projection offered in 4 bits."""
+        return module in self._int4
 
     def group_rows(self, module: str) -> tuple[np.ndarray, int]:
         """(each input row's group, the number of groups): consecutive groups of 32."""
@@ -173,7 +177,7 @@ class GGUFCheckpoint:
     @property
     def has_int4(self) -> bool:
         """Whether any projection is offered in 4 bits."""
-        return any(self.is_packed(name.removesuffix(".weight")) for name in self._origins)
+        return bool(self._int4)
 
     @property
     def model_dir(self) -> Path:
