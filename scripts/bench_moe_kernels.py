@@ -86,8 +86,24 @@ def expert_loop(x, w: ExpertWeights, ex, rw):
     return jax.lax.fori_loop(0, w.gate.shape[0], body, jnp.zeros_like(x))
 
 
-def ours(x, w, ex, rw, configs=None):
-    return moe_experts(x, w, ex, rw, act=jax.nn.silu, configs=configs)
+def ours(x, w, ex, rw, configs=None, layout="auto"):
+    return moe_experts(x, w, ex, rw, act=jax.nn.silu, configs=configs, layout=layout)
+
+
+LOOP_LAYERS = 16
+
+
+def loop_device_us(key, x, w, tokens: int, layout: str) -> float:
+    """µs per layer of `LOOP_LAYERS` MoE layers in one jitted loop, each on its own random routing, the layer's
+    output feeding the next: the device's time, which a single small call hides behind its host dispatch."""
+    keys = jax.random.split(key, LOOP_LAYERS)
+    ex, rw = jax.vmap(lambda k: routing(k, tokens))(keys)
+
+    def run(x, w, ex, rw):
+        body = lambda i, h: (h + ours(h, w, ex[i], rw[i], layout=layout) * 0.1).astype(h.dtype)
+        return jax.lax.fori_loop(0, LOOP_LAYERS, body, x)
+
+    return timeit(jax.jit(run), x, w, ex, rw) / LOOP_LAYERS * 1e6
 
 
 def correctness(key) -> dict:
@@ -195,6 +211,15 @@ def time_layer(key, tokens: int, w, copy_rate: float, do_sweep: bool, tkx) -> tu
     if tokens * TOP_K <= 4 * COMPARE_MAX_PAIRS:  # both ways, where the switch between them should sit
         for method in ("compare", "sort"):
             m[f"routing_layout_{method}_us"] = timeit(layout, ex, rw, EXPERTS, cfg[0].block_rows, method) * 1e6
+    if tokens <= 64:  # both row layouts, one call each and in a device loop (where the switch between them sits)
+        for order in ("sorted", "by_token"):
+            fn = jax.jit(lambda *a, lay=order: ours(*a, layout=lay))
+            m[f"ours_{order}_rel_err"] = float(jnp.max(jnp.abs(fn(x, w, ex, rw).astype(jnp.float32) - ref))
+                                                / jnp.max(jnp.abs(ref)))
+            assert m[f"ours_{order}_rel_err"] < 2e-2, m
+            m[f"ours_{order}_us"] = timeit(fn, x, w, ex, rw) * 1e6
+            m[f"ours_{order}_loop_us"] = loop_device_us(kr, x, w, tokens, order)
+            log(f"T={tokens} {order}: call {m[f'ours_{order}_us']:.1f} us, in a loop {m[f'ours_{order}_loop_us']:.1f}")
     fns = {"ours": jax.jit(lambda *a: ours(*a, configs=configs)),
            "xla_ragged_dot": jax.jit(lambda *a: sorted_moe(jax.lax.ragged_dot, *a))}
     if tokens <= 256:

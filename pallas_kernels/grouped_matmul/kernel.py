@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.addressing import next_pow2
 from pallas_kernels.grouped_matmul.routing import ExpertTiles
 from pallas_kernels.w4a16.nibbles import PACK, affine, nibbles_as_float
 
@@ -71,11 +72,63 @@ def _arange(start, size: int):
     return start + jnp.arange(size, dtype=jnp.int32)
 
 
-def _tile_rows(slot_token_ref, t, block_rows: int):
-    """This tile's slots, their tokens (clamped to 0 for padding) and which of them are real."""
+class Rows(NamedTuple):
+    """What one program multiplies: its expert, the output rows its `block_rows` tile rows go to, their tokens
+    (clamped to a real row) and which are real; `active` false: the program returns at once."""
+
+    expert: Array
+    out: Array
+    token: Array
+    real: Array
+    active: Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a launch finds its rows (static). `sorted`: `routing.expert_tiles`' slots, program `t` of the row axis
+    takes tile `t` (layout operands `slot_token`, `tile_expert`, `num_tiles`; down also `slot_weight`).
+    `by_token`: no layout step at all: program `e` of the row axis is expert `e`, its rows are every token of the
+    step (`tokens` ≤ `block_rows`) masked to those that chose `e`, and row `t`'s output is pair row `t·k + c` (`c`:
+    the choice that named `e`) of a `[tokens · k, N]` output (operands `experts [tokens, k]`; down also the
+    routing weights). For decode-sized steps: it saves the layout's launches, and an expert nobody chose returns
+    at once."""
+
+    kind: Literal["sorted", "by_token"] = "sorted"
+    tokens: int = 0
+    k: int = 0
+
+
+def _sorted_rows(refs, t, block_rows: int) -> Rows:
+    slot_token_ref, tile_expert_ref, num_tiles_ref = refs
     slots = _arange(t * block_rows, block_rows)
     token = pltr.load(slot_token_ref.at[slots])
-    return slots, jnp.maximum(token, 0), token >= 0
+    return Rows(tile_expert_ref[t], slots, jnp.maximum(token, 0), token >= 0, t < num_tiles_ref[0])
+
+
+def _token_choices(experts_ref, e, block_rows: int, layout: Layout):
+    """(tokens, the choice of each that named expert `e` (0 where none), which chose it)."""
+    tokens, choices = _arange(0, block_rows), _arange(0, next_pow2(layout.k))
+    valid = (tokens[:, None] < layout.tokens) & (choices[None, :] < layout.k)
+    ids = pltr.load(experts_ref.at[jnp.minimum(tokens, layout.tokens - 1)[:, None],
+                                   jnp.minimum(choices, layout.k - 1)[None, :]], mask=valid, other=-1)
+    match = ids == e
+    choice = jnp.sum(jnp.where(match, choices[None, :], 0), axis=1)
+    return tokens, choice, jnp.sum(match.astype(jnp.int32), axis=1) > 0
+
+
+def _rows(layout: Layout, refs, t, block_rows: int) -> Rows:
+    if layout.kind == "sorted":
+        return _sorted_rows(refs, t, block_rows)
+    tokens, choice, real = _token_choices(refs[0], t, block_rows, layout)
+    return Rows(t, tokens * layout.k + choice, jnp.minimum(tokens, layout.tokens - 1), real,
+                jnp.sum(real.astype(jnp.int32)) > 0)
+
+
+def _routing_weight(layout: Layout, weight_ref, rows: Rows, t, block_rows: int):
+    """Each row's routing weight (float32; 0 for padding)."""
+    if layout.kind == "sorted":
+        return pltr.load(weight_ref.at[_arange(t * block_rows, block_rows)]).astype(jnp.float32)
+    return pltr.load(weight_ref.at[rows.out], mask=rows.real, other=0).astype(jnp.float32)
 
 
 def _weight_tile(w_ref, e, ks, cols, k_dim: int, n_dim: int, dtype, cfg: TileConfig):
@@ -137,15 +190,16 @@ def _column_scale(scale_ref, e, cols, n_dim: int):
     return pltr.load(scale_ref.at[e, cols], mask=cols < n_dim, other=0.0)[None, :]
 
 
-def _gate_up_kernel(x_ref, wg_ref, wu_ref, sg_ref, su_ref, zg_ref, zu_ref, perm_ref, slot_token_ref, tile_expert_ref,
-                    num_tiles_ref, h_ref, *, cfg: TileConfig, act: Callable, precision, scaling: Scaling):
+def _gate_up_kernel(x_ref, wg_ref, wu_ref, sg_ref, su_ref, zg_ref, zu_ref, perm_ref, *refs, cfg: TileConfig,
+                    act: Callable, precision, scaling: Scaling, layout: Layout):
+    *layout_refs, h_ref = refs
     t, j = pl.program_id(0), pl.program_id(1)
     k_dim, n_dim = x_ref.shape[1], wg_ref.shape[2]
+    rows = _rows(layout, layout_refs, t, cfg.block_rows)
 
-    @pl.when(t < num_tiles_ref[0])
+    @pl.when(rows.active)
     def _():
-        e = tile_expert_ref[t]
-        slots, token, real = _tile_rows(slot_token_ref, t, cfg.block_rows)
+        e, token, real = rows.expert, rows.token, rows.real
         cols = _arange(j * cfg.block_n, cfg.block_n)
 
         def step(i, acc):
@@ -170,24 +224,32 @@ def _gate_up_kernel(x_ref, wg_ref, wu_ref, sg_ref, su_ref, zg_ref, zu_ref, perm_
         if scaling.kind == "column":
             gate, up = gate * _column_scale(sg_ref, e, cols, n_dim), up * _column_scale(su_ref, e, cols, n_dim)
         h = act(gate) * up
-        pltr.store(h_ref.at[slots[:, None], cols[None, :]], h.astype(h_ref.dtype), mask=cols[None, :] < n_dim)
+        pltr.store(h_ref.at[rows.out[:, None], cols[None, :]], h.astype(h_ref.dtype), mask=_store_mask(layout, rows,
+                                                                                                     cols, n_dim))
 
 
-def _down_kernel(h_ref, wd_ref, sd_ref, zd_ref, slot_weight_ref, tile_expert_ref, num_tiles_ref, y_ref, *,
-                 cfg: TileConfig, precision, scaling: Scaling):
+def _store_mask(layout: Layout, rows: Rows, cols, n_dim: int):
+    """Sorted slots are the program's own (padding ones too); by token, only the rows that chose the expert."""
+    mask = cols[None, :] < n_dim
+    return mask if layout.kind == "sorted" else mask & rows.real[:, None]
+
+
+def _down_kernel(h_ref, wd_ref, sd_ref, zd_ref, *refs, cfg: TileConfig, precision, scaling: Scaling, layout: Layout):
+    *layout_refs, weight_ref, y_ref = refs
     t, j = pl.program_id(0), pl.program_id(1)
     k_dim, n_dim = h_ref.shape[1], wd_ref.shape[2]
+    rows = _rows(layout, layout_refs, t, cfg.block_rows)
 
-    @pl.when(t < num_tiles_ref[0])
+    @pl.when(rows.active)
     def _():
-        e = tile_expert_ref[t]
-        slots = _arange(t * cfg.block_rows, cfg.block_rows)
+        e = rows.expert
         cols = _arange(j * cfg.block_n, cfg.block_n)
 
         def step(i, acc):
             k0 = i * cfg.block_k
             ks = _arange(k0, cfg.block_k)
-            h = pltr.load(h_ref.at[slots[:, None], ks[None, :]], mask=ks[None, :] < k_dim, other=0)
+            h = pltr.load(h_ref.at[rows.out[:, None], ks[None, :]], mask=rows.real[:, None] & (ks[None, :] < k_dim),
+                          other=0)
             w = _expert_tile(wd_ref, sd_ref, zd_ref, e, k0, cols, k_dim, n_dim, h.dtype, cfg, scaling)
             part = jnp.dot(h, w, preferred_element_type=jnp.float32, precision=precision)
             return acc + _scaled_step(part, sd_ref, e, k0, cols, n_dim, scaling)
@@ -196,15 +258,36 @@ def _down_kernel(h_ref, wd_ref, sd_ref, zd_ref, slot_weight_ref, tile_expert_ref
                             jnp.zeros((cfg.block_rows, cfg.block_n), jnp.float32))
         if scaling.kind == "column":
             acc = acc * _column_scale(sd_ref, e, cols, n_dim)
-        weight = pltr.load(slot_weight_ref.at[slots])
-        pltr.store(y_ref.at[slots[:, None], cols[None, :]], (acc * weight[:, None]).astype(y_ref.dtype),
-                   mask=cols[None, :] < n_dim)
+        weight = _routing_weight(layout, weight_ref, rows, t, cfg.block_rows)
+        pltr.store(y_ref.at[rows.out[:, None], cols[None, :]], (acc * weight[:, None]).astype(y_ref.dtype),
+                   mask=_store_mask(layout, rows, cols, n_dim))
 
 
-def _launch(kernel, operands, out_shape, rows: int, n_dim: int, cfg: TileConfig, interpret: bool, name: str):
+class TokenChoices(NamedTuple):
+    """The `by_token` layout's operands: each token's k expert ids (outside `[0, experts)`: none) and their routing
+    weights, flat in pair order (`t·k + c`)."""
+
+    experts: Int[Array, "tokens k"]
+    weights: Float[Array, " pairs"]
+
+
+def _layout_of(rows_of: ExpertTiles | TokenChoices, num_experts: int, block_rows: int):
+    """(Layout, its operands for gate/up, the routing weights down adds, output rows, programs on the row axis)."""
+    if isinstance(rows_of, ExpertTiles):
+        slots = rows_of.slot_token.shape[0]
+        return (Layout(), (rows_of.slot_token, rows_of.tile_expert, rows_of.num_tiles), rows_of.slot_weight, slots,
+                slots // block_rows)
+    tokens, k = rows_of.experts.shape
+    if tokens > block_rows:
+        raise ValueError(f"the by-token layout takes at most block_rows ({block_rows}) tokens, got {tokens}")
+    return (Layout("by_token", tokens, k), (rows_of.experts.astype(jnp.int32),), rows_of.weights, tokens * k,
+            num_experts)
+
+
+def _launch(kernel, operands, out_shape, programs: int, n_dim: int, cfg: TileConfig, interpret: bool, name: str):
     return pl.pallas_call(
         kernel,
-        grid=(rows // cfg.block_rows, pl.cdiv(n_dim, cfg.block_n)),
+        grid=(programs, pl.cdiv(n_dim, cfg.block_n)),
         in_specs=[pl.no_block_spec] * len(operands),
         out_specs=pl.no_block_spec,
         out_shape=out_shape,
@@ -270,7 +353,7 @@ def _check_steps(scaling: Scaling, k_dim: int, cfg: TileConfig) -> None:
 @functools.partial(jax.jit, static_argnames=("act", "cfg", "interpret", "precision", "scale_block"))
 def expert_gate_up(
     x: Float[Array, "tokens d"], w_gate: Float[Array, "experts d inter"], w_up: Float[Array, "experts d inter"],
-    tiles: ExpertTiles, *, act: Callable, cfg: TileConfig, interpret: bool = False, precision=None,
+    tiles: ExpertTiles | TokenChoices, *, act: Callable, cfg: TileConfig, interpret: bool = False, precision=None,
     gate_scale: Float[Array, "experts ..."] | None = None, up_scale: Float[Array, "experts ..."] | None = None,
     gate_zero: Float[Array, "experts groups inter"] | None = None,
     up_zero: Float[Array, "experts groups inter"] | None = None, scale_block: tuple[int, int] | None = None,
@@ -279,8 +362,9 @@ def expert_gate_up(
     """`act(x·W_gate[e]) * (x·W_up[e])` for every slot's token and expert (padding slots: zeros, never read). The
     weights' storage and scales as `scaling_of` reads them (gate and up alike). `input_perm` (4-bit only): expert
     e's stored weight row k multiplies feature `input_perm[e, k]` of x (GPTQ's activation order, rows sorted by
-    group)."""
-    slots, inter = tiles.slot_token.shape[0], w_gate.shape[2]
+    group). `tiles`: the rows as `routing.expert_tiles` lays them out, or as each token chose (`Layout`)."""
+    inter = w_gate.shape[2]
+    layout, layout_ops, _, out_rows, programs = _layout_of(tiles, w_gate.shape[0], cfg.block_rows)
     if (gate_scale is None) != (up_scale is None) or (gate_zero is None) != (up_zero is None):
         raise ValueError("gate and up weights are scaled (and 4-bit) both or neither")
     scaling = scaling_of(w_gate, x.shape[1], gate_scale, gate_zero, scale_block)
@@ -292,26 +376,29 @@ def expert_gate_up(
     scales = () if gate_scale is None else (gate_scale, up_scale)
     zeros = () if gate_zero is None else (gate_zero, up_zero)
     perm = () if input_perm is None else (input_perm.astype(jnp.int32),)
-    kernel = functools.partial(_gate_up_kernel, cfg=cfg, act=act, precision=precision, scaling=scaling)
+    kernel = functools.partial(_gate_up_kernel, cfg=cfg, act=act, precision=precision, scaling=scaling,
+                               layout=layout)
     kernel = _optional(kernel, (True,) * 3 + (bool(scales),) * 2 + (bool(zeros),) * 2 + (bool(perm),))
-    operands = (x, w_gate, w_up, *scales, *zeros, *perm, tiles.slot_token, tiles.tile_expert, tiles.num_tiles)
-    return _launch(kernel, operands, jax.ShapeDtypeStruct((slots, inter), x.dtype), slots, inter, cfg, interpret,
+    operands = (x, w_gate, w_up, *scales, *zeros, *perm, *layout_ops)
+    return _launch(kernel, operands, jax.ShapeDtypeStruct((out_rows, inter), x.dtype), programs, inter, cfg, interpret,
                    "expert_gate_up")
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret", "precision", "scale_block"))
 def expert_down(
-    h: Float[Array, "slots inter"], w_down: Float[Array, "experts inter d"], tiles: ExpertTiles, *, cfg: TileConfig,
-    interpret: bool = False, precision=None, down_scale: Float[Array, "experts ..."] | None = None,
+    h: Float[Array, "rows inter"], w_down: Float[Array, "experts inter d"], tiles: ExpertTiles | TokenChoices, *,
+    cfg: TileConfig, interpret: bool = False, precision=None, down_scale: Float[Array, "experts ..."] | None = None,
     down_zero: Float[Array, "experts groups d"] | None = None, scale_block: tuple[int, int] | None = None,
-) -> Float[Array, "slots d"]:
-    """Each slot's hidden row times its expert's down weight, times its routing weight (storage as gate/up's)."""
-    slots, d = h.shape[0], w_down.shape[2]
+) -> Float[Array, "rows d"]:
+    """Each row's hidden features times its expert's down weight, times its routing weight (storage as gate/up's;
+    rows laid out as `expert_gate_up`'s)."""
+    d = w_down.shape[2]
+    layout, layout_ops, routing_weights, out_rows, programs = _layout_of(tiles, w_down.shape[0], cfg.block_rows)
     scaling = scaling_of(w_down, h.shape[1], down_scale, down_zero, scale_block)
     _check_steps(scaling, h.shape[1], cfg)
-    kernel = functools.partial(_down_kernel, cfg=cfg, precision=precision, scaling=scaling)
+    kernel = functools.partial(_down_kernel, cfg=cfg, precision=precision, scaling=scaling, layout=layout)
     kernel = _optional(kernel, (True, True, down_scale is not None, down_zero is not None))
     operands = (h, w_down, *(() if down_scale is None else (down_scale,)),
-                *(() if down_zero is None else (down_zero,)), tiles.slot_weight, tiles.tile_expert, tiles.num_tiles)
-    return _launch(kernel, operands, jax.ShapeDtypeStruct((slots, d), h.dtype), slots, d, cfg, interpret,
+                *(() if down_zero is None else (down_zero,)), *layout_ops, routing_weights)
+    return _launch(kernel, operands, jax.ShapeDtypeStruct((out_rows, d), h.dtype), programs, d, cfg, interpret,
                    "expert_down")

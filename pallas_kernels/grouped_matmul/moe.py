@@ -5,15 +5,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.addressing import next_pow2
-from pallas_kernels.grouped_matmul.kernel import Scaling, TileConfig, expert_down, expert_gate_up, scaling_of
-from pallas_kernels.grouped_matmul.routing import combine, expert_tiles
+from pallas_kernels.grouped_matmul.kernel import (Scaling, TileConfig, TokenChoices, expert_down, expert_gate_up,
+                                                  scaling_of)
+from pallas_kernels.grouped_matmul.routing import combine, combine_pairs, expert_tiles
 
 
 class ExpertWeights(NamedTuple):
@@ -68,14 +69,25 @@ def fit_steps(cfg: TileConfig, k_dim: int, scaling: Scaling) -> TileConfig:
     return dataclasses.replace(cfg, block_k=block_k)
 
 
+BY_TOKEN_MAX_TOKENS = 16  # up to here a step skips the routing layout (`kernel.Layout`); above, the rows are sorted
+
+
+def layout_for(tokens: int, layout: Literal["auto", "sorted", "by_token"]) -> Literal["sorted", "by_token"]:
+    if layout == "auto":
+        return "by_token" if tokens <= BY_TOKEN_MAX_TOKENS else "sorted"
+    return layout
+
+
 def moe_experts(
     x: Float[Array, "tokens d"], weights: ExpertWeights, experts: Int[Array, "tokens k"],
     routing_weights: Float[Array, "tokens k"], *, act: Callable, precision=None, interpret: bool = False,
     configs: tuple[TileConfig, TileConfig] | None = None, scale_block: tuple[int, int] | None = None,
+    layout: Literal["auto", "sorted", "by_token"] = "auto",
 ) -> Float[Array, "tokens d"]:
     """Σ_k routing_weight · down_e(act(gate_e(x)) · up_e(x)) over each token's k experts. Expert ids outside
     `[0, experts)` are skipped (expert parallelism: another device's experts). `scale_block`: the (rows, columns) of
-    8-bit block scales (`[experts, K blocks, N blocks]`), None for any other storage."""
+    8-bit block scales (`[experts, K blocks, N blocks]`), None for any other storage. `layout`: how the kernels
+    find each expert's rows (`kernel.Layout`); "auto": by token for decode-sized steps, else sorted."""
     num_experts = weights.gate.shape[0]
     up_cfg, down_cfg = configs or tile_configs(experts.size, num_experts, jnp.dtype(x.dtype).itemsize)
     if up_cfg.block_rows != down_cfg.block_rows:
@@ -85,11 +97,18 @@ def moe_experts(
                                                       weights.gate_zero, scale_block))
     down_cfg = fit_steps(down_cfg, inter, scaling_of(weights.down, inter, weights.down_scale, weights.down_zero,
                                                      scale_block))
-    tiles = expert_tiles(experts, routing_weights, num_experts, up_cfg.block_rows)
+    if layout_for(x.shape[0], layout) == "by_token":
+        rows = max(up_cfg.block_rows, next_pow2(x.shape[0]))
+        up_cfg, down_cfg = (dataclasses.replace(c, block_rows=rows) for c in (up_cfg, down_cfg))
+        tiles = TokenChoices(experts.astype(jnp.int32), routing_weights.reshape(-1).astype(jnp.float32))
+    else:
+        tiles = expert_tiles(experts, routing_weights, num_experts, up_cfg.block_rows)
     h = expert_gate_up(x, weights.gate, weights.up, tiles, act=act, cfg=up_cfg, interpret=interpret,
                        precision=precision, gate_scale=weights.gate_scale, up_scale=weights.up_scale,
                        gate_zero=weights.gate_zero, up_zero=weights.up_zero, scale_block=scale_block,
                        input_perm=weights.input_perm)
     y = expert_down(h, weights.down, tiles, cfg=down_cfg, interpret=interpret, precision=precision,
                     down_scale=weights.down_scale, down_zero=weights.down_zero, scale_block=scale_block)
+    if isinstance(tiles, TokenChoices):
+        return combine_pairs(y, experts, num_experts)
     return combine(y, tiles.pair_slot)

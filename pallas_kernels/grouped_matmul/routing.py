@@ -97,3 +97,16 @@ def combine(slot_out: Float[Array, "slots d"], pair_slot: Int[Array, "tokens k"]
     for j in range(1, gathered.shape[1]):  # k adds left to right: an XLA reduction's order may follow the shape
         total = total + gathered[:, j]
     return total.astype(slot_out.dtype)
+
+
+def combine_pairs(pair_out: Float[Array, "pairs d"], experts: Int[Array, "tokens k"],
+                  num_experts: int) -> Float[Array, "tokens d"]:
+    """`combine` for outputs already in pair order (row `t·k + c`, the by-token layout); pairs of an expert outside
+    `[0, num_experts)` were never written and count as zero."""
+    tokens, k = experts.shape
+    rows = pair_out.reshape(tokens, k, -1).astype(jnp.float32)
+    kept = (experts >= 0) & (experts < num_experts)
+    total = jnp.where(kept[:, 0, None], rows[:, 0], 0)
+    for j in range(1, k):  # the same left-to-right order as `combine`
+        total = total + jnp.where(kept[:, j, None], rows[:, j], 0)
+    return total.astype(pair_out.dtype)
