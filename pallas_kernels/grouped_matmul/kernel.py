@@ -90,8 +90,8 @@ class Layout:
     `by_token`: no layout step at all: program `e` of the row axis is expert `e`, its rows are every token of the
     step (`tokens` ≤ `block_rows`) masked to those that chose `e`, and row `t`'s output is pair row `t·k + c` (`c`:
     the choice that named `e`) of a `[tokens · k, N]` output (operands `experts [tokens, k]`; down also the
-    routing weights). For decode-sized steps: it saves the layout's launches, and an expert nobody chose returns
-    at once."""
+    routing weights). A token's k choices must be distinct (as top-k's are). For decode-sized steps: it saves the
+    layout's launches, and an expert nobody chose returns at once."""
 
     kind: Literal["sorted", "by_token"] = "sorted"
     tokens: int = 0

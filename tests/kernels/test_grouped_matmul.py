@@ -40,6 +40,20 @@ def numpy_experts(x, w: ExpertWeights, experts, routing) -> np.ndarray:
     return out
 
 
+def leave_empty(experts: np.ndarray, expert: int) -> None:
+    """Moves every choice of `expert` to an expert its token has not chosen (a router's k choices are distinct)."""
+    for t, j in zip(*np.nonzero(experts == expert)):
+        experts[t, j] = next(e for e in range(experts.max() + 2) if e != expert and e not in experts[t])
+
+
+def give_all(experts: np.ndarray, expert: int) -> None:
+    """Every token's first choice becomes `expert` (its other choices moved off it, to stay distinct)."""
+    experts[:, 1:][experts[:, 1:] == expert] = -2
+    experts[:, 0] = expert
+    for t, j in zip(*np.nonzero(experts == -2)):
+        experts[t, j] = next(e for e in range(experts.max() + 2) if e not in experts[t])
+
+
 def random_case(rng, tokens, experts_n, k, d, inter, dtype):
     w = ExpertWeights(*(jnp.asarray(rng.standard_normal(s) * s[1] ** -0.5, dtype)
                         for s in ((experts_n, d, inter), (experts_n, d, inter), (experts_n, inter, d))))
@@ -49,19 +63,21 @@ def random_case(rng, tokens, experts_n, k, d, inter, dtype):
     return x, w, experts, routing
 
 
+@pytest.mark.parametrize("order", ["sorted", "by_token"])
 @pytest.mark.parametrize("layout", ["random", "one_expert_takes_all", "skipped_and_empty"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_kernels_match_float64(layout, dtype):
+def test_kernels_match_float64(layout, dtype, order):
+    """Both row layouts: expert tiles of sorted slots, and by token (21 tokens: one 32-row tile per expert)."""
     rng = np.random.default_rng(SEED)
     # d and inter not multiples of the tiles: ragged edges masked in K and N
     x, w, experts, routing = random_case(rng, 21, 6, 2, 48, 40, dtype)
     if layout == "one_expert_takes_all":
-        experts[:, 0] = 4  # 21 rows in one expert: two tiles of it
+        give_all(experts, 4)  # 21 rows in one expert: two tiles of it
     if layout == "skipped_and_empty":
         experts[::2, 1] = -1  # another device's experts under expert parallelism
-        experts[experts == 2] = 3  # expert 2 gets no rows at all (its weights never read)
+        leave_empty(experts, 2)  # expert 2 gets no rows at all (its weights never read)
     got = moe_experts(x, w, jnp.asarray(experts), routing, act=jax.nn.silu, interpret=True, configs=SMALL,
-                      precision=jax.lax.Precision.HIGHEST)
+                      precision=jax.lax.Precision.HIGHEST, layout=order)
     want = numpy_experts(x, w, experts, routing)
     tol = 2e-5 if dtype == jnp.float32 else 3e-2  # bf16: the hidden rows are stored in bf16 between the launches
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=tol * np.abs(want).max(), rtol=0)

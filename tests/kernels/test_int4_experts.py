@@ -17,7 +17,7 @@ from jengine.layers.mlp import PallasExperts, moe_mlp, moe_mlp_expert_parallel
 from jengine.layers.quant4 import Int4Experts, dequantize4
 from jengine.parallel.mesh import TP_AXIS
 from tests.conftest import fresh_seed
-from tests.kernels.test_grouped_matmul import MOE, numpy_experts
+from tests.kernels.test_grouped_matmul import MOE, give_all, leave_empty, numpy_experts
 
 SEED = fresh_seed()
 
@@ -63,14 +63,15 @@ def test_int4_experts_match_float64(groups, layout, dtype):
     rng = np.random.default_rng(SEED)
     x, packed, real, experts, routing = int4_case(rng, 21, 6, 2, 128, 96, *groups, dtype)
     if layout == "one_expert_takes_all":
-        experts[:, 0] = 4  # 21 rows in one expert: two tiles of it
+        give_all(experts, 4)  # 21 rows in one expert: two tiles of it
     if layout == "skipped_and_empty":
         experts[::2, 1] = -1  # another device's experts
-        experts[experts == 2] = 3  # expert 2 is never read
+        leave_empty(experts, 2)  # expert 2 is never read
     want = numpy_experts(x, real, experts, routing)
-    for configs in (TILES, None):  # the test tiles, and the default decode tiles (K steps shrunk to fit)
+    # the test tiles on sorted rows, and the default decode tiles (K steps shrunk to fit) by token
+    for configs, order in ((TILES, "sorted"), (None, "by_token")):
         got = moe_experts(x, packed, jnp.asarray(experts), routing, act=jax.nn.silu, interpret=True, configs=configs,
-                          precision=jax.lax.Precision.HIGHEST)
+                          precision=jax.lax.Precision.HIGHEST, layout=order)
         tol = 2e-5 if dtype == jnp.float32 else 3e-2  # bf16: the weight tile and hidden rows are rounded to bf16
         np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=tol * np.abs(want).max(), rtol=0)
 

@@ -79,7 +79,8 @@ def test_fp8_kv_write_lowers_for_h200_in_place():
     assert "tf.aliasing_output" in text or "output_operand_alias" in text
 
 
-@pytest.mark.parametrize("tokens,weight_dtype", [(16, jnp.bfloat16), (4096, jnp.bfloat16), (64, jnp.float8_e4m3fn)])
+@pytest.mark.parametrize("tokens,weight_dtype", [(1, jnp.bfloat16), (16, jnp.bfloat16), (4096, jnp.bfloat16),
+                                                (64, jnp.float8_e4m3fn)])
 def test_grouped_matmul_lowers_for_h200(tokens, weight_dtype):
     """The MoE experts' two launches at decode and prefill tiles (Qwen3-30B-A3B layer shape), narrow weights too."""
     from pallas_kernels.grouped_matmul import ExpertWeights, moe_experts
