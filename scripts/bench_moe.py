@@ -85,11 +85,12 @@ def floor_bytes(config: dict, batch: int, context: int, quant: str = "bf16") -> 
     return int(float_elements * 2 + layers * (projections + experts) * PROJECTION_BYTES[quant])
 
 
-def decode(tmp: Path, copy_rate: float, batches: list[int], save, quant: str = "bf16") -> tuple[dict, dict]:
+def decode(tmp: Path, copy_rate: float, batches: list[int], save, quant: str = "bf16",
+           layers: int | None = None) -> tuple[dict, dict]:
     from jengine import LLM, SamplingParams
 
     extra = {} if quant == "bf16" else {"quantization_config": QUANT_CONFIGS[quant]}
-    model_dir = write_shape("qwen3-30b-a3b", tmp / f"qwen3-{quant}", **extra)
+    model_dir = write_shape("qwen3-30b-a3b", tmp / f"qwen3-{quant}", num_layers=layers, **extra)
     config = json.loads((model_dir / "config.json").read_text())
     prefix = "moe" if quant == "bf16" else f"moe_{quant.replace('-', '_')}"
     metrics, ratios = {}, {}
@@ -149,6 +150,8 @@ def main() -> None:
     ap.add_argument("--git-sha", default="unknown", help="the commit measured (the GPU machine has no .git)")
     ap.add_argument("--quant", nargs="+", choices=("bf16", *QUANT_CONFIGS), default=["bf16"],
                     help="decode: the model in these weight formats, one after the other (see the docstring)")
+    ap.add_argument("--layers", type=int, default=None, help="decode: fewer layers than the model's 48 (a smaller "
+                    "card); the floor counts the same layers")
     args = ap.parse_args()
     metrics: dict = {}
     ratios: dict = {}
@@ -162,7 +165,7 @@ def main() -> None:
             metrics["copy_bandwidth_gbs"] = copy_rate / 1e9
             for quant in args.quant:
                 m, r = decode(tmp, copy_rate, args.batches,
-                              lambda m, r: save(args.out, args.git_sha, metrics | m, ratios | r), quant)
+                              lambda m, r: save(args.out, args.git_sha, metrics | m, ratios | r), quant, args.layers)
                 metrics, ratios = metrics | m, ratios | r
             for quant in args.quant:  # both sides measured in this call
                 for batch in args.batches:
