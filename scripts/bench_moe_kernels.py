@@ -106,6 +106,31 @@ def loop_device_us(key, x, w, tokens: int, layout: str) -> float:
     return timeit(jax.jit(run), x, w, ex, rw) / LOOP_LAYERS * 1e6
 
 
+def router_loop_us(key, tokens: int) -> dict:
+    """µs per layer of the router's softmax, top-k and renormalisation: XLA's ops and the one-launch kernel, each
+    `LOOP_LAYERS` times in one jitted loop (each round's logits depend on the last's weights)."""
+    from pallas_kernels.grouped_matmul.router import top_k_routing
+
+    def xla(logits):
+        w, e = jax.lax.top_k(jax.nn.softmax(logits), TOP_K)
+        return w / w.sum(-1, keepdims=True), e
+
+    logits = jax.random.normal(key, (tokens, EXPERTS), jnp.float32)
+    out = {}
+    for name, fn in (("xla", xla), ("fused", lambda l: top_k_routing(l, TOP_K, True))):
+        def run(logits, fn=fn):
+            def body(i, l):
+                w, e = fn(l)
+                return l + (jnp.sum(w) + jnp.sum(e).astype(jnp.float32)) * 1e-9
+            return jax.lax.fori_loop(0, LOOP_LAYERS, body, logits)
+        out[f"router_{name}_loop_us"] = timeit(jax.jit(run), logits) / LOOP_LAYERS * 1e6
+    w, e = top_k_routing(logits, TOP_K, True)
+    rw, re = xla(logits)
+    out["router_fused_same_ids"] = bool(jnp.all(e == re))
+    out["router_fused_max_weight_err"] = float(jnp.max(jnp.abs(w - rw)))
+    return out
+
+
 def correctness(key) -> dict:
     """Max error ÷ max |reference| for routings that stress the layout, bf16 and f32."""
     out = {}
@@ -220,6 +245,9 @@ def time_layer(key, tokens: int, w, copy_rate: float, do_sweep: bool, tkx) -> tu
             m[f"ours_{order}_us"] = timeit(fn, x, w, ex, rw) * 1e6
             m[f"ours_{order}_loop_us"] = loop_device_us(kr, x, w, tokens, order)
             log(f"T={tokens} {order}: call {m[f'ours_{order}_us']:.1f} us, in a loop {m[f'ours_{order}_loop_us']:.1f}")
+    if tokens <= 256:
+        m |= router_loop_us(kr, tokens)
+        log(f"T={tokens} router: xla {m['router_xla_loop_us']:.1f} us, fused {m['router_fused_loop_us']:.1f} us")
     fns = {"ours": jax.jit(lambda *a: ours(*a, configs=configs)),
            "xla_ragged_dot": jax.jit(lambda *a: sorted_moe(jax.lax.ragged_dot, *a))}
     if tokens <= 256:

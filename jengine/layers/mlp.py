@@ -43,10 +43,15 @@ def gated_mlp(
 
 
 def route(
-    x: Float[Array, "tokens d"], router: Float[Array, "d experts"], moe: MoeSpec, precision: Precision = None
+    x: Float[Array, "tokens d"], router: Float[Array, "d experts"], moe: MoeSpec, precision: Precision = None,
+    kernels: PallasExperts | None = None,
 ) -> tuple[Float[Array, "tokens k"], jax.Array]:
-    """Top-k experts per token: softmax in float32 over all experts, then (optionally) renormalised over the k."""
+    """Top-k experts per token: softmax in float32 over all experts, then (optionally) renormalised over the k; in
+    one kernel where `kernels` can (`PallasExperts.top_k`)."""
     logits = linear(x, router, precision=precision).astype(jnp.float32)
+    if kernels is not None and kernels.fuses_top_k(router):
+        weights, experts = kernels.top_k(logits, moe)
+        return weights.astype(x.dtype), experts
     if isinstance(router, InvariantWeight) and router.impl != "xla":
         probs = jnp.exp(invariant_log_softmax(logits, RowReduction(router.impl, router.mesh)))
     else:
@@ -90,6 +95,17 @@ class PallasExperts:
                                 check_vma=False)
         return partial(x, experts, weights, kernel_weights(operands))
 
+    def fuses_top_k(self, router) -> bool:
+        """The router's softmax, top-k and renormalisation as one launch: on one device (the tensor-parallel router
+        is replicated, XLA's ops need no partitioning rule), and not with a batch-invariant router, whose softmax
+        has its own kernel."""
+        return self.mesh is None and not isinstance(router, InvariantWeight)
+
+    def top_k(self, logits: Float[Array, "tokens experts"], moe: MoeSpec):
+        from pallas_kernels.grouped_matmul.router import top_k_routing
+
+        return top_k_routing(logits, moe.num_experts_per_tok, moe.norm_topk_prob, interpret=self.interpret)
+
 
 def skip_padding(experts: Int[Array, "tokens k"], num_tokens: Int[Array, ""] | None) -> Int[Array, "tokens k"]:
     """Routes the step's padding tokens nowhere (expert -1), so the kernels read no expert for them."""
@@ -105,7 +121,7 @@ def moe_mlp(
     """Each token's k (token, expert) pairs are multiplied expert by expert: by `kernels` where given, else sorted
     by expert for `ragged_dot`. Work is tokens × k expert MLPs, not tokens × all experts; the weighted sum over the
     k outputs recombines them. `num_tokens`: the real tokens of the step (the rest is bucket padding)."""
-    weights, experts = route(x, w["router"], moe, precision)
+    weights, experts = route(x, w["router"], moe, precision, kernels)
     if kernels is not None:
         return kernels(x, w, skip_padding(experts, num_tokens), weights, act, precision)
     return _ragged_experts(x, weights, experts, (w["we_gate"], w["we_up"], w["we_down"]), act, precision)

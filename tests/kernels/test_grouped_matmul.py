@@ -199,3 +199,24 @@ def test_routing_layout_matches_its_definition(method, tokens, k, num_experts, b
     assert np.array_equal(np.asarray(tiles.pair_slot), pair_slot)
     used = int(tiles.num_tiles[0])
     assert used == len(tile_expert) and np.array_equal(np.asarray(tiles.tile_expert)[:used], tile_expert)
+
+
+@pytest.mark.parametrize("tokens,num_experts,k,normalize", [(1, 128, 8, True), (37, 60, 4, False), (20, 6, 6, True),
+                                                            (16, 8, 2, True)])
+def test_fused_top_k_routing_matches_float64(tokens, num_experts, k, normalize):
+    """The router's softmax, top-k and renormalisation in one launch: the ids of a float64 softmax's k largest
+    (ties broken towards the lower id, as lax.top_k does) and their weights; rows past a 16-row block too."""
+    from pallas_kernels.grouped_matmul.router import top_k_routing
+
+    rng = np.random.default_rng(SEED + tokens)
+    logits = rng.standard_normal((tokens, num_experts)).astype(np.float32)
+    logits[0, :4] = logits[0, 4]  # a five-way tie in the first row
+    weights, ids = top_k_routing(jnp.asarray(logits), k, normalize, interpret=True)
+    probs = np.exp(logits.astype(np.float64) - logits.max(1, keepdims=True))
+    probs /= probs.sum(1, keepdims=True)
+    want_ids = np.argsort(-probs, axis=1, kind="stable")[:, :k]
+    want = np.take_along_axis(probs, want_ids, 1)
+    if normalize:
+        want /= want.sum(1, keepdims=True)
+    np.testing.assert_array_equal(np.asarray(ids), want_ids)
+    np.testing.assert_allclose(np.asarray(weights, np.float64), want, rtol=1e-5, atol=1e-7)

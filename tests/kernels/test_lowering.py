@@ -95,6 +95,14 @@ def test_grouped_matmul_lowers_for_h200(tokens, weight_dtype):
     assert text.count("__gpu$xla.gpu.triton") == 2
 
 
+@pytest.mark.parametrize("tokens,num_experts,k", [(1, 128, 8), (256, 60, 4), (64, 8, 2)])
+def test_moe_top_k_lowers_for_h200(tokens, num_experts, k):
+    from pallas_kernels.grouped_matmul.router import top_k_routing
+
+    text = lower_for_h200(lambda l: top_k_routing(l, k, True), S((tokens, num_experts), jnp.float32))
+    assert text.count("__gpu$xla.gpu.triton") == 1
+
+
 @pytest.mark.parametrize("tokens,group,act_order", [(16, 128, False), (4096, 128, False), (64, 32, False),
                                                      (16, 128, True), (4096, 128, True)])
 def test_int4_grouped_matmul_lowers_for_h200(tokens, group, act_order):

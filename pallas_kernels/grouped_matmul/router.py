@@ -1,0 +1,71 @@
+"""A MoE router's softmax, top-k and renormalisation in one launch (Pallas, Triton backend).
+
+XLA runs the three as separate kernels (the softmax fusion, its TopK kernel, the renormalising division) in every
+MoE layer of every step; at decode sizes each is mostly launch and ramp. Here one program takes 16 tokens' logits
+whole (every expert of a row in registers), so nothing is written between the steps.
+
+Ties go to the lower expert index, as `lax.top_k`'s do. Rows past the step's tokens are masked (never stored).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels.addressing import next_pow2
+
+BLOCK_TOKENS = 16
+
+
+def _top_k_kernel(logits_ref, weights_ref, experts_ref, *, k: int, normalize: bool):
+    tokens, num_experts = logits_ref.shape
+    width, slots = next_pow2(num_experts), next_pow2(k)
+    rows = pl.program_id(0) * BLOCK_TOKENS + jnp.arange(BLOCK_TOKENS, dtype=jnp.int32)
+    cols = jnp.arange(width, dtype=jnp.int32)
+    real = rows < tokens
+    logits = pltr.load(logits_ref.at[jnp.minimum(rows, tokens - 1)[:, None], jnp.minimum(cols, num_experts - 1)[None]],
+                       mask=real[:, None] & (cols[None, :] < num_experts), other=-jnp.inf).astype(jnp.float32)
+    probs = jnp.exp(logits - jnp.max(logits, axis=1)[:, None])
+    probs = probs / jnp.sum(probs, axis=1)[:, None]
+    slot = jnp.arange(slots, dtype=jnp.int32)[None, :]
+    chosen_w = jnp.zeros((BLOCK_TOKENS, slots), jnp.float32)
+    chosen_e = jnp.zeros((BLOCK_TOKENS, slots), jnp.int32)
+    for j in range(k):  # k rounds of argmax, each taking the best remaining expert (lowest index among equals)
+        best = jnp.max(probs, axis=1)
+        index = jnp.min(jnp.where(probs == best[:, None], cols[None, :], width), axis=1)
+        chosen_w = jnp.where(slot == j, best[:, None], chosen_w)
+        chosen_e = jnp.where(slot == j, index[:, None], chosen_e)
+        probs = jnp.where(cols[None, :] == index[:, None], -1.0, probs)
+    if normalize:
+        chosen_w = chosen_w / jnp.sum(chosen_w, axis=1)[:, None]  # slots past k hold 0
+    out = (rows[:, None], slot)  # the outputs are padded to whole blocks and slots: every store in bounds
+    pltr.store(weights_ref.at[out], chosen_w)
+    pltr.store(experts_ref.at[out], chosen_e)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "normalize", "interpret"))
+def top_k_routing(logits: Float[Array, "tokens experts"], k: int, normalize: bool, interpret: bool = False
+                  ) -> tuple[Float[Array, "tokens k"], Int[Array, "tokens k"]]:
+    """(the k largest softmax probabilities of each row, float32, renormalised to sum to 1 where `normalize`; their
+    expert ids), as `lax.top_k(softmax(logits), k)` gives them."""
+    tokens, num_experts = logits.shape
+    if not 0 < k <= num_experts:
+        raise ValueError(f"top-{k} routing over {num_experts} experts")
+    blocks = pl.cdiv(tokens, BLOCK_TOKENS)
+    padded = (blocks * BLOCK_TOKENS, next_pow2(k))
+    weights, experts = pl.pallas_call(
+        functools.partial(_top_k_kernel, k=k, normalize=normalize),
+        grid=(blocks,),
+        in_specs=[pl.no_block_spec],
+        out_specs=[pl.no_block_spec, pl.no_block_spec],
+        out_shape=[jax.ShapeDtypeStruct(padded, jnp.float32), jax.ShapeDtypeStruct(padded, jnp.int32)],
+        compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="moe_top_k",
+    )(logits)
+    return weights[:tokens, :k], experts[:tokens, :k]
