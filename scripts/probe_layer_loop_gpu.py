@@ -132,7 +132,7 @@ def kernel_summary(trace_dir: Path, top: int = 25) -> list[tuple[str, float, int
     return sorted(((n, round(t, 3), c) for n, (t, c) in totals.items()), key=lambda r: -r[1])[:top]
 
 
-def engine_part(layers: int, steps: int, shape: str = "llama") -> dict[str, Any]:
+def engine_part(layers: int, steps: int, shape: str = "llama", batch: int = 1) -> dict[str, Any]:
     import jax
 
     from check_pipeline_gpu import LLAMA3_8B_LAYER, Recorder, device_seconds
@@ -147,19 +147,19 @@ def engine_part(layers: int, steps: int, shape: str = "llama") -> dict[str, Any]
 
         model = write_shape(shape, Path(tempfile.mkdtemp()) / shape, num_layers=layers)
         extra = dict(load_format="dummy")
-    out: dict[str, Any] = {"layers": layers, "shape": shape}
+    out: dict[str, Any] = {"layers": layers, "shape": shape, "batch": batch}
     start = time.perf_counter()
-    with LLM(str(model), dtype="bfloat16", max_model_len=1024, max_num_seqs=8, enable_prefix_caching=False, seed=0,
-             num_gpu_blocks_override=4096, **extra) as llm:
+    with LLM(str(model), dtype="bfloat16", max_model_len=1024, max_num_seqs=max(8, batch), enable_prefix_caching=False,
+             seed=0, num_gpu_blocks_override=4096, **extra) as llm:
         out["engine_start_s"] = time.perf_counter() - start
         params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
-        prompt = [{"prompt_token_ids": list(range(3, 131))}]
+        prompt = [{"prompt_token_ids": [3 + (i + j) % 400 for j in range(128)]} for i in range(batch)]
         llm.generate(prompt, params, use_tqdm=False)
         run_step = llm._core.runner._step
-        recorder = Recorder(llm, 1)
+        recorder = Recorder(llm, batch)
         llm.generate(prompt, params, use_tqdm=False)
         out["device_step_ms"] = device_seconds(llm, recorder, run_step) * 1e3
-        periods = sorted(recorder.decode_periods(1))
+        periods = sorted(recorder.decode_periods(batch))
         out["step_period_ms"] = periods[len(periods) // 2] * 1e3
         trace = Path(tempfile.mkdtemp())
         with jax.profiler.trace(str(trace)):
@@ -176,6 +176,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--engine-layers", type=int, default=8)
     parser.add_argument("--engine-model", default="llama", help="llama, or a shape of moe_shapes.py")
+    parser.add_argument("--engine-batch", type=int, nargs="+", default=[1], help="decode batches profiled")
     parser.add_argument("--only", default=None)
     args = parser.parse_args()
     result: dict[str, Any] = {}
@@ -186,7 +187,10 @@ def main() -> None:
             elif part == "dsf":
                 result["dsf"] = dsf_part(args.layers)
             else:
-                result["engine"] = engine_part(args.engine_layers, 32, args.engine_model)
+                for batch in args.engine_batch:
+                    key = "engine" if batch == 1 else f"engine_b{batch}"
+                    result[key] = engine_part(args.engine_layers, 32, args.engine_model, batch)
+                    Path(args.out).write_text(json.dumps(result, indent=1, default=str))
         except Exception as e:  # one part failing must not lose the others
             result[part] = {"error": repr(e)}
         Path(args.out).write_text(json.dumps(result, indent=1, default=str))
