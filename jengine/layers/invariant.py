@@ -112,7 +112,7 @@ class RowReduction:
     mesh: Mesh | None = None
 
 
-def _on_every_device(fn, mesh: Mesh | None, *args):
+def on_every_device(fn, mesh: Mesh | None, *args):
     """`fn` on whole (replicated) inputs, once per device of `mesh`: a Pallas kernel is per-device code, never
     handed to XLA's partitioner (the inputs are gathered first where they are split, as the vocabulary's logits)."""
     if mesh is None or mesh.size == 1:
@@ -124,7 +124,7 @@ def invariant_rms_norm(x: Float[Array, "... d"], weight: InvariantNorm, eps: flo
     from pallas_kernels.invariant_matmul.rows import rms_norm_rows  # Pallas imported only where used
 
     interpret = weight.impl == "pallas_interpret"
-    return _on_every_device(lambda x, w: rms_norm_rows(x, w, eps=eps, interpret=interpret), weight.mesh, x, weight.w)
+    return on_every_device(lambda x, w: rms_norm_rows(x, w, eps=eps, interpret=interpret), weight.mesh, x, weight.w)
 
 
 def invariant_log_softmax(x: Float[Array, "n v"], how: RowReduction) -> Float[Array, "n v"]:
@@ -134,7 +134,7 @@ def invariant_log_softmax(x: Float[Array, "n v"], how: RowReduction) -> Float[Ar
     from pallas_kernels.invariant_matmul.rows import log_softmax_rows
 
     interpret = how.impl == "pallas_interpret"
-    return _on_every_device(lambda x: log_softmax_rows(x, interpret=interpret), how.mesh, x)
+    return on_every_device(lambda x: log_softmax_rows(x, interpret=interpret), how.mesh, x)
 
 
 def ordered_sum(x: Float[Array, "n k"]) -> Float[Array, " n"]:

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from jengine.layers.invariant import InvariantWeight, RowReduction, invariant_log_softmax, ordered_sum
+from jengine.layers.invariant import (InvariantWeight, RowReduction, invariant_log_softmax, on_every_device,
+                                     ordered_sum)
 from jengine.layers.linear import ACTIVATIONS, Precision, linear, split_fused
 from jengine.layers.lora import LayerLora
 from jengine.layers.experts import expert_float, expert_operands, kernel_weight_specs, kernel_weights
@@ -96,15 +97,16 @@ class PallasExperts:
         return partial(x, experts, weights, kernel_weights(operands))
 
     def fuses_top_k(self, router) -> bool:
-        """The router's softmax, top-k and renormalisation as one launch: on one device (the tensor-parallel router
-        is replicated, XLA's ops need no partitioning rule), and not with a batch-invariant router, whose softmax
-        has its own kernel."""
-        return self.mesh is None and not isinstance(router, InvariantWeight)
+        """The router's softmax, top-k and renormalisation as one launch, except with a batch-invariant router
+        (`--deterministic`), whose softmax has its own kernel."""
+        return not isinstance(router, InvariantWeight)
 
     def top_k(self, logits: Float[Array, "tokens experts"], moe: MoeSpec):
+        """(weights, expert ids) of each token, on every device of the mesh alike (the logits are replicated)."""
         from pallas_kernels.grouped_matmul.router import top_k_routing
 
-        return top_k_routing(logits, moe.num_experts_per_tok, moe.norm_topk_prob, interpret=self.interpret)
+        return on_every_device(lambda l: top_k_routing(l, moe.num_experts_per_tok, moe.norm_topk_prob,
+                                                       interpret=self.interpret), self.mesh, logits)
 
 
 def skip_padding(experts: Int[Array, "tokens k"], num_tokens: Int[Array, ""] | None) -> Int[Array, "tokens k"]:
