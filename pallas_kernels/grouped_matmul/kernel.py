@@ -4,6 +4,8 @@ The rows come laid out by `routing.expert_tiles`: tile `t` of `block_rows` slots
 `tile_expert[t]`, and slot `s` holds token `slot_token[s]` (-1: padding). Program `(t, j)` multiplies its tile's
 rows by columns `j` of that one expert's weight, so a weight tile is read once per tile, tiles past `num_tiles`
 return at once, and an expert nobody routed to is never read: at batch 1 only the k routed experts' bytes move.
+Decode-sized steps skip that layout (`Layout` "by_token"): program `(e, j)` takes the step's tokens that chose
+expert `e` and writes in (token, choice) order, summed by `routing.combine_pairs`.
 
 Two launches per MoE layer:
   * `expert_gate_up`: gathers its tokens' rows straight from the activations (no sorted copy of them), multiplies by
