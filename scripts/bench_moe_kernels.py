@@ -32,7 +32,7 @@ from gpu_bench_common import copy_bandwidth, log, matmul_rate, timeit  # noqa: E
 
 from pallas_kernels.grouped_matmul import ExpertWeights, TileConfig, moe_experts, tile_configs  # noqa: E402
 from pallas_kernels.grouped_matmul.kernel import expert_down, expert_gate_up, scaling_of  # noqa: E402
-from pallas_kernels.grouped_matmul.moe import fit_steps  # noqa: E402
+from pallas_kernels.grouped_matmul.moe import fit_steps, layout_for  # noqa: E402
 from pallas_kernels.grouped_matmul.routing import COMPARE_MAX_PAIRS, expert_tiles  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
@@ -267,12 +267,21 @@ def time_layer(key, tokens: int, w, copy_rate: float, do_sweep: bool, tkx) -> tu
         log(f"T={tokens} {name}: {m.get(f'{name}_us', m.get(f'{name}_error'))}")
     n_exp = distinct_experts(ex)
     floor_bytes = expert_bytes(n_exp) + 2 * tokens * HIDDEN * 2
+    extra: dict = {}
+    if "ours_by_token_loop_us" in m:  # > 1: the by-token layout is the faster at this size
+        extra[f"moe_layer_t{tokens}_by_token_vs_sorted"] = m["ours_sorted_loop_us"] / m["ours_by_token_loop_us"]
+    auto_loop = f"ours_{layout_for(tokens, 'auto')}_loop_us"
+    if auto_loop in m:  # the default layout's device time against the floor (a single call may time the host)
+        extra[f"moe_layer_t{tokens}_device_vs_floor"] = m[auto_loop] / (floor_bytes / copy_rate * 1e6)
+    if "router_fused_loop_us" in m:
+        extra[f"moe_router_t{tokens}_fused_vs_xla"] = m["router_xla_loop_us"] / m["router_fused_loop_us"]
     m["distinct_experts"] = n_exp
     m["floor_us"] = floor_bytes / copy_rate * 1e6
     r = {f"moe_layer_t{tokens}_vs_floor": m["ours_us"] / m["floor_us"],
          f"moe_layer_t{tokens}_xla_vs_ours": m["xla_ragged_dot_us"] / m["ours_us"]}
     if "tokamax_mosaic_us" in m:
         r[f"moe_kernel_vs_tokamax_t{tokens}"] = m["tokamax_mosaic_us"] / m["ours_us"]
+    r |= extra
     flops = 2 * tokens * TOP_K * HIDDEN * INTER * 3
     m["ours_tflops"] = flops / m["ours_us"] * 1e-6
     return m, r
