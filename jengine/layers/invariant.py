@@ -159,7 +159,7 @@ def make_invariant(params: dict, impl: InvariantImpl, tied: bool, layout=None) -
     """The model's float projections and LM head wrapped (the arrays themselves untouched). A tied model's LM head
     is the embedding table: `lm_head` then holds the same array, the embedding lookup still reads `embed`.
     `layout` (a `parallel/sharding.py:ParallelLayout`): where the weights are split, under tensor parallelism."""
-    projections = ("wqkv", "wo", "w_gate_up", "w_down", "router")
+    projections = ("wqkv", "wo", "w_gate_up", "w_down", "ws_gate_up", "ws_down", "router")
 
     def placement(name: str) -> dict:
         if layout is None or layout.size == 1:

@@ -116,6 +116,20 @@ def skip_padding(experts: Int[Array, "tokens k"], num_tokens: Int[Array, ""] | N
     return jnp.where(jnp.arange(experts.shape[0])[:, None] < num_tokens, experts, -1)
 
 
+def shared_expert(x: Float[Array, "tokens d"], w: dict[str, Array], act: str, precision: Precision,
+                  shards: int) -> Float[Array, "tokens d"]:
+    """Qwen2-MoE's shared expert: a gated MLP every token passes through, scaled by sigmoid(x · shared_expert_gate);
+    its gate/up columns grouped per shard as the dense MLP's."""
+    gate = jax.nn.sigmoid(linear(x, w["ws_gate"], precision=precision))
+    return gated_mlp(x, {"w_gate_up": w["ws_gate_up"], "w_down": w["ws_down"]}, act, precision, shards) * gate
+
+
+def with_shared_expert(routed: Float[Array, "tokens d"], x: Float[Array, "tokens d"], w: dict[str, Array], act: str,
+                       precision: Precision, shards: int) -> Float[Array, "tokens d"]:
+    """The routed experts' output plus the shared expert's, where the layer has one."""
+    return routed if "ws_down" not in w else routed + shared_expert(x, w, act, precision, shards)
+
+
 def moe_mlp(
     x: Float[Array, "tokens d"], w: dict[str, Array], moe: MoeSpec, act: str, precision: Precision = None,
     kernels: PallasExperts | None = None, num_tokens: Int[Array, ""] | None = None,

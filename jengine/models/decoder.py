@@ -26,7 +26,7 @@ from jengine.layers.attention import self_attention
 from jengine.layers.invariant import InvariantWeight, invariant_matmul
 from jengine.layers.linear import Precision
 from jengine.layers.lora import LayerLora, LoraRows, slot_one_hot
-from jengine.layers.mlp import gated_mlp, moe_mlp, moe_mlp_expert_parallel
+from jengine.layers.mlp import gated_mlp, moe_mlp, moe_mlp_expert_parallel, with_shared_expert
 from jengine.layers.norm import rms_norm
 from jengine.layers.rotary import inverse_frequencies
 from jengine.models.spec import MlpKind, ModelSpec
@@ -62,12 +62,14 @@ def mlp_block(h: Float[Array, "tokens d"], w: dict[str, Array], md: AttentionMet
               expert_mesh: jax.sharding.Mesh | None, lora: LayerLora | None = None) -> Float[Array, "tokens d"]:
     """A layer's MLP on its normed input: dense, MoE, or MoE with the experts split over `expert_mesh`."""
     kernels, num_tokens = getattr(backend, "experts", None), md.query_start_loc[-1]
-    if mlp_kind == "moe" and expert_mesh is not None:
-        return moe_mlp_expert_parallel(h, w, spec.moe, spec.hidden_act, precision, expert_mesh, TP_AXIS, kernels,
-                                       num_tokens)
-    if mlp_kind == "moe":
-        return moe_mlp(h, w, spec.moe, spec.hidden_act, precision, kernels, num_tokens)
-    return gated_mlp(h, w, spec.hidden_act, precision, spec.projection_shards, lora)
+    if mlp_kind == "dense":
+        return gated_mlp(h, w, spec.hidden_act, precision, spec.projection_shards, lora)
+    if expert_mesh is not None:
+        routed = moe_mlp_expert_parallel(h, w, spec.moe, spec.hidden_act, precision, expert_mesh, TP_AXIS, kernels,
+                                         num_tokens)
+    else:
+        routed = moe_mlp(h, w, spec.moe, spec.hidden_act, precision, kernels, num_tokens)
+    return with_shared_expert(routed, h, w, spec.hidden_act, precision, spec.projection_shards)
 
 
 def forward(

@@ -34,9 +34,9 @@ from jengine.models.quant4_load import Quant4Reader
 from jengine.models.weights import FusedSource, LeafSource, Source, leaf_name
 
 logger = logging.getLogger("jengine.models.quant4_load")  # one logger for the 4-bit loading messages
-PACKED_LEAVES = ("wqkv", "wo", "w_gate_up", "w_down")
+PACKED_LEAVES = ("wqkv", "wo", "w_gate_up", "w_down", "ws_gate_up", "ws_down")  # ws_: a shared expert
 EXPERT_LEAVES = ("we_gate", "we_up", "we_down")
-ROW_PARALLEL = ("wo", "w_down")  # the rest split their output columns (parallel/sharding.py)
+ROW_PARALLEL = ("wo", "w_down", "ws_down")  # the rest split their output columns (parallel/sharding.py)
 KERNEL_GROUP = 128
 FLOAT_IN_CHECKPOINT = "some of its modules are not stored in a packed 4-bit format (float, or GGUF's other types)"
 

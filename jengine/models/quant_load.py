@@ -25,7 +25,7 @@ from jengine.models.quant_config import ModuleQuant, QuantConfig
 from jengine.models.weights import FusedSource, LeafSource, Source
 
 # The projections that run quantized; routers and the LM head stay in float (a quantized LM head is dequantized).
-QUANTIZED_LEAVES = ("wqkv", "wo", "w_gate_up", "w_down", "we_gate", "we_up", "we_down")
+QUANTIZED_LEAVES = ("wqkv", "wo", "w_gate_up", "w_down", "ws_gate_up", "ws_down", "we_gate", "we_up", "we_down")
 _STORED = {"fp8": np.dtype(ml_dtypes.float8_e4m3fn), "int8": np.dtype("i1")}
 
 

@@ -153,7 +153,7 @@ def _mixtral(architecture: str, config: dict[str, Any]) -> ModelSpec:
 
 
 def _qwen3_moe_layer_kinds(config: dict[str, Any], num_layers: int) -> tuple[MlpKind, ...]:
-    """Qwen3-MoE: a layer is sparse unless listed in `mlp_only_layers`, and only every `decoder_sparse_step`-th."""
+    """Qwen2-MoE and Qwen3-MoE: a layer is sparse unless listed in `mlp_only_layers`, and only every `decoder_sparse_step`-th."""
     dense_layers = set(config.get("mlp_only_layers") or ())
     step = int(config.get("decoder_sparse_step") or 1)
     has_experts = _num_experts(config) > 0
@@ -175,6 +175,22 @@ def _qwen3_moe(architecture: str, config: dict[str, Any]) -> ModelSpec:
     return ModelSpec(**fields)
 
 
+def _qwen2_moe(architecture: str, config: dict[str, Any]) -> ModelSpec:
+    """Qwen1.5-MoE / Qwen2-MoE: Qwen2's attention (q/k/v biases), routed experts beside a gated shared expert."""
+    fields = _base_fields(architecture, "qwen2_moe", config, qwen_style=True)
+    moe = MoeSpec(
+        num_experts=_num_experts(config),
+        num_experts_per_tok=int(config["num_experts_per_tok"]),
+        intermediate_size=int(config["moe_intermediate_size"]),
+        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        weight_style="qwen",
+        shared_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0),
+    )
+    fields.update(qkv_bias=True, o_bias=False, mlp_kinds=_qwen3_moe_layer_kinds(config, fields["num_layers"]),
+                  moe=moe)
+    return ModelSpec(**fields)
+
+
 _PARSERS: dict[str, Callable[[str, dict[str, Any]], ModelSpec]] = {
     "LlamaForCausalLM": _llama,
     "MistralForCausalLM": _llama,
@@ -182,6 +198,7 @@ _PARSERS: dict[str, Callable[[str, dict[str, Any]], ModelSpec]] = {
     "Qwen3ForCausalLM": _qwen3,
     "MixtralForCausalLM": _mixtral,
     "Qwen3MoeForCausalLM": _qwen3_moe,
+    "Qwen2MoeForCausalLM": _qwen2_moe,
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_PARSERS)

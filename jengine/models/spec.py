@@ -48,6 +48,8 @@ class MoeSpec:
     intermediate_size: int
     norm_topk_prob: bool  # renormalise the top-k routing weights to sum to 1
     weight_style: Literal["mixtral", "qwen"]
+    # Qwen2-MoE: a shared expert every token passes through, scaled by sigmoid(x · shared_expert_gate); 0: none
+    shared_intermediate_size: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -138,7 +138,7 @@ def _dense_mlp_leaves(spec: ModelSpec, layer: int, shards: int) -> dict[str, Sou
     return leaves
 
 
-def _moe_leaves(spec: ModelSpec, layer: int) -> dict[str, LeafSource]:
+def _moe_leaves(spec: ModelSpec, layer: int, shards: int) -> dict[str, Source]:
     moe = spec.moe
     d, inter, experts = spec.hidden_size, moe.intermediate_size, moe.num_experts
     if moe.weight_style == "mixtral":
@@ -146,12 +146,19 @@ def _moe_leaves(spec: ModelSpec, layer: int) -> dict[str, LeafSource]:
     else:
         base, gate, up, down = "model.layers.{i}.mlp", "gate_proj", "up_proj", "down_proj"
     expert = base + ".experts.{e}."
-    return {
+    leaves: dict[str, Source] = {
         "router": _one(layer, base + ".gate.weight", (d, experts), True),
         "we_gate": _experts(layer, expert + gate + ".weight", experts, (d, inter)),
         "we_up": _experts(layer, expert + up + ".weight", experts, (d, inter)),
         "we_down": _experts(layer, expert + down + ".weight", experts, (inter, d)),
     }
+    if shared := moe.shared_intermediate_size:  # Qwen2-MoE's shared expert: a dense MLP and its [1, d] gate
+        one, own = functools.partial(_one, layer), base + ".shared_expert."
+        leaves["ws_gate_up"] = FusedSource((one(own + "gate_proj.weight", (d, shared), True),
+                                            one(own + "up_proj.weight", (d, shared), True)), shards)
+        leaves["ws_down"] = one(own + "down_proj.weight", (shared, d), True)
+        leaves["ws_gate"] = one(base + ".shared_expert_gate.weight", (d, 1), True)
+    return leaves
 
 
 EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -162,7 +169,7 @@ def parameter_sources(spec: ModelSpec, kv_repeat: int = 1, shards: int = 1) -> d
     `shards`: the tensor-parallel size the fused projections group their columns for."""
     layers = []
     for layer, kind in enumerate(spec.mlp_kinds):
-        mlp = _moe_leaves(spec, layer) if kind == "moe" else _dense_mlp_leaves(spec, layer, shards)
+        mlp = _moe_leaves(spec, layer, shards) if kind == "moe" else _dense_mlp_leaves(spec, layer, shards)
         layers.append(_attention_leaves(spec, layer, kv_repeat, shards) | mlp)
     d, vocab = spec.hidden_size, spec.vocab_size
     tree = {

@@ -30,6 +30,7 @@ _RULES: dict[str, tuple] = {
     "wqkv": (None, T), "bqkv": (T,),  # columns grouped per shard (models/weights.py)
     "wo": (T, None),
     "w_gate_up": (None, T), "b_gate_up": (T,), "w_down": (T, None),
+    "ws_gate_up": (None, T), "ws_down": (T, None),  # Qwen2-MoE's shared expert, split as the dense MLP
     "embed": ("vocab", None), "lm_head": ("vocab", None),
     # MoE: [experts, in, out]; "ep" splits the expert axis, "tp" the expert's hidden features
     "we_gate": ("ep", None, "tp_ff"), "we_up": ("ep", None, "tp_ff"), "we_down": ("ep", "tp_ff", None),

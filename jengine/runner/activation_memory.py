@@ -66,7 +66,7 @@ def _dense_elements_per_token(spec: ModelSpec) -> int:
 def _moe_elements(spec: ModelSpec, tokens: int, block_rows: int) -> int:
     """Router logits and probabilities per token; per sorted row (the pairs plus up to `block_rows` padding rows per
     expert): the gathered input, gate and up, their product, the output; the outputs back in token order; the
-    weighted combine."""
+    weighted combine; a shared expert's gate/up, product, output and gate (Qwen2-MoE) beside them."""
     if spec.moe is None or "moe" not in spec.mlp_kinds:
         return 0
     moe, d = spec.moe, spec.hidden_size
@@ -74,4 +74,5 @@ def _moe_elements(spec: ModelSpec, tokens: int, block_rows: int) -> int:
     rows = pairs + moe.num_experts * block_rows
     router = tokens * 2 * moe.num_experts
     sorted_rows = rows * (d + 3 * moe.intermediate_size + d)
-    return router + sorted_rows + pairs * d + tokens * d
+    shared = tokens * (3 * moe.shared_intermediate_size + d + 1) if moe.shared_intermediate_size else 0
+    return router + sorted_rows + pairs * d + tokens * d + shared

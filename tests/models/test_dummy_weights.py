@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
+from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+                          Qwen3MoeConfig)
 
 from jengine import LLM, SamplingParams
 from jengine.cli import build_parser, engine_kwargs
@@ -38,6 +39,8 @@ CONFIGS = {
     "MixtralForCausalLM": lambda: MixtralConfig(**COMMON, num_local_experts=8, num_experts_per_tok=2),
     "Qwen3MoeForCausalLM": lambda: Qwen3MoeConfig(**{**COMMON, "num_hidden_layers": 4}, moe_intermediate_size=32,
                                                   num_experts=8, num_experts_per_tok=3, mlp_only_layers=[0]),
+    "Qwen2MoeForCausalLM": lambda: Qwen2MoeConfig(**COMMON, moe_intermediate_size=32, num_experts=8,
+                                                  num_experts_per_tok=3, shared_expert_intermediate_size=48),
 }
 
 
@@ -179,6 +182,9 @@ QUANTIZED_CASES = {
                   lambda tmp: _awq(128), 1, False),
     "fp8-block-moe-tp2": (lambda: Qwen3MoeConfig(**COMMON, **MOE_QUANT), _fp8_blocks, 2, False),
     "gptq8-moe-tp2": (lambda: Qwen3MoeConfig(**COMMON, **MOE_QUANT), lambda tmp: _gptq8, 2, False),
+    # Qwen2-MoE: the shared expert's down (128 input rows) packed as a dense projection, split by rows
+    "awq-shared-expert-tp2": (lambda: Qwen2MoeConfig(**COMMON, **MOE_QUANT, shared_expert_intermediate_size=256),
+                              lambda tmp: _awq(128), 2, False),
 }
 
 

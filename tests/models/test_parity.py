@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer as HFTokenizer
-from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+                          Qwen3MoeConfig)
 
 from jengine.models.loader import load_model
 from jengine.runner.simple import SimpleGenerator
@@ -157,5 +158,15 @@ def test_parity_qwen3_moe(build_checkpoint, prompts, norm_topk_prob, sparse_step
     config = Qwen3MoeConfig(**{**COMMON, "num_hidden_layers": 4}, moe_intermediate_size=32, num_experts=8,
                             num_experts_per_tok=3, mlp_only_layers=[0], decoder_sparse_step=sparse_step,
                             norm_topk_prob=norm_topk_prob)
+    model_dir, model = build_checkpoint(config)
+    check_parity(model_dir, model, prompts, bf16_positions=MOE_BF16_POSITIONS)
+
+
+def test_parity_qwen2_moe(build_checkpoint, prompts):
+    """Qwen1.5-MoE / Qwen2-MoE: q/k/v biases, routed experts without renormalisation beside the sigmoid-gated shared
+    expert (a width of its own), a dense layer from `mlp_only_layers`."""
+    config = Qwen2MoeConfig(**{**COMMON, "num_hidden_layers": 3}, moe_intermediate_size=32, num_experts=8,
+                            num_experts_per_tok=3, shared_expert_intermediate_size=48, mlp_only_layers=[1],
+                            norm_topk_prob=False)
     model_dir, model = build_checkpoint(config)
     check_parity(model_dir, model, prompts, bf16_positions=MOE_BF16_POSITIONS)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, Qwen3MoeConfig
+from transformers import LlamaConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
 from jengine.errors import UnsupportedModelError
 from jengine.layers.quant4 import Int4Experts, Int4Weight
@@ -85,6 +85,20 @@ def test_moe_experts_kept_in_4_bits(build_checkpoint, fmt, kwargs, caplog):
             stack = layer[name]
             assert isinstance(stack, Int4Experts) and stack.shape == shape and stack.group == 32
             assert stack.packed.nbytes * 2 == np.prod(shape)  # half a byte a weight
+
+
+def test_qwen2_moe_shared_expert_kept_in_4_bits(build_checkpoint, caplog):
+    """Qwen1.5-MoE-AWQ's layout: the routed experts stacked in 4 bits and the shared expert's projections packed as
+    a dense MLP's (its down: 128 input rows, one kernel step); its [1, d] gate stays float. Logits of the HF model
+    holding the dequantized weights."""
+    config = Qwen2MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                            shared_expert_intermediate_size=128)
+    model_dir, _ = build_checkpoint(config)
+    model = quantize_checkpoint(model_dir, "awq", group=32)
+    params = _check_logits(model_dir, model)
+    for layer in params["layers"]:
+        assert isinstance(layer["we_down"], Int4Experts) and isinstance(layer["ws_down"], Int4Weight)
+        assert layer["ws_gate"].shape == (64, 1) and jnp.issubdtype(layer["ws_gate"].dtype, jnp.floating)
 
 
 def test_moe_experts_in_activation_order_stay_packed(build_checkpoint, caplog):

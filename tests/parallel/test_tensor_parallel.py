@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from jax.sharding import PartitionSpec as P
-from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
 from jengine import LLM, SamplingParams
 from jengine.errors import ConfigError
@@ -63,6 +63,7 @@ def expected_specs(name: str, tp: int, ep: bool) -> P:
     table = {
         "wqkv": P(None, "tp"), "bqkv": P("tp"), "wo": P("tp", None),
         "w_gate_up": P(None, "tp"), "w_down": P("tp", None),
+        "ws_gate_up": P(None, "tp"), "ws_down": P("tp", None),  # a shared expert: split as the dense MLP
         "embed": P("tp", None), "lm_head": P("tp", None),
         "we_gate": P("tp", None, None) if ep else P(None, None, "tp"),
         "we_up": P("tp", None, None) if ep else P(None, None, "tp"),
@@ -119,6 +120,8 @@ MOE = {
     "mixtral": lambda: MixtralConfig(**COMMON, num_local_experts=8, num_experts_per_tok=2),
     "qwen3_moe": lambda: Qwen3MoeConfig(**{**COMMON, "num_hidden_layers": 4}, moe_intermediate_size=32,
                                         num_experts=8, num_experts_per_tok=3, mlp_only_layers=[0]),
+    "qwen2_moe": lambda: Qwen2MoeConfig(**COMMON, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=3,
+                                        shared_expert_intermediate_size=48, mlp_only_layers=[1]),
 }
 
 
