@@ -162,33 +162,29 @@ def _qwen3_moe_layer_kinds(config: dict[str, Any], num_layers: int) -> tuple[Mlp
     )
 
 
-def _qwen3_moe(architecture: str, config: dict[str, Any]) -> ModelSpec:
-    fields = _base_fields(architecture, "qwen3_moe", config, qwen_style=True)
+def _qwen_moe_fields(architecture: str, family: str, config: dict[str, Any], shared: bool) -> dict[str, Any]:
+    """The fields Qwen2-MoE and Qwen3-MoE share: Qwen attention, sparse layers as `_qwen3_moe_layer_kinds` reads
+    them, routed experts; `shared`: a shared expert too (Qwen2-MoE), where the config gives it a width."""
+    fields = _base_fields(architecture, family, config, qwen_style=True)
     moe = MoeSpec(
         num_experts=_num_experts(config),
         num_experts_per_tok=int(config["num_experts_per_tok"]),
         intermediate_size=int(config["moe_intermediate_size"]),
         norm_topk_prob=bool(config.get("norm_topk_prob", False)),
         weight_style="qwen",
+        shared_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0) if shared else 0,
     )
-    fields.update(qk_norm=True, mlp_kinds=_qwen3_moe_layer_kinds(config, fields["num_layers"]), moe=moe)
-    return ModelSpec(**fields)
+    return fields | dict(mlp_kinds=_qwen3_moe_layer_kinds(config, fields["num_layers"]), moe=moe)
+
+
+def _qwen3_moe(architecture: str, config: dict[str, Any]) -> ModelSpec:
+    return ModelSpec(**_qwen_moe_fields(architecture, "qwen3_moe", config, shared=False) | dict(qk_norm=True))
 
 
 def _qwen2_moe(architecture: str, config: dict[str, Any]) -> ModelSpec:
     """Qwen1.5-MoE / Qwen2-MoE: Qwen2's attention (q/k/v biases), routed experts beside a gated shared expert."""
-    fields = _base_fields(architecture, "qwen2_moe", config, qwen_style=True)
-    moe = MoeSpec(
-        num_experts=_num_experts(config),
-        num_experts_per_tok=int(config["num_experts_per_tok"]),
-        intermediate_size=int(config["moe_intermediate_size"]),
-        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
-        weight_style="qwen",
-        shared_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0),
-    )
-    fields.update(qkv_bias=True, o_bias=False, mlp_kinds=_qwen3_moe_layer_kinds(config, fields["num_layers"]),
-                  moe=moe)
-    return ModelSpec(**fields)
+    fields = _qwen_moe_fields(architecture, "qwen2_moe", config, shared=True)
+    return ModelSpec(**fields | dict(qkv_bias=True, o_bias=False))
 
 
 _PARSERS: dict[str, Callable[[str, dict[str, Any]], ModelSpec]] = {
