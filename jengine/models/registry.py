@@ -153,7 +153,8 @@ def _mixtral(architecture: str, config: dict[str, Any]) -> ModelSpec:
 
 
 def _qwen3_moe_layer_kinds(config: dict[str, Any], num_layers: int) -> tuple[MlpKind, ...]:
-    """Qwen2-MoE and Qwen3-MoE: a layer is sparse unless listed in `mlp_only_layers`, and only every `decoder_sparse_step`-th."""
+    """Qwen2-MoE and Qwen3-MoE: a layer is sparse unless listed in `mlp_only_layers`, and only every
+    `decoder_sparse_step`-th."""
     dense_layers = set(config.get("mlp_only_layers") or ())
     step = int(config.get("decoder_sparse_step") or 1)
     has_experts = _num_experts(config) > 0
