@@ -86,6 +86,11 @@ def expert_loop(x, w: ExpertWeights, ex, rw):
     return jax.lax.fori_loop(0, w.gate.shape[0], body, jnp.zeros_like(x))
 
 
+def rel_err(got, ref) -> float:
+    """Largest error ÷ largest |reference|, in float32."""
+    return float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
+
+
 def ours(x, w, ex, rw, configs=None, layout="auto"):
     return moe_experts(x, w, ex, rw, act=jax.nn.silu, configs=configs, layout=layout)
 
@@ -146,8 +151,8 @@ def correctness(key) -> dict:
             if name == "skipped_ids":
                 ex = ex.at[::3, 1].set(-1)
             ref = reference(x, w, jnp.clip(ex, 0), jnp.where(ex >= 0, rw, 0))
-            got = jax.jit(ours)(x, w, ex, rw).astype(jnp.float32)
-            err = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
+            got = jax.jit(ours)(x, w, ex, rw)
+            err = rel_err(got, ref)
             out[f"{jnp.dtype(dtype).name}_{name}"] = err
             log(f"correctness {jnp.dtype(dtype).name} {name}: rel err {err:.2e}")
             assert err < (2e-2 if dtype == jnp.bfloat16 else 2e-3), (name, err)
@@ -239,8 +244,7 @@ def time_layer(key, tokens: int, w, copy_rate: float, do_sweep: bool, tkx) -> tu
     if tokens <= 64:  # both row layouts, one call each and in a device loop (where the switch between them sits)
         for order in ("sorted", "by_token"):
             fn = jax.jit(lambda *a, lay=order: ours(*a, layout=lay))
-            m[f"ours_{order}_rel_err"] = float(jnp.max(jnp.abs(fn(x, w, ex, rw).astype(jnp.float32) - ref))
-                                                / jnp.max(jnp.abs(ref)))
+            m[f"ours_{order}_rel_err"] = rel_err(fn(x, w, ex, rw), ref)
             assert m[f"ours_{order}_rel_err"] < 2e-2, m
             m[f"ours_{order}_us"] = timeit(fn, x, w, ex, rw) * 1e6
             m[f"ours_{order}_loop_us"] = loop_device_us(kr, x, w, tokens, order)
@@ -258,7 +262,7 @@ def time_layer(key, tokens: int, w, copy_rate: float, do_sweep: bool, tkx) -> tu
         try:
             out = fn(x, w, ex, rw)
             if ref is not None:
-                m[f"{name}_rel_err"] = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
+                m[f"{name}_rel_err"] = rel_err(out, ref)
             m[f"{name}_us"] = timeit(fn, x, w, ex, rw) * 1e6
         except Exception as e:  # noqa: BLE001 - a peer that fails is reported, ours must not
             if name == "ours":
@@ -267,21 +271,19 @@ def time_layer(key, tokens: int, w, copy_rate: float, do_sweep: bool, tkx) -> tu
         log(f"T={tokens} {name}: {m.get(f'{name}_us', m.get(f'{name}_error'))}")
     n_exp = distinct_experts(ex)
     floor_bytes = expert_bytes(n_exp) + 2 * tokens * HIDDEN * 2
-    extra: dict = {}
-    if "ours_by_token_loop_us" in m:  # > 1: the by-token layout is the faster at this size
-        extra[f"moe_layer_t{tokens}_by_token_vs_sorted"] = m["ours_sorted_loop_us"] / m["ours_by_token_loop_us"]
-    auto_loop = f"ours_{layout_for(tokens, 'auto')}_loop_us"
-    if auto_loop in m:  # the default layout's device time against the floor (a single call may time the host)
-        extra[f"moe_layer_t{tokens}_device_vs_floor"] = m[auto_loop] / (floor_bytes / copy_rate * 1e6)
-    if "router_fused_loop_us" in m:
-        extra[f"moe_router_t{tokens}_fused_vs_xla"] = m["router_xla_loop_us"] / m["router_fused_loop_us"]
     m["distinct_experts"] = n_exp
     m["floor_us"] = floor_bytes / copy_rate * 1e6
     r = {f"moe_layer_t{tokens}_vs_floor": m["ours_us"] / m["floor_us"],
          f"moe_layer_t{tokens}_xla_vs_ours": m["xla_ragged_dot_us"] / m["ours_us"]}
     if "tokamax_mosaic_us" in m:
         r[f"moe_kernel_vs_tokamax_t{tokens}"] = m["tokamax_mosaic_us"] / m["ours_us"]
-    r |= extra
+    if "ours_by_token_loop_us" in m:  # > 1: the by-token layout is the faster at this size
+        r[f"moe_layer_t{tokens}_by_token_vs_sorted"] = m["ours_sorted_loop_us"] / m["ours_by_token_loop_us"]
+    auto_loop = f"ours_{layout_for(tokens, 'auto')}_loop_us"
+    if auto_loop in m:  # the default layout's device time against the floor (a single call may time the host)
+        r[f"moe_layer_t{tokens}_device_vs_floor"] = m[auto_loop] / m["floor_us"]
+    if "router_fused_loop_us" in m:
+        r[f"moe_router_t{tokens}_fused_vs_xla"] = m["router_xla_loop_us"] / m["router_fused_loop_us"]
     flops = 2 * tokens * TOP_K * HIDDEN * INTER * 3
     m["ours_tflops"] = flops / m["ours_us"] * 1e-6
     return m, r
@@ -347,7 +349,7 @@ def time_narrow_layer(kind: str, key, tokens: int, narrow: ExpertWeights, w16: E
     fn = jax.jit(lambda x, w, ex, rw: moe_experts(x, w, ex, rw, act=jax.nn.silu, configs=configs, **kwargs))
     if tokens <= 256:
         ref = reference(x, w16, ex, rw)
-        m["rel_err"] = float(jnp.max(jnp.abs(fn(x, narrow, ex, rw).astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
+        m["rel_err"] = rel_err(fn(x, narrow, ex, rw), ref)
         assert m["rel_err"] < 2e-2, m
     m["us"] = timeit(fn, x, narrow, ex, rw) * 1e6
     m["bf16_us"] = timeit(jax.jit(ours), x, w16, ex, rw) * 1e6

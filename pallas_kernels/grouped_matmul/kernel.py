@@ -126,10 +126,8 @@ def _rows(layout: Layout, refs, t, block_rows: int) -> Rows:
                 jnp.sum(real.astype(jnp.int32)) > 0)
 
 
-def _routing_weight(layout: Layout, weight_ref, rows: Rows, t, block_rows: int):
-    """Each row's routing weight (float32; 0 for padding)."""
-    if layout.kind == "sorted":
-        return pltr.load(weight_ref.at[_arange(t * block_rows, block_rows)]).astype(jnp.float32)
+def _routing_weight(weight_ref, rows: Rows):
+    """Each row's routing weight (float32; 0 for padding), stored at its output row in either layout."""
     return pltr.load(weight_ref.at[rows.out], mask=rows.real, other=0).astype(jnp.float32)
 
 
@@ -226,14 +224,14 @@ def _gate_up_kernel(x_ref, wg_ref, wu_ref, sg_ref, su_ref, zg_ref, zu_ref, perm_
         if scaling.kind == "column":
             gate, up = gate * _column_scale(sg_ref, e, cols, n_dim), up * _column_scale(su_ref, e, cols, n_dim)
         h = act(gate) * up
-        pltr.store(h_ref.at[rows.out[:, None], cols[None, :]], h.astype(h_ref.dtype), mask=_store_mask(layout, rows,
-                                                                                                     cols, n_dim))
+        pltr.store(h_ref.at[rows.out[:, None], cols[None, :]], h.astype(h_ref.dtype), mask=_store_mask(rows, cols,
+                                                                                                     n_dim))
 
 
-def _store_mask(layout: Layout, rows: Rows, cols, n_dim: int):
-    """Sorted slots are the program's own (padding ones too); by token, only the rows that chose the expert."""
-    mask = cols[None, :] < n_dim
-    return mask if layout.kind == "sorted" else mask & rows.real[:, None]
+def _store_mask(rows: Rows, cols, n_dim: int):
+    """Real rows only: by token, a row that did not choose the expert is another program's pair row; sorted padding
+    slots are never read (down masks them, the combine never gathers them)."""
+    return (cols[None, :] < n_dim) & rows.real[:, None]
 
 
 def _down_kernel(h_ref, wd_ref, sd_ref, zd_ref, *refs, cfg: TileConfig, precision, scaling: Scaling, layout: Layout):
@@ -260,9 +258,9 @@ def _down_kernel(h_ref, wd_ref, sd_ref, zd_ref, *refs, cfg: TileConfig, precisio
                             jnp.zeros((cfg.block_rows, cfg.block_n), jnp.float32))
         if scaling.kind == "column":
             acc = acc * _column_scale(sd_ref, e, cols, n_dim)
-        weight = _routing_weight(layout, weight_ref, rows, t, cfg.block_rows)
+        weight = _routing_weight(weight_ref, rows)
         pltr.store(y_ref.at[rows.out[:, None], cols[None, :]], (acc * weight[:, None]).astype(y_ref.dtype),
-                   mask=_store_mask(layout, rows, cols, n_dim))
+                   mask=_store_mask(rows, cols, n_dim))
 
 
 class TokenChoices(NamedTuple):
@@ -361,10 +359,10 @@ def expert_gate_up(
     up_zero: Float[Array, "experts groups inter"] | None = None, scale_block: tuple[int, int] | None = None,
     input_perm: Int[Array, "experts d"] | None = None,
 ) -> Float[Array, "slots inter"]:
-    """`act(x·W_gate[e]) * (x·W_up[e])` for every slot's token and expert (padding slots: zeros, never read). The
-    weights' storage and scales as `scaling_of` reads them (gate and up alike). `input_perm` (4-bit only): expert
-    e's stored weight row k multiplies feature `input_perm[e, k]` of x (GPTQ's activation order, rows sorted by
-    group). `tiles`: the rows as `routing.expert_tiles` lays them out, or as each token chose (`Layout`)."""
+    """`act(x·W_gate[e]) * (x·W_up[e])` for every slot's token and expert (padding slots: not written, never
+    read). The weights' storage and scales as `scaling_of` reads them (gate and up alike). `input_perm` (4-bit
+    only): expert e's stored weight row k multiplies feature `input_perm[e, k]` of x (GPTQ's activation order, rows
+    sorted by group). `tiles`: the rows as `routing.expert_tiles` lays them out, or as each token chose (`Layout`)."""
     inter = w_gate.shape[2]
     layout, layout_ops, _, out_rows, programs = _layout_of(tiles, w_gate.shape[0], cfg.block_rows)
     if (gate_scale is None) != (up_scale is None) or (gate_zero is None) != (up_zero is None):

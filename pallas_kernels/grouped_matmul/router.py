@@ -4,7 +4,8 @@ XLA runs the three as separate kernels (the softmax fusion, its TopK kernel, the
 MoE layer of every step; at decode sizes each is mostly launch and ramp. Here one program takes 16 tokens' logits
 whole (every expert of a row in registers), so nothing is written between the steps.
 
-Ties go to the lower expert index, as `lax.top_k`'s do. Rows past the step's tokens are masked (never stored).
+Ties go to the lower expert index, as `lax.top_k`'s do. The outputs are padded to whole blocks of tokens and a
+power-of-two k, and sliced.
 """
 
 from __future__ import annotations

@@ -92,11 +92,16 @@ def _ranks_by_sort(key: Int[Array, " pairs"], num_experts: int) -> tuple[Array, 
 def combine(slot_out: Float[Array, "slots d"], pair_slot: Int[Array, "tokens k"]) -> Float[Array, "tokens d"]:
     """Each token's sum over its k weighted expert outputs (already scaled by the routing weight), in float32."""
     padded = jnp.concatenate([slot_out, jnp.zeros((1, slot_out.shape[1]), slot_out.dtype)])
-    gathered = padded[pair_slot].astype(jnp.float32)
-    total = gathered[:, 0]
-    for j in range(1, gathered.shape[1]):  # k adds left to right: an XLA reduction's order may follow the shape
-        total = total + gathered[:, j]
-    return total.astype(slot_out.dtype)
+    return _sum_choices(padded[pair_slot]).astype(slot_out.dtype)
+
+
+def _sum_choices(rows: Float[Array, "tokens k d"]) -> Float[Array, "tokens d"]:
+    """Each token's k rows added in float32, left to right: an XLA reduction's order may follow the shape."""
+    rows = rows.astype(jnp.float32)
+    total = rows[:, 0]
+    for j in range(1, rows.shape[1]):
+        total = total + rows[:, j]
+    return total
 
 
 def combine_pairs(pair_out: Float[Array, "pairs d"], experts: Int[Array, "tokens k"],
@@ -104,9 +109,6 @@ def combine_pairs(pair_out: Float[Array, "pairs d"], experts: Int[Array, "tokens
     """`combine` for outputs already in pair order (row `t·k + c`, the by-token layout); pairs of an expert outside
     `[0, num_experts)` were never written and count as zero."""
     tokens, k = experts.shape
-    rows = pair_out.reshape(tokens, k, -1).astype(jnp.float32)
     kept = (experts >= 0) & (experts < num_experts)
-    total = jnp.where(kept[:, 0, None], rows[:, 0], 0)
-    for j in range(1, k):  # the same left-to-right order as `combine`
-        total = total + jnp.where(kept[:, j, None], rows[:, j], 0)
-    return total.astype(pair_out.dtype)
+    rows = jnp.where(kept[:, :, None], pair_out.reshape(tokens, k, -1), 0)
+    return _sum_choices(rows).astype(pair_out.dtype)
