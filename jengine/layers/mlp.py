@@ -71,6 +71,10 @@ class PallasExperts:
 
     interpret: bool = False  # CPU tests run the same kernels in Pallas interpret mode
     mesh: jax.sharding.Mesh | None = None
+    # The router's softmax, top-k and renormalisation as one Pallas launch. Off: on an H100 it took 13.4 µs a layer
+    # at 16 tokens (the engine's smallest bucket) against 10.4 for XLA's ops (12.6 vs 13.8 at one token;
+    # `benchmarks/results/2026-12-06-moe-kernels.json`).
+    fused_router: bool = False
 
     def __call__(self, x, w: dict[str, Array], experts, weights, act: str, precision: Precision):
         """With a batch-invariant router (`--deterministic`), one tile configuration serves every step size, so a
@@ -97,9 +101,9 @@ class PallasExperts:
         return partial(x, experts, weights, kernel_weights(operands))
 
     def fuses_top_k(self, router) -> bool:
-        """The router's softmax, top-k and renormalisation as one launch, except with a batch-invariant router
-        (`--deterministic`), whose softmax has its own kernel."""
-        return not isinstance(router, InvariantWeight)
+        """The router's softmax, top-k and renormalisation as one launch where `fused_router` asks, except with a
+        batch-invariant router (`--deterministic`), whose softmax has its own kernel."""
+        return self.fused_router and not isinstance(router, InvariantWeight)
 
     def top_k(self, logits: Float[Array, "tokens experts"], moe: MoeSpec):
         """(weights, expert ids) of each token, on every device of the mesh alike (the logits are replicated)."""

@@ -23,6 +23,10 @@ MOE_BLOCK_ROWS = 64  # the largest row tile of the grouped matmul (`pallas_kerne
 SAMPLER_COPIES = 6  # [rows, vocab] float32 buffers in sampling: logits, penalty counts, scaled, sorted, probs, noise
 PROMPT_LOGIT_COPIES = 2  # prompt-logprob rows: their logits and log-softmax
 RUNTIME_SLACK_BYTES = 256 << 20  # the runtime's own scratch, compiled programs' constants
+# The attention's working set, whatever the step's shape: the reference path (any platform without a kernel, and
+# models the kernels refuse) attends in chunks of at most `attention.reference.WORKING_SET_BYTES` (256 MiB),
+# which XLA's copies of a chunk's operands can double.
+ATTENTION_BYTES = 512 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,11 +39,12 @@ class StepActivations:
     dense_bytes: int  # one layer's residual stream, attention projections and dense MLP
     moe_bytes: int  # one MoE layer's router, sorted/padded (token, expert) buffers and combine (0 without experts)
     logits_bytes: int  # float32 logits of the sampling and prompt rows, with the sampler's working copies
+    attention_bytes: int = ATTENTION_BYTES
     slack_bytes: int = RUNTIME_SLACK_BYTES
 
     @property
     def total(self) -> int:
-        return self.dense_bytes + self.moe_bytes + self.logits_bytes + self.slack_bytes
+        return self.dense_bytes + self.moe_bytes + self.logits_bytes + self.attention_bytes + self.slack_bytes
 
 
 def step_activations(spec: ModelSpec, sched: SchedulerConfig, block_rows: int = MOE_BLOCK_ROWS) -> StepActivations:

@@ -72,6 +72,14 @@ def fit_steps(cfg: TileConfig, k_dim: int, scaling: Scaling) -> TileConfig:
 BY_TOKEN_MAX_TOKENS = 16  # up to here a step skips the routing layout (`kernel.Layout`); above, the rows are sorted
 
 
+def by_token_tile(cfg: TileConfig, tokens: int) -> TileConfig:
+    """`cfg` for the by-token layout, whose row tile holds every token of the step: K steps shortened as the rows
+    grow, so each pipeline stage keeps the shared memory of the configured tile (64 tokens at the decode tiles'
+    16 × 256 would ask for 256 KiB; an H100 has 227)."""
+    rows = max(cfg.block_rows, next_pow2(tokens))
+    return dataclasses.replace(cfg, block_rows=rows, block_k=max(16, cfg.block_k * cfg.block_rows // rows))
+
+
 def layout_for(tokens: int, layout: Literal["auto", "sorted", "by_token"]) -> Literal["sorted", "by_token"]:
     if layout == "auto":
         return "by_token" if tokens <= BY_TOKEN_MAX_TOKENS else "sorted"
@@ -93,13 +101,14 @@ def moe_experts(
     if up_cfg.block_rows != down_cfg.block_rows:
         raise ValueError("both launches tile the same slots: block_rows must agree")
     inter = weights.gate.shape[2]
+    by_token = layout_for(x.shape[0], layout) == "by_token"
+    if by_token:
+        up_cfg, down_cfg = (by_token_tile(c, x.shape[0]) for c in (up_cfg, down_cfg))
     up_cfg = fit_steps(up_cfg, x.shape[1], scaling_of(weights.gate, x.shape[1], weights.gate_scale,
                                                       weights.gate_zero, scale_block))
     down_cfg = fit_steps(down_cfg, inter, scaling_of(weights.down, inter, weights.down_scale, weights.down_zero,
                                                      scale_block))
-    if layout_for(x.shape[0], layout) == "by_token":
-        rows = max(up_cfg.block_rows, next_pow2(x.shape[0]))
-        up_cfg, down_cfg = (dataclasses.replace(c, block_rows=rows) for c in (up_cfg, down_cfg))
+    if by_token:
         tiles = TokenChoices(experts.astype(jnp.int32), routing_weights.reshape(-1).astype(jnp.float32))
     else:
         tiles = expert_tiles(experts, routing_weights, num_experts, up_cfg.block_rows)
