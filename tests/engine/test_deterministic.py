@@ -3,8 +3,9 @@ the norms and log-softmaxes the batch-invariant row reductions (`layers/invarian
 interpret mode, as on a GPU), and a request's greedy tokens are the same alone, batched and chunked. In float32 its
 logprobs are within 1e-5 (the CPU reference attention reduces over the step's padded block-table width, so its last
 bits follow the batch; the GPU check, `scripts/check_determinism_gpu.py`, asks for bitwise equality) and within 1e-4
-of the default engine's; in bfloat16 they are bit for bit the same. Combinations it does not take are refused by
-name."""
+of the default engine's. In bfloat16 the same last bits can, rarely, round a hidden state to the neighbouring bfloat16
+value and the logprobs after it move by up to a few 1e-3 (seed 3543638078: 8.5e-3 from the third token on, tokens
+the same): tokens identical, logprobs within 2e-2. Combinations it does not take are refused by name."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tests.conftest import COMMON, fresh_seed
 
 SEED = fresh_seed()
 MAX_TOKENS = 6
+BF16_LOGPROB_TOL = 2e-2  # see the module docstring
 
 
 @pytest.fixture
@@ -85,14 +87,15 @@ def test_the_cli_flag():
 
 
 def test_bfloat16_output_is_the_same_in_every_batch(build_checkpoint, tiny_tokenizer_dir, kernel_on_cpu):
-    """In bfloat16 (the dtype a GPU serves), tokens and chosen-token logprobs bit for bit the same alone, batched
-    and chunked."""
+    """In bfloat16 (the dtype a GPU serves), tokens the same alone, batched and chunked; chosen-token logprobs
+    within bfloat16's rounding of the CPU attention's last bits (see the module docstring)."""
     model_dir, _ = build_checkpoint(LlamaConfig(**COMMON), tokenizer_dir=tiny_tokenizer_dir)
     batch = prompts()
     tokens, logprobs, _ = run(model_dir, batch, dtype="bfloat16", deterministic=True, max_num_seqs=8)
     chunked, chunked_lp, _ = run(model_dir, batch, dtype="bfloat16", deterministic=True, max_num_seqs=8,
                                  max_num_batched_tokens=8)
-    assert chunked == tokens and np.array_equal(chunked_lp, logprobs), f"chunked differs (seed {SEED})"
+    assert chunked == tokens and np.abs(chunked_lp - logprobs).max() <= BF16_LOGPROB_TOL, f"chunked (seed {SEED})"
     for i, prompt in enumerate(batch):
         alone, alone_lp, _ = run(model_dir, [prompt], dtype="bfloat16", deterministic=True, max_num_seqs=1)
-        assert alone == [tokens[i]] and np.array_equal(alone_lp[0], logprobs[i]), f"request {i} (seed {SEED})"
+        assert alone == [tokens[i]], f"request {i} (seed {SEED})"
+        assert np.abs(alone_lp[0] - logprobs[i]).max() <= BF16_LOGPROB_TOL, f"request {i} (seed {SEED})"
