@@ -123,12 +123,13 @@ def _per_token(q, kv_cache, layer, md: AttentionMetadata, scale, sliding_window,
     q_len = md.query_start_loc[1:] - md.query_start_loc[:-1]
     positions = md.seq_lens[seq_of_token] - q_len[seq_of_token] + index_in_seq
     real = jnp.arange(num_tokens, dtype=jnp.int32) < md.query_start_loc[-1]
+    tables, seq_lens = jnp.asarray(md.block_tables), jnp.asarray(md.seq_lens)  # indexed by traced request ids
 
     def one_token(args):
         q_row, seq, position, valid = args
-        pages = _gather_pages(kv_cache, layer, md.block_tables[seq][None])
+        pages = _gather_pages(kv_cache, layer, tables[seq][None])
         q_row = q_row.reshape(1, 1, kv_heads, q_heads // kv_heads, head_dim)
-        out = _attend(q_row, pages, position[None, None], valid[None, None], md.seq_lens[seq][None], scale,
+        out = _attend(q_row, pages, position[None, None], valid[None, None], seq_lens[seq][None], scale,
                       sliding_window, soft_cap)
         return out.reshape(q_heads, head_dim)
 
@@ -184,7 +185,7 @@ def _gather_pages(kv_cache: KVCache, layer, block_tables) -> Float[Array, "seqs 
     kv = kv_cache.kv if quantized else kv_cache
     _, _, block_size, _, kv_heads, head_dim = kv.shape
     seqs, width = block_tables.shape
-    pages = kv[layer, block_tables].reshape(seqs, width * block_size, 2, kv_heads, head_dim)  # one gather, no copy
+    pages = kv[layer, block_tables].reshape(seqs, width * block_size, 2, kv_heads, head_dim)  # one gather
     if quantized:
         return pages.astype(jnp.float32) * kv_cache.scales[layer][None, None, :, :, None]
     return pages

@@ -91,3 +91,23 @@ def test_a_bucket_of_many_requests_and_one_long_prefill_stays_within_the_working
     attend = jax.jit(lambda q, kv, md: reference.paged_attention(q, kv, jnp.int32(1), md, scale=0.125))
     temp = attend.lower(q, kv, md).compile().memory_analysis().temp_size_in_bytes  # 64 GiB before
     assert temp <= 2 * reference.WORKING_SET_BYTES, f"{temp / 2**30:.1f} GiB of temporaries"
+
+
+@pytest.mark.parametrize("budget", [1 << 40, 1], ids=["per_request", "per_token"])
+def test_a_float8_cache_is_read_dequantized_in_both_layouts(budget):
+    """K and V stored as float8 with per-layer, per-head scales read back as value × scale."""
+    from jengine.attention.kv_cache import FP8_DTYPE, QuantizedKV
+
+    rng = np.random.default_rng(np.random.SeedSequence().entropy)
+    query_lens, cached = [2, 1, 4], [5, 30, 0]
+    q, kv, md, seq_lens, tables = random_step(rng, query_lens, cached, tokens_padded=8, seqs_padded=4, width=5)
+    scales = rng.uniform(0.5, 2.0, (LAYERS, 2, KV_HEADS))
+    stored = np.asarray(jnp.asarray(kv, jnp.float32).astype(FP8_DTYPE).astype(jnp.float32), np.float64)
+    cache = QuantizedKV(jnp.asarray(kv, jnp.float32).astype(FP8_DTYPE), jnp.asarray(scales, jnp.float32))
+    scale = HEAD_DIM ** -0.5
+    got = reference.paged_attention(jnp.asarray(q, jnp.float32), cache, jnp.int32(LAYER), md, scale=scale,
+                                    working_set_bytes=budget)
+    dequantized = stored * scales[:, None, None, :, :, None]
+    want = float64_attention(q, dequantized, query_lens, seq_lens, tables, scale=scale, window=0, soft_cap=None)
+    real = sum(query_lens)
+    np.testing.assert_allclose(np.asarray(got[:real], np.float64), want[:real], atol=1e-5, rtol=0)
