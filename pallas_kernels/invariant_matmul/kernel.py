@@ -120,29 +120,33 @@ def _kernel_chunk(x_ref, w_ref, partial_ref, *, tile: Tile, transposed: bool, ch
                mask=(rows[:, None] < m_dim) & (cols[None, :] < n_dim))
 
 
-@functools.partial(jax.jit, static_argnames=("transposed", "out_dtype", "interpret", "split"))
+@functools.partial(jax.jit, static_argnames=("transposed", "out_dtype", "interpret", "split", "tile"))
 def invariant_matmul(
     x: Float[Array, "m k"], w: Float[Array, "k n"] | Float[Array, "n k"], *, transposed: bool = False,
-    out_dtype=None, interpret: bool = False, split: bool | None = None,
+    out_dtype=None, interpret: bool = False, split: bool | None = None, tile: Tile = TILE,
 ) -> Float[Array, "m n"]:
     """`x @ w` (`transposed`: `x @ w.T` for w `[n, k]`, the LM head's layout), in `out_dtype` (x's by default).
     `split`: run the K chunks as programs of their own (default: for steps of at most SPLIT_MAX_ROWS rows); the
-    result is the same either way."""
+    result is the same either way. `tile`: another output tile (and warps, stages) for the same K steps and chunks,
+    which `TILE` fixes; whether a row's bits survive the change is a question for the GPU
+    (`scripts/probe_invariance_gpu.py --tile-candidates`), so the engine always passes `TILE`."""
+    if tile.block_k != TILE.block_k:
+        raise ValueError(f"tile.block_k={tile.block_k}: the K steps are fixed at {TILE.block_k}")
     (m, k), n = x.shape, w.shape[0] if transposed else w.shape[1]
     out_dtype = out_dtype or x.dtype
     chunks = k_chunks(k, n)
     chunk_steps = pl.cdiv(pl.cdiv(k, TILE.block_k), chunks)
     if split is None:
         split = split_pays(m, k, chunks, jnp.dtype(w.dtype).itemsize)
-    grid = (pl.cdiv(m, TILE.block_m), pl.cdiv(n, TILE.block_n))
+    grid = (pl.cdiv(m, tile.block_m), pl.cdiv(n, tile.block_n))
     params = dict(in_specs=[pl.no_block_spec] * 2, out_specs=pl.no_block_spec, interpret=interpret,
-                  compiler_params=pltr.CompilerParams(num_warps=TILE.num_warps, num_stages=TILE.num_stages))
+                  compiler_params=pltr.CompilerParams(num_warps=tile.num_warps, num_stages=tile.num_stages))
     if not split:
-        kernel = functools.partial(_kernel_whole, tile=TILE, transposed=transposed, chunks=chunks,
+        kernel = functools.partial(_kernel_whole, tile=tile, transposed=transposed, chunks=chunks,
                                    chunk_steps=chunk_steps)
         return pl.pallas_call(kernel, grid=grid, out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
                               name="invariant_matmul", **params)(x, w)
-    kernel = functools.partial(_kernel_chunk, tile=TILE, transposed=transposed, chunk_steps=chunk_steps)
+    kernel = functools.partial(_kernel_chunk, tile=tile, transposed=transposed, chunk_steps=chunk_steps)
     partials = pl.pallas_call(kernel, grid=(*grid, chunks), out_shape=jax.ShapeDtypeStruct((chunks, m, n), jnp.float32),
                               name="invariant_matmul_chunks", **params)(x, w)
     total = partials[0]

@@ -83,3 +83,21 @@ def test_lowers_for_h200(transposed, w_shape, rows):
     k = w_shape[1] if transposed else w_shape[0]
     text = lower_for_h200(call, S((rows, k), jnp.bfloat16), S(w_shape, jnp.bfloat16))
     assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("block_m,block_n", [(128, 128), (64, 256), (16, 64)])
+def test_another_output_tile_keeps_the_k_steps_and_matches_float64(block_m, block_n):
+    """`tile` changes the output tile (the candidates `probe_invariance_gpu.py --tile-candidates` checks for bits on
+    the GPU); K steps other than TILE's are refused, since they would change a row's order of additions."""
+    from pallas_kernels.invariant_matmul.kernel import TILE, Tile
+
+    rng = np.random.default_rng(np.random.SeedSequence().entropy)
+    m, k, n = 150, 700, 300  # ragged in every dimension, K in chunks
+    x = rng.normal(0, 1, (m, k)).astype(np.float32)
+    w = rng.normal(0, 1, (k, n)).astype(np.float32)
+    ours = np.asarray(invariant_matmul(jnp.asarray(x), jnp.asarray(w), interpret=True,
+                                       tile=Tile(block_m=block_m, block_n=block_n)))
+    ref = x.astype(np.float64) @ w.astype(np.float64)
+    assert np.abs(ours - ref).max() <= 1e-5 * np.abs(ref).max()
+    with pytest.raises(ValueError, match="K steps"):
+        invariant_matmul(jnp.asarray(x), jnp.asarray(w), interpret=True, tile=Tile(block_k=2 * TILE.block_k))
