@@ -6,6 +6,10 @@ whole (every expert of a row in registers), so nothing is written between the st
 
 Ties go to the lower expert index, as `lax.top_k`'s do. The outputs are padded to whole blocks of tokens and a
 power-of-two k, and sliced.
+
+Measured on an H100 (2026-12-06): 12.6 µs a layer at one token against XLA's 13.8, but 13.4 against 10.4 at 16
+tokens, the engine's smallest bucket, where one program does all the work; so the engine's layers use it only where
+`PallasExperts.fused_router` asks.
 """
 
 from __future__ import annotations
