@@ -20,6 +20,7 @@ bit: a candidate that keeps every bit and is faster can serve prefill rows witho
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -83,6 +84,17 @@ LLAMA_8B_WEIGHTS = {"qkv": (4096, 6144, False), "o": (4096, 4096, False), "gate_
                     "down": (14336, 4096, False), "lm_head": (4096, 128256, True)}  # (k, n, transposed)
 
 
+def projection_weights(args):
+    """(name, k, transposed, random bf16 weight) of each projection the matmul probes time (one tiny one --tiny)."""
+    import jax
+    import jax.numpy as jnp
+
+    shapes = {"tiny": (640, 96, False)} if args.tiny else LLAMA_8B_WEIGHTS
+    for name, (k, n, transposed) in shapes.items():
+        w = jax.random.normal(jax.random.key(k + n), (n, k) if transposed else (k, n), jnp.float32) / np.sqrt(k)
+        yield name, k, transposed, w.astype(jnp.bfloat16)
+
+
 def matmul_costs(args) -> dict:
     """µs per call of the invariant matmul and of XLA's dot, the bytes floor, and the chunk-path bit check."""
     import jax
@@ -92,11 +104,9 @@ def matmul_costs(args) -> dict:
     from pallas_kernels.invariant_matmul import invariant_matmul
     from pallas_kernels.invariant_matmul.kernel import k_chunks, split_pays
 
-    shapes = {"tiny": (640, 96, False)} if args.tiny else LLAMA_8B_WEIGHTS
     out: dict = {}
-    for name, (k, n, transposed) in shapes.items():
-        w = (jax.random.normal(jax.random.key(k + n), (n, k) if transposed else (k, n), jnp.float32)
-             / np.sqrt(k)).astype(jnp.bfloat16)
+    for name, k, transposed, w in projection_weights(args):
+        n = w.shape[0] if transposed else w.shape[1]
         dims = (((1,), (1 if transposed else 0,)), ((), ()))
         xla = jax.jit(lambda a, b: jax.lax.dot_general(a, b, dims))
         for rows in (1, 16, 64, 256, 4096):
@@ -135,25 +145,21 @@ def tile_candidates(args) -> dict:
     import jax.numpy as jnp
 
     from gpu_bench_common import timeit
-    from pallas_kernels.invariant_matmul import invariant_matmul
+    from pallas_kernels.invariant_matmul import TILE, invariant_matmul
     from pallas_kernels.invariant_matmul.kernel import Tile
 
-    shapes = {"tiny": (640, 96, False)} if args.tiny else LLAMA_8B_WEIGHTS
     out: dict = {}
-    for name, (k, n, transposed) in shapes.items():
-        w = (jax.random.normal(jax.random.key(k + n), (n, k) if transposed else (k, n), jnp.float32)
-             / np.sqrt(k)).astype(jnp.bfloat16)
+    for name, k, transposed, w in projection_weights(args):
         for rows in ((40,) if args.tiny else (256, 4096)):
             x = jax.random.normal(jax.random.key(rows), (rows, k), jnp.bfloat16)
-            run = lambda a, b, tile=None: invariant_matmul(  # noqa: E731
-                a, b, transposed=transposed, interpret=args.tiny, split=False, **({"tile": tile} if tile else {}))
-            base = run(x, w)
-            entry = {"tile_us": 1e6 * timeit(run, x, w)}
+            run = functools.partial(invariant_matmul, transposed=transposed, interpret=args.tiny, split=False)
+            base = run(x, w, tile=TILE)
+            entry = {"tile_us": 1e6 * timeit(functools.partial(run, tile=TILE), x, w)}
             for cand, (block_m, block_n, warps, stages) in TILE_CANDIDATES.items():
                 tile = Tile(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
                 try:
-                    entry[f"{cand}_same_bits"] = rows_equal(run(x, w, tile), base)
-                    entry[f"{cand}_us"] = 1e6 * timeit(lambda a, b, tile=tile: run(a, b, tile), x, w)
+                    entry[f"{cand}_same_bits"] = rows_equal(run(x, w, tile=tile), base)
+                    entry[f"{cand}_us"] = 1e6 * timeit(functools.partial(run, tile=tile), x, w)
                 except Exception as e:  # noqa: BLE001 - a candidate that does not compile is reported
                     entry[f"{cand}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             out[f"{name}_{rows}"] = entry

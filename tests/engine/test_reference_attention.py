@@ -52,24 +52,17 @@ def float64_attention(q, kv, query_lens, seq_lens, tables, *, scale, window, sof
     return out
 
 
-LAYOUTS = {
-    "per_request": 1 << 40,  # a budget that never binds: the padding rule alone picks the layout
-    "per_token_chunks_of_1": 1,
-    "per_token_chunks_of_3": None,  # set to three tokens' working set below
-}
-
-
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("tokens_per_chunk", [None, 1, 3], ids=["per_request", "per_token_1", "per_token_3"])
 @pytest.mark.parametrize("window,soft_cap", [(0, None), (5, 4.0)])
-def test_both_layouts_match_a_float64_loop(layout, window, soft_cap):
+def test_both_layouts_match_a_float64_loop(tokens_per_chunk, window, soft_cap):
+    """None: a budget that never binds (the per-request layout); else the per-token layout with chunks that size."""
     rng = np.random.default_rng(np.random.SeedSequence().entropy)
     query_lens, cached = [3, 1, 6], [9, 20, 0]  # a chunked prefill, a decode, a fresh prompt
     q, kv, md, seq_lens, tables = random_step(rng, query_lens, cached, tokens_padded=12, seqs_padded=4, width=5)
     scale = HEAD_DIM ** -0.5
-    budget = LAYOUTS[layout]
-    if budget is None:
-        per_token = 3 * 4 * q.shape[1] * 5 * BLOCK + 2 * 5 * BLOCK * 2 * KV_HEADS * HEAD_DIM * 4
-        budget = 3 * per_token
+    context = 5 * BLOCK
+    per_token = reference._query_bytes(q, context) + reference._page_bytes(jnp.asarray(kv, jnp.float32), context)
+    budget = 1 << 40 if tokens_per_chunk is None else tokens_per_chunk * per_token
     got = jax.jit(lambda q, kv, md: reference.paged_attention(
         q, kv, jnp.int32(LAYER), md, scale=scale, sliding_window=window, soft_cap=soft_cap,
         working_set_bytes=budget))(jnp.asarray(q, jnp.float32), jnp.asarray(kv, jnp.float32), md)
