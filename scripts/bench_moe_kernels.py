@@ -19,6 +19,7 @@ zero points included) and `moe_<KIND>_layer_t<N>_vs_bf16` (bf16 time ÷ its time
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -98,14 +99,17 @@ def ours(x, w, ex, rw, configs=None, layout="auto"):
 LOOP_LAYERS = 16
 
 
-def loop_device_us(key, x, w, tokens: int, layout: str) -> float:
+def loop_device_us(key, x, w, tokens: int, layout: str, configs=None, real: int | None = None) -> float:
     """µs per layer of `LOOP_LAYERS` MoE layers in one jitted loop, each on its own random routing, the layer's
-    output feeding the next: the device's time, which a single small call hides behind its host dispatch."""
+    output feeding the next: the device's time, which a single small call hides behind its host dispatch. `real`:
+    only the first `real` tokens are routed (the rest is bucket padding, expert -1, as the engine routes it)."""
     keys = jax.random.split(key, LOOP_LAYERS)
     ex, rw = jax.vmap(lambda k: routing(k, tokens))(keys)
+    if real is not None:
+        ex = jnp.where(jnp.arange(tokens)[None, :, None] < real, ex, -1)
 
     def run(x, w, ex, rw):
-        body = lambda i, h: (h + ours(h, w, ex[i], rw[i], layout=layout) * 0.1).astype(h.dtype)
+        body = lambda i, h: (h + ours(h, w, ex[i], rw[i], configs=configs, layout=layout) * 0.1).astype(h.dtype)
         return jax.lax.fori_loop(0, LOOP_LAYERS, body, x)
 
     return timeit(jax.jit(run), x, w, ex, rw) / LOOP_LAYERS * 1e6
@@ -386,6 +390,47 @@ def main_narrow(args, key) -> None:
     log(ratios)
 
 
+def with_workers(tokens: int, workers_per_sm: int) -> tuple[TileConfig, TileConfig]:
+    """The default tiles of a `tokens`-token step with `workers_per_sm` (0: one program per tile)."""
+    return tuple(dataclasses.replace(c, workers_per_sm=workers_per_sm) for c in tile_configs(tokens * TOP_K, EXPERTS))
+
+
+def main_workers(args, key) -> None:
+    """The layer in the device loop at each grid (`TileConfig.workers_per_sm`) and step size, each checked against
+    float32 first; `b1_in_16` is one real token in the engine's smallest bucket (16 rows, 15 routed nowhere)."""
+    _, copy_rate = copy_bandwidth()
+    w = weights(jax.random.fold_in(key, 7))
+    metrics: dict = {"copy_bandwidth_gbs": copy_rate / 1e9}
+    ratios: dict = {}
+    cases = [(f"t{t}", t, None) for t in args.tokens] + [("b1_in_16", 16, 1)]
+    for name, tokens, real in cases:
+        kx, kr = jax.random.split(jax.random.fold_in(key, tokens))
+        x = jax.random.normal(kx, (tokens, HIDDEN), jnp.bfloat16)
+        ex, rw = routing(kr, tokens)
+        if real is not None:
+            ex = jnp.where(jnp.arange(tokens)[:, None] < real, ex, -1)
+        n_exp = distinct_experts(ex[: real or tokens])
+        m = {"distinct_experts": n_exp, "floor_us": expert_bytes(n_exp) / copy_rate * 1e6}
+        for wps in args.workers:
+            cfg = with_workers(tokens, wps)
+            try:
+                if tokens <= 256:
+                    err = rel_err(jax.jit(lambda *a, c=cfg: ours(*a, configs=c))(x, w, ex, rw), reference(x, w, ex, rw))
+                    assert err < 2e-2, (name, wps, err)
+                    m[f"w{wps}_rel_err"] = err
+                m[f"w{wps}_loop_us"] = loop_device_us(kr, x, w, tokens, "auto", cfg, real)
+            except Exception as e:  # noqa: BLE001 - a grid the compiler refuses is reported, the others still run
+                m[f"w{wps}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            log(f"{name} workers/SM {wps}: {m.get(f'w{wps}_loop_us', m.get(f'w{wps}_error'))} "
+                f"(floor {m['floor_us']:.1f} us)")
+        metrics[f"grid_{name}"] = m
+        for wps in args.workers:
+            if wps and f"w{wps}_loop_us" in m and "w0_loop_us" in m:
+                ratios[f"moe_layer_{name}_w{wps}_vs_w0"] = m["w0_loop_us"] / m[f"w{wps}_loop_us"]
+        save(args.out, args.git_sha, metrics, ratios)
+    log(ratios)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -394,8 +439,12 @@ def main() -> None:
     ap.add_argument("--git-sha", default="unknown", help="the commit measured (the GPU machine has no .git)")
     ap.add_argument("--narrow", nargs="+", choices=tuple(NARROW), help="quantized experts beside bf16 ones "
                     "(see the module docstring)")
+    ap.add_argument("--workers", type=int, nargs="+", help="only the grid comparison: the layer at each of these "
+                    "workers_per_sm (0: one program per tile) at --tokens and one token in a 16-row bucket")
     args = ap.parse_args()
     key = jax.random.key(0)
+    if args.workers:
+        return main_workers(args, key)
     if args.narrow:
         return main_narrow(args, key)
     metrics: dict = {"correctness_rel_err": correctness(key)}

@@ -54,6 +54,10 @@ class TileConfig:
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 4
+    # 0: one program per (row tile, column tile), tiles with no rows returning at once. n > 0: n programs per SM
+    # loop over the step's tiles with rows only (`_for_each_tile`), so a decode step's grid is not mostly programs
+    # that find no rows, each holding an SM's shared memory while it looks.
+    workers_per_sm: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +102,7 @@ class Layout:
     kind: Literal["sorted", "by_token"] = "sorted"
     tokens: int = 0
     k: int = 0
+    experts: int = 0
 
 
 def _sorted_rows(refs, t, block_rows: int) -> Rows:
@@ -124,6 +129,45 @@ def _rows(layout: Layout, refs, t, block_rows: int) -> Rows:
     tokens, choice, real = _token_choices(refs[0], t, block_rows, layout)
     return Rows(t, tokens * layout.k + choice, jnp.minimum(tokens, layout.tokens - 1), real,
                 jnp.sum(real.astype(jnp.int32)) > 0)
+
+
+def _chosen_experts(experts_ref, layout: Layout):
+    """By token: (how many distinct experts the step chose, a function from `a` to the `a`-th of them in id
+    order), from one `[experts, pairs]` comparison of the step's choices in registers."""
+    pairs = layout.tokens * layout.k
+    p = _arange(0, next_pow2(pairs))
+    ids = pltr.load(experts_ref.at[jnp.minimum(p, pairs - 1)], mask=p < pairs, other=-1)
+    e = _arange(0, next_pow2(layout.experts))
+    hits = jnp.sum((ids[None, :] == e[:, None]).astype(jnp.int32), axis=1)
+    chosen = ((hits > 0) & (e < layout.experts)).astype(jnp.int32)
+    rank = jnp.cumsum(chosen, axis=0) - chosen
+    return jnp.sum(chosen), lambda a: jnp.sum(jnp.where((chosen > 0) & (rank == a), e, 0))
+
+
+def _for_each_tile(layout: Layout, layout_refs, cfg: TileConfig, workers: int, n_dim: int,
+                   tile: Callable[[Rows, Array], None]) -> None:
+    """Calls `tile(rows, j)` for this program's share of the step's (row tile, column tile) pairs. Without workers
+    the grid is one program per pair and a row tile with no rows returns at once; with `workers` programs, program
+    p takes the pairs p, p + workers, ... of the row tiles that have rows (sorted: the first `num_tiles`; by token:
+    the chosen experts), so no program is launched to find nothing."""
+    if not workers:
+        t, j = pl.program_id(0), pl.program_id(1)  # read outside `when`: interpret mode has none inside a branch
+        rows = _rows(layout, layout_refs, t, cfg.block_rows)
+        pl.when(rows.active)(lambda: tile(rows, j))
+        return
+    n_cols = pl.cdiv(n_dim, cfg.block_n)
+    if layout.kind == "sorted":
+        count, row_of = layout_refs[2][0], lambda a: a
+    else:
+        count, row_of = _chosen_experts(layout_refs[1], layout)
+    p = pl.program_id(0)
+
+    def item(i, carry):
+        w = p + i * workers
+        tile(_rows(layout, layout_refs, row_of(w // n_cols), cfg.block_rows), w % n_cols)
+        return carry
+
+    lax.fori_loop(0, (count * n_cols - p + workers - 1) // workers, item, 0)
 
 
 def _routing_weight(weight_ref, rows: Rows):
@@ -191,14 +235,11 @@ def _column_scale(scale_ref, e, cols, n_dim: int):
 
 
 def _gate_up_kernel(x_ref, wg_ref, wu_ref, sg_ref, su_ref, zg_ref, zu_ref, perm_ref, *refs, cfg: TileConfig,
-                    act: Callable, precision, scaling: Scaling, layout: Layout):
+                    act: Callable, precision, scaling: Scaling, layout: Layout, workers: int):
     *layout_refs, h_ref = refs
-    t, j = pl.program_id(0), pl.program_id(1)
     k_dim, n_dim = x_ref.shape[1], wg_ref.shape[2]
-    rows = _rows(layout, layout_refs, t, cfg.block_rows)
 
-    @pl.when(rows.active)
-    def _():
+    def tile(rows: Rows, j):
         e, token, real = rows.expert, rows.token, rows.real
         cols = _arange(j * cfg.block_n, cfg.block_n)
 
@@ -227,6 +268,8 @@ def _gate_up_kernel(x_ref, wg_ref, wu_ref, sg_ref, su_ref, zg_ref, zu_ref, perm_
         pltr.store(h_ref.at[rows.out[:, None], cols[None, :]], h.astype(h_ref.dtype), mask=_store_mask(rows, cols,
                                                                                                      n_dim))
 
+    _for_each_tile(layout, layout_refs, cfg, workers, n_dim, tile)
+
 
 def _store_mask(rows: Rows, cols, n_dim: int):
     """Real rows only: by token, a row that did not choose the expert is another program's pair row; sorted padding
@@ -234,14 +277,12 @@ def _store_mask(rows: Rows, cols, n_dim: int):
     return (cols[None, :] < n_dim) & rows.real[:, None]
 
 
-def _down_kernel(h_ref, wd_ref, sd_ref, zd_ref, *refs, cfg: TileConfig, precision, scaling: Scaling, layout: Layout):
+def _down_kernel(h_ref, wd_ref, sd_ref, zd_ref, *refs, cfg: TileConfig, precision, scaling: Scaling, layout: Layout,
+                 workers: int):
     *layout_refs, weight_ref, y_ref = refs
-    t, j = pl.program_id(0), pl.program_id(1)
     k_dim, n_dim = h_ref.shape[1], wd_ref.shape[2]
-    rows = _rows(layout, layout_refs, t, cfg.block_rows)
 
-    @pl.when(rows.active)
-    def _():
+    def tile(rows: Rows, j):
         e = rows.expert
         cols = _arange(j * cfg.block_n, cfg.block_n)
 
@@ -262,6 +303,8 @@ def _down_kernel(h_ref, wd_ref, sd_ref, zd_ref, *refs, cfg: TileConfig, precisio
         pltr.store(y_ref.at[rows.out[:, None], cols[None, :]], (acc * weight[:, None]).astype(y_ref.dtype),
                    mask=_store_mask(rows, cols, n_dim))
 
+    _for_each_tile(layout, layout_refs, cfg, workers, n_dim, tile)
+
 
 class TokenChoices(NamedTuple):
     """The `by_token` layout's operands: each token's k expert ids (outside `[0, experts)`: none) and their routing
@@ -272,7 +315,8 @@ class TokenChoices(NamedTuple):
 
 
 def _layout_of(rows_of: ExpertTiles | TokenChoices, num_experts: int, block_rows: int):
-    """(Layout, its operands for gate/up, the routing weights down adds, output rows, programs on the row axis)."""
+    """(Layout, its operands for gate/up, the routing weights down adds, output rows, row tiles that can have
+    rows)."""
     if isinstance(rows_of, ExpertTiles):
         slots = rows_of.slot_token.shape[0]
         return (Layout(), (rows_of.slot_token, rows_of.tile_expert, rows_of.num_tiles), rows_of.slot_weight, slots,
@@ -280,14 +324,31 @@ def _layout_of(rows_of: ExpertTiles | TokenChoices, num_experts: int, block_rows
     tokens, k = rows_of.experts.shape
     if tokens > block_rows:
         raise ValueError(f"the by-token layout takes at most block_rows ({block_rows}) tokens, got {tokens}")
-    return (Layout("by_token", tokens, k), (rows_of.experts.astype(jnp.int32),), rows_of.weights, tokens * k,
+    experts = rows_of.experts.astype(jnp.int32)
+    return (Layout("by_token", tokens, k, num_experts), (experts, experts.reshape(-1)), rows_of.weights, tokens * k,
             num_experts)
 
 
-def _launch(kernel, operands, out_shape, programs: int, n_dim: int, cfg: TileConfig, interpret: bool, name: str):
+def multiprocessors() -> int:
+    """Streaming multiprocessors of the default device (its `core_count`); 8 where it has none (the CPU, whose
+    interpret mode runs the same loop)."""
+    return getattr(jax.devices()[0], "core_count", None) or 8
+
+
+def _workers(cfg: TileConfig, layout: Layout, row_tiles: int, n_dim: int) -> int:
+    """Programs of a `workers_per_sm` launch (0: one per tile): never more than the step can have tiles."""
+    if not cfg.workers_per_sm:
+        return 0
+    if layout.kind == "by_token":
+        row_tiles = min(row_tiles, layout.tokens * layout.k)
+    return min(row_tiles * pl.cdiv(n_dim, cfg.block_n), multiprocessors() * cfg.workers_per_sm)
+
+
+def _launch(kernel, operands, out_shape, row_tiles: int, n_dim: int, cfg: TileConfig, workers: int,
+            interpret: bool, name: str):
     return pl.pallas_call(
         kernel,
-        grid=(programs, pl.cdiv(n_dim, cfg.block_n)),
+        grid=(workers,) if workers else (row_tiles, pl.cdiv(n_dim, cfg.block_n)),
         in_specs=[pl.no_block_spec] * len(operands),
         out_specs=pl.no_block_spec,
         out_shape=out_shape,
@@ -364,7 +425,7 @@ def expert_gate_up(
     only): expert e's stored weight row k multiplies feature `input_perm[e, k]` of x (GPTQ's activation order, rows
     sorted by group). `tiles`: the rows as `routing.expert_tiles` lays them out, or as each token chose (`Layout`)."""
     inter = w_gate.shape[2]
-    layout, layout_ops, _, out_rows, programs = _layout_of(tiles, w_gate.shape[0], cfg.block_rows)
+    layout, layout_ops, _, out_rows, row_tiles = _layout_of(tiles, w_gate.shape[0], cfg.block_rows)
     if (gate_scale is None) != (up_scale is None) or (gate_zero is None) != (up_zero is None):
         raise ValueError("gate and up weights are scaled (and 4-bit) both or neither")
     scaling = scaling_of(w_gate, x.shape[1], gate_scale, gate_zero, scale_block)
@@ -376,12 +437,13 @@ def expert_gate_up(
     scales = () if gate_scale is None else (gate_scale, up_scale)
     zeros = () if gate_zero is None else (gate_zero, up_zero)
     perm = () if input_perm is None else (input_perm.astype(jnp.int32),)
+    workers = _workers(cfg, layout, row_tiles, inter)
     kernel = functools.partial(_gate_up_kernel, cfg=cfg, act=act, precision=precision, scaling=scaling,
-                               layout=layout)
+                               layout=layout, workers=workers)
     kernel = _optional(kernel, (True,) * 3 + (bool(scales),) * 2 + (bool(zeros),) * 2 + (bool(perm),))
     operands = (x, w_gate, w_up, *scales, *zeros, *perm, *layout_ops)
-    return _launch(kernel, operands, jax.ShapeDtypeStruct((out_rows, inter), x.dtype), programs, inter, cfg, interpret,
-                   "expert_gate_up")
+    return _launch(kernel, operands, jax.ShapeDtypeStruct((out_rows, inter), x.dtype), row_tiles, inter, cfg, workers,
+                   interpret, "expert_gate_up")
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret", "precision", "scale_block"))
@@ -393,12 +455,14 @@ def expert_down(
     """Each row's hidden features times its expert's down weight, times its routing weight (storage as gate/up's;
     rows laid out as `expert_gate_up`'s)."""
     d = w_down.shape[2]
-    layout, layout_ops, routing_weights, out_rows, programs = _layout_of(tiles, w_down.shape[0], cfg.block_rows)
+    layout, layout_ops, routing_weights, out_rows, row_tiles = _layout_of(tiles, w_down.shape[0], cfg.block_rows)
     scaling = scaling_of(w_down, h.shape[1], down_scale, down_zero, scale_block)
     _check_steps(scaling, h.shape[1], cfg)
-    kernel = functools.partial(_down_kernel, cfg=cfg, precision=precision, scaling=scaling, layout=layout)
+    workers = _workers(cfg, layout, row_tiles, d)
+    kernel = functools.partial(_down_kernel, cfg=cfg, precision=precision, scaling=scaling, layout=layout,
+                               workers=workers)
     kernel = _optional(kernel, (True, True, down_scale is not None, down_zero is not None))
     operands = (h, w_down, *(() if down_scale is None else (down_scale,)),
                 *(() if down_zero is None else (down_zero,)), *layout_ops, routing_weights)
-    return _launch(kernel, operands, jax.ShapeDtypeStruct((out_rows, d), h.dtype), programs, d, cfg, interpret,
-                   "expert_down")
+    return _launch(kernel, operands, jax.ShapeDtypeStruct((out_rows, d), h.dtype), row_tiles, d, cfg, workers,
+                   interpret, "expert_down")

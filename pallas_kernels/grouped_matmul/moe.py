@@ -36,6 +36,9 @@ class ExpertWeights(NamedTuple):
     input_perm: Int[Array, "experts d"] | None = None
 
 
+DECODE_WORKERS_PER_SM = 2
+
+
 def tile_configs(num_pairs: int, num_experts: int, itemsize: int = 2) -> tuple[TileConfig, TileConfig]:
     """(gate/up, down) tiles for a step of `num_pairs` (token, expert) pairs. Few rows per expert (decode) is
     bandwidth-bound: 16-row tiles, narrow column tiles so the weights spread over every SM. Many rows (prefill) is
@@ -43,9 +46,11 @@ def tile_configs(num_pairs: int, num_experts: int, itemsize: int = 2) -> tuple[T
     bucket. Wider elements (float32) take shorter K steps, to fit the pipeline stages in shared memory."""
     rows_per_expert = num_pairs / num_experts
     shrink = max(itemsize // 2, 1)
-    if rows_per_expert <= 16:
-        return (TileConfig(block_rows=16, block_n=32, block_k=256 // shrink, num_warps=4, num_stages=4),
-                TileConfig(block_rows=16, block_n=64, block_k=256 // shrink, num_warps=4, num_stages=4))
+    if rows_per_expert <= 16:  # programs loop over the routed experts' tiles: no grid of mostly empty programs
+        return (TileConfig(block_rows=16, block_n=32, block_k=256 // shrink, num_warps=4, num_stages=4,
+                           workers_per_sm=DECODE_WORKERS_PER_SM),
+                TileConfig(block_rows=16, block_n=64, block_k=256 // shrink, num_warps=4, num_stages=4,
+                           workers_per_sm=DECODE_WORKERS_PER_SM))
     rows = min(next_pow2(math.ceil(rows_per_expert)), 64)
     wide = TileConfig(block_rows=rows, block_n=128, block_k=64 // shrink, num_warps=4 if rows <= 32 else 8,
                       num_stages=3)

@@ -63,11 +63,13 @@ def random_case(rng, tokens, experts_n, k, d, inter, dtype):
     return x, w, experts, routing
 
 
+@pytest.mark.parametrize("workers_per_sm", [0, 1], ids=["tile_grid", "workers"])
 @pytest.mark.parametrize("order", ["sorted", "by_token"])
 @pytest.mark.parametrize("layout", ["random", "one_expert_takes_all", "skipped_and_empty"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_kernels_match_float64(layout, dtype, order):
-    """Both row layouts: expert tiles of sorted slots, and by token (21 tokens: one 32-row tile per expert)."""
+def test_kernels_match_float64(layout, dtype, order, workers_per_sm):
+    """Both row layouts: expert tiles of sorted slots, and by token (21 tokens: one 32-row tile per expert); both
+    grids: a program per tile, and the interpreter's 8 "SMs" looping over the tiles with rows (several each)."""
     rng = np.random.default_rng(SEED)
     # d and inter not multiples of the tiles: ragged edges masked in K and N
     x, w, experts, routing = random_case(rng, 21, 6, 2, 48, 40, dtype)
@@ -76,7 +78,8 @@ def test_kernels_match_float64(layout, dtype, order):
     if layout == "skipped_and_empty":
         experts[::2, 1] = -1  # another device's experts under expert parallelism
         leave_empty(experts, 2)  # expert 2 gets no rows at all (its weights never read)
-    got = moe_experts(x, w, jnp.asarray(experts), routing, act=jax.nn.silu, interpret=True, configs=SMALL,
+    configs = tuple(dataclasses.replace(c, workers_per_sm=workers_per_sm) for c in SMALL)
+    got = moe_experts(x, w, jnp.asarray(experts), routing, act=jax.nn.silu, interpret=True, configs=configs,
                       precision=jax.lax.Precision.HIGHEST, layout=order)
     want = numpy_experts(x, w, experts, routing)
     tol = 2e-5 if dtype == jnp.float32 else 3e-2  # bf16: the hidden rows are stored in bf16 between the launches
