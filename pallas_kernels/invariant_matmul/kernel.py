@@ -37,7 +37,19 @@ class Tile:
     num_stages: int = 3
 
 
-TILE = Tile()  # one configuration for every shape: the point of the kernel
+TILE = Tile()  # the K steps of every shape (the point of the kernel), and the output tile of most
+# The output tile of wide projections (the fused gate/up, the LM head) at prefill row counts: it changes which
+# program computes an output, not the K steps or chunks, so a row's bits stay the same (checked on an H100 by
+# `scripts/probe_invariance_gpu.py --tile-candidates`: every candidate kept every bit, this one ran the 8B gate/up
+# at 4,096 rows in 1.52 ms against TILE's 2.46 and the LM head in 6.5 against 10.7; the narrower projections were
+# slower with it). Decode steps keep TILE: their single row tile splits K instead.
+WIDE = Tile(block_m=128, block_n=256, num_warps=8, num_stages=3)
+WIDE_MIN_ROWS, WIDE_MIN_COLUMNS = 128, 16384
+
+
+def tile_for(m: int, n: int) -> Tile:
+    """The output tile of an `[m, k] @ [k, n]` product (same K steps for all: `TILE`'s)."""
+    return WIDE if m >= WIDE_MIN_ROWS and n >= WIDE_MIN_COLUMNS else TILE
 
 
 TARGET_PROGRAMS = 132  # one wave of an H100/H200's SMs for a decode step's single row tile
@@ -69,22 +81,26 @@ def _arange(start, size: int):
     return start + jnp.arange(size, dtype=jnp.int32)
 
 
-def _chunk_sum(x_ref, w_ref, rows, cols, first_step, end_step, *, tile: Tile, transposed: bool):
-    """The float32 sum over K steps [first_step, end_step) of this program's tile, from zero."""
+def _step_product(x_ref, w_ref, rows, cols, i, *, tile: Tile, transposed: bool):
+    """K step `i`'s float32 product of this program's tile."""
     m_dim, k_dim = x_ref.shape
     n_dim = w_ref.shape[0] if transposed else w_ref.shape[1]
+    ks = _arange(i * tile.block_k, tile.block_k)
+    x = pltr.load(x_ref.at[rows[:, None], ks[None, :]], mask=(rows[:, None] < m_dim) & (ks[None, :] < k_dim),
+                  other=0)
+    if transposed:  # w [n, k]
+        w = pltr.load(w_ref.at[cols[:, None], ks[None, :]],
+                      mask=(cols[:, None] < n_dim) & (ks[None, :] < k_dim), other=0).T
+    else:
+        w = pltr.load(w_ref.at[ks[:, None], cols[None, :]],
+                      mask=(ks[:, None] < k_dim) & (cols[None, :] < n_dim), other=0)
+    return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
 
+
+def _chunk_sum(x_ref, w_ref, rows, cols, first_step, end_step, *, tile: Tile, transposed: bool):
+    """The float32 sum over K steps [first_step, end_step) of this program's tile, from zero."""
     def step(i, acc):
-        ks = _arange(i * tile.block_k, tile.block_k)
-        x = pltr.load(x_ref.at[rows[:, None], ks[None, :]], mask=(rows[:, None] < m_dim) & (ks[None, :] < k_dim),
-                      other=0)
-        if transposed:  # w [n, k]
-            w = pltr.load(w_ref.at[cols[:, None], ks[None, :]],
-                          mask=(cols[:, None] < n_dim) & (ks[None, :] < k_dim), other=0).T
-        else:
-            w = pltr.load(w_ref.at[ks[:, None], cols[None, :]],
-                          mask=(ks[:, None] < k_dim) & (cols[None, :] < n_dim), other=0)
-        return acc + jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+        return acc + _step_product(x_ref, w_ref, rows, cols, i, tile=tile, transposed=transposed)
 
     return lax.fori_loop(first_step, end_step, step, jnp.zeros((tile.block_m, tile.block_n), jnp.float32))
 
@@ -94,15 +110,21 @@ def _tile_indices(tile: Tile):
             _arange(pl.program_id(1) * tile.block_n, tile.block_n))
 
 
-def _kernel_whole(x_ref, w_ref, y_ref, *, tile: Tile, transposed: bool, chunks: int, chunk_steps: int):
-    """Every chunk of the tile, one after the other; their sums added in chunk order."""
+def _kernel_whole(x_ref, w_ref, y_ref, *, tile: Tile, transposed: bool, chunk_steps: int):
+    """Every chunk of the tile in one loop over K (one software pipeline, not one per chunk): each chunk summed
+    from zero, and at its last step added to the chunks before it, in chunk order (the first one taken as is)."""
     rows, cols = _tile_indices(tile)
     steps = pl.cdiv(x_ref.shape[1], tile.block_k)
-    total = None
-    for chunk in range(chunks):
-        part = _chunk_sum(x_ref, w_ref, rows, cols, min(chunk * chunk_steps, steps),
-                          min((chunk + 1) * chunk_steps, steps), tile=tile, transposed=transposed)
-        total = part if total is None else total + part
+    zeros = jnp.zeros((tile.block_m, tile.block_n), jnp.float32)
+
+    def step(i, carry):
+        total, chunk = carry
+        chunk = chunk + _step_product(x_ref, w_ref, rows, cols, i, tile=tile, transposed=transposed)
+        ends = (lax.rem(i + 1, chunk_steps) == 0) | (i + 1 == steps)  # i ≥ 0: no sign fix-up of `%`
+        total = jnp.where(ends, jnp.where(i < chunk_steps, chunk, total + chunk), total)
+        return total, jnp.where(ends, zeros, chunk)
+
+    total, _ = lax.fori_loop(0, steps, step, (zeros, zeros))
     n_dim = y_ref.shape[1]
     pltr.store(y_ref.at[rows[:, None], cols[None, :]], total.astype(y_ref.dtype),
                mask=(rows[:, None] < y_ref.shape[0]) & (cols[None, :] < n_dim))
@@ -123,16 +145,16 @@ def _kernel_chunk(x_ref, w_ref, partial_ref, *, tile: Tile, transposed: bool, ch
 @functools.partial(jax.jit, static_argnames=("transposed", "out_dtype", "interpret", "split", "tile"))
 def invariant_matmul(
     x: Float[Array, "m k"], w: Float[Array, "k n"] | Float[Array, "n k"], *, transposed: bool = False,
-    out_dtype=None, interpret: bool = False, split: bool | None = None, tile: Tile = TILE,
+    out_dtype=None, interpret: bool = False, split: bool | None = None, tile: Tile | None = None,
 ) -> Float[Array, "m n"]:
     """`x @ w` (`transposed`: `x @ w.T` for w `[n, k]`, the LM head's layout), in `out_dtype` (x's by default).
     `split`: run the K chunks as programs of their own (default: for steps of at most SPLIT_MAX_ROWS rows); the
-    result is the same either way. `tile`: another output tile (and warps, stages) for the same K steps and chunks,
-    which `TILE` fixes; whether a row's bits survive the change is a question for the GPU
-    (`scripts/probe_invariance_gpu.py --tile-candidates`), so the engine always passes `TILE`."""
+    result is the same either way. `tile`: the output tile (and warps, stages) for the K steps and chunks `TILE`
+    fixes; default `tile_for` the shape."""
+    (m, k), n = x.shape, w.shape[0] if transposed else w.shape[1]
+    tile = tile or tile_for(m, n)
     if tile.block_k != TILE.block_k:
         raise ValueError(f"tile.block_k={tile.block_k}: the K steps are fixed at {TILE.block_k}")
-    (m, k), n = x.shape, w.shape[0] if transposed else w.shape[1]
     out_dtype = out_dtype or x.dtype
     chunks = k_chunks(k, n)
     chunk_steps = pl.cdiv(pl.cdiv(k, TILE.block_k), chunks)
@@ -142,8 +164,7 @@ def invariant_matmul(
     params = dict(in_specs=[pl.no_block_spec] * 2, out_specs=pl.no_block_spec, interpret=interpret,
                   compiler_params=pltr.CompilerParams(num_warps=tile.num_warps, num_stages=tile.num_stages))
     if not split:
-        kernel = functools.partial(_kernel_whole, tile=tile, transposed=transposed, chunks=chunks,
-                                   chunk_steps=chunk_steps)
+        kernel = functools.partial(_kernel_whole, tile=tile, transposed=transposed, chunk_steps=chunk_steps)
         return pl.pallas_call(kernel, grid=grid, out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
                               name="invariant_matmul", **params)(x, w)
     kernel = functools.partial(_kernel_chunk, tile=tile, transposed=transposed, chunk_steps=chunk_steps)

@@ -224,3 +224,22 @@ def test_fused_top_k_routing_matches_float64(tokens, num_experts, k, normalize):
         want /= want.sum(1, keepdims=True)
     np.testing.assert_array_equal(np.asarray(ids), want_ids)
     np.testing.assert_allclose(np.asarray(weights, np.float64), want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 64])
+@pytest.mark.parametrize("workers_per_sm", [0, 2])
+def test_lowers_for_h200(tokens, workers_per_sm):
+    """Both grids lower through Triton at the Qwen3-30B-A3B layer shape, in each step size's layout (by token up to
+    16 tokens, sorted above): two launches, gate/up and down."""
+    from pallas_kernels.grouped_matmul import tile_configs
+    from tests.kernels.test_lowering import S, lower_for_h200
+
+    configs = tuple(dataclasses.replace(c, workers_per_sm=workers_per_sm) for c in tile_configs(tokens * 8, 128))
+
+    def call(x, gate, up, down, experts, routing):
+        return moe_experts(x, ExpertWeights(gate, up, down), experts, routing, act=jax.nn.silu, configs=configs)
+
+    bf16 = jnp.bfloat16
+    text = lower_for_h200(call, S((tokens, 2048), bf16), S((128, 2048, 768), bf16), S((128, 2048, 768), bf16),
+                          S((128, 768, 2048), bf16), S((tokens, 8), jnp.int32), S((tokens, 8), bf16))
+    assert text.count("__gpu$xla.gpu.triton") == 2
