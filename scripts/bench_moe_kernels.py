@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 from pathlib import Path
 
@@ -126,7 +127,9 @@ def router_loop_us(key, tokens: int) -> dict:
 
     logits = jax.random.normal(key, (tokens, EXPERTS), jnp.float32)
     out = {}
-    for name, fn in (("xla", xla), ("fused", lambda l: top_k_routing(l, TOP_K, True))):
+    fused = {f"fused_w{warps}": functools.partial(top_k_routing, k=TOP_K, normalize=True, num_warps=warps)
+             for warps in (1, 2)}
+    for name, fn in (("xla", xla), ("fused", lambda l: top_k_routing(l, TOP_K, True)), *fused.items()):
         def run(logits, fn=fn):
             def body(i, l):
                 w, e = fn(l)
@@ -425,6 +428,9 @@ def main_workers(args, key) -> None:
                 m[f"w{wps}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             log(f"{name} workers/SM {wps}: {m.get(f'w{wps}_loop_us', m.get(f'w{wps}_error'))} "
                 f"(floor {m['floor_us']:.1f} us)")
+        if tokens <= 256 and real is None:  # the router's launches beside the experts'
+            m |= router_loop_us(kr, tokens)
+            log({key: v for key, v in m.items() if key.startswith("router")})
         metrics[f"grid_{name}"] = m
         for wps in args.workers:
             if wps and f"w{wps}_loop_us" in m and "w0_loop_us" in m:

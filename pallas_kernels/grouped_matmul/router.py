@@ -25,6 +25,7 @@ from jaxtyping import Array, Float, Int
 from pallas_kernels.addressing import next_pow2
 
 BLOCK_TOKENS = 16
+NUM_WARPS = 4
 
 
 def _top_k_kernel(logits_ref, weights_ref, experts_ref, *, k: int, normalize: bool):
@@ -53,11 +54,12 @@ def _top_k_kernel(logits_ref, weights_ref, experts_ref, *, k: int, normalize: bo
     pltr.store(experts_ref.at[out], chosen_e)
 
 
-@functools.partial(jax.jit, static_argnames=("k", "normalize", "interpret"))
-def top_k_routing(logits: Float[Array, "tokens experts"], k: int, normalize: bool, interpret: bool = False
-                  ) -> tuple[Float[Array, "tokens k"], Int[Array, "tokens k"]]:
+@functools.partial(jax.jit, static_argnames=("k", "normalize", "interpret", "num_warps"))
+def top_k_routing(logits: Float[Array, "tokens experts"], k: int, normalize: bool, interpret: bool = False,
+                  num_warps: int = NUM_WARPS) -> tuple[Float[Array, "tokens k"], Int[Array, "tokens k"]]:
     """(the k largest softmax probabilities of each row, float32, renormalised to sum to 1 where `normalize`; their
-    expert ids), as `lax.top_k(softmax(logits), k)` gives them."""
+    expert ids), as `lax.top_k(softmax(logits), k)` gives them. `num_warps`: fewer warps reduce a row with fewer
+    steps through shared memory (each of the k rounds reduces twice)."""
     tokens, num_experts = logits.shape
     if not 0 < k <= num_experts:
         raise ValueError(f"top-{k} routing over {num_experts} experts")
@@ -69,7 +71,7 @@ def top_k_routing(logits: Float[Array, "tokens experts"], k: int, normalize: boo
         in_specs=[pl.no_block_spec],
         out_specs=[pl.no_block_spec, pl.no_block_spec],
         out_shape=[jax.ShapeDtypeStruct(padded, jnp.float32), jax.ShapeDtypeStruct(padded, jnp.int32)],
-        compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="moe_top_k",
     )(logits)
