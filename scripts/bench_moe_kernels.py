@@ -116,6 +116,22 @@ def loop_device_us(key, x, w, tokens: int, layout: str, configs=None, real: int 
     return timeit(jax.jit(run), x, w, ex, rw) / LOOP_LAYERS * 1e6
 
 
+def layout_loop_us(key, tokens: int, block_rows: int) -> dict:
+    """µs per layer of the sorted layout (`routing.expert_tiles`) by comparison and by sort, each `LOOP_LAYERS`
+    times in one jitted loop on its own routing: the device's time, not one call's dispatch."""
+    keys = jax.random.split(key, LOOP_LAYERS)
+    ex, rw = jax.vmap(lambda k: routing(k, tokens))(keys)
+    out = {}
+    for method in ("compare", "sort"):
+        def run(ex, rw, method=method):
+            def body(i, acc):
+                tiles = expert_tiles(ex[i], rw[i], EXPERTS, block_rows, method)
+                return acc + tiles.num_tiles[0] + tiles.slot_token[acc % tiles.slot_token.shape[0]]
+            return jax.lax.fori_loop(0, LOOP_LAYERS, body, jnp.int32(0))
+        out[f"layout_{method}_loop_us"] = timeit(jax.jit(run), ex, rw) / LOOP_LAYERS * 1e6
+    return out
+
+
 def router_loop_us(key, tokens: int) -> dict:
     """µs per layer of the router's softmax, top-k and renormalisation: XLA's ops and the one-launch kernel, each
     `LOOP_LAYERS` times in one jitted loop (each round's logits depend on the last's weights)."""
@@ -430,7 +446,9 @@ def main_workers(args, key) -> None:
                 f"(floor {m['floor_us']:.1f} us)")
         if tokens <= 256 and real is None:  # the router's launches beside the experts'
             m |= router_loop_us(kr, tokens)
-            log({key: v for key, v in m.items() if key.startswith("router")})
+        if layout_for(tokens, "auto") == "sorted" and tokens * TOP_K <= 4 * COMPARE_MAX_PAIRS:
+            m |= layout_loop_us(kr, tokens, tile_configs(tokens * TOP_K, EXPERTS)[0].block_rows)
+        log({key: v for key, v in m.items() if key.startswith(("router", "layout"))})
         metrics[f"grid_{name}"] = m
         for wps in args.workers:
             if wps and f"w{wps}_loop_us" in m and "w0_loop_us" in m:
