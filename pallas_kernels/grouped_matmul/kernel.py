@@ -7,6 +7,11 @@ return at once, and an expert nobody routed to is never read: at batch 1 only th
 Decode-sized steps skip that layout (`Layout` "by_token"): program `(e, j)` takes the step's tokens that chose
 expert `e` and writes in (token, choice) order, summed by `routing.combine_pairs`.
 
+The engine's tiles take a persistent grid instead (`TileConfig.workers_per_sm`): a few programs per SM loop over
+the (row tile, column tile) pairs that have rows, since a grid with one program per possible tile is mostly programs
+that find nothing (at one token, 8 of 128 experts' tiles have rows), and each of them holds its SM's pipelined
+shared memory while it looks: 1.23-1.26× faster at 1 to 64 tokens on an H100, 1.13× at 4,096.
+
 Two launches per MoE layer:
   * `expert_gate_up`: gathers its tokens' rows straight from the activations (no sorted copy of them), multiplies by
     the gate and the up weight in one pass over K (the row tile loaded once for both), and writes
