@@ -50,7 +50,7 @@ def route(
     """Top-k experts per token: softmax in float32 over all experts, then (optionally) renormalised over the k; in
     one kernel where `kernels` can (`PallasExperts.top_k`)."""
     logits = linear(x, router, precision=precision).astype(jnp.float32)
-    if kernels is not None and kernels.fuses_top_k(router):
+    if kernels is not None and kernels.fuses_top_k(router, x.shape[0]):
         weights, experts = kernels.top_k(logits, moe)
         return weights.astype(x.dtype), experts
     if isinstance(router, InvariantWeight) and router.impl != "xla":
@@ -71,10 +71,11 @@ class PallasExperts:
 
     interpret: bool = False  # CPU tests run the same kernels in Pallas interpret mode
     mesh: jax.sharding.Mesh | None = None
-    # The router's softmax, top-k and renormalisation as one Pallas launch. Off: on an H100 it took 13.4 µs a layer
-    # at 16 tokens (the engine's smallest bucket) against 10.4 for XLA's ops (12.6 vs 13.8 at one token;
-    # `benchmarks/results/2026-12-06-moe-kernels.json`).
-    fused_router: bool = False
+    # The router's softmax, top-k and renormalisation as one single-warp Pallas launch for steps of at most this
+    # many tokens (one program; 0: never). On an H100 (`benchmarks/results/2026-12-06-moe-grid-2a0e0df.json`): 6.6 µs
+    # a layer at one token against 16.3 for XLA's three ops; at 256 tokens 14.8 against 11.3, so larger steps keep
+    # XLA's. (Four warps, as before, took 12.7 at one token: each of the k rounds reduces through shared memory.)
+    fused_router_max_tokens: int = 16  # one program: `pallas_kernels.grouped_matmul.router.BLOCK_TOKENS`
 
     def __call__(self, x, w: dict[str, Array], experts, weights, act: str, precision: Precision):
         """With a batch-invariant router (`--deterministic`), one tile configuration serves every step size, so a
@@ -100,17 +101,18 @@ class PallasExperts:
                                 check_vma=False)
         return partial(x, experts, weights, kernel_weights(operands))
 
-    def fuses_top_k(self, router) -> bool:
-        """The router's softmax, top-k and renormalisation as one launch where `fused_router` asks, except with a
-        batch-invariant router (`--deterministic`), whose softmax has its own kernel."""
-        return self.fused_router and not isinstance(router, InvariantWeight)
+    def fuses_top_k(self, router, tokens: int) -> bool:
+        """The router's softmax, top-k and renormalisation as one launch for steps of up to
+        `fused_router_max_tokens`, except with a batch-invariant router (`--deterministic`), whose softmax has its
+        own kernel."""
+        return tokens <= self.fused_router_max_tokens and not isinstance(router, InvariantWeight)
 
     def top_k(self, logits: Float[Array, "tokens experts"], moe: MoeSpec):
         """(weights, expert ids) of each token, on every device of the mesh alike (the logits are replicated)."""
         from pallas_kernels.grouped_matmul.router import top_k_routing
 
         return on_every_device(lambda l: top_k_routing(l, moe.num_experts_per_tok, moe.norm_topk_prob,
-                                                       interpret=self.interpret), self.mesh, logits)
+                                                       interpret=self.interpret, num_warps=1), self.mesh, logits)
 
 
 def skip_padding(experts: Int[Array, "tokens k"], num_tokens: Int[Array, ""] | None) -> Int[Array, "tokens k"]:

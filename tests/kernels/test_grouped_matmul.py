@@ -94,13 +94,14 @@ def layer_weights(rng, d=32):
     return {k: jnp.asarray(rng.standard_normal(s) * s[-2] ** -0.5, jnp.float32) for k, s in shape.items()}
 
 
-@pytest.mark.parametrize("fused_router", [False, True], ids=["xla_router", "fused_router"])
-def test_layer_through_kernels_matches_ragged_dot_and_skips_padding(fused_router):
+@pytest.mark.parametrize("fused_router_max_tokens", [0, 16], ids=["xla_router", "fused_router"])
+def test_layer_through_kernels_matches_ragged_dot_and_skips_padding(fused_router_max_tokens):
     rng = np.random.default_rng(SEED + 1)
     w, x = layer_weights(rng), jnp.asarray(rng.standard_normal((16, 32)), jnp.float32)
     hi = jax.lax.Precision.HIGHEST
     want = moe_mlp(x, w, MOE, "silu", hi)
-    got = moe_mlp(x, w, MOE, "silu", hi, PallasExperts(interpret=True, fused_router=fused_router), jnp.int32(11))
+    got = moe_mlp(x, w, MOE, "silu", hi, PallasExperts(interpret=True, fused_router_max_tokens=fused_router_max_tokens),
+                  jnp.int32(11))
     np.testing.assert_allclose(np.asarray(got[:11]), np.asarray(want[:11]), atol=2e-5)
     np.testing.assert_array_equal(np.asarray(got[11:]), 0)  # padding tokens routed nowhere
 
