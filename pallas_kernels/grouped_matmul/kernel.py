@@ -136,22 +136,14 @@ def _rows(layout: Layout, refs, t, block_rows: int) -> Rows:
                 jnp.sum(real.astype(jnp.int32)) > 0)
 
 
-PAIRS_PER_PASS = 16  # choices compared with every expert per pass: an [experts, 16] block stays in registers
-
-
 def _chosen_experts(experts_ref, layout: Layout):
     """By token: (how many distinct experts the step chose, a function from `a` to the `a`-th of them in id
-    order), comparing the step's choices with every expert `PAIRS_PER_PASS` at a time (one `[experts, pairs]`
-    comparison spilled registers: 16 tokens' compaction cost each launch ~5 µs more than one token's on an H100)."""
+    order), from one `[experts, pairs]` comparison of the step's choices in registers."""
     pairs = layout.tokens * layout.k
+    p = _arange(0, next_pow2(pairs))
+    ids = pltr.load(experts_ref.at[jnp.minimum(p, pairs - 1)], mask=p < pairs, other=-1)
     e = _arange(0, next_pow2(layout.experts))
-
-    def compare(i, hits):
-        p = _arange(i * PAIRS_PER_PASS, PAIRS_PER_PASS)
-        ids = pltr.load(experts_ref.at[jnp.minimum(p, pairs - 1)], mask=p < pairs, other=-1)
-        return hits + jnp.sum((ids[None, :] == e[:, None]).astype(jnp.int32), axis=1)
-
-    hits = lax.fori_loop(0, pl.cdiv(pairs, PAIRS_PER_PASS), compare, jnp.zeros(e.shape, jnp.int32))
+    hits = jnp.sum((ids[None, :] == e[:, None]).astype(jnp.int32), axis=1)
     chosen = ((hits > 0) & (e < layout.experts)).astype(jnp.int32)
     rank = jnp.cumsum(chosen, axis=0) - chosen
     return jnp.sum(chosen), lambda a: jnp.sum(jnp.where((chosen > 0) & (rank == a), e, 0))
