@@ -10,7 +10,11 @@ from zero, and the chunk sums are added in chunk order. A decode step's few rows
 narrow weight (the 8B model's o and down projections: 32 column tiles for 132 SMs), so there the chunks run as
 programs of their own, writing float32 partials that are then added in chunk order; a larger step sums its chunks
 one after the other inside each program. The arithmetic is the same either way, instruction for instruction and in
-the same order, so a row's result never depends on which way its step ran.
+the same order, so a row's result never depends on which way its step ran. Inside one program the chunks share one
+loop over K (a chunk folded into the total at its last step), so the software pipeline is not restarted per chunk.
+
+The output tile may vary by shape (`tile_for`: 128 × 256 for one-chunk weights at prefill row counts) since it only
+decides which program computes an output, not that output's additions.
 
 Triton rules (JAX-PALLAS.md §1.2): power-of-two tiles, ragged edges masked, no scratch.
 """
