@@ -3,7 +3,7 @@ row alone, so a request's logits do not depend on the batch, the chunking or the
 
 An `InvariantWeight` wraps a float weight the way `QuantizedWeight` wraps an 8-bit one: `layers/linear.py` and the
 LM head (`models/decoder.py:compute_logits`) dispatch on it. On NVIDIA GPUs it runs `pallas_kernels/invariant_matmul`
-(one tile configuration for every shape, no split-K); on the CPU, where XLA's dot already reduces a row the same way
+(one K order for every shape: fixed steps and chunks fixed by the weight's shape); on the CPU, where XLA's dot already reduces a row the same way
 whatever the row count (the engine's CPU tests hold it), the plain dot.
 
 Row reductions go the same way: the norms' weights are wrapped as `InvariantNorm` (`layers/norm.py` dispatches on
