@@ -101,3 +101,19 @@ def test_another_output_tile_keeps_the_k_steps_and_matches_float64(block_m, bloc
     assert np.abs(ours - ref).max() <= 1e-5 * np.abs(ref).max()
     with pytest.raises(ValueError, match="K steps"):
         invariant_matmul(jnp.asarray(x), jnp.asarray(w), interpret=True, tile=Tile(block_k=2 * TILE.block_k))
+
+
+@pytest.mark.parametrize("k", [200, 700], ids=["one_chunk", "two_chunks"])
+def test_the_wide_tile_gives_the_default_tiles_bits(k):
+    """`tile_for`'s wide tile changes which program computes an output, never its additions: bf16 rows equal bit
+    for bit to `TILE`'s, with one K chunk (one accumulator) and with two (folded in one loop)."""
+    from pallas_kernels.invariant_matmul.kernel import TILE, WIDE, k_chunks
+
+    rng = np.random.default_rng(np.random.SeedSequence().entropy)
+    m, n = 150, 300  # ragged in every dimension
+    assert k_chunks(k, n) == (1 if k == 200 else 2)
+    x = jnp.asarray(rng.normal(0, 1, (m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(0, 1, (k, n)), jnp.bfloat16)
+    default, wide = (np.asarray(invariant_matmul(x, w, interpret=True, split=False, tile=t), np.float32)
+                     for t in (TILE, WIDE))
+    assert np.array_equal(default, wide)
