@@ -86,6 +86,21 @@ def test_kernels_match_float64(layout, dtype, order, workers_per_sm):
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=tol * np.abs(want).max(), rtol=0)
 
 
+@pytest.mark.parametrize("tokens", [24, 40], ids=["32_row_tiles", "64_row_tiles"])
+def test_default_tiles_match_float64(tokens):
+    """The engine's own tiles (`tile_configs`: rows twice the mean rows per expert, K steps shortened to match) on a
+    sorted step, against float64."""
+    from pallas_kernels.grouped_matmul import tile_configs
+
+    rng = np.random.default_rng(SEED + 2)
+    x, w, experts, routing = random_case(rng, tokens, 4, 2, 48, 40, jnp.float32)
+    assert tile_configs(tokens * 2, 4)[0].block_rows == (32 if tokens == 24 else 64)
+    got = moe_experts(x, w, jnp.asarray(experts), routing, act=jax.nn.silu, interpret=True,
+                      precision=jax.lax.Precision.HIGHEST, layout="sorted")
+    want = numpy_experts(x, w, experts, routing)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-5 * np.abs(want).max(), rtol=0)
+
+
 MOE = MoeSpec(num_experts=8, num_experts_per_tok=3, intermediate_size=24, norm_topk_prob=True, weight_style="qwen")
 
 
@@ -227,11 +242,11 @@ def test_fused_top_k_routing_matches_float64(tokens, num_experts, k, normalize):
     np.testing.assert_allclose(np.asarray(weights, np.float64), want, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("tokens", [1, 16, 64])
+@pytest.mark.parametrize("tokens", [1, 16, 64, 256, 512])
 @pytest.mark.parametrize("workers_per_sm", [0, 2])
 def test_lowers_for_h200(tokens, workers_per_sm):
     """Both grids lower through Triton at the Qwen3-30B-A3B layer shape, in each step size's layout (by token up to
-    16 tokens, sorted above): two launches, gate/up and down."""
+    16 tokens, sorted above) and row tile (16, 32 and 64 rows): two launches, gate/up and down."""
     from pallas_kernels.grouped_matmul import tile_configs
     from tests.kernels.test_lowering import S, lower_for_h200
 
