@@ -34,7 +34,7 @@ from gpu_bench_common import copy_bandwidth, log, matmul_rate, timeit  # noqa: E
 
 from pallas_kernels.grouped_matmul import ExpertWeights, TileConfig, moe_experts, tile_configs  # noqa: E402
 from pallas_kernels.grouped_matmul.kernel import expert_down, expert_gate_up, scaling_of  # noqa: E402
-from pallas_kernels.grouped_matmul.moe import fit_steps, layout_for  # noqa: E402
+from pallas_kernels.grouped_matmul.moe import WORKERS_PER_SM, fit_steps, layout_for  # noqa: E402
 from pallas_kernels.grouped_matmul.routing import COMPARE_MAX_PAIRS, expert_tiles  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
@@ -191,11 +191,12 @@ def expert_bytes(n_experts: int) -> int:
 
 
 def sweep_configs(tokens: int) -> list[tuple[TileConfig, TileConfig]]:
-    if tokens * TOP_K / EXPERTS <= 16:
-        cands = [TileConfig(16, bn, bk, 4, st) for bn in (16, 32, 64) for bk in (128, 256, 512) for st in (3, 4)]
+    if tokens * TOP_K / EXPERTS <= 16:  # 32-row tiles with K steps short enough for their stages
+        cands = [TileConfig(rows, bn, bk, 4, st, WORKERS_PER_SM) for rows in (16, 32) for bn in (16, 32, 64)
+                 for bk in (128, 256, 512) for st in (3, 4) if rows * bk <= 16 * 512]
     else:
-        rows = (64, 128) if tokens >= 1024 else (16, 32)
-        cands = [TileConfig(r, bn, bk, wp, st) for r in rows for bn in (64, 128) for bk in (32, 64)
+        rows = (64, 128) if tokens >= 512 else (32, 64)
+        cands = [TileConfig(r, bn, bk, wp, st, WORKERS_PER_SM) for r in rows for bn in (64, 128) for bk in (32, 64)
                  for wp in (4, 8) for st in (3, 4)]
     return cands
 
