@@ -42,6 +42,13 @@ class ExpertWeights(NamedTuple):
 WORKERS_PER_SM = 2
 
 
+def with_rows(cfg: TileConfig, rows: int) -> TileConfig:
+    """`cfg` with `rows` rows a tile and its K steps shortened in proportion, so each pipeline stage keeps the
+    shared memory of the configured tile (64 rows at the decode tiles' 16 × 256 would ask for 256 KiB a launch; an
+    H100 has 227)."""
+    return dataclasses.replace(cfg, block_rows=rows, block_k=max(16, cfg.block_k * cfg.block_rows // rows))
+
+
 def tile_configs(num_pairs: int, num_experts: int, itemsize: int = 2) -> tuple[TileConfig, TileConfig]:
     """(gate/up, down) tiles for a step of `num_pairs` (token, expert) pairs. Few rows per expert (decode) is
     bandwidth-bound: narrow column tiles so the weights spread over every SM. Many rows (prefill): wide tensor-core
@@ -55,12 +62,12 @@ def tile_configs(num_pairs: int, num_experts: int, itemsize: int = 2) -> tuple[T
     rows_per_expert = num_pairs / num_experts
     shrink = max(itemsize // 2, 1)
     rows = max(16, next_pow2(math.ceil(2 * rows_per_expert)))
-    if rows <= 32:  # decode: K steps shortened as the rows grow, so a pipeline stage keeps 16 x 256's bytes
-        block_k = 256 * 16 // rows // shrink
-        return (TileConfig(block_rows=rows, block_n=32, block_k=block_k, num_warps=4, num_stages=4,
-                           workers_per_sm=WORKERS_PER_SM),
-                TileConfig(block_rows=rows, block_n=64, block_k=block_k, num_warps=4, num_stages=4,
-                           workers_per_sm=WORKERS_PER_SM))
+    if rows <= 32:  # decode: 16 x 256 tiles, their K steps shortened if the rows grow (`with_rows`)
+        decode = (TileConfig(block_rows=16, block_n=32, block_k=256 // shrink, num_warps=4, num_stages=4,
+                             workers_per_sm=WORKERS_PER_SM),
+                  TileConfig(block_rows=16, block_n=64, block_k=256 // shrink, num_warps=4, num_stages=4,
+                             workers_per_sm=WORKERS_PER_SM))
+        return tuple(with_rows(c, rows) for c in decode)
     rows = min(rows, 64)
     wide = TileConfig(block_rows=rows, block_n=128, block_k=64 // shrink, num_warps=8, num_stages=3,
                       workers_per_sm=WORKERS_PER_SM)
@@ -88,11 +95,8 @@ BY_TOKEN_MAX_TOKENS = 16  # up to here a step skips the routing layout (`kernel.
 
 
 def by_token_tile(cfg: TileConfig, tokens: int) -> TileConfig:
-    """`cfg` for the by-token layout, whose row tile holds every token of the step: K steps shortened as the rows
-    grow, so each pipeline stage keeps the shared memory of the configured tile (64 tokens at the decode tiles'
-    16 × 256 would ask for 256 KiB; an H100 has 227)."""
-    rows = max(cfg.block_rows, next_pow2(tokens))
-    return dataclasses.replace(cfg, block_rows=rows, block_k=max(16, cfg.block_k * cfg.block_rows // rows))
+    """`cfg` for the by-token layout, whose row tile holds every token of the step (`with_rows`)."""
+    return with_rows(cfg, max(cfg.block_rows, next_pow2(tokens)))
 
 
 def layout_for(tokens: int, layout: Literal["auto", "sorted", "by_token"]) -> Literal["sorted", "by_token"]:
