@@ -157,21 +157,23 @@ def _kernel_chunk(x_ref, w_ref, partial_ref, *, tile: Tile, transposed: bool, ch
                mask=(rows[:, None] < m_dim) & (cols[None, :] < n_dim))
 
 
-@functools.partial(jax.jit, static_argnames=("transposed", "out_dtype", "interpret", "split", "tile"))
+@functools.partial(jax.jit, static_argnames=("transposed", "out_dtype", "interpret", "split", "tile", "chunks"))
 def invariant_matmul(
     x: Float[Array, "m k"], w: Float[Array, "k n"] | Float[Array, "n k"], *, transposed: bool = False,
     out_dtype=None, interpret: bool = False, split: bool | None = None, tile: Tile | None = None,
+    chunks: int | None = None,
 ) -> Float[Array, "m n"]:
     """`x @ w` (`transposed`: `x @ w.T` for w `[n, k]`, the LM head's layout), in `out_dtype` (x's by default).
     `split`: run the K chunks as programs of their own (default: for steps of at most SPLIT_MAX_ROWS rows); the
     result is the same either way. `tile`: the output tile (and warps, stages) for the K steps and chunks `TILE`
-    fixes; default `tile_for` the shape."""
+    fixes; default `tile_for` the shape. `chunks`: the K chunks (default `k_chunks` of the weight's shape; another
+    count gives other bits, for probes of other schemes)."""
     (m, k), n = x.shape, w.shape[0] if transposed else w.shape[1]
     tile = tile or tile_for(m, k, n)
     if tile.block_k != TILE.block_k:
         raise ValueError(f"tile.block_k={tile.block_k}: the K steps are fixed at {TILE.block_k}")
     out_dtype = out_dtype or x.dtype
-    chunks = k_chunks(k, n)
+    chunks = chunks or k_chunks(k, n)
     chunk_steps = pl.cdiv(pl.cdiv(k, TILE.block_k), chunks)
     if split is None:
         split = split_pays(m, k, chunks, jnp.dtype(w.dtype).itemsize)

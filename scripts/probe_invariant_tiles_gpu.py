@@ -1,0 +1,133 @@
+"""Which K chunking and output tile should the batch-invariant matmul use at each row count? Bits and time.
+
+The invariant matmul's bits are fixed by its K steps and K chunks (`pallas_kernels/invariant_matmul`); the output
+tile, warps and stages only decide which program computes an output. Chunks exist so that a decode step's few rows
+can split K across the SMs, but a step of many rows must then fold the chunks too (a second accumulator, which
+spills wide tiles). This probe asks whether one chunk with narrow output tiles at decode row counts, and wide ones
+at prefill row counts, beats today's default, and whether every such tile keeps the one-chunk bits.
+
+For each of Llama-3.1-8B's projections and its LM head, at each row count: µs per call of XLA's dot (cuBLAS, the
+peer), of the default invariant matmul, and of each one-chunk candidate tile; each timed as `--calls`-weight chains
+inside one program (distinct weights, so the L2 cannot hold them; no host dispatch in the time). Bits: every
+one-chunk candidate's rows against the one-chunk `TILE` result at 4,096 rows (the same rows at the top). Results are
+written after every projection, so a call that runs out of time keeps what it measured.
+
+    PYTHONPATH=. python scripts/probe_invariant_tiles_gpu.py --out $OUT --git-sha <sha>
+    PYTHONPATH=. python scripts/probe_invariant_tiles_gpu.py --tiny --out /tmp/probe     # CPU: paths only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_bench_common import log, timeit  # noqa: E402
+
+SHAPES = {"qkv": (4096, 6144, False), "o": (4096, 4096, False), "down": (14336, 4096, False),
+          "gate_up": (4096, 28672, False), "lm_head": (4096, 128256, True)}  # (k, n, transposed)
+# (block_m, block_n, num_warps, num_stages) one-chunk candidates, by row count class
+DECODE = [(64, 16, 4, 4), (64, 32, 4, 4), (64, 64, 4, 4), (16, 32, 4, 4)]
+MIDDLE = [(64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)]
+PREFILL = [(128, 128, 8, 3), (128, 256, 8, 3), (256, 128, 8, 3)]
+
+
+def candidates(rows: int) -> list[tuple[int, int, int, int]]:
+    return DECODE if rows <= 64 else MIDDLE if rows <= 1024 else PREFILL
+
+
+def weights(k: int, n: int, transposed: bool, count: int):
+    import jax
+    import jax.numpy as jnp
+
+    shape = (n, k) if transposed else (k, n)
+    return [(jax.random.normal(jax.random.key(k + n + i), shape, jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+            for i in range(count)]
+
+
+def chain(matmul):
+    """One program calling `matmul` on each weight in turn (the sum keeps every call live)."""
+    import jax
+    import jax.numpy as jnp
+
+    @jax.jit
+    def run(x, ws):
+        return sum(jnp.sum(matmul(x, w)[:, :8].astype(jnp.float32)) for w in ws)
+
+    return run
+
+
+def rows_equal(small, large) -> bool:
+    small, large = np.asarray(small), np.asarray(large)
+    return bool(np.array_equal(small.view(np.uint8), large[: small.shape[0]].view(np.uint8)))
+
+
+def probe_shape(name: str, k: int, n: int, transposed: bool, args) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.invariant_matmul import TILE, invariant_matmul
+    from pallas_kernels.invariant_matmul.kernel import Tile, k_chunks
+
+    count = 1 if args.tiny else max(2, min(args.calls, int(4e8 // (2 * k * n))))
+    ws = weights(k, n, transposed, count)
+    top = 48 if args.tiny else 4096
+    x_all = jax.random.normal(jax.random.key(1), (top, k), jnp.bfloat16)
+    dims = (((1,), (1 if transposed else 0,)), ((), ()))
+    interp = args.tiny
+
+    def ours(tile=None, chunks=None):
+        return lambda x, w: invariant_matmul(x, w, transposed=transposed, interpret=interp, tile=tile, chunks=chunks)
+
+    reference = ours(TILE, 1)(x_all, ws[0])
+    per_call = lambda fn, x: 1e6 * timeit(chain(fn), x, ws, runs=3) / count  # noqa: E731
+    out: dict = {"weights_chained": count, "default_chunks": k_chunks(k, n)}
+    for rows in ((1, 8, 40) if args.tiny else args.rows):
+        x = x_all[:rows]
+        entry = {"xla_us": per_call(lambda a, w: jax.lax.dot_general(a, w, dims), x), "default_us": per_call(ours(), x)}
+        for block_m, block_n, warps, stages in candidates(rows):
+            key = f"m{block_m}_n{block_n}_w{warps}_s{stages}"
+            tile = Tile(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
+            try:
+                entry[f"{key}_same_bits"] = rows_equal(ours(tile, 1)(x, ws[0]), reference)
+                entry[f"{key}_us"] = per_call(ours(tile, 1), x)
+            except Exception as e:  # noqa: BLE001 - a candidate that does not compile is reported, not fatal
+                entry[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        timed = {key[:-3]: value for key, value in entry.items() if key.endswith("_us") and key[0] == "m"}
+        if timed:
+            best = min(timed, key=timed.get)
+            entry.update(best=best, best_vs_xla=entry["xla_us"] / timed[best],
+                         default_vs_xla=entry["xla_us"] / entry["default_us"])
+        out[str(rows)] = entry
+        log({f"{name}_{rows}": entry})
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--git-sha", default="unknown")
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256, 1024, 4096])
+    parser.add_argument("--calls", type=int, default=8, help="most weights chained per timed program")
+    args = parser.parse_args()
+    import jax
+
+    record = {"git_sha": args.git_sha, "device": jax.devices()[0].device_kind, "shapes": {}}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in args.shapes:
+        k, n, transposed = (96, 80, name == "lm_head") if args.tiny else SHAPES[name]
+        record["shapes"][name] = probe_shape(name, k, n, transposed, args)
+        (out / f"invariant_tiles_{args.git_sha}.json").write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()
