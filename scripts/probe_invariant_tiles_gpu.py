@@ -32,10 +32,11 @@ from gpu_bench_common import log, timeit  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144, False), "o": (4096, 4096, False), "down": (14336, 4096, False),
           "gate_up": (4096, 28672, False), "lm_head": (4096, 128256, True)}  # (k, n, transposed)
-# (block_m, block_n, num_warps, num_stages) one-chunk candidates, by row count class
-DECODE = [(64, 16, 4, 4), (64, 32, 4, 4), (64, 64, 4, 4), (16, 32, 4, 4)]
-MIDDLE = [(64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)]
-PREFILL = [(128, 128, 8, 3), (128, 256, 8, 3), (256, 128, 8, 3)]
+# (block_m, block_n, block_k, num_warps, num_stages) one-chunk candidates, by row count class
+DECODE = [(64, 32, 64, 4, 4), (16, 32, 256, 4, 4), (16, 64, 256, 4, 4), (16, 32, 128, 4, 6), (16, 16, 256, 4, 6),
+          (64, 32, 256, 4, 3), (64, 64, 128, 4, 4), (32, 64, 256, 4, 4)]
+MIDDLE = [(64, 64, 64, 4, 4), (64, 64, 128, 4, 3), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (64, 128, 128, 4, 3)]
+PREFILL = [(128, 256, 64, 8, 3), (128, 128, 128, 8, 3), (128, 256, 128, 8, 2), (256, 128, 64, 8, 3)]
 
 
 def candidates(rows: int) -> list[tuple[int, int, int, int]]:
@@ -91,9 +92,9 @@ def probe_shape(name: str, k: int, n: int, transposed: bool, args) -> dict:
     for rows in ((1, 8, 40) if args.tiny else args.rows):
         x = x_all[:rows]
         entry = {"xla_us": per_call(lambda a, w: jax.lax.dot_general(a, w, dims), x), "default_us": per_call(ours(), x)}
-        for block_m, block_n, warps, stages in candidates(rows):
-            key = f"m{block_m}_n{block_n}_w{warps}_s{stages}"
-            tile = Tile(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
+        for block_m, block_n, block_k, warps, stages in candidates(rows):
+            key = f"m{block_m}_n{block_n}_k{block_k}_w{warps}_s{stages}"
+            tile = Tile(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)
             try:
                 entry[f"{key}_same_bits"] = rows_equal(ours(tile, 1)(x, ws[0]), reference)
                 entry[f"{key}_us"] = per_call(ours(tile, 1), x)
@@ -115,7 +116,7 @@ def main() -> None:
     parser.add_argument("--git-sha", default="unknown")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256, 1024, 4096])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 4096])
     parser.add_argument("--calls", type=int, default=8, help="most weights chained per timed program")
     args = parser.parse_args()
     import jax

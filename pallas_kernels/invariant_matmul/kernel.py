@@ -170,10 +170,10 @@ def invariant_matmul(
     count gives other bits, for probes of other schemes)."""
     (m, k), n = x.shape, w.shape[0] if transposed else w.shape[1]
     tile = tile or tile_for(m, k, n)
-    if tile.block_k != TILE.block_k:
-        raise ValueError(f"tile.block_k={tile.block_k}: the K steps are fixed at {TILE.block_k}")
     out_dtype = out_dtype or x.dtype
     chunks = chunks or k_chunks(k, n)
+    if tile.block_k != TILE.block_k and chunks > 1:
+        raise ValueError(f"tile.block_k={tile.block_k}: K chunks are counted in steps of {TILE.block_k}")
     chunk_steps = pl.cdiv(pl.cdiv(k, TILE.block_k), chunks)
     if split is None:
         split = split_pays(m, k, chunks, jnp.dtype(w.dtype).itemsize)
