@@ -8,10 +8,8 @@ fast engine's projections), RMSNorm, log-softmax over a 128k vocabulary at 16 vs
 generated position at which each one's top-5 logprobs differ (0: the prefill's token). Run it once per XLA flag set
 to compare (e.g. with `XLA_FLAGS=--xla_allow_excess_precision=false`); `--name` keys the results. `--matmul-cost`
 adds, for each of Llama-3.1-8B's projections and its LM head at 1–4096 rows, the invariant matmul's time beside
-XLA's dot (cuBLAS) and the weight's bytes floor at `--bandwidth` B/s, and whether its K chunks give the same bits
-run as programs and inside each program. `--tile-candidates` times wider output tiles (`TILE_CANDIDATES`: the same
-K steps and chunks) on the same projections at 256 and 4,096 rows and checks each against `TILE`'s output bit for
-bit: a candidate that keeps every bit and is faster can serve prefill rows without breaking invariance.
+XLA's dot (cuBLAS) and the weight's bytes floor at `--bandwidth` B/s (`probe_invariant_tiles_gpu.py` compares the
+matmul's candidate tiles).
 
     PYTHONPATH=. python scripts/probe_invariance_gpu.py --out $OUT --name default --git-sha <sha>
     PYTHONPATH=. python scripts/probe_invariance_gpu.py --tiny --out /tmp/probe --name cpu     # CPU: paths only
@@ -96,13 +94,12 @@ def projection_weights(args):
 
 
 def matmul_costs(args) -> dict:
-    """µs per call of the invariant matmul and of XLA's dot, the bytes floor, and the chunk-path bit check."""
+    """µs per call of the invariant matmul (its default tile for the shape) and of XLA's dot, and the bytes floor."""
     import jax
     import jax.numpy as jnp
 
     from gpu_bench_common import timeit
     from pallas_kernels.invariant_matmul import invariant_matmul
-    from pallas_kernels.invariant_matmul.kernel import k_chunks, split_pays
 
     out: dict = {}
     for name, k, transposed, w in projection_weights(args):
@@ -114,56 +111,9 @@ def matmul_costs(args) -> dict:
             ours = timeit(lambda a, b: invariant_matmul(a, b, transposed=transposed, interpret=args.tiny), x, w)
             theirs = timeit(xla, x, w)
             floor = (w.nbytes + x.nbytes + 2 * rows * n) / args.bandwidth
-            entry = {"invariant_us": 1e6 * ours, "xla_us": 1e6 * theirs, "floor_us": 1e6 * floor,
-                     "invariant_vs_xla": ours / theirs, "chunks": k_chunks(k, n),
-                     "split": split_pays(rows, k, k_chunks(k, n), 2)}
-            if k_chunks(k, n) > 1 and rows <= 256:  # both ways timed: where the switch should sit
-                for mode in (True, False):
-                    entry[f"{'split' if mode else 'whole'}_us"] = 1e6 * timeit(
-                        lambda a, b, mode=mode: invariant_matmul(a, b, transposed=transposed, interpret=args.tiny,
-                                                                 split=mode), x, w)
-            out[f"{name}_{rows}"] = entry
-        if k_chunks(k, n) > 1:
-            x = jax.random.normal(jax.random.key(0), (16, k), jnp.bfloat16)
-            split, whole = (invariant_matmul(x, w, transposed=transposed, interpret=args.tiny, split=mode)
-                            for mode in (True, False))
-            out[f"{name}_chunks_same_bits"] = rows_equal(split, whole)
+            out[f"{name}_{rows}"] = {"invariant_us": 1e6 * ours, "xla_us": 1e6 * theirs, "floor_us": 1e6 * floor,
+                                     "invariant_vs_xla": ours / theirs}
         log({key: value for key, value in out.items() if key.startswith(name)})
-    return out
-
-
-TILE_CANDIDATES = {  # name: (block_m, block_n, num_warps, num_stages); block_k stays TILE's
-    "m128_n128_w8": (128, 128, 8, 3), "m64_n256_w8": (64, 256, 8, 3), "m128_n256_w8": (128, 256, 8, 3),
-    "m128_n128_w4_s4": (128, 128, 4, 4),
-}
-
-
-def tile_candidates(args) -> dict:
-    """Per projection and row count: `TILE`'s time, each candidate's, and whether its output is `TILE`'s bit for
-    bit (the same K steps; only the output tile, warps and stages differ)."""
-    import jax
-    import jax.numpy as jnp
-
-    from gpu_bench_common import timeit
-    from pallas_kernels.invariant_matmul import TILE, invariant_matmul
-    from pallas_kernels.invariant_matmul.kernel import Tile
-
-    out: dict = {}
-    for name, k, transposed, w in projection_weights(args):
-        for rows in ((40,) if args.tiny else (256, 4096)):
-            x = jax.random.normal(jax.random.key(rows), (rows, k), jnp.bfloat16)
-            run = functools.partial(invariant_matmul, transposed=transposed, interpret=args.tiny, split=False)
-            base = run(x, w, tile=TILE)
-            entry = {"tile_us": 1e6 * timeit(functools.partial(run, tile=TILE), x, w)}
-            for cand, (block_m, block_n, warps, stages) in TILE_CANDIDATES.items():
-                tile = Tile(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
-                try:
-                    entry[f"{cand}_same_bits"] = rows_equal(run(x, w, tile=tile), base)
-                    entry[f"{cand}_us"] = 1e6 * timeit(functools.partial(run, tile=tile), x, w)
-                except Exception as e:  # noqa: BLE001 - a candidate that does not compile is reported
-                    entry[f"{cand}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            out[f"{name}_{rows}"] = entry
-            log({f"{name}_{rows}": entry})
     return out
 
 
@@ -235,15 +185,12 @@ def main() -> None:
     parser.add_argument("--workdir", default="/tmp/jengine-determinism")
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--matmul-cost", action="store_true")
-    parser.add_argument("--tile-candidates", action="store_true", help="wider output tiles: bits and time")
     parser.add_argument("--bandwidth", type=float, default=4.0e12, help="copy bandwidth for the floor (B/s)")
     args = parser.parse_args()
     args.moe = False
     record = {"git_sha": args.git_sha, "xla_flags": os.environ.get("XLA_FLAGS", ""), "pieces": pieces(args)}
     if args.matmul_cost:
         record["matmul_cost"] = matmul_costs(args)
-    if args.tile_candidates:
-        record["tile_candidates"] = tile_candidates(args)
     if not args.skip_engine:
         record["engine"] = engine_check(args)
     out = Path(args.out)

@@ -1,16 +1,15 @@
-"""Which K chunking and output tile should the batch-invariant matmul use at each row count? Bits and time.
+"""Which output tile and K step should the batch-invariant matmul use at each row count? Bits and time.
 
-The invariant matmul's bits are fixed by its K steps and K chunks (`pallas_kernels/invariant_matmul`); the output
-tile, warps and stages only decide which program computes an output. Chunks exist so that a decode step's few rows
-can split K across the SMs, but a step of many rows must then fold the chunks too (a second accumulator, which
-spills wide tiles). This probe asks whether one chunk with narrow output tiles at decode row counts, and wide ones
-at prefill row counts, beats today's default, and whether every such tile keeps the one-chunk bits.
+The invariant matmul never splits K, so its output tile, K step, warps and stages only decide which program
+computes an output and how much of K a loop step loads, not the order of a row's additions
+(`pallas_kernels/invariant_matmul`). This probe checks that on the GPU for every candidate and times the candidates,
+to choose `tile_for`'s tiles.
 
 For each of Llama-3.1-8B's projections and its LM head, at each row count: µs per call of XLA's dot (cuBLAS, the
-peer), of the default invariant matmul, and of each one-chunk candidate tile; each timed as `--calls`-weight chains
-inside one program (distinct weights, so the L2 cannot hold them; no host dispatch in the time). Bits: every
-one-chunk candidate's rows against the one-chunk `TILE` result at 4,096 rows (the same rows at the top). Results are
-written after every projection, so a call that runs out of time keeps what it measured.
+peer), of the default invariant matmul, and of each candidate tile; each timed as `--calls`-weight chains inside
+one program (distinct weights, so the L2 cannot hold them; no host dispatch in the time). Bits: every candidate's
+rows against `TILE`'s result at 4,096 rows (the same rows at the top). Results are written after every projection,
+so a call that runs out of time keeps what it measured.
 
     PYTHONPATH=. python scripts/probe_invariant_tiles_gpu.py --out $OUT --git-sha <sha>
     PYTHONPATH=. python scripts/probe_invariant_tiles_gpu.py --tiny --out /tmp/probe     # CPU: paths only
@@ -32,7 +31,7 @@ from gpu_bench_common import log, timeit  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144, False), "o": (4096, 4096, False), "down": (14336, 4096, False),
           "gate_up": (4096, 28672, False), "lm_head": (4096, 128256, True)}  # (k, n, transposed)
-# (block_m, block_n, block_k, num_warps, num_stages) one-chunk candidates, by row count class
+# (block_m, block_n, block_k, num_warps, num_stages) candidates, by row count class
 DECODE = [(64, 32, 64, 4, 4), (16, 32, 256, 4, 4), (16, 64, 256, 4, 4), (16, 32, 128, 4, 6), (16, 16, 256, 4, 6),
           (64, 32, 256, 4, 3), (64, 64, 128, 4, 4), (32, 64, 256, 4, 4)]
 MIDDLE = [(64, 64, 64, 4, 4), (64, 64, 128, 4, 3), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (64, 128, 128, 4, 3)]
@@ -74,7 +73,7 @@ def probe_shape(name: str, k: int, n: int, transposed: bool, args) -> dict:
     import jax.numpy as jnp
 
     from pallas_kernels.invariant_matmul import TILE, invariant_matmul
-    from pallas_kernels.invariant_matmul.kernel import Tile, k_chunks
+    from pallas_kernels.invariant_matmul.kernel import Tile
 
     count = 1 if args.tiny else max(2, min(args.calls, int(4e8 // (2 * k * n))))
     ws = weights(k, n, transposed, count)
@@ -83,21 +82,22 @@ def probe_shape(name: str, k: int, n: int, transposed: bool, args) -> dict:
     dims = (((1,), (1 if transposed else 0,)), ((), ()))
     interp = args.tiny
 
-    def ours(tile=None, chunks=None):
-        return lambda x, w: invariant_matmul(x, w, transposed=transposed, interpret=interp, tile=tile, chunks=chunks)
+    def ours(tile=None):
+        return lambda x, w: invariant_matmul(x, w, transposed=transposed, interpret=interp, tile=tile)
 
-    reference = ours(TILE, 1)(x_all, ws[0])
+    reference = ours(TILE)(x_all, ws[0])
     per_call = lambda fn, x: 1e6 * timeit(chain(fn), x, ws, runs=3) / count  # noqa: E731
-    out: dict = {"weights_chained": count, "default_chunks": k_chunks(k, n)}
+    out: dict = {"weights_chained": count}
     for rows in ((1, 8, 40) if args.tiny else args.rows):
         x = x_all[:rows]
-        entry = {"xla_us": per_call(lambda a, w: jax.lax.dot_general(a, w, dims), x), "default_us": per_call(ours(), x)}
-        for block_m, block_n, block_k, warps, stages in candidates(rows):
+        entry = {"xla_us": per_call(lambda a, w: jax.lax.dot_general(a, w, dims), x), "default_us": per_call(ours(), x),
+                 "default_same_bits": rows_equal(ours()(x, ws[0]), reference)}
+        for block_m, block_n, block_k, warps, stages in ([] if args.default_only else candidates(rows)):
             key = f"m{block_m}_n{block_n}_k{block_k}_w{warps}_s{stages}"
             tile = Tile(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)
             try:
-                entry[f"{key}_same_bits"] = rows_equal(ours(tile, 1)(x, ws[0]), reference)
-                entry[f"{key}_us"] = per_call(ours(tile, 1), x)
+                entry[f"{key}_same_bits"] = rows_equal(ours(tile)(x, ws[0]), reference)
+                entry[f"{key}_us"] = per_call(ours(tile), x)
             except Exception as e:  # noqa: BLE001 - a candidate that does not compile is reported, not fatal
                 entry[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         timed = {key[:-3]: value for key, value in entry.items() if key.endswith("_us") and key[0] == "m"}
@@ -117,6 +117,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 4096])
+    parser.add_argument("--default-only", action="store_true", help="no candidates: the default tile and XLA's dot")
     parser.add_argument("--calls", type=int, default=8, help="most weights chained per timed program")
     args = parser.parse_args()
     import jax

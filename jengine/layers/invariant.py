@@ -3,8 +3,8 @@ row alone, so a request's logits do not depend on the batch, the chunking or the
 
 An `InvariantWeight` wraps a float weight the way `QuantizedWeight` wraps an 8-bit one: `layers/linear.py` and the
 LM head (`models/decoder.py:compute_logits`) dispatch on it. On NVIDIA GPUs it runs `pallas_kernels/invariant_matmul`
-(one K order for every shape: fixed steps and chunks fixed by the weight's shape); on the CPU, where XLA's dot already reduces a row the same way
-whatever the row count (the engine's CPU tests hold it), the plain dot.
+(K never split: one accumulator per output walks K in order, whatever tile the row count picks); on the CPU, where
+XLA's dot already reduces a row the same way whatever the row count (the engine's CPU tests hold it), the plain dot.
 
 Row reductions go the same way: the norms' weights are wrapped as `InvariantNorm` (`layers/norm.py` dispatches on
 it), and the log-softmax of the logprobs and the MoE router's softmax use `invariant_log_softmax`, each on

@@ -1,8 +1,7 @@
 """The batch-invariant matmul (`pallas_kernels/invariant_matmul`, interpret mode) against float64 numpy, in both
-weight layouts with ragged edges; its K chunks run as programs of their own or inside each program with bit for bit
-the same result, and a row's result is bit for bit the same at every row count, on both sides of the switch; the
-Triton lowering for an H200 of 8B-shaped projections and the LM head, at decode and prefill row counts. Tolerance:
-1e-5 · max|ref| (float32 inputs)."""
+weight layouts with ragged edges; a row's result bit for bit the same at every row count (each picking another tile
+and K step), and under every candidate tile; the Triton lowering for an H200 of 8B-shaped projections and the LM
+head at each row class's tile. Tolerance: 1e-5 · max|ref| (float32 inputs)."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.invariant_matmul import invariant_matmul
-from pallas_kernels.invariant_matmul.kernel import k_chunks, split_pays
+from pallas_kernels.invariant_matmul.kernel import NARROW_TILES, TILE, WIDE, Tile, tile_for
 
 
 @pytest.mark.parametrize("transposed", [False, True])
@@ -26,53 +25,36 @@ def test_matches_float64(m, k, n, transposed):
     assert np.abs(ours - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
-@pytest.mark.parametrize("k", [96, 1100])
-def test_a_row_is_the_same_alone_and_in_any_batch(k):
-    rng = np.random.default_rng(7 + k)
-    n = 160
+@pytest.mark.parametrize("n", [160, 20000], ids=["narrow", "wide"])
+def test_a_row_is_the_same_alone_and_in_any_batch(n):
+    """Row counts from 1 to 2,100 cross every tile class (K steps of 64, 128 and 256, output tiles 16 to 128 rows)."""
+    rng = np.random.default_rng(np.random.SeedSequence().entropy)
+    k = 300  # ragged against every K step
     w = jnp.asarray(rng.normal(0, 1, (k, n)).astype(np.float32))
     row = rng.normal(0, 1, (1, k)).astype(np.float32)
     alone = np.asarray(invariant_matmul(jnp.asarray(row), w, interpret=True))[0]
-    if k_chunks(k, n) > 1:  # both sides of the switch are crossed below
-        assert split_pays(64, k, k_chunks(k, n), 4) and not split_pays(130, k, k_chunks(k, n), 4)
-    for m, at in ((5, 3), (64, 63), (130, 100)):
+    counts = (5, 64, 130) if n > 160 else (5, 64, 130, 300, 2100)
+    assert len({tile_for(m, n) for m in (1, *counts)}) == (2 if n > 160 else 5)
+    for m in counts:
         batch = rng.normal(0, 1, (m, k)).astype(np.float32)
+        at = int(rng.integers(m))
         batch[at] = row[0]
         out = np.asarray(invariant_matmul(jnp.asarray(batch), w, interpret=True))
         assert np.array_equal(out[at], alone), f"row {at} of {m} differs from the row alone"
 
 
-def test_chunks_follow_the_weight_alone():
-    """Llama-3.1-8B's projections: the narrow ones (32–48 column tiles of 128) split K until a row tile fills
-    132 SMs; the wide ones need no split."""
-    assert k_chunks(4096, 6144) == 4  # q/k/v: 48 column tiles
-    assert k_chunks(4096, 4096) == 8  # o: 32
-    assert k_chunks(14336, 4096) == 8  # down
-    assert k_chunks(4096, 28672) == 1 and k_chunks(4096, 128256) == 1  # gate/up, the LM head
-    assert k_chunks(300, 128) == 1  # too short a K to split
-    assert k_chunks(2048, 128) == 8  # a MoE router: each chunk at least 4 steps of 64
-    # a decode step of 64 rows splits each narrow bf16 weight (its partials at most half the weight's bytes)
-    assert all(split_pays(64, k, k_chunks(k, n), 2) for k, n in ((4096, 6144), (4096, 4096), (14336, 4096)))
-    assert not split_pays(65, 14336, 8, 2) and not split_pays(1, 4096, 1, 2)  # two row tiles; nothing to split
-    assert not split_pays(64, 2048, 8, 2)  # a router's partials would outweigh it
+def test_tiles_follow_the_row_count_and_fit_shared_memory():
+    """Narrow weights (Llama-3.1-8B's q/k/v, o, down): long K steps on few rows, wider tiles as rows grow; wide
+    weights (gate/up, the LM head) the default tile below 128 rows and the wide one above; stages cut for f32."""
+    assert [tile_for(m, 4096) for m in (1, 16, 17, 64, 65, 256, 257, 2048)] == [
+        t for _, t in NARROW_TILES for _ in (0, 1)]
+    assert tile_for(4096, 6144) == WIDE and tile_for(2049, 4096) == WIDE
+    assert tile_for(1, 28672) == TILE and tile_for(127, 128256) == TILE and tile_for(128, 28672) == WIDE
+    assert tile_for(1, 4096, itemsize=4).num_stages < NARROW_TILES[0][1].num_stages
+    assert all(t.stage_bytes(2) * t.num_stages <= 160 * 1024 for t in (TILE, WIDE, *(t for _, t in NARROW_TILES)))
 
 
-@pytest.mark.parametrize("transposed", [False, True])
-@pytest.mark.parametrize("m,k,n", [(3, 1100, 136), (70, 2048, 128)])
-def test_chunks_as_programs_or_inside_one_give_the_same_bits(m, k, n, transposed):
-    rng = np.random.default_rng(m + k + n + transposed)
-    x = jnp.asarray(rng.normal(0, 1, (m, k)).astype(np.float32))
-    w_np = rng.normal(0, 1, (n, k) if transposed else (k, n)).astype(np.float32)
-    w = jnp.asarray(w_np)
-    assert k_chunks(k, n) > 1
-    split = np.asarray(invariant_matmul(x, w, transposed=transposed, interpret=True, split=True))
-    whole = np.asarray(invariant_matmul(x, w, transposed=transposed, interpret=True, split=False))
-    assert np.array_equal(split, whole)
-    ref = np.asarray(x, np.float64) @ (w_np.T if transposed else w_np).astype(np.float64)
-    assert np.abs(split - ref).max() <= 1e-5 * np.abs(ref).max()
-
-
-@pytest.mark.parametrize("rows", [16, 256])
+@pytest.mark.parametrize("rows", [1, 64, 256, 1024, 4096])
 @pytest.mark.parametrize("transposed,w_shape", [(False, (4096, 6144)), (False, (14336, 4096)), (True, (128256, 4096))])
 def test_lowers_for_h200(transposed, w_shape, rows):
     from tests.kernels.test_lowering import S, lower_for_h200
@@ -85,35 +67,21 @@ def test_lowers_for_h200(transposed, w_shape, rows):
     assert text.count("__gpu$xla.gpu.triton") == 1
 
 
-@pytest.mark.parametrize("block_m,block_n", [(128, 128), (64, 256), (16, 64)])
-def test_another_output_tile_keeps_the_k_steps_and_matches_float64(block_m, block_n):
-    """`tile` changes the output tile (the candidates `probe_invariance_gpu.py --tile-candidates` checks for bits on
-    the GPU); K steps other than TILE's are refused, since they would change a row's order of additions."""
-    from pallas_kernels.invariant_matmul.kernel import TILE, Tile
-
+@pytest.mark.parametrize("tile", [TILE, WIDE, Tile(16, 64, 256), Tile(64, 64, 128), Tile(128, 128, 16)],
+                         ids=str)
+def test_every_tile_gives_the_same_bits_and_matches_float64(tile):
+    """The output tile and K step decide which program computes an output and how much of K a step loads, never
+    the additions (one accumulator, 16-wide slices in K order): bf16 and float32 rows equal `TILE`'s bit for bit."""
     rng = np.random.default_rng(np.random.SeedSequence().entropy)
-    m, k, n = 150, 700, 300  # ragged in every dimension, K in chunks
-    x = rng.normal(0, 1, (m, k)).astype(np.float32)
-    w = rng.normal(0, 1, (k, n)).astype(np.float32)
-    ours = np.asarray(invariant_matmul(jnp.asarray(x), jnp.asarray(w), interpret=True,
-                                       tile=Tile(block_m=block_m, block_n=block_n)))
-    ref = x.astype(np.float64) @ w.astype(np.float64)
-    assert np.abs(ours - ref).max() <= 1e-5 * np.abs(ref).max()
-    with pytest.raises(ValueError, match="K steps"):
-        invariant_matmul(jnp.asarray(x), jnp.asarray(w), interpret=True, tile=Tile(block_k=2 * TILE.block_k))
-
-
-@pytest.mark.parametrize("k", [200, 700], ids=["one_chunk", "two_chunks"])
-def test_the_wide_tile_gives_the_default_tiles_bits(k):
-    """`tile_for`'s wide tile changes which program computes an output, never its additions: bf16 rows equal bit
-    for bit to `TILE`'s, with one K chunk (one accumulator) and with two (folded in one loop)."""
-    from pallas_kernels.invariant_matmul.kernel import TILE, WIDE, k_chunks
-
-    rng = np.random.default_rng(np.random.SeedSequence().entropy)
-    m, n = 150, 300  # ragged in every dimension
-    assert k_chunks(k, n) == (1 if k == 200 else 2)
-    x = jnp.asarray(rng.normal(0, 1, (m, k)), jnp.bfloat16)
-    w = jnp.asarray(rng.normal(0, 1, (k, n)), jnp.bfloat16)
-    default, wide = (np.asarray(invariant_matmul(x, w, interpret=True, split=False, tile=t), np.float32)
-                     for t in (TILE, WIDE))
-    assert np.array_equal(default, wide)
+    m, k, n = 150, 700, 300  # ragged in every dimension
+    x = rng.normal(0, 1, (m, k))
+    w = rng.normal(0, 1, (k, n))
+    ref = x @ w
+    for dtype in (jnp.bfloat16, jnp.float32):
+        xs, ws = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
+        ours, base = (np.asarray(invariant_matmul(xs, ws, interpret=True, tile=t), np.float32) for t in (tile, TILE))
+        assert np.array_equal(ours, base)
+        if dtype == jnp.float32:
+            assert np.abs(ours - ref).max() <= 1e-5 * np.abs(ref).max()
+    with pytest.raises(ValueError, match="MMA slices"):
+        invariant_matmul(jnp.asarray(x), jnp.asarray(w), interpret=True, tile=Tile(block_k=24))
