@@ -71,9 +71,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="auto: every shape compiled at start-up on a GPU, on first use on the CPU")
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                        help="dispatch step N+1 before step N's tokens reach the host (default on)")
-    group.add_argument("--deterministic", action="store_true",
-                       help="batch-invariant matmuls: a request's output does not depend on its batch (costs "
-                            "throughput on GPUs)")
+    group.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
+                       help="batch-invariant kernels: a request's output does not depend on its batch (default: on "
+                            "for a dense float model on one NVIDIA GPU, about 6%% of throughput; off elsewhere)")
     group.add_argument("--compilation-cache-dir", type=Path, default=DEFAULT_COMPILATION_CACHE,
                        help="JAX persistent compilation cache")
     _add_weight_variant_args(group)

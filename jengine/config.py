@@ -117,8 +117,10 @@ class RunnerConfig:
     # False runs each step to completion before the next is scheduled (same outputs, the host time not hidden)
     async_scheduling: bool = True
     # batch-invariant projections and LM head (layers/invariant.py): a request's output does not depend on the
-    # batch, chunking or bucket it runs in; costs throughput on GPUs (benchmarks/README.md, determinism)
-    deterministic: bool = False
+    # batch, chunking or bucket it runs in. None (the default): on where its cost was measured small (a dense float
+    # model on one NVIDIA GPU: 6 % of the mixed workload's throughput, benchmarks/README.md), off elsewhere
+    # (`factory.py:resolve_deterministic` logs which and why); True or False as asked.
+    deterministic: bool | None = None
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
@@ -330,7 +332,7 @@ class EngineConfig:
 
 def _deterministic_checks(config: EngineConfig) -> list[tuple[bool, str]]:
     """What `deterministic` cannot be combined with yet, by name."""
-    if not config.runner.deterministic:
+    if config.runner.deterministic is not True:
         return []
     why = "deterministic=True (batch-invariant matmuls) "
     return [

@@ -9,8 +9,9 @@ from typing import Any
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
+import jax.numpy as jnp
 
-from jengine.attention.backend import select_backend
+from jengine.attention.backend import has_invariant_path, select_backend
 from jengine.config import EngineConfig, ModelConfig
 from jengine.engine.core import EngineCore
 from jengine.errors import CheckpointError, ConfigError
@@ -126,6 +127,42 @@ def deterministic_params(params: dict, spec: ModelSpec, layout: ParallelLayout) 
     return make_invariant(params, invariant_impl(jax.devices()[0].platform), spec.tie_word_embeddings, layout)
 
 
+def auto_deterministic_blocker(config: EngineConfig, spec: ModelSpec, params: dict, layout: ParallelLayout,
+                               dtype, platform: str) -> str | None:
+    """Why `deterministic=None` (auto) leaves batch invariance off here, or None where it turns it on: only where
+    its cost was measured small, a dense float model on one NVIDIA GPU."""
+    from jengine.layers.quant import QuantizedWeight
+    from jengine.layers.quant4 import Int4Experts, Int4Weight
+
+    backend = select_backend(platform, config.runner.attention_backend, head_dim=spec.head_dim, mesh=layout.mesh)
+    quantized = any(isinstance(leaf, (QuantizedWeight, Int4Weight, Int4Experts))
+                    for layer in params["layers"] for leaf in layer.values())
+    blockers = (
+        (platform != "gpu", f"{platform}: XLA's reductions there already keep a row's result whatever its batch"),
+        (not has_invariant_path(backend), f"the {backend.name} attention backend has no batch-invariant path"),
+        (config.speculative is not None, "speculative decoding"), (config.lora.enable_lora, "LoRA adapters"),
+        (config.model.quantization is not None or quantized, "a quantized checkpoint"),
+        (layout.size > 1, "tensor parallelism (its cost there is not measured)"),
+        ("moe" in spec.mlp_kinds, "a MoE model (its cost there is not measured)"),
+        (dtype not in (jnp.bfloat16, jnp.float16), f"{jnp.dtype(dtype).name} weights"),
+    )
+    return next((why for blocked, why in blockers if blocked), None)
+
+
+def resolve_deterministic(config: EngineConfig, spec: ModelSpec, params: dict, layout: ParallelLayout, dtype,
+                          platform: str) -> bool:
+    """`deterministic` as asked, or for None (the default) on where `auto_deterministic_blocker` finds nothing."""
+    if config.runner.deterministic is not None:
+        return config.runner.deterministic
+    blocker = auto_deterministic_blocker(config, spec, params, layout, dtype, platform)
+    if blocker is None:
+        logger.info("deterministic output on: a request's tokens and logprobs do not depend on its batch "
+                    "(batch-invariant kernels, about 6 %% of throughput; --no-deterministic turns them off)")
+    elif platform != "cpu":
+        logger.info("deterministic output off (%s); --deterministic asks for it", blocker)
+    return blocker is None
+
+
 def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = None) -> EngineParts:
     """One engine replica on `devices` (default: the first `tensor_parallel_size` devices), its model split over
     them by tensor (and expert) parallelism."""
@@ -148,7 +185,9 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
         pending_tokenizer = pool.submit(Tokenizer.from_pretrained, tokenizer_dir, config.model.chat_template)
         spec, params, dtype = load_weights(config.model, layout)
         tokenizer = pending_tokenizer.result()
-    if config.runner.deterministic:
+    platform = next(d for d in devices if d.process_index == jax.process_index()).platform
+    deterministic = resolve_deterministic(config, spec, params, layout, dtype, platform)
+    if deterministic:
         params = deterministic_params(params, spec, layout)
     draft = head = None
     method = None if config.speculative is None else config.speculative.method
@@ -173,7 +212,7 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
     plan, proposer = build_model_proposer(config, draft, head, plan, layout, device.platform)
     log_plan(plan, config.scheduler.max_model_len)
     backend = select_backend(device.platform, config.runner.attention_backend, head_dim=spec.head_dim,
-                             mesh=layout.mesh, deterministic=config.runner.deterministic)
+                             mesh=layout.mesh, deterministic=deterministic)
     runner: StepRunner = ModelRunner(spec, params, dtype, config, plan, backend, layout, runner_lora, proposer)
     if parallel.num_processes > 1 and jax.process_index() == 0:  # the workers replay process 0's runner calls
         runner = PublishingRunner(runner, StepPublisher())

@@ -99,11 +99,16 @@ def _fastest(platform: str, head_dim: int | None, mesh) -> AttentionBackend:
     return backend
 
 
+def has_invariant_path(backend: AttentionBackend) -> bool:
+    """Whether the backend can run every request through one code path (`deterministic`)."""
+    return dataclasses.is_dataclass(backend) and any(f.name == "invariant" for f in dataclasses.fields(backend))
+
+
 def _deterministic(backend: AttentionBackend, platform: str) -> AttentionBackend:
     """The backend with one code path for every row. The reference attention keeps a row's result on the CPU
     whatever the batch (the engine's tests hold it); on a GPU its XLA reductions follow the shape, so it is refused
     rather than served as deterministic."""
-    if dataclasses.is_dataclass(backend) and any(f.name == "invariant" for f in dataclasses.fields(backend)):
+    if has_invariant_path(backend):
         return dataclasses.replace(backend, invariant=True)
     if platform != "cpu":
         raise ConfigError(f"deterministic=True needs the pallas_gpu attention backend on {platform} ({backend.name} "

@@ -82,8 +82,59 @@ def test_combinations_it_does_not_take_are_refused(build_checkpoint, tiny_tokeni
 
 
 def test_the_cli_flag():
-    args = build_parser().parse_args(["serve", "--model", "MODEL", "--deterministic"])
-    assert engine_kwargs(args)["deterministic"] is True
+    for flags, value in (([], None), (["--deterministic"], True), (["--no-deterministic"], False)):
+        args = build_parser().parse_args(["serve", "--model", "MODEL", *flags])
+        assert engine_kwargs(args).get("deterministic") is value
+
+
+LLAMA_64 = LlamaConfig(**COMMON, head_dim=64)  # a head_dim the Pallas attention serves (64, 128)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 2}
+
+
+@pytest.mark.parametrize("config,engine_args,dtype,platform,blocked_by", [
+    pytest.param(LLAMA_64, {}, "bfloat16", "gpu", None, id="gpu"),
+    pytest.param(LLAMA_64, {}, "float16", "gpu", None, id="gpu-fp16"),
+    pytest.param(LlamaConfig(**COMMON), {}, "bfloat16", "gpu", "reference attention", id="head-dim-16"),
+    pytest.param(LLAMA_64, {}, "bfloat16", "cpu", "cpu", id="cpu"),
+    pytest.param(LLAMA_64, {}, "float32", "gpu", "float32", id="fp32"),
+    pytest.param(LLAMA_64, dict(attention_backend="reference"), "bfloat16", "gpu", "reference attention",
+                 id="reference-attention"),
+    pytest.param(LLAMA_64, dict(enable_lora=True), "bfloat16", "gpu", "LoRA", id="lora"),
+    pytest.param(LLAMA_64, dict(quantization="fp8"), "bfloat16", "gpu", "quantized", id="quantized"),
+    pytest.param(LLAMA_64, dict(speculative_config=NGRAM), "bfloat16", "gpu", "speculative", id="speculative"),
+    pytest.param(Qwen3MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=64),
+                 {}, "bfloat16", "gpu", "MoE", id="moe"),
+])
+def test_the_default_turns_it_on_only_where_its_cost_was_measured(build_checkpoint, tiny_tokenizer_dir, config,
+                                                                  engine_args, dtype, platform, blocked_by):
+    """`deterministic=None` (the default): on for a dense 16-bit float model on one GPU, off elsewhere with the
+    reason named; asked for explicitly, it is what was asked."""
+    import jax
+    import jax.numpy as jnp
+
+    from jengine.config import EngineConfig
+    from jengine.factory import auto_deterministic_blocker, resolve_deterministic
+    from jengine.models.loader import load_spec
+    from jengine.parallel.mesh import build_mesh
+    from jengine.parallel.sharding import plan_layout
+
+    model_dir, _ = build_checkpoint(config, tokenizer_dir=tiny_tokenizer_dir)
+    engine = EngineConfig.from_kwargs(str(model_dir), **engine_args)
+    spec = load_spec(str(model_dir))
+    layout = plan_layout(spec, build_mesh(jax.devices()[:1]), False)
+    blocker = auto_deterministic_blocker(engine, spec, {"layers": ()}, layout, jnp.dtype(dtype), platform)
+    assert (blocker is None) if blocked_by is None else (blocked_by in blocker)
+    assert resolve_deterministic(engine, spec, {"layers": ()}, layout, jnp.dtype(dtype), platform) == (
+        blocked_by is None)
+    for asked in (True, False):
+        explicit = EngineConfig.from_kwargs(str(model_dir), deterministic=asked)
+        assert resolve_deterministic(explicit, spec, {"layers": ()}, layout, jnp.dtype(dtype), platform) is asked
+
+
+def test_the_default_engine_on_the_cpu_keeps_plain_weights(build_checkpoint, tiny_tokenizer_dir):
+    model_dir, _ = build_checkpoint(LlamaConfig(**COMMON), tokenizer_dir=tiny_tokenizer_dir)
+    _, _, weights = run(model_dir, prompts()[:1])
+    assert not isinstance(weights["lm_head"], InvariantWeight)
 
 
 def test_bfloat16_output_is_the_same_in_every_batch(build_checkpoint, tiny_tokenizer_dir, kernel_on_cpu):
