@@ -16,11 +16,14 @@ Writes into `DIR/<date>-moe.json` (merged with `scripts/bench_moe_kernels.py`'s 
 (4-bit, group 128: every projection and expert packed) and `fp8-block` (float8, 128 × 128 block scales, as
 Qwen3-30B-A3B-FP8); their floor counts those bytes (scales and zero points included). Keys
 `moe_<quant>_decode_b<N>_ms`, `..._vs_floor`, and `..._vs_bf16` (bf16 step ÷ its step) where bf16 ran in the same call.
+`--xla-router-too` runs the bf16 model again with the router's softmax/top-k as XLA's ops instead of the fused kernel
+(`moe_xla_router_decode_*`), the A/B of `PallasExperts.fused_router_max_tokens` in one call.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import subprocess
@@ -85,14 +88,30 @@ def floor_bytes(config: dict, batch: int, context: int, quant: str = "bf16") -> 
     return int(float_elements * 2 + layers * (projections + experts) * PROJECTION_BYTES[quant])
 
 
+def xla_router():
+    """The engine with the router's softmax/top-k always as XLA's ops (never the fused single-warp kernel): an A/B
+    of `PallasExperts.fused_router_max_tokens` in the same call."""
+    from unittest import mock
+
+    from jengine.layers.mlp import PallasExperts
+
+    return mock.patch.object(PallasExperts, "fuses_top_k", lambda self, router, tokens: False)
+
+
 def decode(tmp: Path, copy_rate: float, batches: list[int], save, quant: str = "bf16",
-           layers: int | None = None) -> tuple[dict, dict]:
+           layers: int | None = None, router: str = "default") -> tuple[dict, dict]:
+    with xla_router() if router == "xla" else contextlib.nullcontext():
+        return _decode(tmp, copy_rate, batches, save, quant, layers, "_xla_router" if router == "xla" else "")
+
+
+def _decode(tmp: Path, copy_rate: float, batches: list[int], save, quant: str, layers: int | None,
+            suffix: str) -> tuple[dict, dict]:
     from jengine import LLM, SamplingParams
 
     extra = {} if quant == "bf16" else {"quantization_config": QUANT_CONFIGS[quant]}
-    model_dir = write_shape("qwen3-30b-a3b", tmp / f"qwen3-{quant}", num_layers=layers, **extra)
+    model_dir = write_shape("qwen3-30b-a3b", tmp / f"qwen3-{quant}{suffix}", num_layers=layers, **extra)
     config = json.loads((model_dir / "config.json").read_text())
-    prefix = "moe" if quant == "bf16" else f"moe_{quant.replace('-', '_')}"
+    prefix = ("moe" if quant == "bf16" else f"moe_{quant.replace('-', '_')}") + suffix
     metrics, ratios = {}, {}
     rng = np.random.default_rng(1)
     # no prefix caching: the timed repeat of a warm-up would hit the cache, change the prefill's shape and compile;
@@ -114,7 +133,7 @@ def decode(tmp: Path, copy_rate: float, batches: list[int], save, quant: str = "
             metrics[f"{prefix}_decode_b{batch}_ms"] = step * 1e3
             metrics[f"{prefix}_decode_b{batch}_floor_ms"] = floor * 1e3
             ratios[f"{prefix}_decode_b{batch}_vs_floor"] = step / floor
-            log(f"decode {quant} b{batch}: {step * 1e3:.3f} ms/step, floor {floor * 1e3:.3f} ms → "
+            log(f"decode {quant}{suffix} b{batch}: {step * 1e3:.3f} ms/step, floor {floor * 1e3:.3f} ms → "
                 f"{step / floor:.2f}×")
             save(metrics, ratios)  # a long call keeps what it measured
     return metrics, ratios
@@ -152,6 +171,8 @@ def main() -> None:
                     help="decode: the model in these weight formats, one after the other (see the docstring)")
     ap.add_argument("--layers", type=int, default=None, help="decode: fewer layers than the model's 48 (a smaller "
                     "card); the floor counts the same layers")
+    ap.add_argument("--xla-router-too", action="store_true", help="decode: bf16 again with the router as XLA's ops "
+                    "(keys moe_xla_router_decode_*): the fused router's A/B in one call")
     args = ap.parse_args()
     metrics: dict = {}
     ratios: dict = {}
@@ -166,6 +187,11 @@ def main() -> None:
             for quant in args.quant:
                 m, r = decode(tmp, copy_rate, args.batches,
                               lambda m, r: save(args.out, args.git_sha, metrics | m, ratios | r), quant, args.layers)
+                metrics, ratios = metrics | m, ratios | r
+            if args.xla_router_too:
+                m, r = decode(tmp, copy_rate, args.batches,
+                              lambda m, r: save(args.out, args.git_sha, metrics | m, ratios | r), "bf16", args.layers,
+                              router="xla")
                 metrics, ratios = metrics | m, ratios | r
             for quant in args.quant:  # both sides measured in this call
                 for batch in args.batches:
