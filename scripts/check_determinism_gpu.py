@@ -11,7 +11,9 @@ made on the device, or the Qwen3-30B-A3B shape with `--moe`.
 
     PYTHONPATH=. python scripts/check_determinism_gpu.py --out $OUT --git-sha <sha> [--layers 8] [--moe]
     PYTHONPATH=. python scripts/check_determinism_gpu.py --tiny --out /tmp/det     # CPU: the script's paths only
-`--parts ways` or `--parts cost` splits it over two calls (each merges into the day's file).
+`--parts ways` or `--parts cost` splits it over two calls (each merges into the day's file); `--parts long` times
+the decode step at batch 1 and 8 after `--long-context`-token prompts both ways (keys
+`ratios.deterministic_decode_b{1,8}_ctx<N>_vs_fast`, the deterministic step ÷ the fast one).
 
 Keys (`<date>-determinism.json`): `ratios.gpu_bitwise_identical_fraction` (deterministic, over requests × ways),
 `ratios.fast_bitwise_identical_fraction` (the default engine, for comparison), `ratios.deterministic_throughput_vs_fast`,
@@ -37,7 +39,7 @@ import gpu_bench_common as common  # noqa: E402
 from gpu_bench_common import log  # noqa: E402
 
 LLAMA_8B_LAYERS = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                       head_dim=128, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
+                       head_dim=128, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0)
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             vocab_size=512, max_position_embeddings=2048, num_hidden_layers=2)
 TOP = 5
@@ -133,10 +135,11 @@ def throughput(llm, args) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outputs) / seconds
 
 
-def decode_step_ms(llm, args, batch: int) -> float:
-    """A decode step's time at `batch` requests: the difference of two runs' times ÷ the extra steps."""
+def decode_step_ms(llm, args, batch: int, prompt_len: int = 128) -> float:
+    """A decode step's time at `batch` requests of `prompt_len`-token prompts: the difference of two runs' times ÷
+    the extra steps."""
     rng = np.random.default_rng(batch)
-    requests = prompts(rng, batch, 500, 128, 129)
+    requests = prompts(rng, batch, 500, prompt_len, prompt_len + 1)
     timings = []
     for tokens in (8, 8 + args.step_tokens):
         outputs_of(llm, requests, tokens)  # compiles this run's shapes
@@ -161,6 +164,18 @@ def cost(path: Path, deterministic: bool, args, name: str) -> dict[str, float]:
     return out
 
 
+def long_context(path: Path, deterministic: bool, args, name: str) -> dict[str, float]:
+    """Decode steps at batch 1 and 8 after `--long-context`-token prompts: the deterministic engine sends every
+    request through one attention kernel, without the decode kernel's split of a long context over the SMs, so
+    few long requests are where it costs most."""
+    n = args.long_context
+    with engine(path, deterministic, args, max_model_len=n + 8 + args.step_tokens, max_num_seqs=8,
+                enable_prefix_caching=False) as llm:
+        out = {f"decode_b{batch}_ctx{n}_{name}_ms": decode_step_ms(llm, args, batch, n) for batch in (1, 8)}
+    log(out)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="directory of the results file")
@@ -173,11 +188,14 @@ def main() -> None:
     parser.add_argument("--mixed", type=int, default=1000, help="requests of the throughput workload (0: skip)")
     parser.add_argument("--step-tokens", type=int, default=64)
     parser.add_argument("--workdir", default="/tmp/jengine-determinism")
-    parser.add_argument("--parts", default="ways,cost", help="ways (the bitwise checks), cost (the timings)")
+    parser.add_argument("--parts", default="ways,cost", help="ways (the bitwise checks), cost (the timings), long "
+                        "(decode at batch 1 and 8 after --long-context-token prompts)")
+    parser.add_argument("--long-context", type=int, default=32768)
     parser.add_argument("--modes", default="deterministic,fast", help="the engines each part runs")
     args = parser.parse_args()
     if args.tiny:
         args.requests, args.mixed, args.max_tokens, args.step_tokens = 6, 24, 8, 8
+        args.long_context = min(args.long_context, 256)
     path = model_dir(args)
     rng = np.random.default_rng(0)
     vocab = min(json.loads((path / "config.json").read_text())["vocab_size"],  # the MoE shapes' tokenizer is
@@ -198,6 +216,10 @@ def main() -> None:
         for deterministic, name in ((False, "fast"), (True, "deterministic")):
             if name in args.modes.split(","):
                 metrics |= cost(path, deterministic, args, name)
+    if "long" in args.parts:
+        for deterministic, name in ((False, "fast"), (True, "deterministic")):
+            if name in args.modes.split(","):
+                metrics |= long_context(path, deterministic, args, name)
     record = common.result_record("determinism", args.git_sha, common.jax_device_name(), common.versions(),
                                   " ".join(["python", *sys.argv]), metrics, ratios,
                                   shape="Qwen3-30B-A3B" if args.moe else "tiny" if args.tiny else "Llama-3.1-8B layers")
@@ -209,6 +231,11 @@ def main() -> None:
     both = [record["metrics"].get(f"mixed_tokens_per_s_{name}") for name in ("deterministic", "fast")]
     if all(both):  # the two engines' throughputs, from this call or an earlier one merged in
         record["ratios"]["deterministic_throughput_vs_fast"] = both[0] / both[1]
+    for batch in (1, 8):  # the long-context decode step's cost factor, where both engines ran
+        key = f"decode_b{batch}_ctx{args.long_context}"
+        steps = [record["metrics"].get(f"{key}_{name}_ms") for name in ("deterministic", "fast")]
+        if all(steps):
+            record["ratios"][f"deterministic_{key}_vs_fast"] = steps[0] / steps[1]
     common.write_record(out, record)
     common.print_tables(record)
 
