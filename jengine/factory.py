@@ -112,16 +112,20 @@ def load_weights(model: ModelConfig, layout: ParallelLayout) -> tuple[ModelSpec,
     return load_model(model.model, quantization=model.quantization, **placement)
 
 
+def is_quantized(params: dict) -> bool:
+    from jengine.layers.quant import QuantizedWeight
+    from jengine.layers.quant4 import Int4Experts, Int4Weight
+
+    return any(isinstance(leaf, (QuantizedWeight, Int4Weight, Int4Experts))
+               for layer in params["layers"] for leaf in layer.values())
+
+
 def deterministic_params(params: dict, spec: ModelSpec, layout: ParallelLayout) -> dict:
     """The projections and LM head made batch-invariant (`layers/invariant.py`), split over `layout`'s mesh as
     the weights are; a quantized checkpoint (read from its own quantization_config) is refused by name."""
     from jengine.layers.invariant import invariant_impl, make_invariant
-    from jengine.layers.quant import QuantizedWeight
-    from jengine.layers.quant4 import Int4Experts, Int4Weight
 
-    quantized = [leaf for layer in params["layers"] for leaf in layer.values()
-                 if isinstance(leaf, (QuantizedWeight, Int4Weight, Int4Experts))]
-    if quantized:
+    if is_quantized(params):
         raise ConfigError("deterministic=True (batch-invariant matmuls) takes float checkpoints only: this one is "
                           "quantized")
     return make_invariant(params, invariant_impl(jax.devices()[0].platform), spec.tie_word_embeddings, layout)
@@ -131,17 +135,13 @@ def auto_deterministic_blocker(config: EngineConfig, spec: ModelSpec, params: di
                                dtype, platform: str) -> str | None:
     """Why `deterministic=None` (auto) leaves batch invariance off here, or None where it turns it on: only where
     its cost was measured small, a dense float model on one NVIDIA GPU."""
-    from jengine.layers.quant import QuantizedWeight
-    from jengine.layers.quant4 import Int4Experts, Int4Weight
-
+    if platform != "gpu":
+        return f"{platform}: XLA's reductions there already keep a row's result whatever its batch"
     backend = select_backend(platform, config.runner.attention_backend, head_dim=spec.head_dim, mesh=layout.mesh)
-    quantized = any(isinstance(leaf, (QuantizedWeight, Int4Weight, Int4Experts))
-                    for layer in params["layers"] for leaf in layer.values())
     blockers = (
-        (platform != "gpu", f"{platform}: XLA's reductions there already keep a row's result whatever its batch"),
         (not has_invariant_path(backend), f"the {backend.name} attention backend has no batch-invariant path"),
         (config.speculative is not None, "speculative decoding"), (config.lora.enable_lora, "LoRA adapters"),
-        (config.model.quantization is not None or quantized, "a quantized checkpoint"),
+        (config.model.quantization is not None or is_quantized(params), "a quantized checkpoint"),
         (layout.size > 1, "tensor parallelism (its cost there is not measured)"),
         ("moe" in spec.mlp_kinds, "a MoE model (its cost there is not measured)"),
         (dtype not in (jnp.bfloat16, jnp.float16), f"{jnp.dtype(dtype).name} weights"),
