@@ -198,6 +198,8 @@ def sweep_configs(tokens: int) -> list[tuple[TileConfig, TileConfig]]:
         rows = (64, 128) if tokens >= 512 else (32, 64)
         cands = [TileConfig(r, bn, bk, wp, st, WORKERS_PER_SM) for r in rows for bn in (64, 128) for bk in (32, 64)
                  for wp in (4, 8) for st in (3, 4)]
+        # the dense prefill's best tile (128 x 256, 8 warps: `invariant_matmul.WIDE`), for the one-accumulator down
+        cands += [TileConfig(r, 256, 64, 8, 3, WORKERS_PER_SM) for r in rows if r >= 64]
     return cands
 
 
