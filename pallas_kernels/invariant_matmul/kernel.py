@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 from jaxtyping import Array, Float
 
-MMA_K = 16  # the K slice of one tensor-core MMA: the unit of a row's additions
+MMA_K = 16  # the K slice of one bf16/fp16 tensor-core MMA, the unit of a row's additions (tf32's 8 divides it)
 
 
 @dataclasses.dataclass(frozen=True)
