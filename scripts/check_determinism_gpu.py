@@ -12,7 +12,7 @@ made on the device, or the Qwen3-30B-A3B shape with `--moe`.
     PYTHONPATH=. python scripts/check_determinism_gpu.py --out $OUT --git-sha <sha> [--layers 8] [--moe]
     PYTHONPATH=. python scripts/check_determinism_gpu.py --tiny --out /tmp/det     # CPU: the script's paths only
 `--parts ways` or `--parts cost` splits it over two calls (each merges into the day's file); `--parts long` times
-the decode step at batch 1 and 8 after `--long-context`-token prompts both ways (keys
+the decode step at batch 1 and 8 after prompts of each `--long-context` length both ways (keys
 `ratios.deterministic_decode_b{1,8}_ctx<N>_vs_fast`, the deterministic step ÷ the fast one).
 
 Keys (`<date>-determinism.json`): `ratios.gpu_bitwise_identical_fraction` (deterministic, over requests × ways),
@@ -165,13 +165,14 @@ def cost(path: Path, deterministic: bool, args, name: str) -> dict[str, float]:
 
 
 def long_context(path: Path, deterministic: bool, args, name: str) -> dict[str, float]:
-    """Decode steps at batch 1 and 8 after `--long-context`-token prompts: the deterministic engine sends every
-    request through one attention kernel, without the decode kernel's split of a long context over the SMs, so
-    few long requests are where it costs most."""
-    n = args.long_context
-    with engine(path, deterministic, args, max_model_len=n + 8 + args.step_tokens, max_num_seqs=8,
-                enable_prefix_caching=False) as llm:
-        out = {f"decode_b{batch}_ctx{n}_{name}_ms": decode_step_ms(llm, args, batch, n) for batch in (1, 8)}
+    """Decode steps at batch 1 and 8 after prompts of each `--long-context` length: the deterministic engine sends
+    every request through one attention kernel, without the decode kernel's split of a long context over the SMs,
+    so few long requests are where it costs most."""
+    out = {}
+    with engine(path, deterministic, args, max_model_len=max(args.long_context) + 8 + args.step_tokens,
+                max_num_seqs=8, enable_prefix_caching=False) as llm:
+        for n in args.long_context:
+            out |= {f"decode_b{batch}_ctx{n}_{name}_ms": decode_step_ms(llm, args, batch, n) for batch in (1, 8)}
     log(out)
     return out
 
@@ -190,12 +191,12 @@ def main() -> None:
     parser.add_argument("--workdir", default="/tmp/jengine-determinism")
     parser.add_argument("--parts", default="ways,cost", help="ways (the bitwise checks), cost (the timings), long "
                         "(decode at batch 1 and 8 after --long-context-token prompts)")
-    parser.add_argument("--long-context", type=int, default=32768)
+    parser.add_argument("--long-context", type=int, nargs="+", default=[4096, 32768])
     parser.add_argument("--modes", default="deterministic,fast", help="the engines each part runs")
     args = parser.parse_args()
     if args.tiny:
         args.requests, args.mixed, args.max_tokens, args.step_tokens = 6, 24, 8, 8
-        args.long_context = min(args.long_context, 256)
+        args.long_context = [128, 256]
     path = model_dir(args)
     rng = np.random.default_rng(0)
     vocab = min(json.loads((path / "config.json").read_text())["vocab_size"],  # the MoE shapes' tokenizer is
@@ -231,8 +232,7 @@ def main() -> None:
     both = [record["metrics"].get(f"mixed_tokens_per_s_{name}") for name in ("deterministic", "fast")]
     if all(both):  # the two engines' throughputs, from this call or an earlier one merged in
         record["ratios"]["deterministic_throughput_vs_fast"] = both[0] / both[1]
-    for batch in (1, 8):  # the long-context decode step's cost factor, where both engines ran
-        key = f"decode_b{batch}_ctx{args.long_context}"
+    for key in (f"decode_b{batch}_ctx{n}" for n in args.long_context for batch in (1, 8)):  # where both ran
         steps = [record["metrics"].get(f"{key}_{name}_ms") for name in ("deterministic", "fast")]
         if all(steps):
             record["ratios"][f"deterministic_{key}_vs_fast"] = steps[0] / steps[1]
