@@ -134,19 +134,27 @@ def deterministic_params(params: dict, spec: ModelSpec, layout: ParallelLayout) 
 def auto_deterministic_blocker(config: EngineConfig, spec: ModelSpec, params: dict, layout: ParallelLayout,
                                dtype, platform: str) -> str | None:
     """Why `deterministic=None` (auto) leaves batch invariance off here, or None where it turns it on: only where
-    its cost was measured small, a dense float model on one NVIDIA GPU."""
-    if platform != "gpu":
-        return f"{platform}: XLA's reductions there already keep a row's result whatever its batch"
-    backend = select_backend(platform, config.runner.attention_backend, head_dim=spec.head_dim, mesh=layout.mesh)
-    blockers = (
-        (not has_invariant_path(backend), f"the {backend.name} attention backend has no batch-invariant path"),
-        (config.speculative is not None, "speculative decoding"), (config.lora.enable_lora, "LoRA adapters"),
-        (config.model.quantization is not None or is_quantized(params), "a quantized checkpoint"),
-        (layout.size > 1, "tensor parallelism (its cost there is not measured)"),
-        ("moe" in spec.mlp_kinds, "a MoE model (its cost there is not measured)"),
-        (dtype not in (jnp.bfloat16, jnp.float16), f"{jnp.dtype(dtype).name} weights"),
+    its cost was measured small, a dense 16-bit model on one NVIDIA GPU with the Pallas attention kernels."""
+    from jengine.attention.pallas import supports
+
+    def kernels_serve_it() -> bool:  # else the backend would fall back to the reference at trace time
+        backend = select_backend(platform, config.runner.attention_backend, head_dim=spec.head_dim, mesh=layout.mesh)
+        return has_invariant_path(backend) and supports(
+            head_dim=spec.head_dim, block_size=config.cache.block_size, num_q_heads=spec.num_heads,
+            num_kv_heads=spec.num_kv_heads, dtype=dtype)
+
+    checks = (  # in order; each a (blocked?, why) pair, the later ones only asked when the earlier pass
+        (lambda: platform != "gpu",
+         f"{platform}: XLA's reductions there already keep a row's result whatever its batch"),
+        (lambda: config.speculative is not None, "speculative decoding"),
+        (lambda: config.lora.enable_lora, "LoRA adapters"),
+        (lambda: config.model.quantization is not None or is_quantized(params), "a quantized checkpoint"),
+        (lambda: layout.size > 1, "tensor parallelism (its cost there is not measured)"),
+        (lambda: "moe" in spec.mlp_kinds, "a MoE model (its cost there is not measured)"),
+        (lambda: dtype not in (jnp.bfloat16, jnp.float16), f"{jnp.dtype(dtype).name} weights"),
+        (lambda: not kernels_serve_it(), "the Pallas attention kernels do not serve this model"),
     )
-    return next((why for blocked, why in blockers if blocked), None)
+    return next((why for blocked, why in checks if blocked()), None)
 
 
 def resolve_deterministic(config: EngineConfig, spec: ModelSpec, params: dict, layout: ParallelLayout, dtype,

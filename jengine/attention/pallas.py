@@ -30,6 +30,7 @@ from pallas_kernels.ragged_paged_attention import UnsupportedShapeError, check_s
 
 from jengine.attention import reference
 from jengine.attention.kv_cache import QuantizedKV, partition_spec, parts
+from jengine.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,9 @@ class PallasGpuBackend:
         _, _, block_size, _, kv_heads, head_dim = kv_cache.shape
         if not supports(head_dim=head_dim, block_size=block_size, num_q_heads=q.shape[1], num_kv_heads=kv_heads,
                         dtype=q.dtype, interpret=self.interpret):
+            if self.invariant:  # the reference's reductions follow the batch on a GPU: the promise would not hold
+                raise ConfigError("deterministic=True needs the pallas_gpu attention kernels, which cannot run this "
+                                  "model (logged above)")
             return _reference(q, k, v, kv_cache, layer, md, scale=scale, sliding_window=sliding_window,
                               soft_cap=soft_cap)
         kv_cache = write_kv(kv_cache, layer, md.slot_mapping, k, v, interpret=self.interpret)

@@ -63,6 +63,15 @@ def test_unsupported_head_dim_falls_back_to_reference(caplog):
     assert "head_dim=48" in caplog.text
 
 
+def test_an_invariant_backend_refuses_a_model_its_kernels_cannot_run():
+    """`deterministic=True` cannot keep its promise on the reference path a GPU would fall back to: refused, named."""
+    bucket = Bucket(q_heads=4, kv_heads=2, head_dim=48, num_tokens=8, num_seqs=2, width=2)
+    q, k, v, kv, md, _ = step_inputs(bucket, [1, 3], [5, 3])
+    with pytest.raises(ConfigError, match="deterministic=True needs the pallas_gpu attention kernels"):
+        pallas.PallasGpuBackend(interpret=True, invariant=True)(q, k, v, kv, 0, md, scale=0.1, sliding_window=0,
+                                                                soft_cap=None)
+
+
 def test_selection_by_platform_and_head_dim(caplog):
     assert select_backend("cpu").name == "reference"
     assert select_backend("gpu").name == "pallas_gpu"
