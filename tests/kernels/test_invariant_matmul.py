@@ -28,7 +28,8 @@ def test_matches_float64(m, k, n, transposed):
 @pytest.mark.parametrize("n", [160, 20000], ids=["narrow", "wide"])
 def test_a_row_is_the_same_alone_and_in_any_batch(n):
     """Row counts from 1 to 2,100 cross every tile class (K steps of 64, 128 and 256, output tiles 16 to 128 rows)."""
-    rng = np.random.default_rng(np.random.SeedSequence().entropy)
+    seed = np.random.SeedSequence().entropy
+    rng = np.random.default_rng(seed)
     k = 300  # ragged against every K step
     w = jnp.asarray(rng.normal(0, 1, (k, n)).astype(np.float32))
     row = rng.normal(0, 1, (1, k)).astype(np.float32)
@@ -40,7 +41,7 @@ def test_a_row_is_the_same_alone_and_in_any_batch(n):
         at = int(rng.integers(m))
         batch[at] = row[0]
         out = np.asarray(invariant_matmul(jnp.asarray(batch), w, interpret=True))
-        assert np.array_equal(out[at], alone), f"row {at} of {m} differs from the row alone"
+        assert np.array_equal(out[at], alone), f"row {at} of {m} differs from the row alone (seed {seed})"
 
 
 def test_tiles_follow_the_row_count_and_fit_shared_memory():
@@ -72,7 +73,8 @@ def test_lowers_for_h200(transposed, w_shape, rows):
 def test_every_tile_gives_the_same_bits_and_matches_float64(tile):
     """The output tile and K step decide which program computes an output and how much of K a step loads, never
     the additions (one accumulator, 16-wide slices in K order): bf16 and float32 rows equal `TILE`'s bit for bit."""
-    rng = np.random.default_rng(np.random.SeedSequence().entropy)
+    seed = np.random.SeedSequence().entropy
+    rng = np.random.default_rng(seed)
     m, k, n = 150, 700, 300  # ragged in every dimension
     x = rng.normal(0, 1, (m, k))
     w = rng.normal(0, 1, (k, n))
@@ -80,7 +82,7 @@ def test_every_tile_gives_the_same_bits_and_matches_float64(tile):
     for dtype in (jnp.bfloat16, jnp.float32):
         xs, ws = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
         ours, base = (np.asarray(invariant_matmul(xs, ws, interpret=True, tile=t), np.float32) for t in (tile, TILE))
-        assert np.array_equal(ours, base)
+        assert np.array_equal(ours, base), f"{tile} in {jnp.dtype(dtype).name} (seed {seed})"
         if dtype == jnp.float32:
             assert np.abs(ours - ref).max() <= 1e-5 * np.abs(ref).max()
     with pytest.raises(ValueError, match="MMA slices"):
