@@ -120,7 +120,7 @@ def is_quantized(params: dict) -> bool:
                for layer in params["layers"] for leaf in layer.values())
 
 
-def deterministic_params(params: dict, spec: ModelSpec, layout: ParallelLayout) -> dict:
+def deterministic_params(params: dict, spec: ModelSpec, layout: ParallelLayout, platform: str) -> dict:
     """The projections and LM head made batch-invariant (`layers/invariant.py`), split over `layout`'s mesh as
     the weights are; a quantized checkpoint (read from its own quantization_config) is refused by name."""
     from jengine.layers.invariant import invariant_impl, make_invariant
@@ -128,7 +128,7 @@ def deterministic_params(params: dict, spec: ModelSpec, layout: ParallelLayout) 
     if is_quantized(params):
         raise ConfigError("deterministic=True (batch-invariant matmuls) takes float checkpoints only: this one is "
                           "quantized")
-    return make_invariant(params, invariant_impl(jax.devices()[0].platform), spec.tie_word_embeddings, layout)
+    return make_invariant(params, invariant_impl(platform), spec.tie_word_embeddings, layout)
 
 
 def auto_deterministic_blocker(config: EngineConfig, spec: ModelSpec, params: dict, layout: ParallelLayout,
@@ -193,10 +193,10 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
         pending_tokenizer = pool.submit(Tokenizer.from_pretrained, tokenizer_dir, config.model.chat_template)
         spec, params, dtype = load_weights(config.model, layout)
         tokenizer = pending_tokenizer.result()
-    platform = next(d for d in devices if d.process_index == jax.process_index()).platform
-    deterministic = resolve_deterministic(config, spec, params, layout, dtype, platform)
+    device = next(d for d in devices if d.process_index == jax.process_index())  # memory stats: local only
+    deterministic = resolve_deterministic(config, spec, params, layout, dtype, device.platform)
     if deterministic:
-        params = deterministic_params(params, spec, layout)
+        params = deterministic_params(params, spec, layout, device.platform)
     draft = head = None
     method = None if config.speculative is None else config.speculative.method
     if method == "draft_model":
@@ -205,7 +205,6 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
     elif method in ("eagle", "eagle3"):
         from jengine.spec_decode.eagle_loading import load_eagle_head
         head = load_eagle_head(config, spec, params, layout, dtype)
-    device = next(d for d in devices if d.process_index == jax.process_index())  # memory stats: local only
     # before the KV pool takes the rest
     adapters, runner_lora, params = build_lora(config, spec, dtype, layout.replicated, params)
     plan = agree_across_processes(plan_kv_cache(spec, config.cache, config.scheduler, dtype, device,
