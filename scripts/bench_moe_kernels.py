@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_moe import save  # noqa: E402
 from gpu_bench_common import copy_bandwidth, log, matmul_rate, timeit  # noqa: E402
 
+from jengine.layers.mlp import skip_padding  # noqa: E402
 from pallas_kernels.grouped_matmul import ExpertWeights, TileConfig, moe_experts, tile_configs  # noqa: E402
 from pallas_kernels.grouped_matmul.kernel import expert_down, expert_gate_up, scaling_of  # noqa: E402
 from pallas_kernels.grouped_matmul.moe import WORKERS_PER_SM, fit_steps, layout_for  # noqa: E402
@@ -107,7 +108,7 @@ def loop_device_us(key, x, w, tokens: int, layout: str, configs=None, real: int 
     keys = jax.random.split(key, LOOP_LAYERS)
     ex, rw = jax.vmap(lambda k: routing(k, tokens))(keys)
     if real is not None:
-        ex = jnp.where(jnp.arange(tokens)[None, :, None] < real, ex, -1)
+        ex = jax.vmap(lambda e: skip_padding(e, real))(ex)
 
     def run(x, w, ex, rw):
         body = lambda i, h: (h + ours(h, w, ex[i], rw[i], configs=configs, layout=layout) * 0.1).astype(h.dtype)
@@ -430,7 +431,7 @@ def main_workers(args, key) -> None:
         x = jax.random.normal(kx, (tokens, HIDDEN), jnp.bfloat16)
         ex, rw = routing(kr, tokens)
         if real is not None:
-            ex = jnp.where(jnp.arange(tokens)[:, None] < real, ex, -1)
+            ex = skip_padding(ex, real)
         n_exp = distinct_experts(ex[: real or tokens])
         m = {"distinct_experts": n_exp, "floor_us": expert_bytes(n_exp) / copy_rate * 1e6}
         for wps in args.workers:

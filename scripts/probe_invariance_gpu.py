@@ -18,7 +18,6 @@ matmul's candidate tiles).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys

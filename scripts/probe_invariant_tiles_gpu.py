@@ -28,9 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_bench_common import log, timeit  # noqa: E402
+from probe_invariance_gpu import LLAMA_8B_WEIGHTS, rows_equal  # noqa: E402
 
-SHAPES = {"qkv": (4096, 6144, False), "o": (4096, 4096, False), "down": (14336, 4096, False),
-          "gate_up": (4096, 28672, False), "lm_head": (4096, 128256, True)}  # (k, n, transposed)
 # (block_m, block_n, block_k, num_warps, num_stages) candidates, by row count class
 DECODE = [(64, 32, 64, 4, 4), (16, 32, 256, 4, 4), (16, 64, 256, 4, 4), (16, 32, 128, 4, 6), (16, 16, 256, 4, 6),
           (64, 32, 256, 4, 3), (64, 64, 128, 4, 4), (32, 64, 256, 4, 4)]
@@ -61,11 +60,6 @@ def chain(matmul):
         return sum(jnp.sum(matmul(x, w)[:, :8].astype(jnp.float32)) for w in ws)
 
     return run
-
-
-def rows_equal(small, large) -> bool:
-    small, large = np.asarray(small), np.asarray(large)
-    return bool(np.array_equal(small.view(np.uint8), large[: small.shape[0]].view(np.uint8)))
 
 
 def probe_shape(name: str, k: int, n: int, transposed: bool, args) -> dict:
@@ -115,7 +109,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--git-sha", default="unknown")
     parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=list(LLAMA_8B_WEIGHTS))
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 4096])
     parser.add_argument("--default-only", action="store_true", help="no candidates: the default tile and XLA's dot")
     parser.add_argument("--calls", type=int, default=8, help="most weights chained per timed program")
@@ -126,7 +120,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in args.shapes:
-        k, n, transposed = (96, 80, name == "lm_head") if args.tiny else SHAPES[name]
+        k, n, transposed = (96, 80, name == "lm_head") if args.tiny else LLAMA_8B_WEIGHTS[name]
         record["shapes"][name] = probe_shape(name, k, n, transposed, args)
         (out / f"invariant_tiles_{args.git_sha}.json").write_text(json.dumps(record, indent=1))
 
