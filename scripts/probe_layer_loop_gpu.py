@@ -115,11 +115,11 @@ def dsf_part(layers: int) -> dict[str, Any]:
         return json.loads(Path(f.name).read_text())
 
 
-def kernel_summary(trace_dir: Path, top: int = 25) -> list[tuple[str, float, int]]:
-    """(name, total ms, count) of the trace's GPU kernels, largest first (device events carry a 'stream' pid)."""
+def kernel_totals(trace_dir: Path) -> dict[str, list[float]]:
+    """name: [total ms, count] of the trace's GPU kernels (device events carry a 'stream' pid)."""
     files = sorted(trace_dir.rglob("*.trace.json.gz")) or sorted(trace_dir.rglob("perfetto_trace.json.gz"))
     if not files:
-        return []
+        return {}
     events = json.loads(gzip.decompress(files[-1].read_bytes()))
     events = events["traceEvents"] if isinstance(events, dict) else events
     names = {e["pid"]: e.get("args", {}).get("name", "") for e in events if e.get("ph") == "M"
@@ -129,7 +129,16 @@ def kernel_summary(trace_dir: Path, top: int = 25) -> list[tuple[str, float, int
         if e.get("ph") == "X" and "/device:GPU" in names.get(e.get("pid"), "") and "dur" in e:
             totals[e["name"]][0] += e["dur"] / 1e3
             totals[e["name"]][1] += 1
-    return sorted(((n, round(t, 3), c) for n, (t, c) in totals.items()), key=lambda r: -r[1])[:top]
+    return totals
+
+
+def kernel_summary(trace_dir: Path, top: int = 25, minus: Path | None = None) -> list[tuple[str, float, int]]:
+    """(name, total ms, count) of the trace's GPU kernels, largest first; less those of the trace `minus` (a run
+    of the same request that stops after its prefill, so the difference is the decode steps alone)."""
+    totals = kernel_totals(trace_dir)
+    for name, (t, c) in (kernel_totals(minus) if minus else {}).items():
+        totals[name] = [totals.get(name, [0.0, 0])[0] - t, totals.get(name, [0.0, 0])[1] - c]
+    return sorted(((n, round(t, 3), c) for n, (t, c) in totals.items() if c), key=lambda r: -r[1])[:top]
 
 
 def engine_part(layers: int, steps: int, shape: str = "llama", batch: int = 1) -> dict[str, Any]:
@@ -161,10 +170,13 @@ def engine_part(layers: int, steps: int, shape: str = "llama", batch: int = 1) -
         out["device_step_ms"] = device_seconds(llm, recorder, run_step) * 1e3
         periods = sorted(recorder.decode_periods(batch))
         out["step_period_ms"] = periods[len(periods) // 2] * 1e3
-        trace = Path(tempfile.mkdtemp())
-        with jax.profiler.trace(str(trace)):
-            llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-        out["kernels_8_steps"] = kernel_summary(trace)
+        traces = {}
+        for new_tokens in (1, 9):  # the prefill alone, then it and 8 decode steps: their difference is the decode
+            traces[new_tokens] = Path(tempfile.mkdtemp())
+            with jax.profiler.trace(str(traces[new_tokens])):
+                llm.generate(prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True),
+                             use_tqdm=False)
+        out["kernels_8_steps"] = kernel_summary(traces[9], minus=traces[1])
     log(json.dumps(out, indent=1))
     return out
 

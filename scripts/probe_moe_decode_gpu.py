@@ -2,7 +2,8 @@
 configuration, beside a dense matmul over the same bytes and the router's launches.
 
     PYTHONPATH=. python scripts/probe_moe_decode_gpu.py --out DIR/probe-moe-decode.json
-    PYTHONPATH=. python scripts/probe_moe_decode_gpu.py --ncu   # a few launches of the default tiles, for ncu
+    ncu --clock-control none -k regex:expert --csv --metrics gpu__time_duration.sum \\
+        python scripts/probe_moe_decode_gpu.py --ncu --order DIR/order.json  # each variant once per case
 
 Cases (one Qwen3-30B-A3B layer, random bf16 weights and routing): `lone` (1 token), `bucket` (the engine's
 16-row bucket holding one real token, 15 routed nowhere) and `t16` (16 real tokens). Each launch runs `LOOP`
@@ -37,17 +38,24 @@ CASES = {"lone": (1, 1), "bucket": (16, 1), "t16": (16, 16)}  # name: (rows, rea
 
 
 def variants() -> dict[str, tuple[TileConfig, TileConfig]]:
+    """Decode tiles to compare: the default (one 4-warp program an SM fits its shared memory) and ones that fit
+    two or three an SM, more of them, or narrower column tiles (more tiles to spread over the SMs)."""
     up, down = tile_configs(16 * TOP_K, EXPERTS)
-    r = dataclasses.replace
+
+    def both(**kw):
+        return dataclasses.replace(up, **kw), dataclasses.replace(down, **kw)
+
     return {
         "default": (up, down),
-        "stages2": (r(up, num_stages=2), r(down, num_stages=2)),
-        "k128": (r(up, block_k=128), r(down, block_k=128)),
-        "k64s6": (r(up, block_k=64, num_stages=6), r(down, block_k=64, num_stages=6)),
-        "wide_n": (r(up, block_n=64, block_k=128, num_stages=3), r(down, block_n=128, block_k=128, num_stages=3)),
-        "k128_w4": (r(up, block_k=128, workers_per_sm=4), r(down, block_k=128, workers_per_sm=4)),
-        "k128_warps2": (r(up, block_k=128, num_warps=2), r(down, block_k=128, num_warps=2)),
-        "k128_grid": (r(up, block_k=128, workers_per_sm=0), r(down, block_k=128, workers_per_sm=0)),
+        "stages3": both(num_stages=3),
+        "k128": both(block_k=128),
+        "k128_w3": both(block_k=128, workers_per_sm=3),
+        "k128_s6_w3": both(block_k=128, num_stages=6, workers_per_sm=3),
+        "k64_s8_w4": both(block_k=64, num_stages=8, workers_per_sm=4),
+        "k128_warps2_w4": both(block_k=128, num_warps=2, workers_per_sm=4),
+        "n16_k256_s3_w4": (dataclasses.replace(up, block_n=16, num_stages=3, workers_per_sm=4),
+                           dataclasses.replace(down, block_n=32, num_stages=3, workers_per_sm=4)),
+        "k128_grid": both(block_k=128, workers_per_sm=0),
     }
 
 
@@ -120,16 +128,23 @@ def router_us(key, rows: int) -> dict:
     return out
 
 
-def ncu_launches() -> None:
-    """A few launches of the default tiles on the bucket case, nothing timed: for `ncu -k regex:expert_`."""
+def ncu_launches(names: list[str], cases: list[str], order_path: str | None) -> None:
+    """Each variant's two launches once per case, nothing timed: for `ncu -k regex:expert_`, whose report lists
+    them in the order written to `order_path`."""
     key = jax.random.key(0)
     w = weights(key)
-    gate_up, down = launches(w, variants()["default"])
-    x = jax.random.normal(key, (16, HIDDEN), jnp.bfloat16)
-    ex, rw = routings(key, 16, 1, 4)
-    for i in range(4):
-        h = gate_up(x, tiles=choices(ex[i], rw[i]))
-        jax.block_until_ready(down(h, tiles=choices(ex[i], rw[i])))
+    order = []
+    for name in names:
+        gate_up, down = launches(w, variants()[name])
+        for case in cases:
+            rows, real = CASES[case]
+            x = jax.random.normal(key, (rows, HIDDEN), jnp.bfloat16)
+            ex, rw = routings(jax.random.fold_in(key, len(order)), rows, real, 1)
+            tiles = choices(ex[0], rw[0])
+            jax.block_until_ready(down(jax.block_until_ready(gate_up(x, tiles=tiles)), tiles=tiles))
+            order += [f"{name}/{case}/gate_up", f"{name}/{case}/down"]
+    if order_path:
+        Path(order_path).write_text(json.dumps(order))
 
 
 def main() -> None:
@@ -137,9 +152,11 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--ncu", action="store_true")
     ap.add_argument("--variants", nargs="*")
+    ap.add_argument("--cases", nargs="*", default=list(CASES))
+    ap.add_argument("--order", help="--ncu: where to write the launches' order")
     args = ap.parse_args()
     if args.ncu:
-        return ncu_launches()
+        return ncu_launches(args.variants or list(variants()), args.cases, args.order)
     key = jax.random.key(0)
     _, copy_rate = copy_bandwidth()
     w = weights(key)
