@@ -63,6 +63,10 @@ class TileConfig:
     # loop over the step's tiles with rows only (`_for_each_tile`), so a decode step's grid is not mostly programs
     # that find no rows, each holding an SM's shared memory while it looks.
     workers_per_sm: int = 0
+    # Column tile j walks its K steps from step j (mod the steps), not from 0: the tiles of one expert then read
+    # different weight rows at a time instead of all the same ones, spreading a decode step's reads over the
+    # memory's channels. A column's order of additions stays fixed by its tile, whatever the step's rows.
+    stagger: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +85,14 @@ class Scaling:
 
 def _arange(start, size: int):
     return start + jnp.arange(size, dtype=jnp.int32)
+
+
+def _step_start(i, j, k_dim: int, cfg: TileConfig):
+    """First input row of K step `i` of column tile `j` (`TileConfig.stagger`)."""
+    if not cfg.stagger:
+        return i * cfg.block_k
+    steps = pl.cdiv(k_dim, cfg.block_k)
+    return (i + j) % steps * cfg.block_k
 
 
 class Rows(NamedTuple):
@@ -249,7 +261,7 @@ def _gate_up_kernel(x_ref, wg_ref, wu_ref, sg_ref, su_ref, zg_ref, zu_ref, perm_
         cols = _arange(j * cfg.block_n, cfg.block_n)
 
         def step(i, acc):
-            k0 = i * cfg.block_k
+            k0 = _step_start(i, j, k_dim, cfg)
             ks = _arange(k0, cfg.block_k)
             if perm_ref is not None:  # the weight's rows are the features perm[e, k] (block_k divides K: no edge)
                 features = pltr.load(perm_ref.at[e, ks])
@@ -292,7 +304,7 @@ def _down_kernel(h_ref, wd_ref, sd_ref, zd_ref, *refs, cfg: TileConfig, precisio
         cols = _arange(j * cfg.block_n, cfg.block_n)
 
         def step(i, acc):
-            k0 = i * cfg.block_k
+            k0 = _step_start(i, j, k_dim, cfg)
             ks = _arange(k0, cfg.block_k)
             h = pltr.load(h_ref.at[rows.out[:, None], ks[None, :]], mask=rows.real[:, None] & (ks[None, :] < k_dim),
                           other=0)
