@@ -150,6 +150,18 @@ def ncu_launches(names: list[str], cases: list[str], order_path: str | None) -> 
         Path(order_path).write_text(json.dumps(order))
 
 
+def ncu_router(warps: list[int], order_path: str | None) -> None:
+    """The fused router once per warp count on the engine's 16-token bucket, nothing timed: for `ncu -k
+    regex:moe_top_k`, whose report lists them in the order written to `order_path`."""
+    from pallas_kernels.grouped_matmul.router import top_k_routing
+
+    logits = jax.random.normal(jax.random.key(0), (16, EXPERTS), jnp.float32)
+    for n in warps:
+        jax.block_until_ready(top_k_routing(logits, TOP_K, True, num_warps=n))
+    if order_path:
+        Path(order_path).write_text(json.dumps([f"router_w{n}" for n in warps]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
@@ -157,7 +169,10 @@ def main() -> None:
     ap.add_argument("--variants", nargs="*")
     ap.add_argument("--cases", nargs="*", default=list(CASES))
     ap.add_argument("--order", help="--ncu: where to write the launches' order")
+    ap.add_argument("--ncu-router", type=int, nargs="*", help="--ncu: the fused router at these warp counts instead")
     args = ap.parse_args()
+    if args.ncu and args.ncu_router:
+        return ncu_router(args.ncu_router, args.order)
     if args.ncu:
         return ncu_launches(args.variants or list(variants()), args.cases, args.order)
     key = jax.random.key(0)
