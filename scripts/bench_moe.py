@@ -17,7 +17,8 @@ Writes into `DIR/<date>-moe.json` (merged with `scripts/bench_moe_kernels.py`'s 
 Qwen3-30B-A3B-FP8); their floor counts those bytes (scales and zero points included). Keys
 `moe_<quant>_decode_b<N>_ms`, `..._vs_floor`, and `..._vs_bf16` (bf16 step ÷ its step) where bf16 ran in the same call.
 `--xla-router-too` runs the bf16 model again with the router's softmax/top-k as XLA's ops instead of the fused kernel
-(`moe_xla_router_decode_*`), the A/B of `PallasExperts.fused_router_max_tokens` in one call.
+(`moe_xla_router_decode_*`), the A/B of `PallasExperts.fused_router_max_tokens` in one call; `--decode-tiles-too
+k128 stages3` likewise with the decode-sized expert tiles changed (`moe_tiles_<NAME>_decode_*`).
 """
 
 from __future__ import annotations
@@ -98,8 +99,33 @@ def xla_router():
     return mock.patch.object(PallasExperts, "fuses_top_k", lambda self, router, tokens: False)
 
 
+def decode_tiles(**changes):
+    """The engine with its decode-sized expert tiles (up to 32 rows) changed by `changes` (`TileConfig` fields):
+    an A/B of `pallas_kernels.grouped_matmul.moe.tile_configs` in the same call."""
+    import dataclasses
+    from unittest import mock
+
+    from pallas_kernels.grouped_matmul import moe
+
+    default = moe.tile_configs
+
+    def changed(num_pairs: int, num_experts: int, itemsize: int = 2):
+        configs = default(num_pairs, num_experts, itemsize)
+        if configs[0].block_rows > 32:
+            return configs
+        return tuple(dataclasses.replace(c, **changes) for c in configs)
+
+    return mock.patch.object(moe, "tile_configs", changed)
+
+
+DECODE_TILES = {"k128": {"block_k": 128}, "stages3": {"num_stages": 3}}
+
+
 def decode(tmp: Path, copy_rate: float, batches: list[int], save, quant: str = "bf16",
-           layers: int | None = None, router: str = "default") -> tuple[dict, dict]:
+           layers: int | None = None, router: str = "default", tiles: str | None = None) -> tuple[dict, dict]:
+    if tiles:
+        with decode_tiles(**DECODE_TILES[tiles]):
+            return _decode(tmp, copy_rate, batches, save, quant, layers, f"_tiles_{tiles}")
     with xla_router() if router == "xla" else contextlib.nullcontext():
         return _decode(tmp, copy_rate, batches, save, quant, layers, "_xla_router" if router == "xla" else "")
 
@@ -173,6 +199,8 @@ def main() -> None:
                     "card); the floor counts the same layers")
     ap.add_argument("--xla-router-too", action="store_true", help="decode: bf16 again with the router as XLA's ops "
                     "(keys moe_xla_router_decode_*): the fused router's A/B in one call")
+    ap.add_argument("--decode-tiles-too", nargs="+", choices=tuple(DECODE_TILES), default=[],
+                    help="decode: bf16 again with the decode-sized expert tiles changed (keys moe_tiles_<NAME>_decode_*)")
     args = ap.parse_args()
     metrics: dict = {}
     ratios: dict = {}
@@ -192,6 +220,11 @@ def main() -> None:
                 m, r = decode(tmp, copy_rate, args.batches,
                               lambda m, r: save(args.out, args.git_sha, metrics | m, ratios | r), "bf16", args.layers,
                               router="xla")
+                metrics, ratios = metrics | m, ratios | r
+            for tiles in args.decode_tiles_too:
+                m, r = decode(tmp, copy_rate, args.batches,
+                              lambda m, r: save(args.out, args.git_sha, metrics | m, ratios | r), "bf16", args.layers,
+                              tiles=tiles)
                 metrics, ratios = metrics | m, ratios | r
             for quant in args.quant:  # both sides measured in this call
                 for batch in args.batches:

@@ -71,10 +71,8 @@ class PallasExperts:
 
     interpret: bool = False  # CPU tests run the same kernels in Pallas interpret mode
     mesh: jax.sharding.Mesh | None = None
-    # The router's softmax, top-k and renormalisation as one single-warp Pallas launch for steps of at most this
-    # many tokens (one program; 0: never). On an H100 (`benchmarks/results/2026-12-06-moe-grid-2a0e0df.json`): 6.6 µs
-    # a layer at one token against 16.3 for XLA's three ops; at 256 tokens 14.8 against 11.3, so larger steps keep
-    # XLA's. (Four warps, as before, took 12.7 at one token: each of the k rounds reduces through shared memory.)
+    # The router's softmax, top-k and renormalisation as one Pallas launch for steps of at most this many tokens (one
+    # program; 0: never); above, XLA's ops are faster (`pallas_kernels/grouped_matmul/router.py` has the figures).
     fused_router_max_tokens: int = 16  # one program: `pallas_kernels.grouped_matmul.router.BLOCK_TOKENS`
 
     def __call__(self, x, w: dict[str, Array], experts, weights, act: str, precision: Precision):
@@ -112,7 +110,7 @@ class PallasExperts:
         from pallas_kernels.grouped_matmul.router import top_k_routing
 
         return on_every_device(lambda l: top_k_routing(l, moe.num_experts_per_tok, moe.norm_topk_prob,
-                                                       interpret=self.interpret, num_warps=1), self.mesh, logits)
+                                                       interpret=self.interpret), self.mesh, logits)
 
 
 def skip_padding(experts: Int[Array, "tokens k"], num_tokens: Int[Array, ""] | None) -> Int[Array, "tokens k"]:

@@ -7,9 +7,12 @@ whole (every expert of a row in registers), so nothing is written between the st
 Ties go to the lower expert index, as `lax.top_k`'s do. The outputs are padded to whole blocks of tokens and a
 power-of-two k, and sliced.
 
-Measured on an H100 (2026-12-06): with one warp 6.6 µs a layer at one token against 16.3 for XLA's three ops; with
-four, 12.7 (each of the k rounds reduces twice, through shared memory across warps). At 256 tokens XLA's ops are
-faster (11.3 against 14.8), so the engine fuses only steps of one program (`PallasExperts.fused_router_max_tokens`).
+Each of the k rounds is a chain of dependent reductions, so more warps shorten it: on an H100 under Nsight Compute
+(2026-12-06, 16 tokens × 128 experts, top-8; `scripts/probe_moe_decode_gpu.py --ncu --ncu-router`) one warp takes
+23.8 µs, 2 14.8, 4 12.8, 8 9.1, 16 8.4; the engine's decode step spent 20.7 µs a layer in the one-warp launch
+(`scripts/probe_layer_loop_gpu.py --part engine`), as long as XLA's three ops. At 256 tokens XLA's ops are faster
+(11.3 against 14.8 µs in a device loop), so the engine fuses only steps of one program
+(`PallasExperts.fused_router_max_tokens`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from jaxtyping import Array, Float, Int
 from pallas_kernels.addressing import next_pow2
 
 BLOCK_TOKENS = 16
-NUM_WARPS = 4
+NUM_WARPS = 16  # see the module docstring
 
 
 def _top_k_kernel(logits_ref, weights_ref, experts_ref, *, k: int, normalize: bool):
