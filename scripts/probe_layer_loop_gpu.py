@@ -115,21 +115,42 @@ def dsf_part(layers: int) -> dict[str, Any]:
         return json.loads(Path(f.name).read_text())
 
 
-def kernel_totals(trace_dir: Path) -> dict[str, list[float]]:
-    """name: [total ms, count] of the trace's GPU kernels (device events carry a 'stream' pid)."""
+def gpu_events(trace_dir: Path) -> list[dict[str, Any]]:
+    """The trace's GPU kernel and copy events (device events carry a 'stream' pid), in start order."""
     files = sorted(trace_dir.rglob("*.trace.json.gz")) or sorted(trace_dir.rglob("perfetto_trace.json.gz"))
     if not files:
-        return {}
+        return []
     events = json.loads(gzip.decompress(files[-1].read_bytes()))
     events = events["traceEvents"] if isinstance(events, dict) else events
     names = {e["pid"]: e.get("args", {}).get("name", "") for e in events if e.get("ph") == "M"
              and e.get("name") == "process_name"}
+    return sorted((e for e in events if e.get("ph") == "X" and "/device:GPU" in names.get(e.get("pid"), "")
+                   and "dur" in e), key=lambda e: e["ts"])
+
+
+def kernel_totals(trace_dir: Path) -> dict[str, list[float]]:
+    """name: [total ms, count] of the trace's GPU kernels."""
     totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
-    for e in events:
-        if e.get("ph") == "X" and "/device:GPU" in names.get(e.get("pid"), "") and "dur" in e:
-            totals[e["name"]][0] += e["dur"] / 1e3
-            totals[e["name"]][1] += 1
+    for e in gpu_events(trace_dir):
+        totals[e["name"]][0] += e["dur"] / 1e3
+        totals[e["name"]][1] += 1
     return totals
+
+
+def gpu_idle(trace_dir: Path, gap_us: float = 20.0) -> dict[str, float]:
+    """How busy the GPU was from its first event to its last: the span, the time inside events, and the gaps
+    between events longer than `gap_us` (a device waiting on the host shows as such gaps, once per step)."""
+    events = gpu_events(trace_dir)
+    if not events:
+        return {}
+    end, busy, gaps = events[0]["ts"], 0.0, []
+    for e in events:
+        if e["ts"] - end > gap_us:
+            gaps.append(e["ts"] - end)
+        busy += e["dur"]
+        end = max(end, e["ts"] + e["dur"])
+    return {"span_ms": (end - events[0]["ts"]) / 1e3, "busy_ms": busy / 1e3, "long_gaps": len(gaps),
+            "long_gaps_ms": sum(gaps) / 1e3, "max_gap_ms": max(gaps, default=0.0) / 1e3}
 
 
 def kernel_summary(trace_dir: Path, top: int = 25, minus: Path | None = None) -> list[tuple[str, float, int]]:
@@ -139,6 +160,32 @@ def kernel_summary(trace_dir: Path, top: int = 25, minus: Path | None = None) ->
     for name, (t, c) in (kernel_totals(minus) if minus else {}).items():
         totals[name] = [totals.get(name, [0.0, 0])[0] - t, totals.get(name, [0.0, 0])[1] - c]
     return sorted(((n, round(t, 3), c) for n, (t, c) in totals.items() if c), key=lambda r: -r[1])[:top]
+
+
+def fusion_sources(dump_dir: Path, kernels: list[str], marker: str = "ragged_paged_attention_decode",
+                   chars: int = 1500) -> dict[str, str]:
+    """The optimized HLO behind each XLA kernel name (`fusion_553` is instruction `%fusion.553`), from an
+    `XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text` dump, in the modules that hold `marker` (the decode
+    step's): the instruction's line, then the start of the computation it calls."""
+    import re
+
+    texts = [f.read_text() for f in sorted(dump_dir.glob("*after_optimizations.txt"))]
+    texts = [t for t in texts if marker in t]
+    found: dict[str, str] = {}
+    for kernel in kernels:
+        head, _, tail = kernel.rpartition("_")
+        candidates = [kernel] + ([f"{head}.{tail}"] if tail.isdigit() else [])
+        for text in texts:
+            match = next((m for c in candidates if (m := re.search(rf"\n\s*(?:ROOT )?%{re.escape(c)} = [^\n]*",
+                                                                    text))), None)
+            if match is None:
+                continue
+            line = match.group(0).strip()
+            called = re.search(r"calls=(%[\w.\-]+)", line)
+            body = called and re.search(rf"\n{re.escape(called.group(1))} [^\n]*\{{(.*?)\n\}}", text, re.S)
+            found[kernel] = (line[:400] + "\n" + (body.group(1) if body else ""))[:chars]
+            break
+    return found
 
 
 def engine_part(layers: int, steps: int, shape: str = "llama", batch: int = 1) -> dict[str, Any]:
@@ -177,6 +224,7 @@ def engine_part(layers: int, steps: int, shape: str = "llama", batch: int = 1) -
                 llm.generate(prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True),
                              use_tqdm=False)
         out["kernels_8_steps"] = kernel_summary(traces[9], minus=traces[1])
+        out["gpu_idle_9_tokens"] = gpu_idle(traces[9])
     log(json.dumps(out, indent=1))
     return out
 
@@ -190,6 +238,8 @@ def main() -> None:
     parser.add_argument("--engine-model", default="llama", help="llama, or a shape of moe_shapes.py")
     parser.add_argument("--engine-batch", type=int, nargs="+", default=[1], help="decode batches profiled")
     parser.add_argument("--only", default=None)
+    parser.add_argument("--hlo-dump", type=Path, help="engine: the XLA dump directory (XLA_FLAGS=--xla_dump_to=DIR "
+                        "--xla_dump_hlo_as_text) to read the profiled fusions' HLO from")
     args = parser.parse_args()
     result: dict[str, Any] = {}
     for part in args.part or ["loop", "dsf", "engine"]:
@@ -202,6 +252,9 @@ def main() -> None:
                 for batch in args.engine_batch:
                     key = "engine" if batch == 1 else f"engine_b{batch}"
                     result[key] = engine_part(args.engine_layers, 32, args.engine_model, batch)
+                    if args.hlo_dump:
+                        names = [n for n, _, _ in result[key]["kernels_8_steps"]]
+                        result[key]["fusion_hlo"] = fusion_sources(args.hlo_dump, names)
                     Path(args.out).write_text(json.dumps(result, indent=1, default=str))
         except Exception as e:  # one part failing must not lose the others
             result[part] = {"error": repr(e)}

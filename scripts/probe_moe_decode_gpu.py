@@ -162,6 +162,24 @@ def ncu_router(warps: list[int], order_path: str | None) -> None:
         Path(order_path).write_text(json.dumps([f"router_w{n}" for n in warps]))
 
 
+def ncu_dense(order_path: str | None) -> None:
+    """XLA's dot of 16 rows with one contiguous weight of 8 experts' gate/up bytes ([2048, 12288]) and of their
+    down bytes ([6144, 2048]), twice each, inputs made on the host: for `ncu` with no kernel filter (nothing else
+    runs on the device), the best a plain matmul does with the bytes the decode launches read."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    order = []
+    for name, (k, n) in (("dense_gate_up", (HIDDEN, 2 * TOP_K * INTER)), ("dense_down", (TOP_K * INTER, HIDDEN))):
+        x = jax.device_put(rng.standard_normal((16, k)).astype(jnp.bfloat16))
+        w = jax.device_put(rng.standard_normal((k, n)).astype(jnp.bfloat16))
+        for _ in range(2):
+            jax.block_until_ready(jax.jit(jnp.dot)(x, w))
+            order.append(name)
+    if order_path:
+        Path(order_path).write_text(json.dumps(order))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
@@ -170,7 +188,10 @@ def main() -> None:
     ap.add_argument("--cases", nargs="*", default=list(CASES))
     ap.add_argument("--order", help="--ncu: where to write the launches' order")
     ap.add_argument("--ncu-router", type=int, nargs="*", help="--ncu: the fused router at these warp counts instead")
+    ap.add_argument("--ncu-dense", action="store_true", help="--ncu: XLA's dense dots over the same bytes instead")
     args = ap.parse_args()
+    if args.ncu and args.ncu_dense:
+        return ncu_dense(args.order)
     if args.ncu and args.ncu_router:
         return ncu_router(args.ncu_router, args.order)
     if args.ncu:
