@@ -31,7 +31,7 @@ from gpu_bench_common import copy_bandwidth, log, timeit  # noqa: E402
 from jengine.layers.mlp import skip_padding  # noqa: E402
 from pallas_kernels.grouped_matmul import TileConfig, tile_configs  # noqa: E402
 from pallas_kernels.grouped_matmul.kernel import TokenChoices, expert_down, expert_gate_up  # noqa: E402
-from pallas_kernels.grouped_matmul.routing import combine_pairs  # noqa: E402
+from pallas_kernels.grouped_matmul.combine import combine_pairs  # noqa: E402
 
 LOOP = 16
 CASES = {"lone": (1, 1), "bucket": (16, 1), "t16": (16, 16)}  # name: (rows, real tokens)

@@ -5,7 +5,7 @@ The rows come laid out by `routing.expert_tiles`: tile `t` of `block_rows` slots
 rows by columns `j` of that one expert's weight, so a weight tile is read once per tile, tiles past `num_tiles`
 return at once, and an expert nobody routed to is never read: at batch 1 only the k routed experts' bytes move.
 Decode-sized steps skip that layout (`Layout` "by_token"): program `(e, j)` takes the step's tokens that chose
-expert `e` and writes in (token, choice) order, summed by `routing.combine_pairs`.
+expert `e` and writes in (token, choice) order, summed by `combine.combine_pairs`.
 
 The engine's tiles take a persistent grid instead (`TileConfig.workers_per_sm`): a few programs per SM loop over
 the (row tile, column tile) pairs that have rows, since a grid with one program per possible tile is mostly programs

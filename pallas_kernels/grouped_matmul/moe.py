@@ -14,7 +14,8 @@ from jaxtyping import Array, Float, Int
 from pallas_kernels.addressing import next_pow2
 from pallas_kernels.grouped_matmul.kernel import (Scaling, TileConfig, TokenChoices, expert_down, expert_gate_up,
                                                   scaling_of)
-from pallas_kernels.grouped_matmul.routing import combine, combine_pairs, expert_tiles
+from pallas_kernels.grouped_matmul.combine import combine_pairs
+from pallas_kernels.grouped_matmul.routing import combine, expert_tiles
 
 
 class ExpertWeights(NamedTuple):
@@ -138,5 +139,5 @@ def moe_experts(
     y = expert_down(h, weights.down, tiles, cfg=down_cfg, interpret=interpret, precision=precision,
                     down_scale=weights.down_scale, down_zero=weights.down_zero, scale_block=scale_block)
     if isinstance(tiles, TokenChoices):
-        return combine_pairs(y, experts, num_experts)
+        return combine_pairs(y, experts, num_experts, interpret=interpret)
     return combine(y, tiles.pair_slot)

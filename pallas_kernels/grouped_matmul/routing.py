@@ -102,13 +102,3 @@ def _sum_choices(rows: Float[Array, "tokens k d"]) -> Float[Array, "tokens d"]:
     for j in range(1, rows.shape[1]):
         total = total + rows[:, j]
     return total
-
-
-def combine_pairs(pair_out: Float[Array, "pairs d"], experts: Int[Array, "tokens k"],
-                  num_experts: int) -> Float[Array, "tokens d"]:
-    """`combine` for outputs already in pair order (row `t·k + c`, the by-token layout); pairs of an expert outside
-    `[0, num_experts)` were never written and count as zero."""
-    tokens, k = experts.shape
-    kept = (experts >= 0) & (experts < num_experts)
-    rows = jnp.where(kept[:, :, None], pair_out.reshape(tokens, k, -1), 0)
-    return _sum_choices(rows).astype(pair_out.dtype)
