@@ -45,10 +45,7 @@ def variants() -> dict[str, tuple[TileConfig, TileConfig]]:
     def both(**kw):
         return dataclasses.replace(up, **kw), dataclasses.replace(down, **kw)
 
-    staggered = {f"{name}_st": both(stagger=True, **kw) for name, kw in (
-        ("default", {}), ("k128", {"block_k": 128}), ("stages3", {"num_stages": 3}),
-        ("k64_s8_w4", {"block_k": 64, "num_stages": 8, "workers_per_sm": 4}))}
-    return staggered | {
+    return {
         "default": (up, down),
         "stages3": both(num_stages=3),
         "k128": both(block_k=128),

@@ -17,7 +17,8 @@ Two launches per MoE layer:
     the gate and the up weight in one pass over K (the row tile loaded once for both), and writes
     `act(gate) * up` for its slots;
   * `expert_down`: the slots' hidden rows times the down weight, scaled by each slot's routing weight.
-The combine back to token order (a sum of k rows per token) is one gather in `routing.combine`.
+The combine back to token order (a sum of k rows per token) is one gather in `routing.combine`, or by token one
+launch of `combine.combine_pairs`.
 
 Weights may be stored in a narrower type than the activations (float8, int8) with a per-(expert, output column)
 scale applied to the float32 accumulator, so quantized experts reuse the same kernels; `None` means unscaled. 4-bit
@@ -63,10 +64,6 @@ class TileConfig:
     # loop over the step's tiles with rows only (`_for_each_tile`), so a decode step's grid is not mostly programs
     # that find no rows, each holding an SM's shared memory while it looks.
     workers_per_sm: int = 0
-    # Column tile j walks its K steps from step j (mod the steps), not from 0: the tiles of one expert then read
-    # different weight rows at a time instead of all the same ones, spreading a decode step's reads over the
-    # memory's channels. A column's order of additions stays fixed by its tile, whatever the step's rows.
-    stagger: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,14 +82,6 @@ class Scaling:
 
 def _arange(start, size: int):
     return start + jnp.arange(size, dtype=jnp.int32)
-
-
-def _step_start(i, j, k_dim: int, cfg: TileConfig):
-    """First input row of K step `i` of column tile `j` (`TileConfig.stagger`)."""
-    if not cfg.stagger:
-        return i * cfg.block_k
-    steps = pl.cdiv(k_dim, cfg.block_k)
-    return (i + j) % steps * cfg.block_k
 
 
 class Rows(NamedTuple):
@@ -261,7 +250,7 @@ def _gate_up_kernel(x_ref, wg_ref, wu_ref, sg_ref, su_ref, zg_ref, zu_ref, perm_
         cols = _arange(j * cfg.block_n, cfg.block_n)
 
         def step(i, acc):
-            k0 = _step_start(i, j, k_dim, cfg)
+            k0 = i * cfg.block_k
             ks = _arange(k0, cfg.block_k)
             if perm_ref is not None:  # the weight's rows are the features perm[e, k] (block_k divides K: no edge)
                 features = pltr.load(perm_ref.at[e, ks])
@@ -304,7 +293,7 @@ def _down_kernel(h_ref, wd_ref, sd_ref, zd_ref, *refs, cfg: TileConfig, precisio
         cols = _arange(j * cfg.block_n, cfg.block_n)
 
         def step(i, acc):
-            k0 = _step_start(i, j, k_dim, cfg)
+            k0 = i * cfg.block_k
             ks = _arange(k0, cfg.block_k)
             h = pltr.load(h_ref.at[rows.out[:, None], ks[None, :]], mask=rows.real[:, None] & (ks[None, :] < k_dim),
                           other=0)
