@@ -162,6 +162,32 @@ def kernel_summary(trace_dir: Path, top: int = 25, minus: Path | None = None) ->
     return sorted(((n, round(t, 3), c) for n, (t, c) in totals.items() if c), key=lambda r: -r[1])[:top]
 
 
+def host_timeline(trace_dir: Path) -> dict[str, float]:
+    """Where the host's time per engine step goes, from the profiler's Python events: medians (ms) of the runner's
+    `dispatch` (preparing and launching a step: long if a launch waits, e.g. on a donated buffer still in use) and
+    `fetch` (waiting for a step's outputs: near zero when the host is the bottleneck), the host's work between a
+    fetch and the next dispatch, and PjRt's waits on buffer holds inside dispatches."""
+    files = sorted(trace_dir.rglob("*.trace.json.gz")) or sorted(trace_dir.rglob("perfetto_trace.json.gz"))
+    if not files:
+        return {}
+    events = json.loads(gzip.decompress(files[-1].read_bytes()))
+    events = [e for e in (events["traceEvents"] if isinstance(events, dict) else events) if e.get("ph") == "X"]
+
+    def calls(suffix: str) -> list[dict[str, Any]]:
+        return sorted((e for e in events if e["name"].startswith("$runner.py:") and e["name"].endswith(suffix)),
+                      key=lambda e: e["ts"])
+
+    def median_ms(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2] / 1e3 if values else float("nan")
+
+    dispatches, fetches = calls(" dispatch"), calls(" fetch")
+    between = [d["ts"] - (f["ts"] + f["dur"]) for f, d in zip(fetches, dispatches[2:])]
+    holds = [e["dur"] for e in events if e["name"] in ("Wait for donation holds", "Wait for usage holds")]
+    return {"steps": len(dispatches), "dispatch_ms": median_ms([e["dur"] for e in dispatches]),
+            "fetch_ms": median_ms([e["dur"] for e in fetches]), "fetch_to_next_dispatch_ms": median_ms(between),
+            "holds_ms_per_step": sum(holds) / 1e3 / max(len(dispatches), 1), "max_hold_ms": max(holds, default=0) / 1e3}
+
+
 def fusion_sources(dump_dir: Path, kernels: list[str], marker: str = "ragged_paged_attention_decode",
                    chars: int = 1500) -> dict[str, str]:
     """The optimized HLO behind each XLA kernel name (`fusion_553` is instruction `%fusion.553`), from an
@@ -225,6 +251,7 @@ def engine_part(layers: int, steps: int, shape: str = "llama", batch: int = 1) -
                              use_tqdm=False)
         out["kernels_8_steps"] = kernel_summary(traces[9], minus=traces[1])
         out["gpu_idle_9_tokens"] = gpu_idle(traces[9])
+        out["host_9_tokens"] = host_timeline(traces[9])
     log(json.dumps(out, indent=1))
     return out
 
