@@ -18,7 +18,8 @@ Qwen3-30B-A3B-FP8); their floor counts those bytes (scales and zero points inclu
 `moe_<quant>_decode_b<N>_ms`, `..._vs_floor`, and `..._vs_bf16` (bf16 step ÷ its step) where bf16 ran in the same call.
 `--xla-router-too` runs the bf16 model again with the router's softmax/top-k as XLA's ops instead of the fused kernel
 (`moe_xla_router_decode_*`), the A/B of `PallasExperts.fused_router_max_tokens` in one call; `--decode-tiles-too
-k128 stages3` likewise with the decode-sized expert tiles changed (`moe_tiles_<NAME>_decode_*`).
+k128 stages3` likewise with the decode-sized expert tiles changed (`moe_tiles_<NAME>_decode_*`), and `--listed-too`
+with the fused router listing the chosen experts (`PallasExperts.list_chosen`, `moe_listed_decode_*`).
 """
 
 from __future__ import annotations
@@ -118,11 +119,26 @@ def decode_tiles(**changes):
     return mock.patch.object(moe, "tile_configs", changed)
 
 
+def listed_router():
+    """The engine with the fused router listing the chosen experts for the by-token launches
+    (`PallasExperts.list_chosen`): its A/B in the same call."""
+    from unittest import mock
+
+    from jengine.attention.pallas import PallasGpuBackend
+    from jengine.layers.mlp import PallasExperts
+
+    listing = property(lambda self: PallasExperts(interpret=self.interpret, mesh=self.mesh, list_chosen=True))
+    return mock.patch.object(PallasGpuBackend, "experts", listing)
+
+
 DECODE_TILES = {"k128": {"block_k": 128}, "stages3": {"num_stages": 3}}
 
 
 def decode(tmp: Path, copy_rate: float, batches: list[int], save, quant: str = "bf16",
            layers: int | None = None, router: str = "default", tiles: str | None = None) -> tuple[dict, dict]:
+    if router == "listed":
+        with listed_router():
+            return _decode(tmp, copy_rate, batches, save, quant, layers, "_listed")
     if tiles:
         with decode_tiles(**DECODE_TILES[tiles]):
             return _decode(tmp, copy_rate, batches, save, quant, layers, f"_tiles_{tiles}")
@@ -199,8 +215,11 @@ def main() -> None:
                     "card); the floor counts the same layers")
     ap.add_argument("--xla-router-too", action="store_true", help="decode: bf16 again with the router as XLA's ops "
                     "(keys moe_xla_router_decode_*): the fused router's A/B in one call")
+    ap.add_argument("--listed-too", action="store_true", help="decode: bf16 again with the fused router listing the "
+                    "chosen experts (PallasExperts.list_chosen; keys moe_listed_decode_*)")
     ap.add_argument("--decode-tiles-too", nargs="+", choices=tuple(DECODE_TILES), default=[],
-                    help="decode: bf16 again with the decode-sized expert tiles changed (keys moe_tiles_<NAME>_decode_*)")
+                    help="decode: bf16 again with the decode-sized expert tiles changed "
+                    "(keys moe_tiles_<NAME>_decode_*)")
     args = ap.parse_args()
     metrics: dict = {}
     ratios: dict = {}
@@ -220,6 +239,11 @@ def main() -> None:
                 m, r = decode(tmp, copy_rate, args.batches,
                               lambda m, r: save(args.out, args.git_sha, metrics | m, ratios | r), "bf16", args.layers,
                               router="xla")
+                metrics, ratios = metrics | m, ratios | r
+            if args.listed_too:
+                m, r = decode(tmp, copy_rate, args.batches,
+                              lambda m, r: save(args.out, args.git_sha, metrics | m, ratios | r), "bf16", args.layers,
+                              router="listed")
                 metrics, ratios = metrics | m, ratios | r
             for tiles in args.decode_tiles_too:
                 m, r = decode(tmp, copy_rate, args.batches,

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_moe_kernels import EXPERTS, HIDDEN, INTER, TOP_K, reference, rel_err, routing, weights  # noqa: E402
@@ -32,6 +33,7 @@ from jengine.layers.mlp import skip_padding  # noqa: E402
 from pallas_kernels.grouped_matmul import TileConfig, tile_configs  # noqa: E402
 from pallas_kernels.grouped_matmul.kernel import TokenChoices, expert_down, expert_gate_up  # noqa: E402
 from pallas_kernels.grouped_matmul.combine import combine_pairs  # noqa: E402
+from pallas_kernels.grouped_matmul.router import ChosenExperts  # noqa: E402
 
 LOOP = 16
 CASES = {"lone": (1, 1), "bucket": (16, 1), "t16": (16, 16)}  # name: (rows, real tokens)
@@ -65,8 +67,15 @@ def routings(key, rows: int, real: int, n: int):
     return ex, rw
 
 
-def choices(ex, rw) -> TokenChoices:
-    return TokenChoices(ex, rw.reshape(-1).astype(jnp.float32))
+def choices(ex, rw, listed: bool = False) -> TokenChoices:
+    """The by-token operands; `listed`: with the distinct chosen experts, as the fused router lists them."""
+    chosen = None
+    if listed:
+        distinct = np.unique(np.asarray(ex)[np.asarray(ex) >= 0])
+        ids = np.full(EXPERTS, -1, np.int32)
+        ids[:len(distinct)] = distinct
+        chosen = ChosenExperts(jnp.asarray(ids), jnp.asarray([len(distinct)], jnp.int32))
+    return TokenChoices(ex, rw.reshape(-1).astype(jnp.float32), chosen)
 
 
 def launches(w, cfgs):
@@ -137,10 +146,10 @@ def ncu_launches(names: list[str], cases: list[str], order_path: str | None) -> 
     for name in names:
         gate_up, down = launches(w, variants()[name])
         for case in cases:
-            rows, real = CASES[case]
+            rows, real = CASES[case.removesuffix("_listed")]
             x = jax.random.normal(key, (rows, HIDDEN), jnp.bfloat16)
             ex, rw = routings(jax.random.fold_in(key, len(order)), rows, real, 1)
-            tiles = choices(ex[0], rw[0])
+            tiles = choices(ex[0], rw[0], listed=case.endswith("_listed"))
             jax.block_until_ready(down(jax.block_until_ready(gate_up(x, tiles=tiles)), tiles=tiles))
             order += [f"{name}/{case}/gate_up", f"{name}/{case}/down"]
     if order_path:
@@ -163,7 +172,6 @@ def ncu_dense(order_path: str | None) -> None:
     """XLA's dot of 16 rows with one contiguous weight of 8 experts' gate/up bytes ([2048, 12288]) and of their
     down bytes ([6144, 2048]), twice each, inputs made on the host: for `ncu` with no kernel filter (nothing else
     runs on the device), the best a plain matmul does with the bytes the decode launches read."""
-    import numpy as np
 
     rng = np.random.default_rng(0)
     order = []
@@ -182,7 +190,8 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--ncu", action="store_true")
     ap.add_argument("--variants", nargs="*")
-    ap.add_argument("--cases", nargs="*", default=list(CASES))
+    ap.add_argument("--cases", nargs="*", default=list(CASES), help="--ncu: also NAME_listed (the chosen experts "
+                    "listed, as PallasExperts.list_chosen routes them)")
     ap.add_argument("--order", help="--ncu: where to write the launches' order")
     ap.add_argument("--ncu-router", type=int, nargs="*", help="--ncu: the fused router at these warp counts instead")
     ap.add_argument("--ncu-dense", action="store_true", help="--ncu: XLA's dense dots over the same bytes instead")

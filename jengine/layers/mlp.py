@@ -9,6 +9,7 @@ at a 4,096-token budget — while the kernels read each routed expert's weights 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,9 @@ from jengine.layers.lora import LayerLora
 from jengine.layers.experts import expert_float, expert_operands, kernel_weight_specs, kernel_weights
 from jengine.models.spec import MoeSpec
 from jengine.parallel.collectives import ordered_psum
+
+if TYPE_CHECKING:  # Pallas imported only where used
+    from pallas_kernels.grouped_matmul.router import ChosenExperts
 
 
 def gated_mlp(
@@ -43,16 +47,26 @@ def gated_mlp(
     return lora.project("down", hidden, w["w_down"], w.get("b_down"), precision)
 
 
+class Routing(NamedTuple):
+    """Each token's k routing weights and expert ids (-1 for the bucket's padding tokens); `chosen`: the distinct
+    experts chosen, where the fused router lists them (`PallasExperts.list_chosen`)."""
+
+    weights: Float[Array, "tokens k"]
+    experts: Int[Array, "tokens k"]
+    chosen: ChosenExperts | None = None
+
+
 def route(
     x: Float[Array, "tokens d"], router: Float[Array, "d experts"], moe: MoeSpec, precision: Precision = None,
-    kernels: PallasExperts | None = None,
-) -> tuple[Float[Array, "tokens k"], jax.Array]:
+    kernels: PallasExperts | None = None, num_tokens: Int[Array, ""] | None = None,
+) -> Routing:
     """Top-k experts per token: softmax in float32 over all experts, then (optionally) renormalised over the k; in
-    one kernel where `kernels` can (`PallasExperts.top_k`)."""
+    one kernel where `kernels` can (`PallasExperts.top_k`). `num_tokens`: the real tokens of the step; the rest is
+    bucket padding, routed nowhere."""
     logits = linear(x, router, precision=precision).astype(jnp.float32)
     if kernels is not None and kernels.fuses_top_k(router, x.shape[0]):
-        weights, experts = kernels.top_k(logits, moe)
-        return weights.astype(x.dtype), experts
+        routing = kernels.top_k(logits, moe, num_tokens)
+        return routing._replace(weights=routing.weights.astype(x.dtype))
     if isinstance(router, InvariantWeight) and router.impl != "xla":
         probs = jnp.exp(invariant_log_softmax(logits, RowReduction(router.impl, router.mesh)))
     else:
@@ -60,7 +74,7 @@ def route(
     weights, experts = jax.lax.top_k(probs, moe.num_experts_per_tok)
     if moe.norm_topk_prob:  # k adds in one order (an XLA reduction's order may follow the row count)
         weights = weights / ordered_sum(weights)[:, None]
-    return weights.astype(x.dtype), experts
+    return Routing(weights.astype(x.dtype), skip_padding(experts, num_tokens))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +88,14 @@ class PallasExperts:
     # The router's softmax, top-k and renormalisation as one Pallas launch for steps of at most this many tokens (one
     # program; 0: never); above, XLA's ops are faster (`pallas_kernels/grouped_matmul/router.py` has the figures).
     fused_router_max_tokens: int = 16  # one program: `pallas_kernels.grouped_matmul.router.BLOCK_TOKENS`
+    # The fused router also lists the distinct experts chosen, so the by-token launches read them instead of each
+    # program comparing every choice with every expert (under Nsight Compute on an H100, the 16-row bucket's two
+    # launches took 48.7 us against 41.7 for a lone token). Off until timed in the engine (`scripts/bench_moe.py
+    # --listed-too`).
+    list_chosen: bool = False
 
-    def __call__(self, x, w: dict[str, Array], experts, weights, act: str, precision: Precision):
+    def __call__(self, x, w: dict[str, Array], experts, weights, act: str, precision: Precision,
+                 chosen: ChosenExperts | None = None):
         """With a batch-invariant router (`--deterministic`), one tile configuration serves every step size, so a
         token's expert sums never change with the bucket (the decode tiles: their K steps are the fixed order)."""
         from pallas_kernels.grouped_matmul import moe_experts  # Pallas imported only where used
@@ -86,18 +106,19 @@ class PallasExperts:
         shards = 1 if self.mesh is None else self.mesh.size
         operands = expert_operands(w, x.dtype, shards)
 
-        def local(x, experts, weights, stacks):
+        def local(x, experts, weights, chosen, stacks):
             return moe_experts(x, stacks, experts, weights, act=ACTIVATIONS[act], precision=precision,
-                               interpret=self.interpret, configs=fixed, scale_block=operands.scale_block)
+                               interpret=self.interpret, configs=fixed, scale_block=operands.scale_block,
+                               chosen=chosen)
 
         if shards == 1:
-            return local(x, experts, weights, kernel_weights(operands))
+            return local(x, experts, weights, chosen, kernel_weights(operands))
         axis = self.mesh.axis_names[0]
         add = ordered_psum if invariant else jax.lax.psum  # device order, not the collective library's
         partial = jax.shard_map(lambda *a: add(local(*a), axis), mesh=self.mesh,
-                                in_specs=(P(), P(), P(), kernel_weight_specs(operands, axis)), out_specs=P(),
+                                in_specs=(P(), P(), P(), P(), kernel_weight_specs(operands, axis)), out_specs=P(),
                                 check_vma=False)
-        return partial(x, experts, weights, kernel_weights(operands))
+        return partial(x, experts, weights, chosen, kernel_weights(operands))
 
     def fuses_top_k(self, router, tokens: int) -> bool:
         """The router's softmax, top-k and renormalisation as one launch for steps of up to
@@ -105,12 +126,17 @@ class PallasExperts:
         own kernel."""
         return tokens <= self.fused_router_max_tokens and not isinstance(router, InvariantWeight)
 
-    def top_k(self, logits: Float[Array, "tokens experts"], moe: MoeSpec):
-        """(weights, expert ids) of each token, on every device of the mesh alike (the logits are replicated)."""
-        from pallas_kernels.grouped_matmul.router import top_k_routing
+    def top_k(self, logits: Float[Array, "tokens experts"], moe: MoeSpec,
+              num_tokens: Int[Array, ""] | None = None) -> Routing:
+        """Each token's routing, on every device of the mesh alike (the logits are replicated); padding tokens (from
+        `num_tokens` on) routed nowhere."""
+        from pallas_kernels.grouped_matmul.router import top_k_routing, top_k_routing_listed
 
-        return on_every_device(lambda l: top_k_routing(l, moe.num_experts_per_tok, moe.norm_topk_prob,
-                                                       interpret=self.interpret), self.mesh, logits)
+        fn = top_k_routing_listed if self.list_chosen else top_k_routing
+        real = jnp.int32(logits.shape[0]) if num_tokens is None else num_tokens
+        return Routing(*on_every_device(lambda l, n: fn(l, moe.num_experts_per_tok, moe.norm_topk_prob,
+                                                         interpret=self.interpret, num_tokens=n),
+                                        self.mesh, logits, real))
 
 
 def skip_padding(experts: Int[Array, "tokens k"], num_tokens: Int[Array, ""] | None) -> Int[Array, "tokens k"]:
@@ -141,9 +167,9 @@ def moe_mlp(
     """Each token's k (token, expert) pairs are multiplied expert by expert: by `kernels` where given, else sorted
     by expert for `ragged_dot`. Work is tokens × k expert MLPs, not tokens × all experts; the weighted sum over the
     k outputs recombines them. `num_tokens`: the real tokens of the step (the rest is bucket padding)."""
-    weights, experts = route(x, w["router"], moe, precision, kernels)
+    weights, experts, chosen = route(x, w["router"], moe, precision, kernels, num_tokens)
     if kernels is not None:
-        return kernels(x, w, skip_padding(experts, num_tokens), weights, act, precision)
+        return kernels(x, w, experts, weights, act, precision, chosen)
     return _ragged_experts(x, weights, experts, (w["we_gate"], w["we_up"], w["we_down"]), act, precision)
 
 
@@ -156,8 +182,7 @@ def moe_mlp_expert_parallel(
     under tensor parallelism, so dispatch needs no communication), runs only the (token, expert) pairs of its own
     experts, and one `psum` combines the partial outputs. With `kernels`, each device's kernels skip the pairs of
     other devices' experts (their ids fall outside its local range)."""
-    weights, experts = route(x, w["router"], moe, precision)
-    experts = skip_padding(experts, num_tokens)
+    weights, experts, _ = route(x, w["router"], moe, precision, num_tokens=num_tokens)
     split = P(axis)
     add = ordered_psum if isinstance(w["router"], InvariantWeight) else jax.lax.psum  # `--deterministic`
 

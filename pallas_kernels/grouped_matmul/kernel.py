@@ -47,6 +47,7 @@ from jax.experimental.pallas import triton as pltr
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.addressing import next_pow2
+from pallas_kernels.grouped_matmul.router import ChosenExperts
 from pallas_kernels.grouped_matmul.routing import ExpertTiles
 from pallas_kernels.w4a16.nibbles import PACK, affine, nibbles_as_float
 
@@ -103,12 +104,14 @@ class Layout:
     step (`tokens` ≤ `block_rows`) masked to those that chose `e`, and row `t`'s output is pair row `t·k + c` (`c`:
     the choice that named `e`) of a `[tokens · k, N]` output (operands `experts [tokens, k]`; down also the
     routing weights). A token's k choices must be distinct (as top-k's are). For decode-sized steps: it saves the
-    layout's launches, and an expert nobody chose returns at once."""
+    layout's launches, and an expert nobody chose returns at once. `listed`: the distinct chosen experts come as
+    operands (`router.ChosenExperts`) instead of each program finding them from every choice."""
 
     kind: Literal["sorted", "by_token"] = "sorted"
     tokens: int = 0
     k: int = 0
     experts: int = 0
+    listed: bool = False
 
 
 def _sorted_rows(refs, t, block_rows: int) -> Rows:
@@ -137,9 +140,13 @@ def _rows(layout: Layout, refs, t, block_rows: int) -> Rows:
                 jnp.sum(real.astype(jnp.int32)) > 0)
 
 
-def _chosen_experts(experts_ref, layout: Layout):
+def _chosen_experts(layout_refs, layout: Layout):
     """By token: (how many distinct experts the step chose, a function from `a` to the `a`-th of them in id
-    order), from one `[experts, pairs]` comparison of the step's choices in registers."""
+    order): as listed, or from one `[experts, pairs]` comparison of the step's choices in registers."""
+    if layout.listed:
+        ids_ref, count_ref = layout_refs[1:3]
+        return count_ref[0], lambda a: ids_ref[a]
+    experts_ref = layout_refs[1]
     pairs = layout.tokens * layout.k
     p = _arange(0, next_pow2(pairs))
     ids = pltr.load(experts_ref.at[jnp.minimum(p, pairs - 1)], mask=p < pairs, other=-1)
@@ -165,7 +172,7 @@ def _for_each_tile(layout: Layout, layout_refs, cfg: TileConfig, workers: int, n
     if layout.kind == "sorted":
         count, row_of = layout_refs[2][0], lambda a: a
     else:
-        count, row_of = _chosen_experts(layout_refs[1], layout)
+        count, row_of = _chosen_experts(layout_refs, layout)
     p = pl.program_id(0)
 
     def item(i, carry):
@@ -314,10 +321,11 @@ def _down_kernel(h_ref, wd_ref, sd_ref, zd_ref, *refs, cfg: TileConfig, precisio
 
 class TokenChoices(NamedTuple):
     """The `by_token` layout's operands: each token's k expert ids (outside `[0, experts)`: none) and their routing
-    weights, flat in pair order (`t·k + c`)."""
+    weights, flat in pair order (`t·k + c`); optionally the distinct experts chosen, as the router lists them."""
 
     experts: Int[Array, "tokens k"]
     weights: Float[Array, " pairs"]
+    chosen: ChosenExperts | None = None
 
 
 def _layout_of(rows_of: ExpertTiles | TokenChoices, num_experts: int, block_rows: int):
@@ -331,7 +339,12 @@ def _layout_of(rows_of: ExpertTiles | TokenChoices, num_experts: int, block_rows
     if tokens > block_rows:
         raise ValueError(f"the by-token layout takes at most block_rows ({block_rows}) tokens, got {tokens}")
     experts = rows_of.experts.astype(jnp.int32)
-    return (Layout("by_token", tokens, k, num_experts), (experts, experts.reshape(-1)), rows_of.weights, tokens * k,
+    chosen = rows_of.chosen
+    if chosen is None:
+        operands = (experts, experts.reshape(-1))
+    else:
+        operands = (experts, chosen.ids.astype(jnp.int32), chosen.count.astype(jnp.int32))
+    return (Layout("by_token", tokens, k, num_experts, chosen is not None), operands, rows_of.weights, tokens * k,
             num_experts)
 
 

@@ -15,6 +15,7 @@ from pallas_kernels.addressing import next_pow2
 from pallas_kernels.grouped_matmul.kernel import (Scaling, TileConfig, TokenChoices, expert_down, expert_gate_up,
                                                   scaling_of)
 from pallas_kernels.grouped_matmul.combine import combine_pairs
+from pallas_kernels.grouped_matmul.router import ChosenExperts
 from pallas_kernels.grouped_matmul.routing import combine, expert_tiles
 
 
@@ -110,12 +111,14 @@ def moe_experts(
     x: Float[Array, "tokens d"], weights: ExpertWeights, experts: Int[Array, "tokens k"],
     routing_weights: Float[Array, "tokens k"], *, act: Callable, precision=None, interpret: bool = False,
     configs: tuple[TileConfig, TileConfig] | None = None, scale_block: tuple[int, int] | None = None,
-    layout: Literal["auto", "sorted", "by_token"] = "auto",
+    layout: Literal["auto", "sorted", "by_token"] = "auto", chosen: ChosenExperts | None = None,
 ) -> Float[Array, "tokens d"]:
     """Σ_k routing_weight · down_e(act(gate_e(x)) · up_e(x)) over each token's k experts. Expert ids outside
     `[0, experts)` are skipped (expert parallelism: another device's experts). `scale_block`: the (rows, columns) of
     8-bit block scales (`[experts, K blocks, N blocks]`), None for any other storage. `layout`: how the kernels
-    find each expert's rows (`kernel.Layout`); "auto": by token for decode-sized steps, else sorted."""
+    find each expert's rows (`kernel.Layout`); "auto": by token for decode-sized steps, else sorted. `chosen`: the
+    distinct experts the step chose, as the router lists them (`router.top_k_routing_listed`), which the by-token
+    layout then reads instead of finding them in every program."""
     num_experts = weights.gate.shape[0]
     up_cfg, down_cfg = configs or tile_configs(experts.size, num_experts, jnp.dtype(x.dtype).itemsize)
     if up_cfg.block_rows != down_cfg.block_rows:
@@ -129,7 +132,7 @@ def moe_experts(
     down_cfg = fit_steps(down_cfg, inter, scaling_of(weights.down, inter, weights.down_scale, weights.down_zero,
                                                      scale_block))
     if by_token:
-        tiles = TokenChoices(experts.astype(jnp.int32), routing_weights.reshape(-1).astype(jnp.float32))
+        tiles = TokenChoices(experts.astype(jnp.int32), routing_weights.reshape(-1).astype(jnp.float32), chosen)
     else:
         tiles = expert_tiles(experts, routing_weights, num_experts, up_cfg.block_rows)
     h = expert_gate_up(x, weights.gate, weights.up, tiles, act=act, cfg=up_cfg, interpret=interpret,

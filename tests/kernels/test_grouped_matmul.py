@@ -109,14 +109,15 @@ def layer_weights(rng, d=32):
     return {k: jnp.asarray(rng.standard_normal(s) * s[-2] ** -0.5, jnp.float32) for k, s in shape.items()}
 
 
-@pytest.mark.parametrize("fused_router_max_tokens", [0, 16], ids=["xla_router", "fused_router"])
-def test_layer_through_kernels_matches_ragged_dot_and_skips_padding(fused_router_max_tokens):
+@pytest.mark.parametrize("fused_router_max_tokens,list_chosen", [(0, False), (16, False), (16, True)],
+                         ids=["xla_router", "fused_router", "fused_router_listing"])
+def test_layer_through_kernels_matches_ragged_dot_and_skips_padding(fused_router_max_tokens, list_chosen):
     rng = np.random.default_rng(SEED + 1)
     w, x = layer_weights(rng), jnp.asarray(rng.standard_normal((16, 32)), jnp.float32)
     hi = jax.lax.Precision.HIGHEST
     want = moe_mlp(x, w, MOE, "silu", hi)
-    got = moe_mlp(x, w, MOE, "silu", hi, PallasExperts(interpret=True, fused_router_max_tokens=fused_router_max_tokens),
-                  jnp.int32(11))
+    kernels = PallasExperts(interpret=True, fused_router_max_tokens=fused_router_max_tokens, list_chosen=list_chosen)
+    got = moe_mlp(x, w, MOE, "silu", hi, kernels, jnp.int32(11))
     np.testing.assert_allclose(np.asarray(got[:11]), np.asarray(want[:11]), atol=2e-5)
     np.testing.assert_array_equal(np.asarray(got[11:]), 0)  # padding tokens routed nowhere
 
@@ -240,6 +241,29 @@ def test_fused_top_k_routing_matches_float64(tokens, num_experts, k, normalize):
         want /= want.sum(1, keepdims=True)
     np.testing.assert_array_equal(np.asarray(ids), want_ids)
     np.testing.assert_allclose(np.asarray(weights, np.float64), want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("tokens,num_tokens,num_experts,k", [(16, 3, 128, 8), (16, 16, 60, 4), (5, 5, 6, 6),
+                                                             (16, 0, 8, 2)])
+def test_router_lists_the_experts_its_real_tokens_chose(tokens, num_tokens, num_experts, k):
+    """The fused router with the bucket's real token count: padding rows routed nowhere (-1), and the distinct
+    experts of the real rows' choices listed in id order (-1 after them) with their count, as numpy's top-k over
+    a float64 softmax finds them."""
+    from pallas_kernels.grouped_matmul.router import top_k_routing_listed
+
+    rng = np.random.default_rng(SEED + tokens + num_tokens)
+    logits = rng.standard_normal((tokens, num_experts)).astype(np.float32)
+    weights, ids, chosen = top_k_routing_listed(jnp.asarray(logits), k, True, interpret=True,
+                                                num_tokens=jnp.int32(num_tokens))
+    probs = np.exp(logits.astype(np.float64) - logits.max(1, keepdims=True))
+    want_ids = np.argsort(-probs, axis=1, kind="stable")[:, :k]
+    np.testing.assert_array_equal(np.asarray(ids)[:num_tokens], want_ids[:num_tokens])
+    assert (np.asarray(ids)[num_tokens:] == -1).all()
+    distinct = np.unique(want_ids[:num_tokens])
+    assert int(chosen.count[0]) == len(distinct)
+    listed = np.asarray(chosen.ids)
+    np.testing.assert_array_equal(listed[:len(distinct)], distinct)
+    assert (listed[len(distinct):] == -1).all()
 
 
 @pytest.mark.parametrize("tokens,k,d,dtype", [(1, 8, 2048, jnp.bfloat16), (16, 8, 100, jnp.bfloat16),

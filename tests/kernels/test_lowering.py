@@ -82,7 +82,8 @@ def test_fp8_kv_write_lowers_for_h200_in_place():
 @pytest.mark.parametrize("tokens,weight_dtype", [(1, jnp.bfloat16), (16, jnp.bfloat16), (4096, jnp.bfloat16),
                                                 (64, jnp.float8_e4m3fn)])
 def test_grouped_matmul_lowers_for_h200(tokens, weight_dtype):
-    """The MoE experts' two launches at decode and prefill tiles (Qwen3-30B-A3B layer shape), narrow weights too."""
+    """The MoE experts' two launches at decode and prefill tiles (Qwen3-30B-A3B layer shape), narrow weights too;
+    decode-sized steps (by token) add the combine's."""
     from pallas_kernels.grouped_matmul import ExpertWeights, moe_experts
 
     e, d, inter, k = 128, 2048, 768, 8
@@ -92,7 +93,7 @@ def test_grouped_matmul_lowers_for_h200(tokens, weight_dtype):
     fn = lambda x, ex, rw, *ws: moe_experts(x, ExpertWeights(*ws), ex, rw, act=jax.nn.silu)
     text = lower_for_h200(fn, S((tokens, d), jnp.bfloat16), S((tokens, k), i32), S((tokens, k), jnp.bfloat16),
                           *w, *scales)
-    assert text.count("__gpu$xla.gpu.triton") == 2
+    assert text.count("__gpu$xla.gpu.triton") == (3 if tokens <= 16 else 2)
 
 
 @pytest.mark.parametrize("tokens,num_experts,k", [(1, 128, 8), (256, 60, 4), (64, 8, 2)])
@@ -101,6 +102,25 @@ def test_moe_top_k_lowers_for_h200(tokens, num_experts, k):
 
     text = lower_for_h200(lambda l: top_k_routing(l, k, True), S((tokens, num_experts), jnp.float32))
     assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_listed_routing_and_experts_lower_for_h200(tokens):
+    """The decode step's MoE as the engine runs it with `PallasExperts.list_chosen`: the router (padding rows
+    routed nowhere, the chosen experts listed), both expert launches reading the list, the combine."""
+    from pallas_kernels.grouped_matmul import ExpertWeights, moe_experts
+    from pallas_kernels.grouped_matmul.router import top_k_routing_listed
+
+    e, d, inter, k = 128, 2048, 768, 8
+
+    def layer(x, logits, n, *ws):
+        weights, experts, chosen = top_k_routing_listed(logits, k, True, num_tokens=n)
+        return moe_experts(x, ExpertWeights(*ws), experts, weights, act=jax.nn.silu, chosen=chosen)
+
+    bf16 = jnp.bfloat16
+    text = lower_for_h200(layer, S((tokens, d), bf16), S((tokens, e), jnp.float32), S((), i32),
+                          S((e, d, inter), bf16), S((e, d, inter), bf16), S((e, inter, d), bf16))
+    assert text.count("__gpu$xla.gpu.triton") == 4
 
 
 @pytest.mark.parametrize("tokens,group,act_order", [(16, 128, False), (4096, 128, False), (64, 32, False),
@@ -117,7 +137,7 @@ def test_int4_grouped_matmul_lowers_for_h200(tokens, group, act_order):
     perm = [S((e, d), i32)] if act_order else []
     text = lower_for_h200(fn, S((tokens, d), jnp.bfloat16), S((tokens, k), i32), S((tokens, k), jnp.bfloat16),
                           *w, *per_group, *per_group, *perm)
-    assert text.count("__gpu$xla.gpu.triton") == 2
+    assert text.count("__gpu$xla.gpu.triton") == (3 if tokens <= 16 else 2)  # by token: and the combine
 
 
 @pytest.mark.parametrize("tokens", [16, 4096])
@@ -132,4 +152,4 @@ def test_block_scaled_fp8_grouped_matmul_lowers_for_h200(tokens):
     fn = lambda x, ex, rw, *ws: moe_experts(x, ExpertWeights(*ws), ex, rw, act=jax.nn.silu, scale_block=(128, 128))
     text = lower_for_h200(fn, S((tokens, d), jnp.bfloat16), S((tokens, k), i32), S((tokens, k), jnp.bfloat16),
                           *w, *scales)
-    assert text.count("__gpu$xla.gpu.triton") == 2
+    assert text.count("__gpu$xla.gpu.triton") == 2 + (tokens <= 16)  # by token: and the combine
