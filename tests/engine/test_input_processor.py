@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from jengine.front.input_processor import InputProcessor
@@ -30,6 +31,14 @@ def test_prompt_forms(processor: InputProcessor, tokenizer: Tokenizer) -> None:
     assert _process(processor, "Hello, world!").prompt == "Hello, world!"
     assert _process(processor, ids).prompt is None
     assert _process(processor, {"prompt_token_ids": ids, "prompt": "x"}).prompt == "x"
+
+
+def test_numpy_integer_ids_accepted_as_plain_ints(processor: InputProcessor) -> None:
+    """Token ids from numpy (a tokenizer's array, a dataset column) are ids too, stored as Python ints; a tuple is a
+    sequence of ids like a list."""
+    processed = _process(processor, {"prompt_token_ids": [np.int64(5), np.int32(7), 9]})
+    assert processed.prompt_token_ids == [5, 7, 9] and all(type(t) is int for t in processed.prompt_token_ids)
+    assert _process(processor, {"prompt_token_ids": (5, 7)}).prompt_token_ids == [5, 7]
 
 
 def test_request_fields(processor: InputProcessor, tokenizer: Tokenizer) -> None:
