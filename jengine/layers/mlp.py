@@ -65,8 +65,7 @@ def route(
     bucket padding, routed nowhere."""
     logits = linear(x, router, precision=precision).astype(jnp.float32)
     if kernels is not None and kernels.fuses_top_k(router, x.shape[0]):
-        routing = kernels.top_k(logits, moe, num_tokens)
-        return routing._replace(weights=routing.weights.astype(x.dtype))
+        return kernels.top_k(logits, moe, num_tokens, x.dtype)
     if isinstance(router, InvariantWeight) and router.impl != "xla":
         probs = jnp.exp(invariant_log_softmax(logits, RowReduction(router.impl, router.mesh)))
     else:
@@ -126,16 +125,16 @@ class PallasExperts:
         own kernel."""
         return tokens <= self.fused_router_max_tokens and not isinstance(router, InvariantWeight)
 
-    def top_k(self, logits: Float[Array, "tokens experts"], moe: MoeSpec,
-              num_tokens: Int[Array, ""] | None = None) -> Routing:
-        """Each token's routing, on every device of the mesh alike (the logits are replicated); padding tokens (from
-        `num_tokens` on) routed nowhere."""
+    def top_k(self, logits: Float[Array, "tokens experts"], moe: MoeSpec, num_tokens: Int[Array, ""] | None = None,
+              dtype=jnp.float32) -> Routing:
+        """Each token's routing, its weights in `dtype`, on every device of the mesh alike (the logits are
+        replicated); padding tokens (from `num_tokens` on) routed nowhere."""
         from pallas_kernels.grouped_matmul.router import top_k_routing, top_k_routing_listed
 
         fn = top_k_routing_listed if self.list_chosen else top_k_routing
         real = jnp.int32(logits.shape[0]) if num_tokens is None else num_tokens
         return Routing(*on_every_device(lambda l, n: fn(l, moe.num_experts_per_tok, moe.norm_topk_prob,
-                                                         interpret=self.interpret, num_tokens=n),
+                                                         interpret=self.interpret, num_tokens=n, weights_dtype=dtype),
                                         self.mesh, logits, real))
 
 

@@ -321,7 +321,8 @@ def _down_kernel(h_ref, wd_ref, sd_ref, zd_ref, *refs, cfg: TileConfig, precisio
 
 class TokenChoices(NamedTuple):
     """The `by_token` layout's operands: each token's k expert ids (outside `[0, experts)`: none) and their routing
-    weights, flat in pair order (`t·k + c`); optionally the distinct experts chosen, as the router lists them."""
+    weights (any float type, widened to float32 where loaded), flat in pair order (`t·k + c`); optionally the
+    distinct experts chosen, as the router lists them."""
 
     experts: Int[Array, "tokens k"]
     weights: Float[Array, " pairs"]

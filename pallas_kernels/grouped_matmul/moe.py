@@ -132,7 +132,8 @@ def moe_experts(
     down_cfg = fit_steps(down_cfg, inter, scaling_of(weights.down, inter, weights.down_scale, weights.down_zero,
                                                      scale_block))
     if by_token:
-        tiles = TokenChoices(experts.astype(jnp.int32), routing_weights.reshape(-1).astype(jnp.float32), chosen)
+        # the weights as given: the down launch widens each to float32 as it loads it (no conversion launch)
+        tiles = TokenChoices(experts.astype(jnp.int32), routing_weights.reshape(-1), chosen)
     else:
         tiles = expert_tiles(experts, routing_weights, num_experts, up_cfg.block_rows)
     h = expert_gate_up(x, weights.gate, weights.up, tiles, act=act, cfg=up_cfg, interpret=interpret,

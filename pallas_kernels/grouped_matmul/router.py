@@ -62,7 +62,7 @@ def _top_k_kernel(logits_ref, *refs, k: int, normalize: bool, padded: bool, list
     if normalize:
         chosen_w = chosen_w / jnp.sum(chosen_w, axis=1)[:, None]  # slots past k hold 0
     out = (rows[:, None], slot)  # the outputs are padded to whole blocks and slots: every store in bounds
-    pltr.store(weights_ref.at[out], chosen_w)
+    pltr.store(weights_ref.at[out], chosen_w.astype(weights_ref.dtype))
     pltr.store(experts_ref.at[out], jnp.where(routed[:, None], chosen_e, -1))
     if listed:
         _store_chosen(*list_refs, jnp.max(picked, axis=0), cols)
@@ -86,7 +86,8 @@ class ChosenExperts(NamedTuple):
     count: Int[Array, " 1"]
 
 
-def _routing_call(logits, k: int, normalize: bool, interpret: bool, num_warps: int, num_tokens, listed: bool):
+def _routing_call(logits, k: int, normalize: bool, interpret: bool, num_warps: int, num_tokens, listed: bool,
+                  weights_dtype):
     tokens, num_experts = logits.shape
     if not 0 < k <= num_experts:
         raise ValueError(f"top-{k} routing over {num_experts} experts")
@@ -95,7 +96,7 @@ def _routing_call(logits, k: int, normalize: bool, interpret: bool, num_warps: i
                          f"not {tokens}")
     blocks = pl.cdiv(tokens, BLOCK_TOKENS)
     padded = (blocks * BLOCK_TOKENS, next_pow2(k))
-    out_shape = [jax.ShapeDtypeStruct(padded, jnp.float32), jax.ShapeDtypeStruct(padded, jnp.int32)]
+    out_shape = [jax.ShapeDtypeStruct(padded, weights_dtype), jax.ShapeDtypeStruct(padded, jnp.int32)]
     if listed:
         out_shape += [jax.ShapeDtypeStruct((next_pow2(num_experts),), jnp.int32),
                       jax.ShapeDtypeStruct((BLOCK_TOKENS,), jnp.int32)]
@@ -114,19 +115,24 @@ def _routing_call(logits, k: int, normalize: bool, interpret: bool, num_warps: i
     return (weights, experts) if not listed else (weights, experts, ChosenExperts(outs[2][:num_experts], outs[3][:1]))
 
 
-@functools.partial(jax.jit, static_argnames=("k", "normalize", "interpret", "num_warps"))
+ROUTING_STATICS = ("k", "normalize", "interpret", "num_warps", "weights_dtype")
+
+
+@functools.partial(jax.jit, static_argnames=ROUTING_STATICS)
 def top_k_routing(logits: Float[Array, "tokens experts"], k: int, normalize: bool, interpret: bool = False,
-                  num_warps: int = NUM_WARPS, num_tokens: Int[Array, ""] | None = None,
+                  num_warps: int = NUM_WARPS, num_tokens: Int[Array, ""] | None = None, weights_dtype=jnp.float32,
                   ) -> tuple[Float[Array, "tokens k"], Int[Array, "tokens k"]]:
-    """(the k largest softmax probabilities of each row, float32, renormalised to sum to 1 where `normalize`; their
-    expert ids), as `lax.top_k(softmax(logits), k)` gives them. `num_warps`: more warps shorten each of the k
-    rounds' reductions. `num_tokens`: rows from here on are bucket padding, routed nowhere (expert -1)."""
-    return _routing_call(logits, k, normalize, interpret, num_warps, num_tokens, listed=False)
+    """(the k largest softmax probabilities of each row, renormalised to sum to 1 where `normalize`, rounded once to
+    `weights_dtype` (the activations', so no conversion launch follows); their expert ids), as
+    `lax.top_k(softmax(logits), k)` gives them. `num_warps`: more warps shorten each of the k rounds' reductions.
+    `num_tokens`: rows from here on are bucket padding, routed nowhere (expert -1)."""
+    return _routing_call(logits, k, normalize, interpret, num_warps, num_tokens, False, weights_dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("k", "normalize", "interpret", "num_warps"))
+@functools.partial(jax.jit, static_argnames=ROUTING_STATICS)
 def top_k_routing_listed(logits: Float[Array, "tokens experts"], k: int, normalize: bool, interpret: bool = False,
                          num_warps: int = NUM_WARPS, num_tokens: Int[Array, ""] | None = None,
+                         weights_dtype=jnp.float32,
                          ) -> tuple[Float[Array, "tokens k"], Int[Array, "tokens k"], ChosenExperts]:
     """`top_k_routing` of a step of at most BLOCK_TOKENS tokens, with the distinct experts its routed tokens chose."""
-    return _routing_call(logits, k, normalize, interpret, num_warps, num_tokens, listed=True)
+    return _routing_call(logits, k, normalize, interpret, num_warps, num_tokens, True, weights_dtype)

@@ -109,16 +109,22 @@ def layer_weights(rng, d=32):
     return {k: jnp.asarray(rng.standard_normal(s) * s[-2] ** -0.5, jnp.float32) for k, s in shape.items()}
 
 
+@pytest.mark.parametrize("dtype,atol", [(jnp.float32, 2e-5), (jnp.bfloat16, 3e-2)])
 @pytest.mark.parametrize("fused_router_max_tokens,list_chosen", [(0, False), (16, False), (16, True)],
                          ids=["xla_router", "fused_router", "fused_router_listing"])
-def test_layer_through_kernels_matches_ragged_dot_and_skips_padding(fused_router_max_tokens, list_chosen):
+def test_layer_through_kernels_matches_ragged_dot_and_skips_padding(fused_router_max_tokens, list_chosen, dtype,
+                                                                    atol):
+    """The layer through the kernels against `ragged_dot` (bf16: the same bf16 routing weights, sums that differ in
+    order only); the bucket's padding tokens get nothing."""
     rng = np.random.default_rng(SEED + 1)
     w, x = layer_weights(rng), jnp.asarray(rng.standard_normal((16, 32)), jnp.float32)
+    w, x = {k: v.astype(dtype) for k, v in w.items()}, x.astype(dtype)
     hi = jax.lax.Precision.HIGHEST
     want = moe_mlp(x, w, MOE, "silu", hi)
     kernels = PallasExperts(interpret=True, fused_router_max_tokens=fused_router_max_tokens, list_chosen=list_chosen)
     got = moe_mlp(x, w, MOE, "silu", hi, kernels, jnp.int32(11))
-    np.testing.assert_allclose(np.asarray(got[:11]), np.asarray(want[:11]), atol=2e-5)
+    assert got.dtype == dtype
+    np.testing.assert_allclose(np.asarray(got[:11], np.float32), np.asarray(want[:11], np.float32), atol=atol)
     np.testing.assert_array_equal(np.asarray(got[11:]), 0)  # padding tokens routed nowhere
 
 
@@ -241,6 +247,20 @@ def test_fused_top_k_routing_matches_float64(tokens, num_experts, k, normalize):
         want /= want.sum(1, keepdims=True)
     np.testing.assert_array_equal(np.asarray(ids), want_ids)
     np.testing.assert_allclose(np.asarray(weights, np.float64), want, rtol=1e-5, atol=1e-7)
+
+
+def test_fused_router_rounds_its_weights_once_to_the_activations_dtype():
+    """bf16 weights straight from the router are its float32 weights rounded once (to nearest), as the
+    `astype` they replace would give; the ids are the same."""
+    from pallas_kernels.grouped_matmul.router import top_k_routing
+
+    logits = jnp.asarray(np.random.default_rng(SEED + 5).standard_normal((16, 128)), jnp.float32)
+    w32, ids32 = top_k_routing(logits, 8, True, interpret=True)
+    w16, ids16 = top_k_routing(logits, 8, True, interpret=True, weights_dtype=jnp.bfloat16)
+    assert w16.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(ids16), np.asarray(ids32))
+    np.testing.assert_array_equal(np.asarray(w16.astype(jnp.float32)), np.asarray(w32.astype(jnp.bfloat16)
+                                                                                   .astype(jnp.float32)))
 
 
 @pytest.mark.parametrize("tokens,num_tokens,num_experts,k", [(16, 3, 128, 8), (16, 16, 60, 4), (5, 5, 6, 6),
