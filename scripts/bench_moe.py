@@ -27,12 +27,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -91,7 +94,7 @@ def floor_bytes(config: dict, batch: int, context: int, quant: str = "bf16") -> 
 
 
 def xla_router():
-    """The engine with the router's softmax/top-k always as XLA's ops (never the fused single-warp kernel): an A/B
+    """The engine with the router's softmax/top-k always as XLA's ops (never the fused kernel): an A/B
     of `PallasExperts.fused_router_max_tokens` in the same call."""
     from unittest import mock
 
@@ -134,16 +137,21 @@ def listed_router():
 DECODE_TILES = {"k128": {"block_k": 128}, "stages3": {"num_stages": 3}}
 
 
-def decode(tmp: Path, copy_rate: float, batches: list[int], save, quant: str = "bf16",
-           layers: int | None = None, router: str = "default", tiles: str | None = None) -> tuple[dict, dict]:
-    if router == "listed":
-        with listed_router():
-            return _decode(tmp, copy_rate, batches, save, quant, layers, "_listed")
-    if tiles:
-        with decode_tiles(**DECODE_TILES[tiles]):
-            return _decode(tmp, copy_rate, batches, save, quant, layers, f"_tiles_{tiles}")
-    with xla_router() if router == "xla" else contextlib.nullcontext():
-        return _decode(tmp, copy_rate, batches, save, quant, layers, "_xla_router" if router == "xla" else "")
+def engine_variants(args: argparse.Namespace) -> list[tuple[str, Callable[[], Any]]]:
+    """(key suffix, context that changes the engine) of each A/B the flags ask for, run on bf16 after the default."""
+    variants = [("_xla_router", xla_router)] if args.xla_router_too else []
+    variants += [("_listed", listed_router)] if args.listed_too else []
+    return variants + [(f"_tiles_{name}", functools.partial(decode_tiles, **DECODE_TILES[name]))
+                       for name in args.decode_tiles_too]
+
+
+def decode(tmp: Path, copy_rate: float, batches: list[int], save, quant: str = "bf16", layers: int | None = None,
+           variant: tuple[str, Callable[[], Any]] = ("", contextlib.nullcontext)) -> tuple[dict, dict]:
+    """The decode steps of `batches` (keys `moe[_<quant>]<suffix>_decode_b<N>_*`) with the engine as `variant`'s
+    context leaves it."""
+    suffix, context = variant
+    with context():
+        return _decode(tmp, copy_rate, batches, save, quant, layers, suffix)
 
 
 def _decode(tmp: Path, copy_rate: float, batches: list[int], save, quant: str, layers: int | None,
@@ -235,20 +243,10 @@ def main() -> None:
                 m, r = decode(tmp, copy_rate, args.batches,
                               lambda m, r: save(args.out, args.git_sha, metrics | m, ratios | r), quant, args.layers)
                 metrics, ratios = metrics | m, ratios | r
-            if args.xla_router_too:
+            for variant in engine_variants(args):
                 m, r = decode(tmp, copy_rate, args.batches,
                               lambda m, r: save(args.out, args.git_sha, metrics | m, ratios | r), "bf16", args.layers,
-                              router="xla")
-                metrics, ratios = metrics | m, ratios | r
-            if args.listed_too:
-                m, r = decode(tmp, copy_rate, args.batches,
-                              lambda m, r: save(args.out, args.git_sha, metrics | m, ratios | r), "bf16", args.layers,
-                              router="listed")
-                metrics, ratios = metrics | m, ratios | r
-            for tiles in args.decode_tiles_too:
-                m, r = decode(tmp, copy_rate, args.batches,
-                              lambda m, r: save(args.out, args.git_sha, metrics | m, ratios | r), "bf16", args.layers,
-                              tiles=tiles)
+                              variant)
                 metrics, ratios = metrics | m, ratios | r
             for quant in args.quant:  # both sides measured in this call
                 for batch in args.batches:

@@ -115,13 +115,18 @@ def dsf_part(layers: int) -> dict[str, Any]:
         return json.loads(Path(f.name).read_text())
 
 
-def gpu_events(trace_dir: Path) -> list[dict[str, Any]]:
-    """The trace's GPU kernel and copy events (device events carry a 'stream' pid), in start order."""
+def trace_events(trace_dir: Path) -> list[dict[str, Any]]:
+    """Every event of the profiler trace written under `trace_dir` (none if it wrote no trace)."""
     files = sorted(trace_dir.rglob("*.trace.json.gz")) or sorted(trace_dir.rglob("perfetto_trace.json.gz"))
     if not files:
         return []
     events = json.loads(gzip.decompress(files[-1].read_bytes()))
-    events = events["traceEvents"] if isinstance(events, dict) else events
+    return events["traceEvents"] if isinstance(events, dict) else events
+
+
+def gpu_events(trace_dir: Path) -> list[dict[str, Any]]:
+    """The trace's GPU kernel and copy events (device events carry a 'stream' pid), in start order."""
+    events = trace_events(trace_dir)
     names = {e["pid"]: e.get("args", {}).get("name", "") for e in events if e.get("ph") == "M"
              and e.get("name") == "process_name"}
     return sorted((e for e in events if e.get("ph") == "X" and "/device:GPU" in names.get(e.get("pid"), "")
@@ -167,11 +172,9 @@ def host_timeline(trace_dir: Path) -> dict[str, float]:
     `dispatch` (preparing and launching a step: long if a launch waits, e.g. on a donated buffer still in use) and
     `fetch` (waiting for a step's outputs: near zero when the host is the bottleneck), the host's work between a
     fetch and the next dispatch, and PjRt's waits on buffer holds inside dispatches."""
-    files = sorted(trace_dir.rglob("*.trace.json.gz")) or sorted(trace_dir.rglob("perfetto_trace.json.gz"))
-    if not files:
+    events = [e for e in trace_events(trace_dir) if e.get("ph") == "X"]
+    if not events:
         return {}
-    events = json.loads(gzip.decompress(files[-1].read_bytes()))
-    events = [e for e in (events["traceEvents"] if isinstance(events, dict) else events) if e.get("ph") == "X"]
 
     def calls(suffix: str) -> list[dict[str, Any]]:
         return sorted((e for e in events if e["name"].startswith("$runner.py:") and e["name"].endswith(suffix)),

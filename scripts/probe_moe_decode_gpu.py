@@ -8,8 +8,10 @@ configuration, beside a dense matmul over the same bytes and the router's launch
 Cases (one Qwen3-30B-A3B layer, random bf16 weights and routing): `lone` (1 token), `bucket` (the engine's
 16-row bucket holding one real token, 15 routed nowhere) and `t16` (16 real tokens). Each launch runs `LOOP`
 times in one jitted loop on a fresh routing per round (the device's time, not the host's dispatch), after its
-output was checked against float32. `dense_same_bytes_us`: XLA's dot of the rows with one contiguous weight of
-the routed experts' bytes, the best a plain matmul does with them.
+output was checked against float32. Each round also pays the device loop's own step, which `empty_us` times
+alone (10-15 µs on an H100, as much as a decode launch): the launches' own times are the ncu figures.
+`dense_same_bytes_us`: XLA's dot of the rows with one contiguous weight of the routed experts' bytes, the best a
+plain matmul does with them.
 """
 
 from __future__ import annotations
