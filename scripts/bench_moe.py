@@ -145,12 +145,27 @@ def engine_variants(args: argparse.Namespace) -> list[tuple[str, Callable[[], An
                        for name in args.decode_tiles_too]
 
 
+@contextlib.contextmanager
+def retraced(context):
+    """`context` with JAX's in-memory caches cleared on the way in and out: the patches change what the layer
+    functions trace, and their jit caches, keyed on static arguments that do not see the patches, would otherwise
+    hand the variant the default's compiled step (an A/B of two identical programs)."""
+    import jax
+
+    jax.clear_caches()
+    try:
+        with context:
+            yield
+    finally:
+        jax.clear_caches()
+
+
 def decode(tmp: Path, copy_rate: float, batches: list[int], save, quant: str = "bf16", layers: int | None = None,
            variant: tuple[str, Callable[[], Any]] = ("", contextlib.nullcontext)) -> tuple[dict, dict]:
     """The decode steps of `batches` (keys `moe[_<quant>]<suffix>_decode_b<N>_*`) with the engine as `variant`'s
     context leaves it."""
     suffix, context = variant
-    with context():
+    with retraced(context()):
         return _decode(tmp, copy_rate, batches, save, quant, layers, suffix)
 
 

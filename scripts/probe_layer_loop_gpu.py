@@ -158,7 +158,7 @@ def gpu_idle(trace_dir: Path, gap_us: float = 20.0) -> dict[str, float]:
             "long_gaps_ms": sum(gaps) / 1e3, "max_gap_ms": max(gaps, default=0.0) / 1e3}
 
 
-def kernel_summary(trace_dir: Path, top: int = 25, minus: Path | None = None) -> list[tuple[str, float, int]]:
+def kernel_summary(trace_dir: Path, top: int = 40, minus: Path | None = None) -> list[tuple[str, float, int]]:
     """(name, total ms, count) of the trace's GPU kernels, largest first; less those of the trace `minus` (a run
     of the same request that stops after its prefill, so the difference is the decode steps alone)."""
     totals = kernel_totals(trace_dir)
@@ -217,6 +217,22 @@ def fusion_sources(dump_dir: Path, kernels: list[str], marker: str = "ragged_pag
     return found
 
 
+def engine_variant(name: str):
+    """The engine as `bench_moe.py`'s A/B contexts leave it ('': unchanged; `a+b`: both), profiled in the same
+    call."""
+    import contextlib
+
+    import bench_moe
+
+    stack = contextlib.ExitStack()
+    for part in filter(None, name.split("+")):
+        if part.startswith("tiles_"):
+            stack.enter_context(bench_moe.decode_tiles(**bench_moe.DECODE_TILES[part.removeprefix("tiles_")]))
+        else:
+            stack.enter_context({"listed": bench_moe.listed_router, "xla_router": bench_moe.xla_router}[part]())
+    return bench_moe.retraced(stack)
+
+
 def engine_part(layers: int, steps: int, shape: str = "llama", batch: int = 1) -> dict[str, Any]:
     import jax
 
@@ -268,6 +284,8 @@ def main() -> None:
     parser.add_argument("--engine-model", default="llama", help="llama, or a shape of moe_shapes.py")
     parser.add_argument("--engine-batch", type=int, nargs="+", default=[1], help="decode batches profiled")
     parser.add_argument("--only", default=None)
+    parser.add_argument("--engine-variant", nargs="*", default=[""], help="engine: also profile with each of "
+                        "bench_moe.py's A/B contexts (listed, tiles_k128, tiles_stages3, xla_router); '' the default")
     parser.add_argument("--hlo-dump", type=Path, help="engine: the XLA dump directory (XLA_FLAGS=--xla_dump_to=DIR "
                         "--xla_dump_hlo_as_text) to read the profiled fusions' HLO from")
     args = parser.parse_args()
@@ -279,9 +297,10 @@ def main() -> None:
             elif part == "dsf":
                 result["dsf"] = dsf_part(args.layers)
             else:
-                for batch in args.engine_batch:
-                    key = "engine" if batch == 1 else f"engine_b{batch}"
-                    result[key] = engine_part(args.engine_layers, 32, args.engine_model, batch)
+                for batch, variant in ((b, v) for b in args.engine_batch for v in args.engine_variant):
+                    key = ("engine" if batch == 1 else f"engine_b{batch}") + (f"_{variant}" if variant else "")
+                    with engine_variant(variant):
+                        result[key] = engine_part(args.engine_layers, 32, args.engine_model, batch)
                     if args.hlo_dump:
                         names = [n for n, _, _ in result[key]["kernels_8_steps"]]
                         result[key]["fusion_hlo"] = fusion_sources(args.hlo_dump, names)

@@ -88,10 +88,11 @@ class PallasExperts:
     # program; 0: never); above, XLA's ops are faster (`pallas_kernels/grouped_matmul/router.py` has the figures).
     fused_router_max_tokens: int = 16  # one program: `pallas_kernels.grouped_matmul.router.BLOCK_TOKENS`
     # The fused router also lists the distinct experts chosen, so the by-token launches read them instead of each
-    # program comparing every choice with every expert (under Nsight Compute on an H100, the 16-row bucket's two
-    # launches took 48.7 us against 41.7 for a lone token). Off until timed in the engine (`scripts/bench_moe.py
-    # --listed-too`).
-    list_chosen: bool = False
+    # program comparing every choice with every expert, which held 168 registers a thread. In the engine's decode
+    # step on an H100 (12 Qwen3-30B-A3B layers, CUPTI; `scripts/probe_layer_loop_gpu.py --engine-variant`) the
+    # expert launches took 36.6 against 46.5 us a layer at batch 1 (down's K steps of 128 included), 140.9
+    # against 151.2 at batch 16; the router's listing costs 2.4 of that back.
+    list_chosen: bool = True
 
     def __call__(self, x, w: dict[str, Array], experts, weights, act: str, precision: Precision,
                  chosen: ChosenExperts | None = None):
