@@ -134,7 +134,7 @@ def listed_router():
     return mock.patch.object(PallasGpuBackend, "experts", listing)
 
 
-DECODE_TILES = {"k128": {"block_k": 128}, "stages3": {"num_stages": 3}}
+DECODE_TILES = {"k128": {"block_k": 128}, "stages3": {"num_stages": 3}, "n64": {"block_n": 64}, "n128": {"block_n": 128}}
 
 
 def engine_variants(args: argparse.Namespace) -> list[tuple[str, Callable[[], Any]]]:
