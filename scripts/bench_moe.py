@@ -134,17 +134,6 @@ def listed_router():
     return mock.patch.object(PallasGpuBackend, "experts", listing)
 
 
-def ranked_router():
-    """The engine with the fused router ranking every expert (`PallasExperts.router_method` "ranks")."""
-    from unittest import mock
-
-    from jengine.attention.pallas import PallasGpuBackend
-    from jengine.layers.mlp import PallasExperts
-
-    ranking = property(lambda self: PallasExperts(interpret=self.interpret, mesh=self.mesh, router_method="ranks"))
-    return mock.patch.object(PallasGpuBackend, "experts", ranking)
-
-
 DECODE_TILES = {"k128": {"block_k": 128}, "stages3": {"num_stages": 3}, "n64": {"block_n": 64}, "n128": {"block_n": 128}}
 
 

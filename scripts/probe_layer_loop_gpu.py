@@ -229,8 +229,7 @@ def engine_variant(name: str):
         if part.startswith("tiles_"):
             stack.enter_context(bench_moe.decode_tiles(**bench_moe.DECODE_TILES[part.removeprefix("tiles_")]))
         else:
-            stack.enter_context({"listed": bench_moe.listed_router, "xla_router": bench_moe.xla_router,
-                                 "ranks": bench_moe.ranked_router}[part]())
+            stack.enter_context({"listed": bench_moe.listed_router, "xla_router": bench_moe.xla_router}[part]())
     return bench_moe.retraced(stack)
 
 

@@ -159,20 +159,19 @@ def ncu_launches(names: list[str], cases: list[str], order_path: str | None) -> 
 
 
 def ncu_router(warps: list[int], order_path: str | None, tokens: tuple[int, ...] = (16, 256)) -> None:
-    """The fused router once per (method, listing, warp count, token count), the engine's 16-token bucket and a
-    256-token step, nothing timed: for `ncu -k regex:moe_top_k`, whose report lists them in the order written to
+    """The fused router once per (listing, warp count, token count), the engine's 16-token bucket and a 256-token
+    step, nothing timed: for `ncu -k regex:moe_top_k`, whose report lists them in the order written to
     `order_path`."""
     from pallas_kernels.grouped_matmul.router import BLOCK_TOKENS, top_k_routing, top_k_routing_listed
 
     order = []
     for t in tokens:
         logits = jax.random.normal(jax.random.key(t), (t, EXPERTS), jnp.float32)
-        for method in ("rounds", "ranks"):
-            for listed in (False, True) if t <= BLOCK_TOKENS else (False,):
-                fn = top_k_routing_listed if listed else top_k_routing
-                for n in warps:
-                    jax.block_until_ready(fn(logits, TOP_K, True, num_warps=n, method=method))
-                    order.append(f"router_{method}{'_listed' if listed else ''}_w{n}_t{t}")
+        for listed in (False, True) if t <= BLOCK_TOKENS else (False,):
+            fn = top_k_routing_listed if listed else top_k_routing
+            for n in warps:
+                jax.block_until_ready(fn(logits, TOP_K, True, num_warps=n))
+                order.append(f"router{'_listed' if listed else ''}_w{n}_t{t}")
     if order_path:
         Path(order_path).write_text(json.dumps(order))
 

@@ -93,9 +93,6 @@ class PallasExperts:
     # expert launches took 36.6 against 46.5 us a layer at batch 1 (down's K steps of 128 included), 140.9
     # against 151.2 at batch 16; the router's listing costs 2.4 of that back.
     list_chosen: bool = True
-    # How the fused router finds each row's top k (`pallas_kernels.grouped_matmul.router`): k rounds of argmax, or
-    # every expert's rank from comparisons with all the others, stored straight into its slot.
-    router_method: str = "rounds"
 
     def __call__(self, x, w: dict[str, Array], experts, weights, act: str, precision: Precision,
                  chosen: ChosenExperts | None = None):
@@ -138,8 +135,7 @@ class PallasExperts:
         fn = top_k_routing_listed if self.list_chosen else top_k_routing
         real = jnp.int32(logits.shape[0]) if num_tokens is None else num_tokens
         return Routing(*on_every_device(lambda l, n: fn(l, moe.num_experts_per_tok, moe.norm_topk_prob,
-                                                         interpret=self.interpret, num_tokens=n, weights_dtype=dtype,
-                                                         method=self.router_method),
+                                                         interpret=self.interpret, num_tokens=n, weights_dtype=dtype),
                                         self.mesh, logits, real))
 
 

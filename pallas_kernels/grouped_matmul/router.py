@@ -32,74 +32,26 @@ BLOCK_TOKENS = 16
 NUM_WARPS = 16  # see the module docstring
 
 
-def _top_k_kernel(logits_ref, *refs, k: int, normalize: bool, padded: bool, listed: bool, method: str):
+def _top_k_kernel(logits_ref, *refs, k: int, normalize: bool, padded: bool, listed: bool):
     """`refs`: (num_tokens if `padded`), weights, experts, (chosen ids and count if `listed`)."""
     refs = list(refs)
     num_tokens_ref = refs.pop(0) if padded else None
     weights_ref, experts_ref, *list_refs = refs
     tokens, num_experts = logits_ref.shape
+    width, slots = next_pow2(num_experts), next_pow2(k)
     rows = pl.program_id(0) * BLOCK_TOKENS + jnp.arange(BLOCK_TOKENS, dtype=jnp.int32)
-    cols = jnp.arange(next_pow2(num_experts), dtype=jnp.int32)
+    cols = jnp.arange(width, dtype=jnp.int32)
     real = rows < tokens
-    routed = real if num_tokens_ref is None else real & (rows < num_tokens_ref[0])
-    row_of = jnp.minimum(rows, tokens - 1)  # past `tokens`: the last row again (finite; never stored)
-    logits = _load_logits(logits_ref, row_of, cols)
+    logits = pltr.load(logits_ref.at[jnp.minimum(rows, tokens - 1)[:, None], jnp.minimum(cols, num_experts - 1)[None]],
+                       mask=real[:, None] & (cols[None, :] < num_experts), other=-jnp.inf).astype(jnp.float32)
     probs = jnp.exp(logits - jnp.max(logits, axis=1)[:, None])
     probs = probs / jnp.sum(probs, axis=1)[:, None]
-    if method == "ranks":
-        picked = _store_by_rank(weights_ref, experts_ref, logits_ref, logits, probs, row_of, rows, cols, real,
-                                routed, k, normalize)
-    else:
-        picked = _store_by_rounds(weights_ref, experts_ref, probs, rows, cols, routed, k, normalize)
-    if listed:
-        _store_chosen(*list_refs, jnp.max(picked, axis=0), cols)
-
-
-def _load_logits(logits_ref, rows, cols):
-    """`[rows, cols]` float32 logits; columns past the experts -inf (probability 0, never ahead of an expert)."""
-    num_experts = logits_ref.shape[1]
-    mask = jnp.broadcast_to(cols[None, :] < num_experts, (rows.shape[0], cols.shape[0]))
-    index = logits_ref.at[rows[:, None], jnp.minimum(cols, num_experts - 1)[None, :]]
-    return pltr.load(index, mask=mask, other=-jnp.inf).astype(jnp.float32)
-
-
-RANK_CHUNK = 16  # experts compared at once with every expert: a [16, experts, 16] comparison in registers
-
-
-def _store_by_rank(weights_ref, experts_ref, logits_ref, logits, probs, row_of, rows, cols, real, routed, k: int,
-                   normalize: bool):
-    """Each expert's rank in its row (how many experts beat it: a larger logit, or an equal one at a lower id, as
-    `lax.top_k` breaks ties), from comparisons with every expert a chunk at a time (re-read from memory, so the
-    same bits); the top k are stored straight into slot `rank`, so no choice waits on another. Ranked by logits,
-    which the softmax keeps in order: only experts whose probabilities round equal from unequal logits (an
-    underflow to 0) may order differently from `lax.top_k` on the rounded probabilities. Returns `[rows, experts]`
-    1 where a routed row chose."""
-    rank = jnp.zeros(logits.shape, jnp.int32)
-    for start in range(0, cols.shape[0], RANK_CHUNK):
-        other_cols = start + jnp.arange(RANK_CHUNK, dtype=jnp.int32)
-        other = _load_logits(logits_ref, row_of, other_cols)[:, None, :]  # [rows, 1, chunk]
-        mine = logits[:, :, None]
-        beats = (other > mine) | ((other == mine) & (other_cols[None, None, :] < cols[None, :, None]))
-        rank += jnp.sum(beats.astype(jnp.int32), axis=2)
-    top = (rank < k) & (cols[None, :] < logits_ref.shape[1])
-    weights = probs
-    if normalize:
-        weights = probs / jnp.sum(jnp.where(top, probs, 0.0), axis=1)[:, None]
-    store = top & real[:, None]  # the outputs have a column per expert: every lane's address its own
-    pltr.store(weights_ref.at[rows[:, None], rank], weights.astype(weights_ref.dtype), mask=store)
-    pltr.store(experts_ref.at[rows[:, None], rank], jnp.where(routed[:, None], cols[None, :], -1), mask=store)
-    return (top & routed[:, None]).astype(jnp.int32)
-
-
-def _store_by_rounds(weights_ref, experts_ref, probs, rows, cols, routed, k: int, normalize: bool):
-    """k rounds of argmax, each taking the best remaining expert (lowest id among equals): a chain of 2k
-    dependent reductions. Returns `[rows, experts]` 1 where a routed row chose."""
-    width, slots = cols.shape[0], next_pow2(k)
+    routed = real if num_tokens_ref is None else real & (rows < num_tokens_ref[0])
     slot = jnp.arange(slots, dtype=jnp.int32)[None, :]
     chosen_w = jnp.zeros((BLOCK_TOKENS, slots), jnp.float32)
     chosen_e = jnp.zeros((BLOCK_TOKENS, slots), jnp.int32)
-    picked = jnp.zeros((BLOCK_TOKENS, width), jnp.int32)
-    for j in range(k):
+    picked = jnp.zeros((BLOCK_TOKENS, width), jnp.int32)  # 1 where a routed token chose the expert
+    for j in range(k):  # k rounds of argmax, each taking the best remaining expert (lowest index among equals)
         best = jnp.max(probs, axis=1)
         index = jnp.min(jnp.where(probs == best[:, None], cols[None, :], width), axis=1)
         chosen_w = jnp.where(slot == j, best[:, None], chosen_w)
@@ -112,7 +64,8 @@ def _store_by_rounds(weights_ref, experts_ref, probs, rows, cols, routed, k: int
     out = (rows[:, None], slot)  # the outputs are padded to whole blocks and slots: every store in bounds
     pltr.store(weights_ref.at[out], chosen_w.astype(weights_ref.dtype))
     pltr.store(experts_ref.at[out], jnp.where(routed[:, None], chosen_e, -1))
-    return picked
+    if listed:
+        _store_chosen(*list_refs, jnp.max(picked, axis=0), cols)
 
 
 def _store_chosen(ids_ref, count_ref, chosen, cols) -> None:
@@ -134,7 +87,7 @@ class ChosenExperts(NamedTuple):
 
 
 def _routing_call(logits, k: int, normalize: bool, interpret: bool, num_warps: int, num_tokens, listed: bool,
-                  weights_dtype, method: str):
+                  weights_dtype):
     tokens, num_experts = logits.shape
     if not 0 < k <= num_experts:
         raise ValueError(f"top-{k} routing over {num_experts} experts")
@@ -142,16 +95,14 @@ def _routing_call(logits, k: int, normalize: bool, interpret: bool, num_warps: i
         raise ValueError(f"the chosen experts are listed for steps of one program ({BLOCK_TOKENS} tokens), "
                          f"not {tokens}")
     blocks = pl.cdiv(tokens, BLOCK_TOKENS)
-    # by rank every expert of a row has its own column (its rank), so no two lanes of a store share an address
-    padded = (blocks * BLOCK_TOKENS, next_pow2(num_experts) if method == "ranks" else next_pow2(k))
+    padded = (blocks * BLOCK_TOKENS, next_pow2(k))
     out_shape = [jax.ShapeDtypeStruct(padded, weights_dtype), jax.ShapeDtypeStruct(padded, jnp.int32)]
     if listed:
         out_shape += [jax.ShapeDtypeStruct((next_pow2(num_experts),), jnp.int32),
                       jax.ShapeDtypeStruct((BLOCK_TOKENS,), jnp.int32)]
     operands = (logits,) if num_tokens is None else (logits, jnp.asarray(num_tokens, jnp.int32).reshape(1))
     outs = pl.pallas_call(
-        functools.partial(_top_k_kernel, k=k, normalize=normalize, padded=num_tokens is not None, listed=listed,
-                          method=method),
+        functools.partial(_top_k_kernel, k=k, normalize=normalize, padded=num_tokens is not None, listed=listed),
         grid=(blocks,),
         in_specs=[pl.no_block_spec] * len(operands),
         out_specs=[pl.no_block_spec] * len(out_shape),
@@ -164,25 +115,24 @@ def _routing_call(logits, k: int, normalize: bool, interpret: bool, num_warps: i
     return (weights, experts) if not listed else (weights, experts, ChosenExperts(outs[2][:num_experts], outs[3][:1]))
 
 
-ROUTING_STATICS = ("k", "normalize", "interpret", "num_warps", "weights_dtype", "method")
-METHOD = "rounds"  # or "ranks" (`_store_by_rank`)
+ROUTING_STATICS = ("k", "normalize", "interpret", "num_warps", "weights_dtype")
 
 
 @functools.partial(jax.jit, static_argnames=ROUTING_STATICS)
 def top_k_routing(logits: Float[Array, "tokens experts"], k: int, normalize: bool, interpret: bool = False,
                   num_warps: int = NUM_WARPS, num_tokens: Int[Array, ""] | None = None, weights_dtype=jnp.float32,
-                  method: str = METHOD) -> tuple[Float[Array, "tokens k"], Int[Array, "tokens k"]]:
+                  ) -> tuple[Float[Array, "tokens k"], Int[Array, "tokens k"]]:
     """(the k largest softmax probabilities of each row, renormalised to sum to 1 where `normalize`, rounded once to
     `weights_dtype` (the activations', so no conversion launch follows); their expert ids), as
     `lax.top_k(softmax(logits), k)` gives them. `num_warps`: more warps shorten each of the k rounds' reductions.
     `num_tokens`: rows from here on are bucket padding, routed nowhere (expert -1)."""
-    return _routing_call(logits, k, normalize, interpret, num_warps, num_tokens, False, weights_dtype, method)
+    return _routing_call(logits, k, normalize, interpret, num_warps, num_tokens, False, weights_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=ROUTING_STATICS)
 def top_k_routing_listed(logits: Float[Array, "tokens experts"], k: int, normalize: bool, interpret: bool = False,
                          num_warps: int = NUM_WARPS, num_tokens: Int[Array, ""] | None = None,
-                         weights_dtype=jnp.float32, method: str = METHOD,
+                         weights_dtype=jnp.float32,
                          ) -> tuple[Float[Array, "tokens k"], Int[Array, "tokens k"], ChosenExperts]:
     """`top_k_routing` of a step of at most BLOCK_TOKENS tokens, with the distinct experts its routed tokens chose."""
-    return _routing_call(logits, k, normalize, interpret, num_warps, num_tokens, True, weights_dtype, method)
+    return _routing_call(logits, k, normalize, interpret, num_warps, num_tokens, True, weights_dtype)

@@ -110,11 +110,10 @@ def layer_weights(rng, d=32):
 
 
 @pytest.mark.parametrize("dtype,atol", [(jnp.float32, 2e-5), (jnp.bfloat16, 3e-2)])
-@pytest.mark.parametrize("fused_router_max_tokens,list_chosen,router_method",
-                         [(0, False, "rounds"), (16, False, "rounds"), (16, True, "rounds"), (16, True, "ranks")],
-                         ids=["xla_router", "fused_router", "fused_router_listing", "fused_router_ranking"])
-def test_layer_through_kernels_matches_ragged_dot_and_skips_padding(fused_router_max_tokens, list_chosen,
-                                                                    router_method, dtype, atol):
+@pytest.mark.parametrize("fused_router_max_tokens,list_chosen", [(0, False), (16, False), (16, True)],
+                         ids=["xla_router", "fused_router", "fused_router_listing"])
+def test_layer_through_kernels_matches_ragged_dot_and_skips_padding(fused_router_max_tokens, list_chosen, dtype,
+                                                                    atol):
     """The layer through the kernels against `ragged_dot` (bf16: the same bf16 routing weights, sums that differ in
     order only); the bucket's padding tokens get nothing."""
     rng = np.random.default_rng(SEED + 1)
@@ -122,8 +121,7 @@ def test_layer_through_kernels_matches_ragged_dot_and_skips_padding(fused_router
     w, x = {k: v.astype(dtype) for k, v in w.items()}, x.astype(dtype)
     hi = jax.lax.Precision.HIGHEST
     want = moe_mlp(x, w, MOE, "silu", hi)
-    kernels = PallasExperts(interpret=True, fused_router_max_tokens=fused_router_max_tokens, list_chosen=list_chosen,
-                            router_method=router_method)
+    kernels = PallasExperts(interpret=True, fused_router_max_tokens=fused_router_max_tokens, list_chosen=list_chosen)
     got = moe_mlp(x, w, MOE, "silu", hi, kernels, jnp.int32(11))
     assert got.dtype == dtype
     np.testing.assert_allclose(np.asarray(got[:11], np.float32), np.asarray(want[:11], np.float32), atol=atol)
@@ -230,10 +228,9 @@ def test_routing_layout_matches_its_definition(method, tokens, k, num_experts, b
     assert used == len(tile_expert) and np.array_equal(np.asarray(tiles.tile_expert)[:used], tile_expert)
 
 
-@pytest.mark.parametrize("method", ["rounds", "ranks"])
 @pytest.mark.parametrize("tokens,num_experts,k,normalize", [(1, 128, 8, True), (37, 60, 4, False), (20, 6, 6, True),
                                                             (16, 8, 2, True)])
-def test_fused_top_k_routing_matches_float64(tokens, num_experts, k, normalize, method):
+def test_fused_top_k_routing_matches_float64(tokens, num_experts, k, normalize):
     """The router's softmax, top-k and renormalisation in one launch: the ids of a float64 softmax's k largest
     (ties broken towards the lower id, as lax.top_k does) and their weights; rows past a 16-row block too."""
     from pallas_kernels.grouped_matmul.router import top_k_routing
@@ -241,7 +238,7 @@ def test_fused_top_k_routing_matches_float64(tokens, num_experts, k, normalize, 
     rng = np.random.default_rng(SEED + tokens)
     logits = rng.standard_normal((tokens, num_experts)).astype(np.float32)
     logits[0, :4] = logits[0, 4]  # a five-way tie in the first row
-    weights, ids = top_k_routing(jnp.asarray(logits), k, normalize, interpret=True, method=method)
+    weights, ids = top_k_routing(jnp.asarray(logits), k, normalize, interpret=True)
     probs = np.exp(logits.astype(np.float64) - logits.max(1, keepdims=True))
     probs /= probs.sum(1, keepdims=True)
     want_ids = np.argsort(-probs, axis=1, kind="stable")[:, :k]
@@ -266,10 +263,9 @@ def test_fused_router_rounds_its_weights_once_to_the_activations_dtype():
                                                                                    .astype(jnp.float32)))
 
 
-@pytest.mark.parametrize("method", ["rounds", "ranks"])
 @pytest.mark.parametrize("tokens,num_tokens,num_experts,k", [(16, 3, 128, 8), (16, 16, 60, 4), (5, 5, 6, 6),
                                                              (16, 0, 8, 2)])
-def test_router_lists_the_experts_its_real_tokens_chose(tokens, num_tokens, num_experts, k, method):
+def test_router_lists_the_experts_its_real_tokens_chose(tokens, num_tokens, num_experts, k):
     """The fused router with the bucket's real token count: padding rows routed nowhere (-1), and the distinct
     experts of the real rows' choices listed in id order (-1 after them) with their count, as numpy's top-k over
     a float64 softmax finds them."""
@@ -278,7 +274,7 @@ def test_router_lists_the_experts_its_real_tokens_chose(tokens, num_tokens, num_
     rng = np.random.default_rng(SEED + tokens + num_tokens)
     logits = rng.standard_normal((tokens, num_experts)).astype(np.float32)
     weights, ids, chosen = top_k_routing_listed(jnp.asarray(logits), k, True, interpret=True,
-                                                num_tokens=jnp.int32(num_tokens), method=method)
+                                                num_tokens=jnp.int32(num_tokens))
     probs = np.exp(logits.astype(np.float64) - logits.max(1, keepdims=True))
     want_ids = np.argsort(-probs, axis=1, kind="stable")[:, :k]
     np.testing.assert_array_equal(np.asarray(ids)[:num_tokens], want_ids[:num_tokens])
