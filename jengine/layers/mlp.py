@@ -95,9 +95,11 @@ class PallasExperts:
     list_chosen: bool = True
 
     def __call__(self, x, w: dict[str, Array], experts, weights, act: str, precision: Precision,
-                 chosen: ChosenExperts | None = None):
+                 chosen: ChosenExperts | None = None, residual: Float[Array, "tokens d"] | None = None):
         """With a batch-invariant router (`--deterministic`), one tile configuration serves every step size, so a
-        token's expert sums never change with the bucket (the decode tiles: their K steps are the fixed order)."""
+        token's expert sums never change with the bucket (the decode tiles: their K steps are the fixed order).
+        `residual`: added to the output (on one device inside the kernels' last launch; under tensor parallelism
+        after the partial outputs' sum)."""
         from pallas_kernels.grouped_matmul import moe_experts  # Pallas imported only where used
         from pallas_kernels.grouped_matmul.moe import tile_configs
 
@@ -106,19 +108,20 @@ class PallasExperts:
         shards = 1 if self.mesh is None else self.mesh.size
         operands = expert_operands(w, x.dtype, shards)
 
-        def local(x, experts, weights, chosen, stacks):
+        def local(x, experts, weights, chosen, stacks, residual=None):
             return moe_experts(x, stacks, experts, weights, act=ACTIVATIONS[act], precision=precision,
                                interpret=self.interpret, configs=fixed, scale_block=operands.scale_block,
-                               chosen=chosen)
+                               chosen=chosen, residual=residual)
 
         if shards == 1:
-            return local(x, experts, weights, chosen, kernel_weights(operands))
+            return local(x, experts, weights, chosen, kernel_weights(operands), residual)
         axis = self.mesh.axis_names[0]
         add = ordered_psum if invariant else jax.lax.psum  # device order, not the collective library's
         partial = jax.shard_map(lambda *a: add(local(*a), axis), mesh=self.mesh,
                                 in_specs=(P(), P(), P(), P(), kernel_weight_specs(operands, axis)), out_specs=P(),
                                 check_vma=False)
-        return partial(x, experts, weights, chosen, kernel_weights(operands))
+        out = partial(x, experts, weights, chosen, kernel_weights(operands))
+        return out if residual is None else residual + out
 
     def fuses_top_k(self, router, tokens: int) -> bool:
         """The router's softmax, top-k and renormalisation as one launch for steps of up to
@@ -163,14 +166,17 @@ def with_shared_expert(routed: Float[Array, "tokens d"], x: Float[Array, "tokens
 def moe_mlp(
     x: Float[Array, "tokens d"], w: dict[str, Array], moe: MoeSpec, act: str, precision: Precision = None,
     kernels: PallasExperts | None = None, num_tokens: Int[Array, ""] | None = None,
+    residual: Float[Array, "tokens d"] | None = None,
 ) -> Float[Array, "tokens d"]:
     """Each token's k (token, expert) pairs are multiplied expert by expert: by `kernels` where given, else sorted
     by expert for `ragged_dot`. Work is tokens × k expert MLPs, not tokens × all experts; the weighted sum over the
-    k outputs recombines them. `num_tokens`: the real tokens of the step (the rest is bucket padding)."""
+    k outputs recombines them. `num_tokens`: the real tokens of the step (the rest is bucket padding). `residual`:
+    the layer's residual stream, added to the output (by the kernels' combine where they can)."""
     weights, experts, chosen = route(x, w["router"], moe, precision, kernels, num_tokens)
     if kernels is not None:
-        return kernels(x, w, experts, weights, act, precision, chosen)
-    return _ragged_experts(x, weights, experts, (w["we_gate"], w["we_up"], w["we_down"]), act, precision)
+        return kernels(x, w, experts, weights, act, precision, chosen, residual)
+    out = _ragged_experts(x, weights, experts, (w["we_gate"], w["we_up"], w["we_down"]), act, precision)
+    return out if residual is None else residual + out
 
 
 def moe_mlp_expert_parallel(

@@ -53,23 +53,28 @@ def _decoder_layer(
                                     precision, lora)
     x = x + attn
     h = rms_norm(x, w["mlp_norm"], spec.rms_norm_eps)
-    return x + mlp_block(h, w, md, spec=spec, mlp_kind=mlp_kind, backend=backend, precision=precision,
-                         expert_mesh=expert_mesh, lora=lora), kv_cache
+    return mlp_block(h, w, md, spec=spec, mlp_kind=mlp_kind, backend=backend, precision=precision,
+                     expert_mesh=expert_mesh, lora=lora, residual=x), kv_cache
 
 
 def mlp_block(h: Float[Array, "tokens d"], w: dict[str, Array], md: AttentionMetadata, *, spec: ModelSpec,
               mlp_kind: MlpKind, backend: AttentionBackend, precision: Precision,
-              expert_mesh: jax.sharding.Mesh | None, lora: LayerLora | None = None) -> Float[Array, "tokens d"]:
-    """A layer's MLP on its normed input: dense, MoE, or MoE with the experts split over `expert_mesh`."""
+              expert_mesh: jax.sharding.Mesh | None, residual: Float[Array, "tokens d"],
+              lora: LayerLora | None = None) -> Float[Array, "tokens d"]:
+    """`residual` plus a layer's MLP on its normed input `h`: dense, MoE, or MoE with the experts split over
+    `expert_mesh`. A MoE without a shared expert adds the residual inside its experts' last launch where the
+    kernels can (a decode step: one launch fewer a layer)."""
     kernels, num_tokens = getattr(backend, "experts", None), md.query_start_loc[-1]
     if mlp_kind == "dense":
-        return gated_mlp(h, w, spec.hidden_act, precision, spec.projection_shards, lora)
+        return residual + gated_mlp(h, w, spec.hidden_act, precision, spec.projection_shards, lora)
     if expert_mesh is not None:
         routed = moe_mlp_expert_parallel(h, w, spec.moe, spec.hidden_act, precision, expert_mesh, TP_AXIS, kernels,
                                          num_tokens)
+    elif "ws_down" not in w:
+        return moe_mlp(h, w, spec.moe, spec.hidden_act, precision, kernels, num_tokens, residual)
     else:
         routed = moe_mlp(h, w, spec.moe, spec.hidden_act, precision, kernels, num_tokens)
-    return with_shared_expert(routed, h, w, spec.hidden_act, precision, spec.projection_shards)
+    return residual + with_shared_expert(routed, h, w, spec.hidden_act, precision, spec.projection_shards)
 
 
 def forward(

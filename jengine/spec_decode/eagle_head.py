@@ -75,8 +75,8 @@ def head_forward(model: HeadModel, params: dict, kv: KVCache, token_ids: Int[Arr
     attn, kv = self_attention(spec, w, attention_input, kv, np.int32(0), np.int32(spec.layer_windows[0]), md,
                               (inv_freq, float(scaling)), model.backend, precision)
     x = residual + attn
-    x = x + mlp_block(rms_norm(x, w["mlp_norm"], eps), w, md, spec=spec, mlp_kind=spec.mlp_kinds[0],
-                      backend=model.backend, precision=precision, expert_mesh=None)
+    x = mlp_block(rms_norm(x, w["mlp_norm"], eps), w, md, spec=spec, mlp_kind=spec.mlp_kinds[0],
+                  backend=model.backend, precision=precision, expert_mesh=None, residual=x)
     if model.kind == "eagle":
         return x, x, kv
     return rms_norm(x, params["norm"], eps), x, kv

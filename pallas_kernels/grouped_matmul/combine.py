@@ -21,7 +21,9 @@ BLOCK_TOKENS = 16
 BLOCK_N = 64
 
 
-def _combine_kernel(pair_ref, experts_ref, out_ref, *, k: int, num_experts: int):
+def _combine_kernel(pair_ref, experts_ref, *refs, k: int, num_experts: int):
+    """`refs`: (the residual, where the layer's residual add is fused here), the output."""
+    residual_ref, out_ref = refs if len(refs) == 2 else (None, refs[0])
     tokens, n_dim = out_ref.shape
     rows = pl.program_id(0) * BLOCK_TOKENS + jnp.arange(BLOCK_TOKENS, dtype=jnp.int32)
     cols = pl.program_id(1) * BLOCK_N + jnp.arange(BLOCK_N, dtype=jnp.int32)
@@ -34,24 +36,31 @@ def _combine_kernel(pair_ref, experts_ref, out_ref, *, k: int, num_experts: int)
         part = pltr.load(pair_ref.at[(safe_rows * k + c)[:, None], cols[None, :]],
                          mask=kept[:, None] & in_cols[None, :], other=0).astype(jnp.float32)
         total = part if total is None else total + part
-    pltr.store(out_ref.at[rows[:, None], cols[None, :]], total.astype(out_ref.dtype),
-               mask=real[:, None] & in_cols[None, :])
+    out = total.astype(out_ref.dtype)
+    index, mask = out_ref.at[rows[:, None], cols[None, :]], real[:, None] & in_cols[None, :]
+    if residual_ref is not None:  # the residual stream plus the rounded sum, rounded as the unfused add would be
+        residual = pltr.load(residual_ref.at[rows[:, None], cols[None, :]], mask=mask, other=0)
+        out = (residual.astype(jnp.float32) + out.astype(jnp.float32)).astype(out_ref.dtype)
+    pltr.store(index, out, mask=mask)
 
 
 @functools.partial(jax.jit, static_argnames=("num_experts", "interpret"))
 def combine_pairs(pair_out: Float[Array, "pairs d"], experts: Int[Array, "tokens k"], num_experts: int,
-                  interpret: bool = False) -> Float[Array, "tokens d"]:
+                  interpret: bool = False, residual: Float[Array, "tokens d"] | None = None,
+                  ) -> Float[Array, "tokens d"]:
     """Each token's sum over its k rows of `pair_out` (row `t·k + c`: choice c of token t), in float32, left to
-    right; the rows of a choice outside `[0, num_experts)` were never written and count as zero."""
+    right; the rows of a choice outside `[0, num_experts)` were never written and count as zero. `residual`: the
+    layer's residual stream, added to the rounded sum here (one launch fewer a layer than XLA's add after it)."""
     tokens, k = experts.shape
     d = pair_out.shape[1]
+    operands = (pair_out, experts.astype(jnp.int32)) + (() if residual is None else (residual,))
     return pl.pallas_call(
         functools.partial(_combine_kernel, k=k, num_experts=num_experts),
         grid=(pl.cdiv(tokens, BLOCK_TOKENS), pl.cdiv(d, BLOCK_N)),
-        in_specs=[pl.no_block_spec, pl.no_block_spec],
+        in_specs=[pl.no_block_spec] * len(operands),
         out_specs=pl.no_block_spec,
         out_shape=jax.ShapeDtypeStruct((tokens, d), pair_out.dtype),
         compiler_params=pltr.CompilerParams(num_warps=2, num_stages=1),
         interpret=interpret,
         name="moe_combine",
-    )(pair_out, experts.astype(jnp.int32))
+    )(*operands)

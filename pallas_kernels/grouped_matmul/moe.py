@@ -119,13 +119,15 @@ def moe_experts(
     routing_weights: Float[Array, "tokens k"], *, act: Callable, precision=None, interpret: bool = False,
     configs: tuple[TileConfig, TileConfig] | None = None, scale_block: tuple[int, int] | None = None,
     layout: Literal["auto", "sorted", "by_token"] = "auto", chosen: ChosenExperts | None = None,
+    residual: Float[Array, "tokens d"] | None = None,
 ) -> Float[Array, "tokens d"]:
     """Σ_k routing_weight · down_e(act(gate_e(x)) · up_e(x)) over each token's k experts. Expert ids outside
     `[0, experts)` are skipped (expert parallelism: another device's experts). `scale_block`: the (rows, columns) of
     8-bit block scales (`[experts, K blocks, N blocks]`), None for any other storage. `layout`: how the kernels
     find each expert's rows (`kernel.Layout`); "auto": by token for decode-sized steps, else sorted. `chosen`: the
     distinct experts the step chose, as the router lists them (`router.top_k_routing_listed`), which the by-token
-    layout then reads instead of finding them in every program."""
+    layout then reads instead of finding them in every program. `residual`: added to the result (by token, inside
+    the combine launch)."""
     num_experts = weights.gate.shape[0]
     up_cfg, down_cfg = configs or tile_configs(experts.size, num_experts, jnp.dtype(x.dtype).itemsize)
     if up_cfg.block_rows != down_cfg.block_rows:
@@ -150,5 +152,6 @@ def moe_experts(
     y = expert_down(h, weights.down, tiles, cfg=down_cfg, interpret=interpret, precision=precision,
                     down_scale=weights.down_scale, down_zero=weights.down_zero, scale_block=scale_block)
     if isinstance(tiles, TokenChoices):
-        return combine_pairs(y, experts, num_experts, interpret=interpret)
-    return combine(y, tiles.pair_slot)
+        return combine_pairs(y, experts, num_experts, interpret=interpret, residual=residual)
+    out = combine(y, tiles.pair_slot)
+    return out if residual is None else residual + out

@@ -126,6 +126,10 @@ def test_layer_through_kernels_matches_ragged_dot_and_skips_padding(fused_router
     assert got.dtype == dtype
     np.testing.assert_allclose(np.asarray(got[:11], np.float32), np.asarray(want[:11], np.float32), atol=atol)
     np.testing.assert_array_equal(np.asarray(got[11:]), 0)  # padding tokens routed nowhere
+    # the layer's residual add, fused into the kernels' combine by token: the same as adding it after
+    residual = jnp.asarray(rng.standard_normal(x.shape), dtype)
+    with_residual = moe_mlp(x, w, MOE, "silu", hi, kernels, jnp.int32(11), residual)
+    np.testing.assert_array_equal(np.asarray(with_residual, np.float32), np.asarray(residual + got, np.float32))
 
 
 @pytest.mark.parametrize("invariant", [False, True], ids=["psum", "deterministic"])
@@ -305,8 +309,15 @@ def test_by_token_combine_adds_each_tokens_choices_in_order(tokens, k, d, dtype)
         for c in range(k):
             want[t] = want[t] + (pairs_in[t * k + c] if kept[t, c] else np.float32(0))
     got = combine_pairs(jnp.asarray(pairs, dtype), jnp.asarray(experts), num_experts, interpret=True)
-    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
-                                  np.asarray(jnp.asarray(want).astype(dtype).astype(jnp.float32)))
+    rounded = np.asarray(jnp.asarray(want).astype(dtype).astype(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), rounded)
+    # with the layer's residual add fused: the residual plus the rounded sum, in float32, rounded once
+    residual = jnp.asarray(rng.standard_normal((tokens, d)) * 8, dtype)
+    fused = combine_pairs(jnp.asarray(pairs, dtype), jnp.asarray(experts), num_experts, interpret=True,
+                          residual=residual)
+    want_fused = np.asarray(residual.astype(jnp.float32)) + rounded
+    np.testing.assert_array_equal(np.asarray(fused.astype(jnp.float32)),
+                                  np.asarray(jnp.asarray(want_fused).astype(dtype).astype(jnp.float32)))
 
 
 @pytest.mark.parametrize("tokens", [1, 16, 64, 256, 512])

@@ -113,14 +113,19 @@ def test_listed_routing_and_experts_lower_for_h200(tokens):
 
     e, d, inter, k = 128, 2048, 768, 8
 
-    def layer(x, logits, n, *ws):
-        weights, experts, chosen = top_k_routing_listed(logits, k, True, num_tokens=n)
-        return moe_experts(x, ExpertWeights(*ws), experts, weights, act=jax.nn.silu, chosen=chosen)
+    def layer(residual):
+        def run(x, logits, n, *ws):
+            weights, experts, chosen = top_k_routing_listed(logits, k, True, num_tokens=n)
+            return moe_experts(x, ExpertWeights(*ws), experts, weights, act=jax.nn.silu, chosen=chosen,
+                               residual=x if residual else None)
+        return run
 
     bf16 = jnp.bfloat16
-    text = lower_for_h200(layer, S((tokens, d), bf16), S((tokens, e), jnp.float32), S((), i32),
-                          S((e, d, inter), bf16), S((e, d, inter), bf16), S((e, inter, d), bf16))
-    assert text.count("__gpu$xla.gpu.triton") == 4
+    shapes = (S((tokens, d), bf16), S((tokens, e), jnp.float32), S((), i32), S((e, d, inter), bf16),
+              S((e, d, inter), bf16), S((e, inter, d), bf16))
+    plain, fused = (lower_for_h200(layer(residual), *shapes) for residual in (False, True))
+    assert plain.count("__gpu$xla.gpu.triton") == fused.count("__gpu$xla.gpu.triton") == 4
+    assert fused.count("stablehlo.add") == plain.count("stablehlo.add")  # the residual add is in the combine
 
 
 @pytest.mark.parametrize("tokens,group,act_order", [(16, 128, False), (4096, 128, False), (64, 32, False),
