@@ -69,12 +69,13 @@ def _top_k_kernel(logits_ref, *refs, k: int, normalize: bool, padded: bool, list
 
 
 def _store_chosen(ids_ref, count_ref, chosen, cols) -> None:
-    """The experts with `chosen` 1, in id order, then -1; and their count (in every slot of `count_ref`)."""
-    rank = jnp.cumsum(chosen, axis=0) - chosen
-    at = cols[:, None] == rank[None, :]  # [position, expert]
-    ids = jnp.sum(jnp.where(at & (chosen[None, :] > 0), cols[None, :] + 1, 0), axis=1) - 1
-    pltr.store(ids_ref.at[cols], ids)
+    """The experts with `chosen` 1, in id order, then -1; and their count (in every slot of `count_ref`). Each
+    expert goes to its own position (the chosen ones first, the rest after them, each in id order): one store of
+    every lane, no `[experts, experts]` comparison to gather them."""
+    before = jnp.cumsum(chosen, axis=0) - chosen  # chosen experts with a lower id
     count = jnp.sum(chosen)
+    position = jnp.where(chosen > 0, before, count + cols - before)
+    pltr.store(ids_ref.at[position], jnp.where(chosen > 0, cols, -1))
     pltr.store(count_ref.at[jnp.arange(BLOCK_TOKENS, dtype=jnp.int32)], jnp.full((BLOCK_TOKENS,), count, jnp.int32))
 
 
