@@ -17,8 +17,8 @@ Two launches per MoE layer:
     the gate and the up weight in one pass over K (the row tile loaded once for both), and writes
     `act(gate) * up` for its slots;
   * `expert_down`: the slots' hidden rows times the down weight, scaled by each slot's routing weight.
-The combine back to token order (a sum of k rows per token) is one gather in `routing.combine`, or by token one
-launch of `combine.combine_pairs`.
+The combine back to token order (a sum of k rows per token) is a third launch, `combine.combine_slots` (sorted) or
+`combine.combine_pairs` (by token).
 
 Weights may be stored in a narrower type than the activations (float8, int8) with a per-(expert, output column)
 scale applied to the float32 accumulator, so quantized experts reuse the same kernels; `None` means unscaled. 4-bit

@@ -14,9 +14,9 @@ from jaxtyping import Array, Float, Int
 from pallas_kernels.addressing import next_pow2
 from pallas_kernels.grouped_matmul.kernel import (Scaling, TileConfig, TokenChoices, expert_down, expert_gate_up,
                                                   scaling_of)
-from pallas_kernels.grouped_matmul.combine import combine_pairs
+from pallas_kernels.grouped_matmul.combine import combine_pairs, combine_slots
 from pallas_kernels.grouped_matmul.router import ChosenExperts
-from pallas_kernels.grouped_matmul.routing import combine, expert_tiles
+from pallas_kernels.grouped_matmul.routing import expert_tiles
 
 
 class ExpertWeights(NamedTuple):
@@ -153,5 +153,4 @@ def moe_experts(
                     down_scale=weights.down_scale, down_zero=weights.down_zero, scale_block=scale_block)
     if isinstance(tiles, TokenChoices):
         return combine_pairs(y, experts, num_experts, interpret=interpret, residual=residual)
-    out = combine(y, tiles.pair_slot)
-    return out if residual is None else residual + out
+    return combine_slots(y, tiles.pair_slot, interpret=interpret, residual=residual)
