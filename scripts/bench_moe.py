@@ -134,6 +134,30 @@ def listed_router():
     return mock.patch.object(PallasGpuBackend, "experts", listing)
 
 
+def xla_combine():
+    """The engine with the combine of 2026-12-06's morning: the sorted layout's as XLA's gather and sum
+    (`routing.combine`), the residual added by XLA after either layout's combine: the A/B of `combine_slots` and of
+    the fused residual add in the same call."""
+    from unittest import mock
+
+    from pallas_kernels.grouped_matmul import moe
+    from pallas_kernels.grouped_matmul.combine import combine_pairs
+    from pallas_kernels.grouped_matmul.routing import combine
+
+    def slots(y, pair_slot, interpret=False, residual=None):
+        out = combine(y, pair_slot)
+        return out if residual is None else residual + out
+
+    def pairs(y, experts, num_experts, interpret=False, residual=None):
+        out = combine_pairs(y, experts, num_experts, interpret=interpret)
+        return out if residual is None else residual + out
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(moe, "combine_slots", slots))
+    stack.enter_context(mock.patch.object(moe, "combine_pairs", pairs))
+    return stack
+
+
 DECODE_TILES = {"k128": {"block_k": 128}, "stages3": {"num_stages": 3}, "n64": {"block_n": 64}, "n128": {"block_n": 128}}
 
 
@@ -141,6 +165,7 @@ def engine_variants(args: argparse.Namespace) -> list[tuple[str, Callable[[], An
     """(key suffix, context that changes the engine) of each A/B the flags ask for, run on bf16 after the default."""
     variants = [("_xla_router", xla_router)] if args.xla_router_too else []
     variants += [("_listed", listed_router)] if args.listed_too else []
+    variants += [("_xla_combine", xla_combine)] if args.xla_combine_too else []
     return variants + [(f"_tiles_{name}", functools.partial(decode_tiles, **DECODE_TILES[name]))
                        for name in args.decode_tiles_too]
 
@@ -240,6 +265,8 @@ def main() -> None:
                     "(keys moe_xla_router_decode_*): the fused router's A/B in one call")
     ap.add_argument("--listed-too", action="store_true", help="decode: bf16 again with the fused router listing the "
                     "chosen experts (PallasExperts.list_chosen; keys moe_listed_decode_*)")
+    ap.add_argument("--xla-combine-too", action="store_true", help="decode: bf16 again with XLA's combine and "
+                    "residual add after the experts (keys moe_xla_combine_decode_*)")
     ap.add_argument("--decode-tiles-too", nargs="+", choices=tuple(DECODE_TILES), default=[],
                     help="decode: bf16 again with the decode-sized expert tiles changed "
                     "(keys moe_tiles_<NAME>_decode_*)")
