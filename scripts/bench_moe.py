@@ -135,7 +135,7 @@ def listed_router():
 
 
 def xla_combine():
-    """The engine with the combine of 2026-12-06's morning: the sorted layout's as XLA's gather and sum
+    """The engine with the combine as it was before 2595211: the sorted layout's as XLA's gather and sum
     (`routing.combine`), the residual added by XLA after either layout's combine: the A/B of `combine_slots` and of
     the fused residual add in the same call."""
     from unittest import mock
@@ -158,7 +158,8 @@ def xla_combine():
     return stack
 
 
-DECODE_TILES = {"k128": {"block_k": 128}, "stages3": {"num_stages": 3}, "n64": {"block_n": 64}, "n128": {"block_n": 128}}
+DECODE_TILES = {"k128": {"block_k": 128}, "stages3": {"num_stages": 3}, "n64": {"block_n": 64},
+                "n128": {"block_n": 128}}
 
 
 def engine_variants(args: argparse.Namespace) -> list[tuple[str, Callable[[], Any]]]:

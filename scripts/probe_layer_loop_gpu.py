@@ -285,8 +285,9 @@ def main() -> None:
     parser.add_argument("--engine-model", default="llama", help="llama, or a shape of moe_shapes.py")
     parser.add_argument("--engine-batch", type=int, nargs="+", default=[1], help="decode batches profiled")
     parser.add_argument("--only", default=None)
-    parser.add_argument("--engine-variant", nargs="*", default=[""], help="engine: also profile with each of "
-                        "bench_moe.py's A/B contexts (listed, xla_router, xla_combine, tiles_<NAME>; a+b both); '' the default")
+    parser.add_argument("--engine-variant", nargs="*", default=[""], help="engine: profile the engine as each of "
+                        "bench_moe.py's A/B contexts leaves it (listed, xla_router, xla_combine, tiles_<NAME>; a+b: "
+                        "both; '': the default)")
     parser.add_argument("--hlo-dump", type=Path, help="engine: the XLA dump directory (XLA_FLAGS=--xla_dump_to=DIR "
                         "--xla_dump_hlo_as_text) to read the profiled fusions' HLO from")
     args = parser.parse_args()

@@ -126,8 +126,8 @@ def moe_experts(
     8-bit block scales (`[experts, K blocks, N blocks]`), None for any other storage. `layout`: how the kernels
     find each expert's rows (`kernel.Layout`); "auto": by token for decode-sized steps, else sorted. `chosen`: the
     distinct experts the step chose, as the router lists them (`router.top_k_routing_listed`), which the by-token
-    layout then reads instead of finding them in every program. `residual`: added to the result (by token, inside
-    the combine launch)."""
+    layout then reads instead of finding them in every program. `residual`: added to the result inside the
+    combine launch."""
     num_experts = weights.gate.shape[0]
     up_cfg, down_cfg = configs or tile_configs(experts.size, num_experts, jnp.dtype(x.dtype).itemsize)
     if up_cfg.block_rows != down_cfg.block_rows:
