@@ -234,6 +234,20 @@ def engine_variant(name: str):
     return bench_moe.retraced(stack)
 
 
+def timed_runner_calls(runner) -> dict[str, list[float]]:
+    """Wraps the runner's `dispatch` and `fetch` to record each call's wall seconds (no profiler running: its
+    Python tracing inflates the host's share)."""
+    times: dict[str, list[float]] = {"dispatch": [], "fetch": []}
+    for name in times:
+        def timed(*args, _call=getattr(runner, name), _into=times[name], **kwargs):
+            start = time.perf_counter()
+            result = _call(*args, **kwargs)
+            _into.append(time.perf_counter() - start)
+            return result
+        setattr(runner, name, timed)
+    return times
+
+
 def engine_part(layers: int, steps: int, shape: str = "llama", batch: int = 1) -> dict[str, Any]:
     import jax
 
@@ -259,7 +273,9 @@ def engine_part(layers: int, steps: int, shape: str = "llama", batch: int = 1) -
         llm.generate(prompt, params, use_tqdm=False)
         run_step = llm._core.runner._step
         recorder = Recorder(llm, batch)
+        host_calls = timed_runner_calls(llm._core.runner)
         llm.generate(prompt, params, use_tqdm=False)
+        out["host_ms_unprofiled"] = {name: sorted(times)[len(times) // 2] * 1e3 for name, times in host_calls.items()}
         out["device_step_ms"] = device_seconds(llm, recorder, run_step) * 1e3
         periods = sorted(recorder.decode_periods(batch))
         out["step_period_ms"] = periods[len(periods) // 2] * 1e3
