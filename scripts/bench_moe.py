@@ -18,8 +18,10 @@ Qwen3-30B-A3B-FP8); their floor counts those bytes (scales and zero points inclu
 `moe_<quant>_decode_b<N>_ms`, `..._vs_floor`, and `..._vs_bf16` (bf16 step ÷ its step) where bf16 ran in the same call.
 `--xla-router-too` runs the bf16 model again with the router's softmax/top-k as XLA's ops instead of the fused kernel
 (`moe_xla_router_decode_*`), the A/B of `PallasExperts.fused_router_max_tokens` in one call; `--decode-tiles-too
-k128 stages3` likewise with the decode-sized expert tiles changed (`moe_tiles_<NAME>_decode_*`), and `--listed-too`
-with the fused router listing the chosen experts (`PallasExperts.list_chosen`, `moe_listed_decode_*`).
+k128 stages3` likewise with the decode-sized expert tiles changed (`moe_tiles_<NAME>_decode_*`), `--listed-too`
+with the fused router listing the chosen experts (`PallasExperts.list_chosen`, `moe_listed_decode_*`), and
+`--xla-combine-too` with XLA's combine and residual add after the experts (`moe_xla_combine_decode_*`). Each variant
+runs with JAX's caches cleared (`retraced`).
 """
 
 from __future__ import annotations

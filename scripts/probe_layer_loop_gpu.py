@@ -167,6 +167,11 @@ def kernel_summary(trace_dir: Path, top: int = 40, minus: Path | None = None) ->
     return sorted(((n, round(t, 3), c) for n, (t, c) in totals.items() if c), key=lambda r: -r[1])[:top]
 
 
+def median(values: list[float]) -> float:
+    """The upper median (the middle value, no averaging); NaN for none."""
+    return sorted(values)[len(values) // 2] if values else float("nan")
+
+
 def host_timeline(trace_dir: Path) -> dict[str, float]:
     """Where the host's time per engine step goes, from the profiler's Python events: medians (ms) of the runner's
     `dispatch` (preparing and launching a step: long if a launch waits, e.g. on a donated buffer still in use) and
@@ -180,14 +185,11 @@ def host_timeline(trace_dir: Path) -> dict[str, float]:
         return sorted((e for e in events if e["name"].startswith("$runner.py:") and e["name"].endswith(suffix)),
                       key=lambda e: e["ts"])
 
-    def median_ms(values: list[float]) -> float:
-        return sorted(values)[len(values) // 2] / 1e3 if values else float("nan")
-
     dispatches, fetches = calls(" dispatch"), calls(" fetch")
     between = [d["ts"] - (f["ts"] + f["dur"]) for f, d in zip(fetches, dispatches[2:])]
     holds = [e["dur"] for e in events if e["name"] in ("Wait for donation holds", "Wait for usage holds")]
-    return {"steps": len(dispatches), "dispatch_ms": median_ms([e["dur"] for e in dispatches]),
-            "fetch_ms": median_ms([e["dur"] for e in fetches]), "fetch_to_next_dispatch_ms": median_ms(between),
+    return {"steps": len(dispatches), "dispatch_ms": median([e["dur"] for e in dispatches]) / 1e3,
+            "fetch_ms": median([e["dur"] for e in fetches]) / 1e3, "fetch_to_next_dispatch_ms": median(between) / 1e3,
             "holds_ms_per_step": sum(holds) / 1e3 / max(len(dispatches), 1), "max_hold_ms": max(holds, default=0) / 1e3}
 
 
@@ -275,10 +277,9 @@ def engine_part(layers: int, steps: int, shape: str = "llama", batch: int = 1) -
         recorder = Recorder(llm, batch)
         host_calls = timed_runner_calls(llm._core.runner)
         llm.generate(prompt, params, use_tqdm=False)
-        out["host_ms_unprofiled"] = {name: sorted(times)[len(times) // 2] * 1e3 for name, times in host_calls.items()}
+        out["host_ms_unprofiled"] = {name: median(times) * 1e3 for name, times in host_calls.items()}
         out["device_step_ms"] = device_seconds(llm, recorder, run_step) * 1e3
-        periods = sorted(recorder.decode_periods(batch))
-        out["step_period_ms"] = periods[len(periods) // 2] * 1e3
+        out["step_period_ms"] = median(recorder.decode_periods(batch)) * 1e3
         traces = {}
         for new_tokens in (1, 9):  # the prefill alone, then it and 8 decode steps: their difference is the decode
             traces[new_tokens] = Path(tempfile.mkdtemp())

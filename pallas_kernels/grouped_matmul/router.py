@@ -10,9 +10,10 @@ power-of-two k, and sliced.
 Each of the k rounds is a chain of dependent reductions, so more warps shorten it: on an H100 under Nsight Compute
 (2026-12-06, 16 tokens × 128 experts, top-8; `scripts/probe_moe_decode_gpu.py --ncu --ncu-router`) one warp takes
 23.8 µs, 2 14.8, 4 12.8, 8 9.1, 16 8.4; the engine's decode step spent 20.7 µs a layer in the one-warp launch
-(`scripts/probe_layer_loop_gpu.py --part engine`), as long as XLA's three ops. At 256 tokens XLA's ops are faster
-(11.3 against 14.8 µs in a device loop), so the engine fuses only steps of one program
-(`PallasExperts.fused_router_max_tokens`).
+(`scripts/probe_layer_loop_gpu.py --part engine`), as long as XLA's three ops. At 256 tokens XLA's ops were faster
+than the one-warp launch (11.3 against 14.8 µs in a device loop), so the engine fuses only steps of one program
+(`PallasExperts.fused_router_max_tokens`); the 16-warp launch takes 8.5 µs at 256 tokens under Nsight Compute,
+not yet timed beside XLA's ops.
 """
 
 from __future__ import annotations
