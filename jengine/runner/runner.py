@@ -30,6 +30,7 @@ from jengine.runner.input_batch import InputBatch, StepInputs
 from jengine.runner.kv_storage import KVPlan, allocate
 from jengine.runner import compile as compiling
 from jengine.runner.compile import RecompileGuard, StepShape, padding_inputs, pinned_shapes
+from jengine.runner.host_pack import pack
 from jengine.runner.protocol import TokenMaskSource
 from jengine.runner.token_masks import WaitingSampler, padded_masks
 from jengine.runner.step import (ModelInputs, StepBatch, StepModel, StepOutput, StepState, build_step,
@@ -154,7 +155,7 @@ class ModelRunner:
             _start_copy_to_host(out)
         else:  # the forward alone: its sampler waits for the masks, or it returns a proposer's hidden states
             logits, prompt, self.state, hidden = forward_step(self._model, self.step_params, self.state,
-                                                              batch.model)
+                                                              pack(batch.model))
             if token_masks is None:
                 self.state, out = sample_phase(logits, prompt, self.state, batch)
                 _start_copy_to_host(out)
@@ -209,7 +210,7 @@ class ModelRunner:
         model = ModelInputs(inputs.token_ids, inputs.metadata, plan.logits_rows, prompt_rows, prompt_targets,
                             prompt_k, self._lora_rows(self.batch.lora_slot[inputs.rows], inputs.num_scheduled,
                                                           len(inputs.token_ids)))
-        logits, prompt, self.state, hidden = forward_step(self._model, self.step_params, self.state, model)
+        logits, prompt, self.state, hidden = forward_step(self._model, self.step_params, self.state, pack(model))
         masks = token_masks() if token_masks is not None else None
         mask = None if masks is None else padded_masks(plan.first_rows[masks[0]], masks[1], len(plan.draft_ids),
                                                        self.mask_words)

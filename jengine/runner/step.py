@@ -32,6 +32,7 @@ from jengine.layers.invariant import row_reduction_for
 from jengine.layers.lora import LoraRows
 from jengine.models.decoder import compute_logits, forward_capturing
 from jengine.models.spec import ModelSpec
+from jengine.runner.host_pack import Packed, pack, unpack
 from jengine.runner.input_batch import PENDING_BASE
 from jengine.sampling.metadata import SamplingMetadata
 from jengine.sampling.sampler import SamplerOutput, raw_logprobs, sample
@@ -103,12 +104,13 @@ def resolve_pending(ids: Int[Array, "*shape"], row_tokens: Int[Array, " rows"]) 
 # The whole state is donated: the cache is written in place, and `row_tokens` (read, not written, here) comes back
 # as the same buffer. The sampler does not donate it: the forward may still be reading it when the sampler is called.
 @functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("state",))
-def forward_step(model: StepModel, params: dict, state: StepState, inputs: ModelInputs
+def forward_step(model: StepModel, params: dict, state: StepState, inputs: ModelInputs | Packed
                  ) -> tuple[Float[Array, "seqs vocab"], SamplerOutput | None, StepState,
                             Float[Array, "tokens features"] | None]:
     """Model forward over the ragged batch; float32 logits at the sampling rows; prompt logprobs when asked; the
     hidden states `model.capture` names (None when it names none). With a token feed, pending placeholders take
-    the rows' last sampled tokens."""
+    the rows' last sampled tokens. `inputs` may come packed (`host_pack.pack`: one host→device copy)."""
+    inputs = unpack(inputs)
     token_ids = inputs.token_ids
     if state.row_tokens is not None:
         token_ids = resolve_pending(token_ids, state.row_tokens)
@@ -127,13 +129,19 @@ def forward_step(model: StepModel, params: dict, state: StepState, inputs: Model
     return logits, prompt, StepState(kv_cache, state.row_tokens), features
 
 
+def sampler_inputs(batch: StepBatch) -> Packed:
+    """The sampler's host-built inputs (`sample_step`'s `host`) as one packed buffer: one host→device copy."""
+    return pack((batch.sampling, batch.sample_rows, batch.token_mask))
+
+
 @jax.jit
-def sample_step(logits: Float[Array, "seqs vocab"], sampling: SamplingMetadata, row_tokens: Int[Array, " rows"],
-                sample_rows: Int[Array, " seqs"], token_mask: Int[Array, "seqs words"] | None = None
+def sample_step(logits: Float[Array, "seqs vocab"], host: Packed, row_tokens: Int[Array, " rows"]
                 ) -> tuple[SamplerOutput, Int[Array, " rows"]]:
     """Samples one token per row and records it as the last token of its persistent-batch row (`sample_rows`;
     out of range for rows whose sample does not count); pending ids in the penalties' histories are resolved.
-    A token mask bans the tokens each constrained row's grammar does not allow, before anything else."""
+    A token mask bans the tokens each constrained row's grammar does not allow, before anything else. `host`:
+    `sampler_inputs`, the packed (sampling metadata, sample_rows, token_mask or None)."""
+    sampling, sample_rows, token_mask = unpack(host)
     if token_mask is not None:
         logits = apply_token_mask(logits.astype(jnp.float32), token_mask)
     if sampling.output_token_ids.shape[1]:
@@ -151,7 +159,7 @@ def build_step(model: StepModel) -> StepFn:
     nothing waits for the device."""
 
     def step(params: dict, state: StepState, batch: StepBatch) -> tuple[StepState, StepOutput]:
-        logits, prompt, state, _ = forward_step(model, params, state, batch.model)
+        logits, prompt, state, _ = forward_step(model, params, state, pack(batch.model))
         return sample_phase(logits, prompt, state, batch)
 
     return step
@@ -161,7 +169,7 @@ def sample_phase(logits: Float[Array, "seqs vocab"], prompt: SamplerOutput | Non
                  batch: StepBatch) -> tuple[StepState, StepOutput]:
     """The step's second program, on the forward's outputs: a runner that must fill `batch.token_mask` on the host
     launches the forward (`forward_step`) first and this once the mask is ready."""
-    sampled, row_tokens = sample_step(logits, batch.sampling, state.row_tokens, batch.sample_rows, batch.token_mask)
+    sampled, row_tokens = sample_step(logits, sampler_inputs(batch), state.row_tokens)
     return StepState(state.kv_cache, row_tokens), StepOutput(sampled, prompt)
 
 
@@ -172,15 +180,14 @@ def build_step_compiler(model: StepModel) -> Callable[[dict, StepState, StepBatc
 
     def compile_step(params: dict, state: StepState, batch: StepBatch) -> tuple[float, float]:
         if batch.token_mask is not None:  # the masked sampler; the same forward compiles with the free variant
-            logits = jax.eval_shape(forward_step, model, params, state, batch.model)[0]
+            logits = jax.eval_shape(forward_step, model, params, state, pack(batch.model))[0]
             sharding, lower_f, compile_f = state.row_tokens.sharding, 0.0, 0.0  # logits come replicated likewise
         else:
-            compiled, lower_f, compile_f = _lower_and_compile(forward_step, model, params, state, batch.model)
+            compiled, lower_f, compile_f = _lower_and_compile(forward_step, model, params, state, pack(batch.model))
             logits = compiled.out_info[0]
             sharding = logits.sharding
         logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=sharding)
-        _, lower_s, compile_s = _lower_and_compile(sample_step, logits, batch.sampling, state.row_tokens,
-                                                   batch.sample_rows, batch.token_mask)
+        _, lower_s, compile_s = _lower_and_compile(sample_step, logits, sampler_inputs(batch), state.row_tokens)
         return lower_f + lower_s, compile_f + compile_s
 
     return compile_step
