@@ -57,7 +57,7 @@ def decode_ms(llm: LLM, prompts: list[dict], steps: int) -> float:
     return median_ms(runs)
 
 
-def variant(llm: LLM, prompts: list[dict], decode_steps: int) -> dict[str, Any]:
+def variant(llm: LLM, prompts: list[dict], decode_steps: int, profiled: bool) -> dict[str, Any]:
     runner = llm._core.runner
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)  # compiles this variant's programs
@@ -67,11 +67,13 @@ def variant(llm: LLM, prompts: list[dict], decode_steps: int) -> dict[str, Any]:
 
     def dispatch(*args, **kwargs):
         start = time.perf_counter()
-        profile.enable()
+        if profiled:
+            profile.enable()
         try:
             return real_dispatch(*args, **kwargs)
         finally:
-            profile.disable()
+            if profiled:
+                profile.disable()
             dispatch_s.append(time.perf_counter() - start)
 
     def step(*args):
@@ -87,7 +89,8 @@ def variant(llm: LLM, prompts: list[dict], decode_steps: int) -> dict[str, Any]:
     finally:
         runner.dispatch, runner._step = real_dispatch, real_step
     text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(12)
+    if profiled:
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(12)
     return {"dispatch_ms": median_ms(dispatch_s), "step_call_ms": median_ms(step_s),
             "decode_ms_per_step": decode_ms(llm, prompts, decode_steps), "profile": text.getvalue()}
 
@@ -135,6 +138,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--batch", type=int, nargs="+", default=[1])
     parser.add_argument("--decode-steps", type=int, default=64, help="decode steps timed by difference")
+    parser.add_argument("--profile", action="store_true", help="cProfile dispatch (inflates its time)")
     parser.add_argument("--out")
     args = parser.parse_args()
     model = write_shape(args.shape, tempfile.mkdtemp(), num_layers=args.layers)
@@ -146,7 +150,7 @@ def main() -> None:
         prompts = [{"prompt_token_ids": list(range(3, 259))} for _ in range(batch)]
         for name, on in (("unpacked", False), ("packed", True), ("unpacked_again", False)):
             set_packing(on)
-            figures = variant(llm, prompts, args.decode_steps)
+            figures = variant(llm, prompts, args.decode_steps, args.profile)
             print(f"b{batch} {name}: dispatch {figures['dispatch_ms']:.3f} ms, step call "
                   f"{figures['step_call_ms']:.3f} ms, decode {figures['decode_ms_per_step']:.3f} ms/step", flush=True)
             print(figures["profile"], flush=True)
