@@ -79,7 +79,8 @@ class Scale:
 FULL = Scale(
     model=e2e_checkpoint.LLAMA_31_8B,
     # 32768 blocks of 16 (64 GiB of KV) hold 256 requests of 2048 tokens; pinned, so every process compiles the
-    # same executables and the persistent compilation cache serves all but the first
+    # same executables and the persistent compilation cache serves all but the first. An 80 GiB card holds 15 GiB
+    # of weights and not this pool: there pass `--engine-option num_gpu_blocks_override=24576` (48 GiB)
     engine=dict(max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=2048, num_gpu_blocks_override=32768),
     batch_sizes=(1, 16, 64), max_batch=256, prompt_len=512, new_tokens=128, short_tokens=8, runs=3,
     mixed=dict(num_prompts=1000, input_len=256, output_len=128, max_total_len=2048),

@@ -63,9 +63,10 @@ def plan_kv_cache(spec: ModelSpec, cache: CacheConfig, sched: SchedulerConfig, d
     the step needs besides the activations (8-bit weights' temporary copies, `layers/quant.py:workspace_bytes`)."""
     kv_dtype = kv_cache.cache_dtype(cache.kv_cache_dtype, dtype)
     per_block = bytes_per_block(spec, cache.block_size, kv_dtype)
-    if cache.num_gpu_blocks_override:
-        return KVPlan(cache.num_gpu_blocks_override, cache.block_size, per_block, "num_gpu_blocks_override", kv_dtype)
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if cache.num_gpu_blocks_override:
+        check_override_fits(cache.num_gpu_blocks_override, per_block // kv_shards, stats)
+        return KVPlan(cache.num_gpu_blocks_override, cache.block_size, per_block, "num_gpu_blocks_override", kv_dtype)
     if not stats or "bytes_limit" not in stats:
         wanted = -(-sched.max_num_seqs * sched.max_model_len // cache.block_size)
         blocks = min(wanted, CPU_POOL_CAP_BYTES // per_block)
@@ -84,6 +85,22 @@ def plan_kv_cache(spec: ModelSpec, cache: CacheConfig, sched: SchedulerConfig, d
               f"activations of a {sched.max_num_batched_tokens}-token step"
               + (f" and {workspace / (1 << 30):.2f} GiB of 8-bit weights' copies" if workspace else ""))
     return KVPlan(int(blocks), cache.block_size, per_block, source, kv_dtype)
+
+
+def check_override_fits(num_blocks: int, block_bytes: int, stats: dict | None) -> None:
+    """Refuses a `num_gpu_blocks_override` whose blocks alone exceed the device's memory left after the weights: it
+    would die allocating the pool at start-up with the allocator's message instead. (The activations are not counted
+    here: an override is the user's call on them.)"""
+    if not stats or "bytes_limit" not in stats:
+        return
+    fit = kv_blocks_that_fit(stats["bytes_limit"], 1.0, stats.get("bytes_in_use", 0), 0, block_bytes)
+    if num_blocks > fit:
+        gib = 1 << 30
+        raise ConfigError(
+            f"num_gpu_blocks_override={num_blocks} needs {num_blocks * block_bytes / gib:.1f} GiB of KV cache, but "
+            f"{max(fit, 0) * block_bytes / gib:.1f} GiB ({max(fit, 0)} blocks) of the device's "
+            f"{stats['bytes_limit'] / gib:.1f} GiB remain after the weights; lower it"
+        )
 
 
 def log_plan(plan: KVPlan, max_model_len: int) -> None:

@@ -74,3 +74,21 @@ def test_kv_pool_leaves_the_reserve_free():
         assert plan.num_blocks == free // per_block
         blocks.append(plan.num_blocks)
     assert blocks[1] < blocks[0]
+
+
+def test_an_override_larger_than_the_free_memory_is_refused_by_name():
+    """The 8B bench's 64 GiB pool on an 80 GiB card that holds 15 GiB of weights died allocating it at start-up;
+    the planner now says so first. An override that fits is taken as given, activations not counted."""
+    from jengine.errors import ConfigError
+
+    limit, weights = 79 << 30, 15 << 30
+    sched = SchedulerConfig(max_model_len=4096)
+    per_block = bytes_per_block(SPEC, 16, jnp.bfloat16)
+    fits = (limit - weights) // per_block
+    with pytest.raises(ConfigError, match=rf"num_gpu_blocks_override={fits + 1} needs .* \({fits} blocks\)"):
+        plan_kv_cache(SPEC, CacheConfig(num_gpu_blocks_override=fits + 1), sched, jnp.bfloat16, _Gpu(limit, weights))
+    plan = plan_kv_cache(SPEC, CacheConfig(num_gpu_blocks_override=fits), sched, jnp.bfloat16, _Gpu(limit, weights))
+    assert plan.num_blocks == fits and plan.source == "num_gpu_blocks_override"
+    # split over 4 devices (kv_shards), each holds a quarter of every block: four times as many fit
+    plan_kv_cache(SPEC, CacheConfig(num_gpu_blocks_override=4 * fits), sched, jnp.bfloat16, _Gpu(limit, weights),
+                  kv_shards=4)
