@@ -1,10 +1,11 @@
 """One host→device copy for a step's host-built inputs.
 
 A step's inputs are ~25 small numpy arrays (token ids, attention metadata, sampling options). Handed to a jitted
-function one by one, each is its own transfer: on an H100 that cost 0.6 ms of host time a step (23 leaves, against
-0.05 ms for the same bytes as one buffer; `scripts/probe_host_dispatch_gpu.py`), time a batch-1 decode step waits
-on. `pack` lays the numpy leaves of a pytree end to end in one byte buffer; the jitted function calls `unpack` and
-gets the same pytree back, each field a slice of that buffer bit-cast to its dtype (exact: no value is converted).
+function one by one, each is its own transfer: on H100 machines the 23 of a decode step cost 0.6-1.2 ms of host
+time, against 0.05-0.08 ms for the same bytes as one buffer (`scripts/probe_host_dispatch_gpu.py`; host time the
+server's other threads get back). `pack` lays the numpy leaves of a pytree end to end in one byte buffer; the
+jitted function calls `unpack` and gets the same pytree back, each field a slice of that buffer bit-cast to its
+dtype (exact: no value is converted).
 
 The layout (the tree's structure, each field's offset, shape and dtype) is static: it is part of the jit cache key,
 as the leaves' shapes were. Leaves that are not numpy (device arrays, Python scalars with their weak types) pass
