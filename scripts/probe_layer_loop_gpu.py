@@ -193,6 +193,28 @@ def host_timeline(trace_dir: Path) -> dict[str, float]:
             "holds_ms_per_step": sum(holds) / 1e3 / max(len(dispatches), 1), "max_hold_ms": max(holds, default=0) / 1e3}
 
 
+def launch_lag(trace_dir: Path, near_us: float = 20.0) -> dict[str, float]:
+    """Whether the host's kernel launches or the GPU set the pace: each GPU event is matched to the host API call
+    that launched it (CUPTI's correlation id), and its lag is the time from that call's start to the event's start.
+    Lags near the launch latency (under `near_us`) for most kernels: the GPU ran each kernel as soon as the host
+    launched it, so the launches set the pace; lags that grow along the step: a queue of launched work, the GPU
+    sets the pace. Also the launch calls' count and median host time."""
+    events = [e for e in trace_events(trace_dir) if e.get("ph") == "X" and "dur" in e]
+    names = {e["pid"]: e.get("args", {}).get("name", "") for e in trace_events(trace_dir)
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    on_gpu = {e["pid"] for e in events if "/device:GPU" in names.get(e["pid"], "")}
+    launches = {e["args"]["correlation_id"]: e for e in events if e["pid"] not in on_gpu
+                and "launch" in e["name"].lower() and "correlation_id" in e.get("args", {})}
+    lags = [e["ts"] - launches[e["args"]["correlation_id"]]["ts"] for e in events if e["pid"] in on_gpu
+            and e.get("args", {}).get("correlation_id") in launches]
+    if not lags:
+        return {"matched": 0, "launch_calls": len(launches)}
+    return {"matched": len(lags), "launch_calls": len(launches),
+            "launch_call_us_median": median([e["dur"] for e in launches.values()]),
+            "lag_us_median": median(lags), "lag_us_p90": sorted(lags)[int(0.9 * (len(lags) - 1))],
+            "fraction_lag_under_near": sum(lag < near_us for lag in lags) / len(lags)}
+
+
 def fusion_sources(dump_dir: Path, kernels: list[str], marker: str = "ragged_paged_attention_decode",
                    chars: int = 1500) -> dict[str, str]:
     """The optimized HLO behind each XLA kernel name (`fusion_553` is instruction `%fusion.553`), from an
@@ -289,6 +311,7 @@ def engine_part(layers: int, steps: int, shape: str = "llama", batch: int = 1) -
         out["kernels_8_steps"] = kernel_summary(traces[9], minus=traces[1])
         out["gpu_idle_9_tokens"] = gpu_idle(traces[9])
         out["host_9_tokens"] = host_timeline(traces[9])
+        out["launch_lag_9_tokens"] = launch_lag(traces[9])
     log(json.dumps(out, indent=1))
     return out
 
