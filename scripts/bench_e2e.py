@@ -79,8 +79,8 @@ class Scale:
 FULL = Scale(
     model=e2e_checkpoint.LLAMA_31_8B,
     # 32768 blocks of 16 (64 GiB of KV) hold 256 requests of 2048 tokens; pinned, so every process compiles the
-    # same executables and the persistent compilation cache serves all but the first. An 80 GiB card holds 15 GiB
-    # of weights and not this pool: there pass `--engine-option num_gpu_blocks_override=24576` (48 GiB)
+    # same executables and the persistent compilation cache serves all but the first. A card under 100 GiB (an
+    # 80 GiB H100 holds 15 GiB of weights) gets SMALL_CARD_BLOCKS instead (`pool_for_card`)
     engine=dict(max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=2048, num_gpu_blocks_override=32768),
     batch_sizes=(1, 16, 64), max_batch=256, prompt_len=512, new_tokens=128, short_tokens=8, runs=3,
     mixed=dict(num_prompts=1000, input_len=256, output_len=128, max_total_len=2048),
@@ -140,6 +140,21 @@ def run_worker(name: str, args: argparse.Namespace) -> int:
     return 0
 
 
+SMALL_CARD_BLOCKS = 24576  # 48 GiB of the 8B shape's KV: 192 requests of 2048 tokens at once
+
+
+def pool_for_card(engine: dict[str, Any]) -> dict[str, Any]:
+    """`engine` with its pinned KV pool cut to SMALL_CARD_BLOCKS on a GPU of under 100 GiB (nvidia-smi's figure,
+    read without starting JAX in this process, whose workers take the GPU)."""
+    query = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True)
+    mib = [int(line) for line in query.stdout.split() if line.isdigit()]
+    if engine.get("num_gpu_blocks_override", 0) > SMALL_CARD_BLOCKS and mib and min(mib) < 100 * 1024:
+        log(f"{min(mib)} MiB GPU: KV pool pinned at {SMALL_CARD_BLOCKS} blocks")
+        return engine | {"num_gpu_blocks_override": SMALL_CARD_BLOCKS}
+    return engine
+
+
 class Call:
     """One invocation: the checkpoint, the workers of the asked parts, and the merged results file."""
 
@@ -156,6 +171,7 @@ class Call:
         self.gpu = shutil.which("nvidia-smi") is not None
         if args.part and not self.gpu and not args.tiny:
             raise SystemExit("no GPU here (nvidia-smi not found): the full benchmark needs one; --tiny runs anywhere")
+        self.engine = pool_for_card(self.scale.engine) if self.gpu and not args.tiny else self.scale.engine
         self.model_dir: Path | None = None
         self.vocab: list[int] = []
 
@@ -185,7 +201,7 @@ class Call:
 
     def task(self, **fields: Any) -> dict[str, Any]:
         return {"tiny": self.args.tiny, "gpu": self.gpu, "model_dir": str(self.model_dir), "vocab": self.vocab,
-                "engine": {**self.scale.engine, **dict(self.args.engine_option)},
+                "engine": {**self.engine, **dict(self.args.engine_option)},
                 "cache_dir": str(self.workdir / "jax-cache"),
                 "hf_configs": self.args.hf_configs, **fields}
 
