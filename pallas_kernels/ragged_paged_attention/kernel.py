@@ -16,7 +16,9 @@ serve both: a 128-row query tile wastes 97 % of its tensor-core work on a decode
     numbers alone or in any batch) and writes the rows into the output in place;
   * the *prefill* kernel, grid `(query_tiles, kv_heads)`, for the other requests: a tile of `block_m` rows = tokens ×
     query heads of one KV head, the loop over its visible KV split into masked edges and an unmasked middle.
-The prefill launch is skipped when `max_query_len` (static) shows that every request fits the decode kernel.
+The prefill launch is skipped when `max_query_len` (static) shows that every request fits the decode kernel, and
+the merge when the block table's width (static) shows that every context fits one split: the decode kernel then
+writes its rows into the output itself, the bits the merge of one split would write.
 
 float8 cache (`kv_scales` given, see `pallas_kernels.kv_quant`): the cache is read through its uint16 byte-pair view
 (`addressing.as_byte_pairs`: addressable at any size, where single bytes overflow the lowering's 32-bit offsets in
@@ -87,10 +89,12 @@ def check_supported(*, head_dim: int, block_size: int, num_q_heads: int, num_kv_
 # The two kernels.
 
 
-def _decode_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, q_ref, kv_ref, scales_ref, o_ref, lse_ref, *,
-                   geo: Geometry, cfg: KernelConfig, split: SplitConfig, scores: Scores):
+def _decode_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, q_ref, kv_ref, scales_ref, *out_refs,
+                   geo: Geometry, cfg: KernelConfig, split: SplitConfig, scores: Scores, direct: bool):
     """Program (request b, KV head h, split s): chunk s of b's visible context for all of b's query rows. Only the
-    rows of real (token, head) pairs are stored, so the partial buffers cost traffic for real rows alone."""
+    rows of real (token, head) pairs are stored, so the partial buffers cost traffic for real rows alone.
+    `out_refs`: the split's partial output and LSE; or, `direct` (every request's context is one split), the step's
+    output (aliased in and out), which gets the rows as the merge would have written them."""
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q_start = qsl_ref[b]
     q_len = qsl_ref[b + 1] - q_start
@@ -113,6 +117,12 @@ def _decode_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, q_ref, kv_r
         acc, m, l = attend(q, first_pos + t, src, my_lo, my_hi, first_pos, last_pos, window,
                             block_n=cfg.block_n, scores=scores, k_scale=k_scale)
         out, lse = finish(acc, m, l, v_scale)
+        if direct:
+            # The merge of one split sums it onto zeros (turning a -0.0 into +0.0): 0.0 + x gives its bits exactly,
+            # so a request's rows do not depend on whether its step's block table was narrow enough for this path.
+            store_rows(out_refs[1], tok, head, valid, tuple(0.0 + part for part in out))
+            return
+        o_ref, lse_ref = out_refs
         rows = jnp.where(valid, jnp.arange(cfg.block_m, dtype=jnp.int32), cfg.block_m)[:, None]
         for i, part in enumerate(out):
             cols = column_index(geo.head_dim, geo.parts, i)
@@ -200,24 +210,29 @@ def _scalars(layer, sliding_window):
     return jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(sliding_window, jnp.int32).reshape(1)
 
 
-def _decode_call(q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning, scores, interpret):
-    """Launches the split-K decode kernel: normalised partial outputs and their base-2 LSE per split."""
+def _decode_call(q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning, scores, interpret, out=None):
+    """Launches the split-K decode kernel: normalised partial outputs and their base-2 LSE per split; or, given
+    `out` (every request's context fits one split), its rows written into `out` in place, no merge needed."""
     cfg, split = tuning.decode, tuning.split
+    direct = out is not None
     part_shape = (geo.num_seqs, geo.kv_heads, split.max_splits, cfg.block_m)
-    kernel = functools.partial(_decode_kernel, geo=geo, cfg=cfg, split=split, scores=scores)
+    if direct:
+        out_shape = jax.ShapeDtypeStruct(out.shape, out.dtype)
+    else:
+        out_shape = [jax.ShapeDtypeStruct((*part_shape, geo.head_dim), jnp.float32),
+                     jax.ShapeDtypeStruct(part_shape, jnp.float32)]
+    kernel = functools.partial(_decode_kernel, geo=geo, cfg=cfg, split=split, scores=scores, direct=direct)
     return pl.pallas_call(
         kernel,
-        grid=(geo.num_seqs, geo.kv_heads, split.max_splits),
-        in_specs=[pl.no_block_spec] * 8,
-        out_specs=[pl.no_block_spec] * 2,
-        out_shape=[
-            jax.ShapeDtypeStruct((*part_shape, geo.head_dim), jnp.float32),
-            jax.ShapeDtypeStruct(part_shape, jnp.float32),
-        ],
+        grid=(geo.num_seqs, geo.kv_heads, 1 if direct else split.max_splits),
+        in_specs=[pl.no_block_spec] * (9 if direct else 8),
+        out_specs=pl.no_block_spec if direct else [pl.no_block_spec] * 2,
+        out_shape=out_shape,
+        input_output_aliases={8: 0} if direct else {},
         compiler_params=pltr.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name="ragged_paged_attention_decode",
-    )(*layer_window, qsl, lens, bt, q, kv_cache, scales)
+    )(*layer_window, qsl, lens, bt, q, kv_cache, scales, *(() if out is None else (out,)))
 
 
 def _merge_call(out, partials, layer_window, qsl, lens, geo, tuning, interpret):
@@ -293,11 +308,15 @@ def ragged_paged_attention_impl(
     args = (q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning, scores, interpret)
     if single_path:
         return _prefill_call(*args, single_path=True)
-    partials = _decode_call(*args)
+    # A request's context is at most its block table's width: when that fits one split, no request has more
+    direct = bt.shape[1] * block_size <= tuning.split.split_tokens
+    partials = None if direct else _decode_call(*args)
     if max_query_len <= tokens_per_tile(geo, tuning.decode):
         out = jnp.zeros_like(q)  # every request is a decode: no prefill launch
     else:
         out = _prefill_call(*args)
+    if direct:
+        return _decode_call(*args, out=out)
     return _merge_call(out, partials, layer_window, qsl, lens, geo, tuning, interpret)
 
 

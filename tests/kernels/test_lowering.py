@@ -24,23 +24,25 @@ def lower_for_h200(fn, *specs) -> str:
 
 
 @pytest.mark.parametrize(
-    "tokens,seqs,q_heads,kv_heads,head_dim,block_size,dtype,max_query_len,soft_cap,launches",
+    "tokens,seqs,q_heads,kv_heads,head_dim,block_size,dtype,max_query_len,soft_cap,launches,table_width",
     [
-        (64, 64, 32, 8, 128, 16, jnp.bfloat16, 1, None, 2),  # Llama-3-8B decode bucket: split-K + merge only
-        (4096, 8, 32, 8, 128, 16, jnp.bfloat16, 4096, 30.0, 3),  # prefill, decode, merge; soft cap
-        (256, 16, 8, 8, 64, 128, jnp.float32, 64, None, 3),  # MHA, d=64, big pages, f32
-        (128, 4, 40, 8, 128, 32, jnp.bfloat16, 128, None, 3),  # group 5 (padded to 8)
+        (64, 64, 32, 8, 128, 16, jnp.bfloat16, 1, None, 2, 2048),  # Llama-3-8B decode bucket: split-K + merge only
+        (4096, 8, 32, 8, 128, 16, jnp.bfloat16, 4096, 30.0, 3, 2048),  # prefill, decode, merge; soft cap
+        (256, 16, 8, 8, 64, 128, jnp.float32, 64, None, 3, 2048),  # MHA, d=64, big pages, f32
+        (128, 4, 40, 8, 128, 32, jnp.bfloat16, 128, None, 3, 2048),  # group 5 (padded to 8)
+        (64, 64, 32, 8, 128, 16, jnp.bfloat16, 1, None, 1, 32),  # tables of 512 positions: one split, no merge
+        (4096, 8, 32, 8, 128, 16, jnp.bfloat16, 4096, None, 2, 16),  # prefill, then decode rows written in place
     ],
 )
 def test_attention_lowers_for_h200(tokens, seqs, q_heads, kv_heads, head_dim, block_size, dtype, max_query_len,
-                                   soft_cap, launches):
+                                   soft_cap, launches, table_width):
     fn = functools.partial(attention.ragged_paged_attention, scale=head_dim ** -0.5, soft_cap=soft_cap,
                            max_query_len=max_query_len)
     text = lower_for_h200(
         lambda q, kv, layer, qsl, lens, bt, window: fn(q, kv, layer, qsl, lens, bt, sliding_window=window),
         S((tokens, q_heads, head_dim), dtype),
         S((32, 20000, block_size, 2, kv_heads, head_dim), dtype),  # > 4 GiB: 64-bit page offsets
-        S((), i32), S((seqs + 1,), i32), S((seqs,), i32), S((seqs, 2048), i32), S((), i32),
+        S((), i32), S((seqs + 1,), i32), S((seqs,), i32), S((seqs, table_width), i32), S((), i32),
     )
     assert text.count("__gpu$xla.gpu.triton") == launches
 
@@ -55,16 +57,18 @@ def test_kv_write_lowers_for_h200_in_place():
     assert "tf.aliasing_output" in text or "output_operand_alias" in text
 
 
-@pytest.mark.parametrize("tokens,seqs,max_query_len,launches", [(64, 64, 1, 2), (4096, 8, 4096, 3)])
-def test_fp8_attention_lowers_for_h200(tokens, seqs, max_query_len, launches):
-    """float8_e4m3fn pages with per-(layer, KV head) scales: decode bucket (split-K + merge) and prefill."""
+@pytest.mark.parametrize("tokens,seqs,max_query_len,launches,table_width",
+                         [(64, 64, 1, 2, 2048), (4096, 8, 4096, 3, 2048), (64, 64, 1, 1, 64)])
+def test_fp8_attention_lowers_for_h200(tokens, seqs, max_query_len, launches, table_width):
+    """float8_e4m3fn pages with per-(layer, KV head) scales: decode bucket (split-K + merge), prefill, and a table
+    within one split (its 1,024 positions: the decode kernel writes the rows, no merge)."""
     fn = functools.partial(attention.ragged_paged_attention, scale=128 ** -0.5, max_query_len=max_query_len)
     text = lower_for_h200(
         lambda q, kv, scales, layer, qsl, lens, bt: fn(q, kv, layer, qsl, lens, bt, kv_scales=scales),
         S((tokens, 32, 128), jnp.bfloat16),
         S((32, 40000, 16, 2, 8, 128), jnp.float8_e4m3fn),  # > 4 GiB of fp8: 64-bit page offsets
         S((32, 2, 8), jnp.float32),
-        S((), i32), S((seqs + 1,), i32), S((seqs,), i32), S((seqs, 2048), i32),
+        S((), i32), S((seqs + 1,), i32), S((seqs,), i32), S((seqs, table_width), i32),
     )
     assert text.count("__gpu$xla.gpu.triton") == launches
 

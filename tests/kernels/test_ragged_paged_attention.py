@@ -213,3 +213,37 @@ def test_single_path_matches_reference_and_a_short_last_chunk_equals_the_whole_p
     chunk = dataclasses.replace(whole, q=jnp.asarray(q), num_real_tokens=2, query_start_loc=jnp.asarray(
         np.concatenate([[0], np.full(FIXED.num_seqs, 2)]).astype(np.int32)))
     np.testing.assert_array_equal(_single_path(FIXED, chunk, 64)[:2], _single_path(FIXED, whole, 64)[38:40])
+
+
+def _widened(batch: Batch, width: int) -> Batch:
+    """The same batch with its block tables padded to `width` columns (never read: past every context)."""
+    tables = np.zeros((batch.block_tables.shape[0], width), np.int32)
+    tables[:, :batch.block_tables.shape[1]] = batch.block_tables
+    return dataclasses.replace(batch, block_tables=jnp.asarray(tables))
+
+
+@pytest.mark.parametrize("q_lens,seq_lens,max_query_len", [
+    ([1] * 5, [3, 17, 160, 48, 1], 1),  # decodes only: the output starts as zeros
+    ([1, 20, 1, 30], [150, 70, 160, 31], 64),  # beside prefills: the decode rows go into the prefill's output
+])
+def test_one_split_contexts_skip_the_merge_with_the_same_bits(q_lens, seq_lens, max_query_len):
+    """A block table of at most `split_tokens` positions (FIXED's 160 against 512) means one split for every
+    request: the decode kernel writes the rows itself and no merge runs. The rows are the reference's, and bitwise
+    those of the same batch through split + merge (its table widened past one split's reach), so a request's
+    output does not depend on the bucket its step's table landed in."""
+    batch = build(FIXED, q_lens, seq_lens, seed=11)
+    wide = _widened(batch, 40)  # 640 positions > 512: the merge path
+    direct, ref = run_both(FIXED, batch, window=0, soft_cap=None, max_query_len=max_query_len)
+    merged, _ = run_both(FIXED, wide, window=0, soft_cap=None, max_query_len=max_query_len)
+    assert_close(direct, ref, batch, FIXED.dtype)
+    np.testing.assert_array_equal(direct.view(np.uint32), merged.view(np.uint32))
+
+    def launches(b: Batch) -> int:  # Triton kernels of the step as lowered for an H200
+        from tests.kernels.test_lowering import lower_for_h200
+
+        specs = (b.q, b.kv_kernel, LAYER, b.query_start_loc, b.seq_lens, b.block_tables)
+        fn = functools.partial(kernel.ragged_paged_attention, scale=0.125, max_query_len=max_query_len)
+        return lower_for_h200(fn, *(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in specs)).count(
+            "__gpu$xla.gpu.triton")
+
+    assert launches(wide) == launches(batch) + 1  # the merge
