@@ -64,6 +64,7 @@ from pallas_kernels.ragged_paged_attention.tiles import (
     store_rows,
     tokens_per_tile,
     visible_range,
+    zero_padding_rows,
 )
 from pallas_kernels.ragged_paged_attention.tuning import KernelConfig, SplitConfig, Tuning, default_tuning
 
@@ -90,12 +91,15 @@ def check_supported(*, head_dim: int, block_size: int, num_q_heads: int, num_kv_
 
 
 def _decode_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, q_ref, kv_ref, scales_ref, *out_refs,
-                   geo: Geometry, cfg: KernelConfig, split: SplitConfig, scores: Scores, direct: bool):
+                   geo: Geometry, cfg: KernelConfig, split: SplitConfig, scores: Scores, direct: bool, fresh: bool):
     """Program (request b, KV head h, split s): chunk s of b's visible context for all of b's query rows. Only the
     rows of real (token, head) pairs are stored, so the partial buffers cost traffic for real rows alone.
     `out_refs`: the split's partial output and LSE; or, `direct` (every request's context is one split), the step's
-    output (aliased in and out), which gets the rows as the merge would have written them."""
+    output, which gets the rows as the merge would have written them: aliased in and out (beside a prefill's
+    rows), or `fresh` (a decode-only step), when the programs also write the padding tokens' zeros."""
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    if fresh:
+        zero_padding_rows(out_refs[-1], qsl_ref, b, h, geo, tokens_per_tile(geo, cfg))
     q_start = qsl_ref[b]
     q_len = qsl_ref[b + 1] - q_start
     seq_len = lens_ref[b]
@@ -120,7 +124,7 @@ def _decode_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, q_ref, kv_r
         if direct:
             # The merge of one split sums it onto zeros (turning a -0.0 into +0.0): 0.0 + x gives its bits exactly,
             # so a request's rows do not depend on whether its step's block table was narrow enough for this path.
-            store_rows(out_refs[1], tok, head, valid, tuple(0.0 + part for part in out))
+            store_rows(out_refs[-1], tok, head, valid, tuple(0.0 + part for part in out))
             return
         o_ref, lse_ref = out_refs
         rows = jnp.where(valid, jnp.arange(cfg.block_m, dtype=jnp.int32), cfg.block_m)[:, None]
@@ -130,12 +134,16 @@ def _decode_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, q_ref, kv_r
         pltr.store(lse_ref.at[b, h, s, rows[:, 0]], lse, mask=valid)
 
 
-def _merge_kernel(window_ref, qsl_ref, lens_ref, o_part_ref, lse_part_ref, out_in_ref, out_ref, *,
-                  geo: Geometry, cfg: KernelConfig, split: SplitConfig):
+def _merge_kernel(window_ref, qsl_ref, lens_ref, o_part_ref, lse_part_ref, *out_refs,
+                  geo: Geometry, cfg: KernelConfig, split: SplitConfig, fresh: bool):
     """Program (request b, KV head h): combines b's used splits by their base-2 LSE, in split order (fixed, so the
-    numbers do not depend on the batch), and writes the rows into the output in place."""
-    del out_in_ref  # aliased with out_ref
+    numbers do not depend on the batch), and writes the rows into the output: in place (`out_refs` the aliased
+    input and the output, beside a prefill's rows), or `fresh` (a decode-only step) with the padding tokens'
+    zeros."""
+    out_ref = out_refs[-1]
     b, h = pl.program_id(0), pl.program_id(1)
+    if fresh:
+        zero_padding_rows(out_ref, qsl_ref, b, h, geo, tokens_per_tile(geo, cfg))
     q_start = qsl_ref[b]
     q_len = qsl_ref[b + 1] - q_start
     seq_len = lens_ref[b]
@@ -210,45 +218,50 @@ def _scalars(layer, sliding_window):
     return jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(sliding_window, jnp.int32).reshape(1)
 
 
-def _decode_call(q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning, scores, interpret, out=None):
-    """Launches the split-K decode kernel: normalised partial outputs and their base-2 LSE per split; or, given
-    `out` (every request's context fits one split), its rows written into `out` in place, no merge needed."""
+def _decode_call(q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning, scores, interpret, *,
+                 direct: bool = False, out=None):
+    """Launches the split-K decode kernel: normalised partial outputs and their base-2 LSE per split; or, `direct`
+    (every request's context fits one split), the rows themselves, no merge needed: into `out` in place (a
+    prefill's output), or into a fresh output with the padding tokens' zeros (`out` None: a decode-only step)."""
     cfg, split = tuning.decode, tuning.split
-    direct = out is not None
     part_shape = (geo.num_seqs, geo.kv_heads, split.max_splits, cfg.block_m)
     if direct:
-        out_shape = jax.ShapeDtypeStruct(out.shape, out.dtype)
+        out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
     else:
         out_shape = [jax.ShapeDtypeStruct((*part_shape, geo.head_dim), jnp.float32),
                      jax.ShapeDtypeStruct(part_shape, jnp.float32)]
-    kernel = functools.partial(_decode_kernel, geo=geo, cfg=cfg, split=split, scores=scores, direct=direct)
+    into = () if out is None else (out,)
+    kernel = functools.partial(_decode_kernel, geo=geo, cfg=cfg, split=split, scores=scores, direct=direct,
+                               fresh=direct and out is None)
     return pl.pallas_call(
         kernel,
         grid=(geo.num_seqs, geo.kv_heads, 1 if direct else split.max_splits),
-        in_specs=[pl.no_block_spec] * (9 if direct else 8),
+        in_specs=[pl.no_block_spec] * (8 + len(into)),
         out_specs=pl.no_block_spec if direct else [pl.no_block_spec] * 2,
         out_shape=out_shape,
-        input_output_aliases={8: 0} if direct else {},
+        input_output_aliases={8: 0} if into else {},
         compiler_params=pltr.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name="ragged_paged_attention_decode",
-    )(*layer_window, qsl, lens, bt, q, kv_cache, scales, *(() if out is None else (out,)))
+    )(*layer_window, qsl, lens, bt, q, kv_cache, scales, *into)
 
 
-def _merge_call(out, partials, layer_window, qsl, lens, geo, tuning, interpret):
-    """Merges the decode splits into `out` in place (rows of other requests untouched)."""
-    kernel = functools.partial(_merge_kernel, geo=geo, cfg=tuning.decode, split=tuning.split)
+def _merge_call(q, out, partials, layer_window, qsl, lens, geo, tuning, interpret):
+    """Merges the decode splits into `out` in place (rows of other requests untouched), or into a fresh output
+    with the padding tokens' zeros (`out` None: a decode-only step)."""
+    into = () if out is None else (out,)
+    kernel = functools.partial(_merge_kernel, geo=geo, cfg=tuning.decode, split=tuning.split, fresh=out is None)
     return pl.pallas_call(
         kernel,
         grid=(geo.num_seqs, geo.kv_heads),
-        in_specs=[pl.no_block_spec] * 6,
+        in_specs=[pl.no_block_spec] * (5 + len(into)),
         out_specs=pl.no_block_spec,
-        out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
-        input_output_aliases={5: 0},
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        input_output_aliases={5: 0} if into else {},
         compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="ragged_paged_attention_merge",
-    )(layer_window[1], qsl, lens, *partials, out)
+    )(layer_window[1], qsl, lens, *partials, *into)
 
 
 def _prefill_tiles(qsl, geo: Geometry, tuning: Tuning, single_path: bool = False):
@@ -311,13 +324,11 @@ def ragged_paged_attention_impl(
     # A request's context is at most its block table's width: when that fits one split, no request has more
     direct = bt.shape[1] * block_size <= tuning.split.split_tokens
     partials = None if direct else _decode_call(*args)
-    if max_query_len <= tokens_per_tile(geo, tuning.decode):
-        out = jnp.zeros_like(q)  # every request is a decode: no prefill launch
-    else:
-        out = _prefill_call(*args)
+    # every request a decode: no prefill launch, and the last launch writes every row, the padding's zeros too
+    out = None if max_query_len <= tokens_per_tile(geo, tuning.decode) else _prefill_call(*args)
     if direct:
-        return _decode_call(*args, out=out)
-    return _merge_call(out, partials, layer_window, qsl, lens, geo, tuning, interpret)
+        return _decode_call(*args, direct=True, out=out)
+    return _merge_call(q, out, partials, layer_window, qsl, lens, geo, tuning, interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "max_query_len", "interpret", "single_path"))

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as pltr
 
+from pallas_kernels.addressing import next_pow2
 from pallas_kernels.kv_quant import FP8_DTYPE
 from pallas_kernels.ragged_paged_attention.tuning import KernelConfig, SplitConfig
 
@@ -236,3 +237,18 @@ def store_rows(o_ref, tok, head, valid, value):
     for i, part in enumerate(value):
         cols = column_index(o_ref.shape[-1], len(value), i)
         pltr.store(o_ref.at[tok[:, None], head[:, None], cols], part.astype(o_ref.dtype), mask=mask)
+
+
+def zero_padding_rows(o_ref, qsl_ref, b, h, geo: Geometry, tile_tokens: int):
+    """Program (request b, KV head h) of a decode-only step writes zeros into its share of the padding tokens' rows
+    (those after the last request's): `cdiv(num_tokens, num_seqs)` of them for each request slot, KV head h's
+    query heads, in tiles of `tile_tokens` tokens. The programs together cover every padding row, so the step's
+    output needs no zero-filled buffer copied in to start from."""
+    per_seq = next_pow2(cdiv(geo.num_tokens, geo.num_seqs))
+    chunk = min(per_seq, tile_tokens)
+    t, g = query_rows(chunk * geo.group_pad, geo.group, geo.group_pad)
+    zeros = jnp.zeros((chunk * geo.group_pad, geo.head_dim), o_ref.dtype)
+    for first in range(0, per_seq, chunk):
+        tok = qsl_ref[geo.num_seqs] + b * per_seq + first + t
+        valid = (tok < geo.num_tokens) & (g < geo.group)
+        store_rows(o_ref, tok, jnp.where(valid, h * geo.group + g, 0), valid, (zeros,))
