@@ -106,9 +106,9 @@ def check_override_fits(num_blocks: int, block_bytes: int, stats: dict | None) -
 def log_plan(plan: KVPlan, max_model_len: int) -> None:
     gib = plan.num_blocks * plan.bytes_per_block / (1 << 30)
     logger.info(
-        "KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB of %s (%s); %d requests of max_model_len=%d fit at once",
-        plan.num_blocks, plan.block_size, plan.num_tokens, gib, plan.kv_dtype.name, plan.source, plan.num_tokens // max_model_len,
-        max_model_len,
+        "KV cache: %d blocks of %d tokens = %d tokens, %.2f GiB of %s (%s); %d requests of max_model_len=%d fit "
+        "at once", plan.num_blocks, plan.block_size, plan.num_tokens, gib, plan.kv_dtype.name, plan.source,
+        plan.num_tokens // max_model_len, max_model_len,
     )
 
 
