@@ -241,7 +241,7 @@ def store_rows(o_ref, tok, head, valid, value):
 
 def zero_padding_rows(o_ref, qsl_ref, b, h, geo: Geometry, tile_tokens: int):
     """Program (request b, KV head h) of a decode-only step writes zeros into its share of the padding tokens' rows
-    (those after the last request's): `cdiv(num_tokens, num_seqs)` of them for each request slot, KV head h's
+    (those after the last request's): `cdiv(num_tokens, num_seqs)` (to a power of two) per request slot, KV head h's
     query heads, in tiles of `tile_tokens` tokens. The programs together cover every padding row, so the step's
     output needs no zero-filled buffer copied in to start from."""
     per_seq = next_pow2(cdiv(geo.num_tokens, geo.num_seqs))
