@@ -20,8 +20,9 @@ Qwen3-30B-A3B-FP8); their floor counts those bytes (scales and zero points inclu
 (`moe_xla_router_decode_*`), the A/B of `PallasExperts.fused_router_max_tokens` in one call; `--decode-tiles-too
 k128 stages3` likewise with the decode-sized expert tiles changed (`moe_tiles_<NAME>_decode_*`), `--listed-too`
 with the fused router listing the chosen experts (`PallasExperts.list_chosen`, `moe_listed_decode_*`), and
-`--xla-combine-too` with XLA's combine and residual add after the experts (`moe_xla_combine_decode_*`). Each variant
-runs with JAX's caches cleared (`retraced`).
+`--xla-combine-too` with XLA's combine and residual add after the experts (`moe_xla_combine_decode_*`), and
+`--merged-attention-too` with the attention launches a decode step dropped in b24ae54 and e37fa30 put back
+(`moe_merged_attention_decode_*`). Each variant runs with JAX's caches cleared (`retraced`).
 """
 
 from __future__ import annotations
@@ -160,6 +161,21 @@ def xla_combine():
     return stack
 
 
+def merged_attention():
+    """The engine's attention as before b24ae54: every decode step merges its splits (even of one split), and a
+    decode-only step's launches update a zero-filled output in place: the A/B of the launches that dropped."""
+    from unittest import mock
+
+    import jax.numpy as jnp
+
+    from pallas_kernels.ragged_paged_attention import kernel
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(kernel, "merge_free", lambda positions, split: False))
+    stack.enter_context(mock.patch.object(kernel, "decode_only_start", jnp.zeros_like))
+    return stack
+
+
 DECODE_TILES = {"k128": {"block_k": 128}, "stages3": {"num_stages": 3}, "n64": {"block_n": 64},
                 "n128": {"block_n": 128}}
 
@@ -169,6 +185,7 @@ def engine_variants(args: argparse.Namespace) -> list[tuple[str, Callable[[], An
     variants = [("_xla_router", xla_router)] if args.xla_router_too else []
     variants += [("_listed", listed_router)] if args.listed_too else []
     variants += [("_xla_combine", xla_combine)] if args.xla_combine_too else []
+    variants += [("_merged_attention", merged_attention)] if args.merged_attention_too else []
     return variants + [(f"_tiles_{name}", functools.partial(decode_tiles, **DECODE_TILES[name]))
                        for name in args.decode_tiles_too]
 
@@ -270,6 +287,8 @@ def main() -> None:
                     "chosen experts (PallasExperts.list_chosen; keys moe_listed_decode_*)")
     ap.add_argument("--xla-combine-too", action="store_true", help="decode: bf16 again with XLA's combine and "
                     "residual add after the experts (keys moe_xla_combine_decode_*)")
+    ap.add_argument("--merged-attention-too", action="store_true", help="decode: bf16 again with the attention's "
+                    "merge always run and decode-only outputs zero-filled first (keys moe_merged_attention_decode_*)")
     ap.add_argument("--decode-tiles-too", nargs="+", choices=tuple(DECODE_TILES), default=[],
                     help="decode: bf16 again with the decode-sized expert tiles changed "
                     "(keys moe_tiles_<NAME>_decode_*)")

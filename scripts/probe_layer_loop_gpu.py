@@ -254,7 +254,8 @@ def engine_variant(name: str):
             stack.enter_context(bench_moe.decode_tiles(**bench_moe.DECODE_TILES[part.removeprefix("tiles_")]))
         else:
             stack.enter_context({"listed": bench_moe.listed_router, "xla_router": bench_moe.xla_router,
-                                 "xla_combine": bench_moe.xla_combine}[part]())
+                                 "xla_combine": bench_moe.xla_combine,
+                                 "merged_attention": bench_moe.merged_attention}[part]())
     return bench_moe.retraced(stack)
 
 
@@ -326,8 +327,8 @@ def main() -> None:
     parser.add_argument("--engine-batch", type=int, nargs="+", default=[1], help="decode batches profiled")
     parser.add_argument("--only", default=None)
     parser.add_argument("--engine-variant", nargs="*", default=[""], help="engine: profile the engine as each of "
-                        "bench_moe.py's A/B contexts leaves it (listed, xla_router, xla_combine, tiles_<NAME>; a+b: "
-                        "both; '': the default)")
+                        "bench_moe.py's A/B contexts leaves it (listed, xla_router, xla_combine, merged_attention, "
+                        "tiles_<NAME>; a+b: both; '': the default)")
     parser.add_argument("--hlo-dump", type=Path, help="engine: the XLA dump directory (XLA_FLAGS=--xla_dump_to=DIR "
                         "--xla_dump_hlo_as_text) to read the profiled fusions' HLO from")
     args = parser.parse_args()

@@ -299,6 +299,19 @@ def _prefill_call(q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning,
     )(*layer_window, qsl, lens, bt, tile_seq, tile_q0, q, kv_cache, scales)
 
 
+def merge_free(table_positions: int, split: SplitConfig) -> bool:
+    """Whether a step's decodes need no merge: a request's context is at most its block table's positions, and
+    when those fit one split, no request has more than one."""
+    return table_positions <= split.split_tokens
+
+
+def decode_only_start(q: Array) -> Array | None:
+    """What a decode-only step's output starts as: nothing, since its last launch writes every row, the padding's
+    zeros too (benchmarks patch in `jnp.zeros_like(q)`, updated in place, for the A/B)."""
+    del q
+    return None
+
+
 def ragged_paged_attention_impl(
     q, kv_cache, layer, query_start_loc, seq_lens, block_tables, *, scale, sliding_window, soft_cap, max_query_len,
     interpret, tuning: Tuning | None = None, kv_scales: KVScales | None = None, single_path: bool = False,
@@ -321,11 +334,10 @@ def ragged_paged_attention_impl(
     args = (q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning, scores, interpret)
     if single_path:
         return _prefill_call(*args, single_path=True)
-    # A request's context is at most its block table's width: when that fits one split, no request has more
-    direct = bt.shape[1] * block_size <= tuning.split.split_tokens
+    direct = merge_free(bt.shape[1] * block_size, tuning.split)
     partials = None if direct else _decode_call(*args)
-    # every request a decode: no prefill launch, and the last launch writes every row, the padding's zeros too
-    out = None if max_query_len <= tokens_per_tile(geo, tuning.decode) else _prefill_call(*args)
+    decode_only = max_query_len <= tokens_per_tile(geo, tuning.decode)  # no prefill launch
+    out = decode_only_start(q) if decode_only else _prefill_call(*args)
     if direct:
         return _decode_call(*args, direct=True, out=out)
     return _merge_call(q, out, partials, layer_window, qsl, lens, geo, tuning, interpret)
