@@ -3,9 +3,9 @@
 For each variant (`packed`: the step's numpy inputs as one buffer, `runner/host_pack.py`; `unpacked`: each numpy
 leaf its own jit argument, as before), in one process on one model (dummy weights of a moe_shapes.py shape):
 the runner's dispatch time per step (median), the jitted step call's share of it, the decode ms per step by
-difference (--decode-steps against 1) and a cProfile of dispatch by own time. Then what the step's numpy leaves cost to
-send on their own: one device_put per leaf, one for the tree, one packed buffer; a jit over them as numpy and as
-device arrays.
+difference (--decode-steps against 1) and, with --profile, a cProfile of dispatch by own time (it inflates the
+times). Then what the step's numpy leaves cost to send on their own: one device_put per leaf, one for the tree, one
+packed buffer; a jit over them as numpy and as device arrays.
 
     PYTHONPATH=. python scripts/probe_host_dispatch_gpu.py --layers 32 --batch 1 --out $OUT/host.json
 """
@@ -33,6 +33,7 @@ from jengine import LLM, SamplingParams  # noqa: E402
 from jengine.runner import runner as runner_module  # noqa: E402
 from jengine.runner import step as step_module  # noqa: E402
 from jengine.runner.host_pack import pack  # noqa: E402
+
 
 def median_ms(values: list[float]) -> float:
     return sorted(values)[len(values) // 2] * 1e3
