@@ -146,11 +146,9 @@ SMALL_CARD_BLOCKS = 24576  # 48 GiB of the 8B shape's KV: 192 requests of 2048 t
 def pool_for_card(engine: dict[str, Any]) -> dict[str, Any]:
     """`engine` with its pinned KV pool cut to SMALL_CARD_BLOCKS on a GPU of under 100 GiB (nvidia-smi's figure,
     read without starting JAX in this process, whose workers take the GPU)."""
-    query = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                           capture_output=True, text=True)
-    mib = [int(line) for line in query.stdout.split() if line.isdigit()]
-    if engine.get("num_gpu_blocks_override", 0) > SMALL_CARD_BLOCKS and mib and min(mib) < 100 * 1024:
-        log(f"{min(mib)} MiB GPU: KV pool pinned at {SMALL_CARD_BLOCKS} blocks")
+    total = device_memory_bytes()
+    if engine.get("num_gpu_blocks_override", 0) > SMALL_CARD_BLOCKS and total < 100 << 30:
+        log(f"{total >> 20} MiB GPU: KV pool pinned at {SMALL_CARD_BLOCKS} blocks")
         return engine | {"num_gpu_blocks_override": SMALL_CARD_BLOCKS}
     return engine
 
