@@ -25,6 +25,11 @@ def log(*args: Any) -> None:
     print(*args, flush=True)
 
 
+def median(values: list[float]) -> float:
+    """The upper median (the middle value, no averaging); NaN for none."""
+    return sorted(values)[len(values) // 2] if values else float("nan")
+
+
 def timeit(fn: Callable, *args: Any, runs: int = 5, target_s: float = 0.05, min_calls: int = 5,
            max_calls: int = 400) -> float:
     """Median seconds per call over `runs` runs of back-to-back calls, one `block_until_ready` per run."""

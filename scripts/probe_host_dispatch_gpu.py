@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
+from gpu_bench_common import median  # noqa: E402
 from moe_shapes import write_shape  # noqa: E402
 
 from jengine import LLM, SamplingParams  # noqa: E402
@@ -35,8 +36,8 @@ from jengine.runner import step as step_module  # noqa: E402
 from jengine.runner.host_pack import pack  # noqa: E402
 
 
-def median_ms(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2] * 1e3
+def median_ms(seconds: list[float]) -> float:
+    return median(seconds) * 1e3
 
 
 def unpacked(tree: Any) -> Any:

@@ -31,7 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_bench_common import copy_bandwidth, log, timeit  # noqa: E402
+from gpu_bench_common import copy_bandwidth, log, median, timeit  # noqa: E402
 
 D, F, QKV, O = 4096, 14336, 6144, 4096
 DSF_FLAG = "--xla_gpu_enable_dynamic_slice_fusion=true"
@@ -165,11 +165,6 @@ def kernel_summary(trace_dir: Path, top: int = 40, minus: Path | None = None) ->
     for name, (t, c) in (kernel_totals(minus) if minus else {}).items():
         totals[name] = [totals.get(name, [0.0, 0])[0] - t, totals.get(name, [0.0, 0])[1] - c]
     return sorted(((n, round(t, 3), c) for n, (t, c) in totals.items() if c), key=lambda r: -r[1])[:top]
-
-
-def median(values: list[float]) -> float:
-    """The upper median (the middle value, no averaging); NaN for none."""
-    return sorted(values)[len(values) // 2] if values else float("nan")
 
 
 def host_timeline(trace_dir: Path) -> dict[str, float]:
