@@ -124,13 +124,18 @@ def trace_events(trace_dir: Path) -> list[dict[str, Any]]:
     return events["traceEvents"] if isinstance(events, dict) else events
 
 
+def gpu_pids(events: list[dict[str, Any]]) -> set[Any]:
+    """The trace's GPU processes (their streams' events are the device's)."""
+    return {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+            and "/device:GPU" in e.get("args", {}).get("name", "")}
+
+
 def gpu_events(trace_dir: Path) -> list[dict[str, Any]]:
     """The trace's GPU kernel and copy events (device events carry a 'stream' pid), in start order."""
     events = trace_events(trace_dir)
-    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events if e.get("ph") == "M"
-             and e.get("name") == "process_name"}
-    return sorted((e for e in events if e.get("ph") == "X" and "/device:GPU" in names.get(e.get("pid"), "")
-                   and "dur" in e), key=lambda e: e["ts"])
+    on_gpu = gpu_pids(events)
+    return sorted((e for e in events if e.get("ph") == "X" and e.get("pid") in on_gpu and "dur" in e),
+                  key=lambda e: e["ts"])
 
 
 def kernel_totals(trace_dir: Path) -> dict[str, list[float]]:
@@ -194,10 +199,8 @@ def launch_lag(trace_dir: Path, near_us: float = 20.0) -> dict[str, float]:
     Lags near the launch latency (under `near_us`) for most kernels: the GPU ran each kernel as soon as the host
     launched it, so the launches set the pace; lags that grow along the step: a queue of launched work, the GPU
     sets the pace. Also the launch calls' count and median host time."""
-    events = [e for e in trace_events(trace_dir) if e.get("ph") == "X" and "dur" in e]
-    names = {e["pid"]: e.get("args", {}).get("name", "") for e in trace_events(trace_dir)
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    on_gpu = {e["pid"] for e in events if "/device:GPU" in names.get(e["pid"], "")}
+    every = trace_events(trace_dir)
+    events, on_gpu = [e for e in every if e.get("ph") == "X" and "dur" in e], gpu_pids(every)
     launches = {e["args"]["correlation_id"]: e for e in events if e["pid"] not in on_gpu
                 and "launch" in e["name"].lower() and "correlation_id" in e.get("args", {})}
     lags = [e["ts"] - launches[e["args"]["correlation_id"]]["ts"] for e in events if e["pid"] in on_gpu
