@@ -180,12 +180,14 @@ DECODE_TILES = {"k128": {"block_k": 128}, "stages3": {"num_stages": 3}, "n64": {
                 "n128": {"block_n": 128}}
 
 
+# name: the context that changes the engine for that A/B (`--<name>-too`; `probe_layer_loop_gpu --engine-variant`)
+ENGINE_VARIANTS: dict[str, Callable[[], Any]] = {"xla_router": xla_router, "listed": listed_router,
+                                                 "xla_combine": xla_combine, "merged_attention": merged_attention}
+
+
 def engine_variants(args: argparse.Namespace) -> list[tuple[str, Callable[[], Any]]]:
     """(key suffix, context that changes the engine) of each A/B the flags ask for, run on bf16 after the default."""
-    variants = [("_xla_router", xla_router)] if args.xla_router_too else []
-    variants += [("_listed", listed_router)] if args.listed_too else []
-    variants += [("_xla_combine", xla_combine)] if args.xla_combine_too else []
-    variants += [("_merged_attention", merged_attention)] if args.merged_attention_too else []
+    variants = [(f"_{name}", context) for name, context in ENGINE_VARIANTS.items() if getattr(args, f"{name}_too")]
     return variants + [(f"_tiles_{name}", functools.partial(decode_tiles, **DECODE_TILES[name]))
                        for name in args.decode_tiles_too]
 

@@ -251,9 +251,7 @@ def engine_variant(name: str):
         if part.startswith("tiles_"):
             stack.enter_context(bench_moe.decode_tiles(**bench_moe.DECODE_TILES[part.removeprefix("tiles_")]))
         else:
-            stack.enter_context({"listed": bench_moe.listed_router, "xla_router": bench_moe.xla_router,
-                                 "xla_combine": bench_moe.xla_combine,
-                                 "merged_attention": bench_moe.merged_attention}[part]())
+            stack.enter_context(bench_moe.ENGINE_VARIANTS[part]())
     return bench_moe.retraced(stack)
 
 
