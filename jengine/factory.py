@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 from concurrent.futures import ThreadPoolExecutor
@@ -112,6 +113,14 @@ def load_weights(model: ModelConfig, layout: ParallelLayout) -> tuple[ModelSpec,
     return load_model(model.model, quantization=model.quantization, **placement)
 
 
+def log_weights(params: dict, seconds: float) -> None:
+    """How many bytes the weights take on the device and how fast they got there (start-up is mostly this and the
+    step programs; `engine built in` says the rest)."""
+    gigabytes = sum(leaf.nbytes for leaf in jax.tree.leaves(params)) / 1e9
+    logger.info("weights: %.2f GB on the device %.1f s after start (%.1f GB/s, checkpoint read, cast and placed)",
+                gigabytes, seconds, gigabytes / max(seconds, 1e-9))
+
+
 def is_quantized(params: dict) -> bool:
     from jengine.layers.quant import QuantizedWeight
     from jengine.layers.quant4 import Int4Experts, Int4Weight
@@ -174,6 +183,7 @@ def resolve_deterministic(config: EngineConfig, spec: ModelSpec, params: dict, l
 def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = None) -> EngineParts:
     """One engine replica on `devices` (default: the first `tensor_parallel_size` devices), its model split over
     them by tensor (and expert) parallelism."""
+    started = time.perf_counter()
     initialize_processes(config.parallel)  # before any device is touched
     enable_compilation_cache(config.runner.compilation_cache_dir)
     spec = load_spec(config.model.model)
@@ -192,7 +202,9 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
     with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
         pending_tokenizer = pool.submit(Tokenizer.from_pretrained, tokenizer_dir, config.model.chat_template)
         spec, params, dtype = load_weights(config.model, layout)
+        log_weights(params, time.perf_counter() - started)
         tokenizer = pending_tokenizer.result()
+    weights_at = time.perf_counter()
     device = next(d for d in devices if d.process_index == jax.process_index())  # memory stats: local only
     deterministic = resolve_deterministic(config, spec, params, layout, dtype, device.platform)
     if deterministic:
@@ -220,7 +232,11 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
     log_plan(plan, config.scheduler.max_model_len)
     backend = select_backend(device.platform, config.runner.attention_backend, head_dim=spec.head_dim,
                              mesh=layout.mesh, deterministic=deterministic)
+    runner_at = time.perf_counter()
     runner: StepRunner = ModelRunner(spec, params, dtype, config, plan, backend, layout, runner_lora, proposer)
+    logger.info("engine built in %.1f s: %.1f s to the weights on the device and the tokenizer loaded, %.1f s "
+                "planning, %.1f s for the KV pool and the step programs", time.perf_counter() - started, weights_at - started, runner_at - weights_at,
+                time.perf_counter() - runner_at)
     if parallel.num_processes > 1 and jax.process_index() == 0:  # the workers replay process 0's runner calls
         runner = PublishingRunner(runner, StepPublisher())
     core = EngineCore(config, runner, plan.num_blocks, adapters)

@@ -14,6 +14,7 @@ so the engine's state is unchanged; the median per-call time is the time the dev
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -37,7 +38,8 @@ class StepRecorder:
         self._pending = (0, 0, 0)
         self.waste: list[float] = []  # unfilled / allocated KV slots of the running requests, per step
         self.track_waste = False
-        self.replay_batch: int | None = None
+        self.replay_shape: tuple[int, int] | None = None  # (tokens, requests) of the steps eligible for the replay
+        self.replay_at = REPLAY_AT  # which eligible step is replayed
         self.replay_seconds: float | None = None
         self._replayed_at = -1  # the step holding the replays: its period is left out of the step times
         self._eligible = 0
@@ -64,9 +66,9 @@ class StepRecorder:
 
         def replaying_step(*args, **kwargs):
             tokens, requests, _ = self._pending
-            if self.replay_batch is not None and tokens == requests == self.replay_batch:
+            if self.replay_shape == (tokens, requests):
                 self._eligible += 1
-                if self._eligible == REPLAY_AT:
+                if self._eligible == self.replay_at:
                     return self._replay(run_step, args, kwargs)
             return run_step(*args, **kwargs)
 
@@ -84,6 +86,10 @@ class StepRecorder:
         self.replay_seconds = replay_seconds(lambda: call()[0], warmup=2, runs=REPLAY_RUNS, calls=REPLAY_CALLS)
         self._replayed_at = len(self.steps)  # this step is appended next
         return run_step(*args, **kwargs)
+
+    def replay(self, tokens: int, requests: int, at: int = REPLAY_AT) -> None:
+        """Replays the `at`-th step from now that computes `tokens` tokens of `requests` requests."""
+        self.replay_shape, self.replay_at, self._eligible, self.replay_seconds = (tokens, requests), at, 0, None
 
     def clear(self) -> None:
         self.steps.clear()
@@ -188,9 +194,9 @@ def run_decode_roofline(llm: Any, recorder: StepRecorder, prompts: list[list[int
     """Decode of len(prompts) requests with long contexts: wall step time, device time per step, contexts."""
     batch = len(prompts)
     recorder.clear()
-    recorder.replay_batch = batch
+    recorder.replay(batch, batch)
     generate(llm, prompts, greedy(max_tokens))
-    recorder.replay_batch = None
+    recorder.replay_shape = None
     periods, contexts = recorder.decode_periods(batch)
     if not periods or recorder.replay_seconds is None:
         raise RuntimeError(f"fewer than {REPLAY_AT} pure decode steps of {batch} requests were seen")
@@ -210,6 +216,29 @@ def ttft(llm: Any, system: list[int], suffixes: list[list[int]]) -> list[float]:
     return times[1:]
 
 
+def ttft_device_seconds(llm: Any, recorder: StepRecorder, system: list[int], suffix: list[int]) -> float:
+    """Device time of the one step of a request whose `system` prefix is cached: that step, replayed (its own
+    TTFT is not a sample, the replays sit inside it). TTFT minus this is the host's share."""
+    recorder.replay(len(suffix), 1, at=1)
+    generate(llm, [system + suffix], greedy(1))
+    recorder.replay_shape = None
+    if recorder.replay_seconds is None:
+        raise RuntimeError(f"no step of {len(suffix)} tokens of one request was seen")
+    return recorder.replay_seconds
+
+
+class StartupLog(logging.Handler):
+    """The engine's INFO lines while it starts, each stamped with the seconds since the worker was spawned."""
+
+    def __init__(self, spawned_at: float) -> None:
+        super().__init__(logging.INFO)
+        self.spawned_at = spawned_at
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.created - self.spawned_at:6.1f} s  {record.name}: {record.getMessage()}")
+
+
 def start_to_first_token(task: dict[str, Any], spawned_at: float, prefix_caching: bool) -> tuple[Any, float]:
     """Builds the engine and generates one token; seconds since the parent spawned this process."""
     llm = build_llm(task, prefix_caching)
@@ -227,7 +256,14 @@ def work(task: dict[str, Any], sink: Any) -> None:
     sink.data["versions"] = versions()
     sink.data["device"] = jax_device_name()
     if role in ("cold", "warm_on", "warm_off"):
-        llm, seconds = start_to_first_token(task, task["spawned_at"], prefix_caching=role != "warm_off")
+        engine_log, startup = logging.getLogger("jengine"), StartupLog(task["spawned_at"])
+        engine_log.addHandler(startup)
+        engine_log.setLevel(logging.INFO)
+        try:
+            llm, seconds = start_to_first_token(task, task["spawned_at"], prefix_caching=role != "warm_off")
+        finally:
+            engine_log.removeHandler(startup)
+            sink.data["startup_log"] = startup.lines
         sink.metric({"cold": "cold_start_seconds", "warm_on": "warm_start_seconds",
                      "warm_off": "warm_start_seconds_caching_off"}[role], seconds)
         if role == "cold":
@@ -256,4 +292,8 @@ def work(task: dict[str, Any], sink: Any) -> None:
         suffixes = fixed_prompts(vocab, e["ttft_requests"], e["suffix_len"], seed=17)
         key = "ttft_caching_on_s" if role == "warm_on" else "ttft_caching_off_s"
         sink.section(f"TTFT ({key})", lambda: {"samples": {key: ttft(llm, system, suffixes)}})
+        if role == "warm_on":
+            extra = fixed_prompts(vocab, 1, e["suffix_len"], seed=19)[0]
+            sink.section("TTFT device time", lambda: {"metrics": {
+                "ttft_caching_on_device_ms": ttft_device_seconds(llm, recorder, system, extra) * 1e3}})
     llm.shutdown()
