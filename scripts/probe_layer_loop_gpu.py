@@ -239,6 +239,24 @@ def fusion_sources(dump_dir: Path, kernels: list[str], marker: str = "ragged_pag
     return found
 
 
+def copy_sources(dump_dir: Path, marker: str = "ragged_paged_attention_decode", limit: int = 30) -> list[list]:
+    """The `copy` instructions of the decode step's optimized HLO (those whose layouts match run as device-to-device
+    memcpys, CUPTI's `memcpy32_post`; the others as fusions), grouped by shape and the op that made them:
+    [shape, op_name, count], most frequent first."""
+    import collections
+    import re
+
+    counts: collections.Counter = collections.Counter()
+    for f in sorted(dump_dir.glob("*after_optimizations.txt")):
+        text = f.read_text()
+        if marker not in text:
+            continue
+        for m in re.finditer(r"= (\S+) copy(?:-start)?\([^\n]*", text):
+            op = re.search(r'op_name="([^"]*)"', m.group(0))
+            counts[(m.group(1), op.group(1) if op else "")] += 1
+    return [[shape, op, n] for (shape, op), n in counts.most_common(limit)]
+
+
 def engine_variant(name: str):
     """The engine as `bench_moe.py`'s A/B contexts leave it ('': unchanged; `a+b`: both), profiled in the same
     call."""
@@ -343,6 +361,7 @@ def main() -> None:
                     if args.hlo_dump:
                         names = [n for n, _, _ in result[key]["kernels_8_steps"]]
                         result[key]["fusion_hlo"] = fusion_sources(args.hlo_dump, names)
+                        result[key]["copies"] = copy_sources(args.hlo_dump)
                     Path(args.out).write_text(json.dumps(result, indent=1, default=str))
         except Exception as e:  # one part failing must not lose the others
             result[part] = {"error": repr(e)}
