@@ -10,7 +10,8 @@ Parts (one GPU call each; both sides of every ratio are measured in the same cal
   engine  cold and warm start to the first token, batch-256 decode at ~1024-token contexts against the roofline and
           its host critical path, TTFT with a 2k-token shared system prompt with prefix caching on and off
           → ratios.decode_b256_roofline_fraction, host_fraction_b256, prefix_cache_ttft_speedup;
-          metrics.warm_start_seconds, cold_start_seconds
+          metrics.warm_start_seconds, cold_start_seconds, ttft_caching_on_device_ms (the start-up log lines
+          in the details file)
 Each part writes the random checkpoint (16 GB, seeded) under --workdir once per machine and merges its figures into
 --out (default `$OUT/<date>-e2e.json`). `--merge-from FILE` merges earlier calls' files in first; with no --part
 only the merge is done. A part too long for one call splits by side (`--sides jengine|hf`) or, for mixed, by HF

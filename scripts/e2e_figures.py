@@ -48,7 +48,8 @@ METHODS = {
         "= roofline / step. host_fraction_b256 = (step - device time) / step: host time not hidden behind the "
         "device. TTFT: one request at a time, one token, {system_len}-token shared system prompt + {suffix_len} "
         "fresh tokens, median of {n} after one that fills the cache; prefix_cache_ttft_speedup = TTFT caching off "
-        "/ on."),
+        "/ on; ttft_caching_on_device_ms = one more such request's single step replayed (device time, as above). "
+        "The start workers' details keep the engine's start-up log lines (startup_log, seconds since spawn)."),
 }
 
 
