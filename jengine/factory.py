@@ -116,9 +116,10 @@ def load_weights(model: ModelConfig, layout: ParallelLayout) -> tuple[ModelSpec,
 def log_weights(params: dict, seconds: float) -> None:
     """How many bytes the weights take on the device and how fast they got there (start-up is mostly this and the
     step programs; `engine built in` says the rest)."""
-    gigabytes = sum(leaf.nbytes for leaf in jax.tree.leaves(params)) / 1e9
-    logger.info("weights: %.2f GB on the device %.1f s after start (%.1f GB/s, checkpoint read, cast and placed)",
-                gigabytes, seconds, gigabytes / max(seconds, 1e-9))
+    size = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+    shown = f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
+    logger.info("weights: %s on the device %.1f s after start (%.2f GB/s, checkpoint read, cast and placed)",
+                shown, seconds, size / 1e9 / max(seconds, 1e-9))
 
 
 def is_quantized(params: dict) -> bool:
