@@ -131,7 +131,7 @@ def generate(llm: Any, prompts: list[list[int]], params: Any) -> tuple[float, li
 
 def ceilings(task: dict[str, Any]) -> dict[str, float]:
     """The measured copy bandwidth (bytes read + written) and bf16 matrix rate, in this process, beside the engine:
-    1 GiB moved (read + written; 20× an H100/H200 L2), which fits what an 80 GiB card leaves beside weights and pool."""
+    1 GiB moved (read + written; 20× an H100's L2), which fits what an 80 GiB card leaves beside weights and pool."""
     tiny = task["tiny"]
     _, copy = copy_bandwidth(1 << 20 if tiny else 1 << 28, min_calls=1 if tiny else 5)
     flops = matmul_rate(256 if tiny else 8192, min_calls=1 if tiny else 5)
