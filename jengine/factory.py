@@ -235,15 +235,15 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
                              mesh=layout.mesh, deterministic=deterministic)
     runner_at = time.perf_counter()
     runner: StepRunner = ModelRunner(spec, params, dtype, config, plan, backend, layout, runner_lora, proposer)
-    built_at = time.perf_counter()
-    logger.info("engine built in %.1f s: %.1f s to the weights on the device and the tokenizer loaded, %.1f s "
-                "planning, %.1f s for the KV pool and the step programs", built_at - started, weights_at - started,
-                runner_at - weights_at, built_at - runner_at)
+    runner_s = time.perf_counter() - runner_at
     if parallel.num_processes > 1 and jax.process_index() == 0:  # the workers replay process 0's runner calls
         runner = PublishingRunner(runner, StepPublisher())
     core = EngineCore(config, runner, plan.num_blocks, adapters)
     for name, path in config.lora.lora_modules:  # --lora-modules: read and checked before serving starts
         core.add_lora(LoRARequest(name, index_of_lora(core), path))
+    logger.info("engine built in %.1f s: %.1f s to the weights on the device and the tokenizer loaded, %.1f s "
+                "planning, %.1f s for the KV pool and the step programs", time.perf_counter() - started,
+                weights_at - started, runner_at - weights_at, runner_s)
     return EngineParts(core, tokenizer, spec, config, sampling_defaults)
 
 

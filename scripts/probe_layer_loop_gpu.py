@@ -251,7 +251,7 @@ def copy_sources(dump_dir: Path, marker: str = "ragged_paged_attention_decode", 
         text = f.read_text()
         if marker not in text:
             continue
-        for m in re.finditer(r"= (\S+) copy(?:-start)?\([^\n]*", text):
+        for m in re.finditer(r"= (\S+) copy\([^\n]*", text):
             op = re.search(r'op_name="([^"]*)"', m.group(0))
             counts[(m.group(1), op.group(1) if op else "")] += 1
     return [[shape, op, n] for (shape, op), n in counts.most_common(limit)]
