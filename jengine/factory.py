@@ -199,9 +199,11 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
     check_tokenizer(tokenizer_dir, config.model.load_format)  # a missing tokenizer fails before any weight is read
     # a malformed generation_config.json fails before any weight is read, as a missing tokenizer does
     sampling_defaults = load_sampling_defaults(config.model.model, config.model.generation_config)
-    # Loading the tokenizer imports transformers (and torch, where installed): seconds that overlap the weights'.
+    # Loading the tokenizer imports transformers (and, the first time, torch where installed): seconds that overlap
+    # the weights'. The compilation cache also remembers the tokenizer's class, so restarts skip torch.
     with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
-        pending_tokenizer = pool.submit(Tokenizer.from_pretrained, tokenizer_dir, config.model.chat_template)
+        pending_tokenizer = pool.submit(Tokenizer.from_pretrained, tokenizer_dir, config.model.chat_template,
+                                        config.runner.compilation_cache_dir)
         spec, params, dtype = load_weights(config.model, layout)
         log_weights(params, time.perf_counter() - started)
         tokenizer = pending_tokenizer.result()

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from jengine.errors import CheckpointError, ConfigError, InvalidRequestError
+from jengine.tokenizer import class_record
 from jengine.tokenizer.byte_level import FastDecoding
 from jengine.tokenizer.chat import ChatTemplate, Message, NoChatTemplateError, short
 
@@ -48,10 +49,13 @@ class Tokenizer:
         self._extra_eos = frozenset(int(i) for i in extra_eos_token_ids)
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, chat_template: str | None = None) -> Tokenizer:
-        """Load the tokenizer of a local model directory; `chat_template` (a file path or template text) overrides."""
+    def from_pretrained(cls, model_dir: str | Path, chat_template: str | None = None,
+                        record_dir: str | Path | None = None) -> Tokenizer:
+        """Load the tokenizer of a local model directory; `chat_template` (a file path or template text) overrides.
+        `record_dir` (the engine passes its compilation cache): where the tokenizer class chosen for the directory is
+        remembered, so a restart skips `AutoTokenizer`'s PyTorch import (`class_record`)."""
         path = Path(model_dir)
-        hf = _load_hf_tokenizer(path)
+        hf = _load_hf_tokenizer(path, None if record_dir is None else Path(record_dir))
         template = _resolve_chat_template(path, chat_template)
         tokenizer = cls(hf, chat_template=template, extra_eos_token_ids=_generation_eos_ids(path))
         tokenizer._check_template(explicit=chat_template is not None)
@@ -243,19 +247,28 @@ class Tokenizer:
 # --- loading -----------------------------------------------------------------------------------------------------
 
 
-def _load_hf_tokenizer(model_dir: Path) -> Any:
-    """Load with transformers (imported here: importing jengine must stay light), local files only, no remote code."""
+def _load_hf_tokenizer(model_dir: Path, record_dir: Path | None = None) -> Any:
+    """Load with transformers (imported here: importing jengine must stay light), local files only, no remote code.
+    With `record_dir`, the class `AutoTokenizer` chose for this directory before is loaded directly
+    (`class_record`); the first load records it."""
     _check_tokenizer_files(model_dir)
     # Serving needs only transformers' tokenizers: its advice that PyTorch is missing is noise at every start.
     logging.getLogger("transformers").addFilter(_drop_no_torch_advice)
     import transformers
 
+    key = None if record_dir is None else class_record.directory_key(model_dir, transformers.__version__)
+    known = None if key is None else class_record.recorded_class(record_dir, key)
     try:
-        return transformers.AutoTokenizer.from_pretrained(
+        if known is not None:
+            return known.from_pretrained(str(model_dir), local_files_only=True)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
             str(model_dir), local_files_only=True, trust_remote_code=False
         )
     except Exception as exc:  # transformers raises many types here; all mean "this checkpoint is unusable"
         raise CheckpointError(f"cannot load the tokenizer in {model_dir}: {short(exc)}") from exc
+    if key is not None:
+        class_record.record_class(record_dir, key, tokenizer)
+    return tokenizer
 
 
 def _drop_no_torch_advice(record: logging.LogRecord) -> bool:
