@@ -22,6 +22,7 @@ import numpy as np
 from jengine.errors import CheckpointError, ConfigError
 from jengine.models.checkpoint import CheckpointReader, checkpoint_dtype
 from jengine.models.converted import converted_metadata, restore_converted, save_converted
+from jengine.models.device_transpose import DeviceTranspose
 from jengine.models.formats import open_checkpoint, read_model_config, unpacked_at_open
 from jengine.models.gguf.reader import GGUFCheckpoint
 from jengine.models.gptq8 import int8_plans, read_gptq8
@@ -79,6 +80,7 @@ def load_model(
     kv_head_repeat: int = 1,
     projection_shards: int = 1,
     quantization: str | None = None,
+    transpose_on_device: bool | None = None,
 ) -> tuple[ModelSpec, dict, jnp.dtype]:
     """Reads, checks, casts and places every parameter; returns (spec, params, dtype).
 
@@ -92,6 +94,9 @@ def load_model(
 
     `quantization` is vLLM's `--quantization`: None reads the checkpoint's own `quantization_config`; `fp8` also
     quantizes a float checkpoint at load (`models/quant_config.py`). The 8-bit projections become `QuantizedWeight`s.
+
+    `transpose_on_device` (default: on accelerators) turns the [out, in] projections on the device instead of the
+    host (`models/device_transpose.py`); the result is the same either way.
     """
     spec = load_spec(model_dir)
     config = read_model_config(model_dir)
@@ -118,7 +123,9 @@ def load_model(
             return spec, _with_kv_scales(params, spec, kv_scales, sharding_for), resolved
         plans = _all_plans(reader, sources, quant, platform, projection_shards, sharding_for)
         _check_sources(reader, sources, plans)
-        params = _place_all(reader, sources, resolved, sharding_for, progress, plans)
+        on_device = platform != "cpu" if transpose_on_device is None else transpose_on_device
+        params = _place_all(reader, sources, resolved, sharding_for, progress, plans,
+                            DeviceTranspose() if on_device else None)
     if quant is not None:
         _log_quantized(quant, plans, params, resolved)
     if converted_dir:
@@ -253,7 +260,7 @@ def _log_quantized(quant: QuantConfig, plans: dict, params: dict, dtype: jnp.dty
 
 
 def _place_all(reader: CheckpointReader, sources: dict, dtype: jnp.dtype, sharding_for: ShardingFor, progress: bool,
-               plans: dict):
+               plans: dict, device_transpose: DeviceTranspose | None):
     paths_and_leaves = jax.tree_util.tree_flatten_with_path(sources, is_leaf=is_source)
     flat, treedef = paths_and_leaves
     total = sum(int(np.prod(leaf.shape)) * dtype.itemsize for _, leaf in flat)
@@ -263,7 +270,7 @@ def _place_all(reader: CheckpointReader, sources: dict, dtype: jnp.dtype, shardi
     with (ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="weights") as pool,
           progress_bar(total=total, unit="B", unit_scale=True, desc="Loading weights", enabled=progress) as bar):
         futures = [pool.submit(_place_any, reader, leaf, dtype, sharding_for, jax.tree_util.keystr(path),
-                               plans.get(jax.tree_util.keystr(path)))
+                               plans.get(jax.tree_util.keystr(path)), device_transpose)
                    for path, leaf in flat]
         for future, (_, leaf) in zip(futures, flat, strict=True):
             placed.append(future.result())
@@ -273,10 +280,12 @@ def _place_all(reader: CheckpointReader, sources: dict, dtype: jnp.dtype, shardi
 
 
 def _place_any(reader: CheckpointReader, leaf: Source, dtype: jnp.dtype, sharding_for: ShardingFor, path: str,
-               plan: tuple | None):
+               plan: tuple | None, device_transpose: DeviceTranspose | None):
     """A float leaf, an 8-bit one (`QuantizedWeight`), or an 8-bit module dequantized to `dtype`."""
     if plan is None:
-        return _place_leaf(reader, leaf, dtype, sharding_for(path, leaf.shape))
+        sharding = sharding_for(path, leaf.shape)
+        placed = None if device_transpose is None else device_transpose.place(reader, leaf, dtype, sharding)
+        return _place_leaf(reader, leaf, dtype, sharding) if placed is None else placed
     kind, how, impl = plan
     if kind == "int4":
         return place_int4(read_int4(reader, leaf), path, sharding_for, impl)

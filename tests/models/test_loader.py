@@ -495,3 +495,34 @@ def test_converted_weights_are_not_reused_after_the_checkpoint_changes(llama, tm
     _, after, _ = load_model(model_dir, dtype="float32", progress=False, converted_dir=cache)
     assert len(count_conversions) == 2
     np.testing.assert_array_equal(np.asarray(after["final_norm"]), np.asarray(before["final_norm"]) + 1.0)
+
+
+# --- projections transposed on the device (the accelerator default) ---
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(build_checkpoint):
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(**{**TINY, "num_hidden_layers": 2}, moe_intermediate_size=32, num_experts=4,
+                            num_experts_per_tok=2, mlp_only_layers=[0])
+    return build_checkpoint(config, seed=4)
+
+
+@pytest.mark.parametrize("devices", [1, 2, 4])
+@pytest.mark.parametrize(("model", "dtype"), [("llama", "float32"), ("llama_bf16", "float32"),
+                                              ("llama_bf16", "bfloat16"), ("qwen3_moe", "float32")])
+def test_transposing_on_the_device_places_what_the_host_path_places(request, model, dtype, devices):
+    """Bit for bit and in the same shardings: column- and row-parallel splits, fused q/k/v and gate/up grouped per
+    shard, experts stacked, a cast from the checkpoint's dtype."""
+    model_dir = request.getfixturevalue(model)[0]
+    sharding_for = _tp_sharding(_tp_mesh(devices))
+    kwargs = dict(dtype=dtype, sharding=sharding_for, projection_shards=devices, progress=False)
+    _, on_host, _ = load_model(model_dir, transpose_on_device=False, **kwargs)
+    _, on_device, _ = load_model(model_dir, transpose_on_device=True, **kwargs)
+    host, device = _leaves(on_host), _leaves(on_device)
+    assert host.keys() == device.keys()
+    for path, expected in host.items():
+        assert device[path].sharding == expected.sharding, path
+        assert device[path].dtype == expected.dtype, path
+        np.testing.assert_array_equal(np.asarray(device[path]), np.asarray(expected), err_msg=path)
