@@ -12,6 +12,8 @@ Parts (one GPU call each; both sides of every ratio are measured in the same cal
           → ratios.decode_b256_roofline_fraction, host_fraction_b256, prefix_cache_ttft_speedup;
           metrics.warm_start_seconds, cold_start_seconds, ttft_caching_on_device_ms (the start-up log lines
           in the details file)
+  prefill TTFT at batch 1 of 1k, 4k, 16k and 32k fresh prompt tokens against the FLOP floor at the measured matmul
+          rate → ratios.ttft_1k/4k/16k/32k_vs_flop_floor
 Each part writes the random checkpoint (16 GB, seeded) under --workdir once per machine and merges its figures into
 --out (default `$OUT/<date>-e2e.json`). `--merge-from FILE` merges earlier calls' files in first; with no --part
 only the merge is done. A part too long for one call splits by side (`--sides jengine|hf`) or, for mixed, by HF
@@ -46,13 +48,13 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 import e2e_checkpoint  # noqa: E402
 import e2e_roofline as roof  # noqa: E402
-from e2e_figures import (
-    METHODS, combine_hf_shares, engine_figures, mixed_figures, shapes_figures, worker_metrics)  # noqa: E402
+from e2e_figures import (  # noqa: E402
+    METHODS, combine_hf_shares, engine_figures, mixed_figures, prefill_figures, shapes_figures, worker_metrics)
 from e2e_workload import mixed_requests, save_requests  # noqa: E402
 from gpu_bench_common import (  # noqa: E402
     device_memory_bytes, log, merge_records, print_tables, read_record, result_record, write_record)
 
-PARTS = ("shapes", "mixed", "engine")
+PARTS = ("shapes", "mixed", "engine", "prefill")
 HF_CONFIGS = ("best", "default")
 
 
@@ -75,6 +77,7 @@ class Scale:
     runs: int
     mixed: dict[str, int]  # num_prompts, input_len, output_len (medians), max_total_len
     engine_part: dict[str, int]
+    prefill: dict[str, Any]  # lengths, runs, and the engine options it changes (longer requests, larger steps)
 
 
 FULL = Scale(
@@ -88,6 +91,10 @@ FULL = Scale(
     # 896-token prompts: over the measured steps (all 256 decoding; the first admitted have ~128 tokens more than
     # the last, chunked prefill admitting ~2 per step) the mean attended context is ~1024
     engine_part=dict(batch=256, prompt_len=896, max_tokens=256, system_len=2048, suffix_len=64, ttft_requests=6),
+    # 8192 batched tokens: a 32k prompt in four chunks; 4096 blocks (8 GiB) hold the longest request twice
+    prefill=dict(lengths=[1024, 4096, 16384, 32768], runs=3,
+                 engine=dict(max_model_len=32768 + 256, max_num_seqs=16, max_num_batched_tokens=8192,
+                             num_gpu_blocks_override=4096)),
 )
 TINY = Scale(
     model=e2e_checkpoint.TINY,
@@ -95,6 +102,9 @@ TINY = Scale(
     batch_sizes=(1, 2), max_batch=4, prompt_len=32, new_tokens=8, short_tokens=2, runs=2,
     mixed=dict(num_prompts=12, input_len=16, output_len=8, max_total_len=128),
     engine_part=dict(batch=4, prompt_len=64, max_tokens=24, system_len=128, suffix_len=8, ttft_requests=3),
+    prefill=dict(lengths=[64, 256], runs=2,
+                 engine=dict(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=128,
+                             num_gpu_blocks_override=128)),
 )
 
 class Sink:
@@ -298,6 +308,16 @@ class Call:
         if fresh.exists() and not shared.exists():
             fresh.rename(shared)
 
+    def prefill(self) -> None:
+        """TTFT by prompt length at batch 1 against the FLOP floor, in an engine sized for 32k-token prompts."""
+        p = self.scale.prefill
+        engine = {**self.task()["engine"], **p["engine"]}
+        method = METHODS["prefill"].format(lengths="/".join(map(str, p["lengths"])), runs=p["runs"],
+                                           max_model_len=engine["max_model_len"],
+                                           budget=engine["max_num_batched_tokens"])
+        ours = self.jengine_worker(self.task(role="prefill", prefill=p, engine=engine), "jengine-prefill")
+        self.publish("prefill", [ours], prefill_figures(self.shape, ours["metrics"], p["lengths"]), method)
+
     # ---------------------------------------------------------------- results
     def publish(self, part: str, workers: list[dict[str, Any]], figures: tuple[dict, dict], method: str) -> None:
         """This part's figures into the results file (merged over the earlier ones) and its raw samples beside."""
@@ -416,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         print_tables(record)
         return 0
     call.prepare()
-    runs = {"shapes": call.shapes, "mixed": call.mixed, "engine": call.engine}
+    runs = {"shapes": call.shapes, "mixed": call.mixed, "engine": call.engine, "prefill": call.prefill}
     for part in PARTS:
         if part in args.part:
             runs[part]()

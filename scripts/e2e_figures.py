@@ -11,7 +11,8 @@ import re
 import statistics
 from typing import Any
 
-from e2e_roofline import LlamaShape, decode_step_bytes, decode_step_flops, floor_seconds, roofline_seconds
+from e2e_roofline import (LlamaShape, decode_step_bytes, decode_step_flops, floor_seconds, prefill_flops,
+                          roofline_seconds)
 
 Figures = tuple[dict[str, float], dict[str, float]]
 
@@ -50,6 +51,13 @@ METHODS = {
         "fresh tokens, median of {n} after one that fills the cache; prefix_cache_ttft_speedup = TTFT caching off "
         "/ on; ttft_caching_on_device_ms = one more such request's single step replayed (device time, as above). "
         "The start workers' details keep the engine's start-up log lines (startup_log, seconds since spawn)."),
+    "prefill": (
+        "TTFT at batch 1: one request at a time of {lengths} fresh random prompt tokens (no prefix shared), one "
+        "token, greedy; median of {runs} after one warm-up request per length; engine as the other parts but "
+        "max_model_len {max_model_len} and {budget} batched tokens a step (chunked prefill). FLOP floor = (2 x "
+        "every layer matrix x prompt tokens + the LM head for the last token + causal attention 2 x head_dim x "
+        "heads x layers x n(n+1)) / bf16 matmul rate (8192^3, JAX, the same process); ttft_<n>_vs_flop_floor = "
+        "TTFT / floor (lower is better)."),
 }
 
 
@@ -150,6 +158,25 @@ def engine_figures(shape: LlamaShape, ours: dict[str, float], ttft_on: list[floa
         metrics |= {"ttft_caching_on_ms": on * 1e3, "ttft_caching_off_ms": off * 1e3}
         ratios["prefix_cache_ttft_speedup"] = off / on
     return metrics, ratios
+
+
+def prefill_figures(shape: LlamaShape, ours: dict[str, float], lengths: list[int]) -> Figures:
+    """TTFT per prompt length against its FLOP floor at the measured matmul rate."""
+    metrics: dict[str, float] = {}
+    ratios: dict[str, float] = {}
+    flops_per_s = ours.get("matmul_flops_per_s")
+    for n in lengths:
+        ttft = ours.get(f"ttft_prompt{n}_ms")
+        if ttft and flops_per_s:
+            floor_ms = prefill_flops(shape, n) / flops_per_s * 1e3
+            metrics[f"ttft_floor_prompt{n}_ms"] = floor_ms
+            ratios[f"ttft_{length_name(n)}_vs_flop_floor"] = ttft / floor_ms
+    return metrics, ratios
+
+
+def length_name(n: int) -> str:
+    """1024 → "1k", 32768 → "32k"; other lengths as they are."""
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
 def worker_metrics(*workers: dict[str, Any]) -> dict[str, float]:

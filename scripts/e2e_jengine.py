@@ -227,6 +227,18 @@ def ttft_device_seconds(llm: Any, recorder: StepRecorder, system: list[int], suf
     return recorder.replay_seconds
 
 
+def run_prefill(llm: Any, vocab: np.ndarray, lengths: list[int], runs: int) -> dict[str, Any]:
+    """TTFT of one fresh prompt of each length at a time (one token): median of `runs` after a warm-up request."""
+    metrics, samples = {}, {}
+    for n in lengths:
+        prompts = fixed_prompts(vocab, runs + 1, n, seed=n)
+        times = [generate(llm, [prompt], greedy(1))[0] for prompt in prompts][1:]
+        samples[f"ttft_prompt{n}_s"] = times
+        metrics[f"ttft_prompt{n}_ms"] = statistics.median(times) * 1e3
+        log(f"  prompt {n}: TTFT {metrics[f'ttft_prompt{n}_ms']:.1f} ms")
+    return {"metrics": metrics, "samples": samples}
+
+
 class StartupLog(logging.Handler):
     """The engine's INFO lines while it starts, each stamped with the seconds since the worker was spawned."""
 
@@ -273,12 +285,15 @@ def work(task: dict[str, Any], sink: Any) -> None:
         llm = build_llm(task)
         sink.metric(f"jengine_build_seconds_{role}", time.perf_counter() - start)
     recorder = StepRecorder(llm._core)
-    if role in ("shapes", "warm_on"):
+    if role in ("shapes", "warm_on", "prefill"):
         sink.section("ceilings", lambda: {"metrics": ceilings(task)})
     if role == "shapes":
         s = task["shapes"]
         sets = {b: shape_prompt_sets(vocab, b, s["prompt_len"], s["runs"], s["seed"]) for b in s["batch_sizes"]}
         sink.section("jengine shapes", lambda: run_shapes(llm, recorder, sets, s["new_tokens"], s["short_tokens"]))
+    elif role == "prefill":
+        p = task["prefill"]
+        sink.section("TTFT by prompt length", lambda: run_prefill(llm, vocab, p["lengths"], p["runs"]))
     elif role == "mixed":
         requests = load_requests(Path(task["mixed"]["requests_file"]))
         warm = fixed_prompts(vocab, 8, 32, seed=7)

@@ -85,6 +85,14 @@ def decode_step_flops(shape: LlamaShape, context_lens: Sequence[int]) -> int:
     return 2 * shape.matmul_params * len(context_lens) + attention
 
 
+def prefill_flops(shape: LlamaShape, prompt_len: int) -> int:
+    """2 FLOPs per multiply-add of one request's prefill: every layer matrix for each prompt token, the LM head for
+    the last one only (the one that samples), and causal attention's QKᵀ and PV (token i attends i + 1 positions)."""
+    layers = shape.num_layers * shape.layer_matrix_params * prompt_len
+    attention = 4 * shape.head_dim * shape.num_heads * shape.num_layers * prompt_len * (prompt_len + 1) // 2
+    return 2 * (layers + shape.vocab_size * shape.hidden_size) + attention
+
+
 def floor_seconds(shape: LlamaShape, context_lens: Sequence[int], copy_bytes_per_s: float) -> float:
     """The step can run no faster than its bytes at the measured copy bandwidth."""
     return decode_step_bytes(shape, context_lens) / copy_bytes_per_s

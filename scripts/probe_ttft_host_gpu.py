@@ -1,0 +1,72 @@
+"""Probe: where a prefix-cached request's TTFT goes on the host. A Llama-3.1-8B-shaped engine (dummy weights, made on
+the device) serves a 2,048-token shared prompt plus a 64-token suffix, one request at a time, as `bench_e2e.py
+--part engine` measures TTFT; the same requests then run under cProfile, whose table (by own time and by cumulative
+time) says which host functions stand between the device's step and the first token.
+
+    PYTHONPATH=. python scripts/probe_ttft_host_gpu.py --out $OUT/ttft-host.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+
+from e2e_checkpoint import LLAMA_31_8B, llama_config, write_tokenizer  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--system-len", type=int, default=2048)
+    parser.add_argument("--suffix-len", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=12)
+    args = parser.parse_args()
+    from jengine import LLM, SamplingParams
+
+    model = Path(tempfile.mkdtemp()) / "llama-8b-dummy"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(llama_config(LLAMA_31_8B)))
+    write_tokenizer(model, LLAMA_31_8B["vocab_size"])
+    llm = LLM(str(model), load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=256,
+              max_num_batched_tokens=2048, num_gpu_blocks_override=8192, enable_prefix_caching=True)
+    rng = np.random.default_rng(0)
+    system = rng.integers(1000, 100_000, args.system_len).tolist()
+    greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    def one() -> float:
+        suffix = rng.integers(1000, 100_000, args.suffix_len).tolist()
+        start = time.perf_counter()
+        llm.generate([{"prompt_token_ids": system + suffix}], greedy, use_tqdm=False)
+        return time.perf_counter() - start
+
+    for _ in range(4):  # compiles and fills the prefix cache
+        one()
+    plain = [one() * 1e3 for _ in range(args.requests)]
+    profile = cProfile.Profile()
+    profile.enable()
+    profiled = [one() * 1e3 for _ in range(args.requests)]
+    profile.disable()
+    text = io.StringIO()
+    text.write(f"TTFT ms plain: {np.round(plain, 2).tolist()}\nmedian {np.median(plain):.2f}\n")
+    text.write(f"TTFT ms under cProfile: median {np.median(profiled):.2f}\n")
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(profile, stream=text).sort_stats(key).print_stats(40)
+    Path(args.out).write_text(text.getvalue())
+    print(text.getvalue()[:3000])
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
