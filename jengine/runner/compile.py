@@ -73,14 +73,17 @@ def warm_up(compile_one: Callable[[StepBatch], tuple[float, float]], run_one: Ca
     total = sum(map(len, waves))
     precompiled = _workers() > 1 and total > 1  # else the runs compile, one after the other
     if precompiled:
-        start, lowering, compiling = time.perf_counter(), 0.0, 0.0
+        start, lowering, compiling, walls = time.perf_counter(), 0.0, 0.0, []
         with progress_bar(total=total, desc="Compiling step buckets", enabled=progress) as bar:
             for wave in waves:
+                wave_start = time.perf_counter()
                 lower_s, compile_s = _precompile(compile_one, wave, bar)
                 lowering, compiling = lowering + lower_s, compiling + compile_s
-        logger.info("compiled %d step variants on %d threads in %.1f s (summed over threads: tracing and lowering "
-                    "%.1f s, XLA compile or cache load %.1f s)", total, _workers(), time.perf_counter() - start,
-                    lowering, compiling)
+                walls.append(f"{time.perf_counter() - wave_start:.1f}")
+        logger.info("compiled %d step variants on %d threads in %.1f s (waves of %s variants: %s s; summed over "
+                    "threads: tracing and lowering %.1f s, XLA compile or cache load %.1f s)", total, _workers(),
+                    time.perf_counter() - start, "/".join(str(len(w)) for w in waves), "/".join(walls), lowering,
+                    compiling)
     before, start = num_compiled_shapes(), time.perf_counter()
     pending = None
     batches = [batch for wave in waves for batch in wave]
