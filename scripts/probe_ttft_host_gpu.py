@@ -32,6 +32,8 @@ def main() -> None:
     parser.add_argument("--system-len", type=int, default=2048)
     parser.add_argument("--suffix-len", type=int, default=64)
     parser.add_argument("--requests", type=int, default=12)
+    parser.add_argument("--also-nondeterministic", action="store_true",
+                        help="then the same requests' TTFT in an engine with deterministic=False (no profile)")
     args = parser.parse_args()
     from jengine import LLM, SamplingParams
 
@@ -39,8 +41,9 @@ def main() -> None:
     model.mkdir()
     (model / "config.json").write_text(json.dumps(llama_config(LLAMA_31_8B)))
     write_tokenizer(model, LLAMA_31_8B["vocab_size"])
-    llm = LLM(str(model), load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=256,
-              max_num_batched_tokens=2048, num_gpu_blocks_override=8192, enable_prefix_caching=True)
+    options = dict(load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=256,
+                   max_num_batched_tokens=2048, num_gpu_blocks_override=8192, enable_prefix_caching=True)
+    llm = LLM(str(model), **options)
     rng = np.random.default_rng(0)
     system = rng.integers(1000, 100_000, args.system_len).tolist()
     greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -63,9 +66,16 @@ def main() -> None:
     text.write(f"TTFT ms under cProfile: median {np.median(profiled):.2f}\n")
     for key in ("tottime", "cumulative"):
         pstats.Stats(profile, stream=text).sort_stats(key).print_stats(40)
+    llm.shutdown()
+    if args.also_nondeterministic:
+        llm = LLM(str(model), **options, deterministic=False)
+        for _ in range(4):
+            one()
+        free = [one() * 1e3 for _ in range(args.requests)]
+        text.write(f"\ndeterministic=False: TTFT ms median {np.median(free):.2f} {np.round(free, 2).tolist()}\n")
+        llm.shutdown()
     Path(args.out).write_text(text.getvalue())
     print(text.getvalue()[:3000])
-    llm.shutdown()
 
 
 if __name__ == "__main__":
