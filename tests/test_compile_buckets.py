@@ -57,10 +57,11 @@ import json, sys, threading
 import jax
 from jengine import LLM
 
-compiles = {"main": 0, "threads": 0}
+compiles = {"main": 0, "threads": 0, "forward": 0}
 def count(event, seconds, **kwargs):
     if event == "/jax/core/compile/backend_compile_duration":
         compiles["main" if threading.current_thread() is threading.main_thread() else "threads"] += 1
+        compiles["forward"] += "forward_step" in kwargs.get("fun_name", "")
 jax.monitoring.register_event_duration_secs_listener(count)
 with LLM(sys.argv[1], dtype="float32", max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32,
          compile_buckets="all") as llm:
@@ -82,6 +83,8 @@ def test_start_up_compiles_buckets_on_threads_and_the_runs_reuse_them(model_dir,
     assert compiles["threads"] >= len(shapes), compiles  # every shape's forward at least
     # the main thread compiles the cache allocation and such, never a step program of each shape
     assert compiles["main"] < len(shapes), compiles
+    # each shape's forward program is built once: no two threads build the same one at the same time
+    assert compiles["forward"] == len(shapes), compiles
 
 
 def test_pinned_start_up_compiles_one_mixed_program_per_token_bucket():

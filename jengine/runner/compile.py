@@ -64,29 +64,12 @@ def padding_inputs(shape: StepShape, num_slots: int) -> tuple[np.ndarray, Attent
 
 
 def warm_up(compile_one: Callable[[StepBatch], tuple[float, float]], run_one: Callable[[StepBatch], Any],
-            waves: Sequence[Sequence[StepBatch]], num_shapes: int, progress: bool = True) -> int:
-    """Compiles the step for every batch of `waves` ahead of time on threads (`compile_one`), one wave after the
-    other, then runs each batch once (`run_one`, which returns what to wait for); returns how many step programs the
-    runs compiled. A wave's batches should not share programs with one another: two threads asking for one program
-    at once both build it (JAX's caches hold finished programs only), so the first wave carries one batch per
-    forward program and the later ones find those compiled."""
-    total = sum(map(len, waves))
-    precompiled = _workers() > 1 and total > 1  # else the runs compile, one after the other
-    if precompiled:
-        start, lowering, compiling, walls = time.perf_counter(), 0.0, 0.0, []
-        with progress_bar(total=total, desc="Compiling step buckets", enabled=progress) as bar:
-            for wave in waves:
-                wave_start = time.perf_counter()
-                lower_s, compile_s = _precompile(compile_one, wave, bar)
-                lowering, compiling = lowering + lower_s, compiling + compile_s
-                walls.append(f"{time.perf_counter() - wave_start:.1f}")
-        logger.info("compiled %d step variants on %d threads in %.1f s (waves of %s variants: %s s; summed over "
-                    "threads: tracing and lowering %.1f s, XLA compile or cache load %.1f s)", total, _workers(),
-                    time.perf_counter() - start, "/".join(str(len(w)) for w in waves), "/".join(walls), lowering,
-                    compiling)
+            batches: Sequence[StepBatch], num_shapes: int, progress: bool = True) -> int:
+    """Compiles the step for `batches` ahead of time on threads (`compile_one`), then runs each once (`run_one`,
+    which returns what to wait for); returns how many step programs the runs compiled."""
+    precompiled = _precompile(compile_one, batches, progress)
     before, start = num_compiled_shapes(), time.perf_counter()
     pending = None
-    batches = [batch for wave in waves for batch in wave]
     for batch in progress_bar(batches, desc="Warming up step buckets" if precompiled else "Compiling step buckets",
                               enabled=progress):
         pending = run_one(batch)
@@ -98,20 +81,22 @@ def warm_up(compile_one: Callable[[StepBatch], tuple[float, float]], run_one: Ca
     return compiled
 
 
-def _workers() -> int:
-    return min(MAX_COMPILE_THREADS, os.cpu_count() or 1)
-
-
 def _precompile(compile_one: Callable[[StepBatch], tuple[float, float]], batches: Sequence[StepBatch],
-                bar: Any) -> tuple[float, float]:
-    """Compiles every batch's programs on a thread pool (nothing runs); returns the seconds summed over threads
-    (tracing and lowering, compiling or loading)."""
-    lowering, compiling = 0.0, 0.0
-    with ThreadPoolExecutor(_workers()) as pool:
+                progress: bool) -> bool:
+    """Compiles every batch's programs on a thread pool (nothing runs); False where one thread would do it all."""
+    workers = min(MAX_COMPILE_THREADS, os.cpu_count() or 1)
+    if workers <= 1 or len(batches) <= 1:
+        return False
+    start, lowering, compiling = time.perf_counter(), 0.0, 0.0
+    with ThreadPoolExecutor(workers) as pool, progress_bar(total=len(batches), desc="Compiling step buckets",
+                                                           enabled=progress) as bar:
         for lower_s, compile_s in pool.map(compile_one, batches):
             lowering, compiling = lowering + lower_s, compiling + compile_s
             bar.update()
-    return lowering, compiling
+    logger.info("compiled %d step variants on %d threads in %.1f s (summed over threads: tracing and lowering "
+                "%.1f s, XLA compile or cache load %.1f s)", len(batches), workers, time.perf_counter() - start,
+                lowering, compiling)
+    return True
 
 
 class RecompileGuard:

@@ -269,10 +269,8 @@ class ModelRunner:
     def warm_up(self, shapes: list[StepShape], progress: bool = True) -> int:
         """Compiles the step for `shapes` (greedy and sampling variants of the sampler) by running padding-only
         steps; returns the compile count."""
-        # First wave: each shape's forward program (with the greedy sampler); the second finds them compiled.
-        first = [self.padding_batch(shape, 0) for shape in shapes]
-        rest = [self.padding_batch(shape, sampled, masked) for masked in (False, True) for shape in shapes
-                for sampled in (0, 1) if masked or sampled]
+        batches = [self.padding_batch(shape, sampled, masked)
+                   for masked in (False, True) for shape in shapes for sampled in (0, 1)]
 
         def compile_one(batch: StepBatch) -> tuple[float, float]:
             return self._compile_step(self.step_params, self.state, batch)
@@ -281,7 +279,7 @@ class ModelRunner:
             self.state, _ = self._step(self.step_params, self.state, batch)
             return self.state
 
-        return compiling.warm_up(compile_one, run_one, (first, rest), len(shapes), progress)
+        return compiling.warm_up(compile_one, run_one, batches, len(shapes), progress)
 
     def padding_batch(self, shape: StepShape, num_sampled: int, masked: bool = False) -> StepBatch:
         """A padding-only step of `shape` that samples `num_sampled` rows (0: the greedy variant) and records
