@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _NOT_BUILT: dict[str, str] = {}
-DEFAULT_COMPILATION_CACHE = Path.home() / ".cache" / "jengine" / "jax-cache"
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -74,8 +73,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                        help="batch-invariant kernels: a request's output does not depend on its batch (default: on "
                             "for a dense float model on one NVIDIA GPU, about 6%% of throughput; off elsewhere)")
-    group.add_argument("--compilation-cache-dir", type=Path, default=DEFAULT_COMPILATION_CACHE,
-                       help="JAX persistent compilation cache")
+    group.add_argument("--compilation-cache-dir", type=Path, default=None,
+                       help="JAX persistent compilation cache (default: $JENGINE_COMPILATION_CACHE_DIR, else "
+                            "$JAX_COMPILATION_CACHE_DIR, else ~/.cache/jengine/jax-cache)")
     _add_weight_variant_args(group)
     _add_chat_parsing_args(parser)
     _add_vllm_compat_args(parser)
@@ -176,7 +176,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
              "enable_auto_tool_choice", "max_loras", "max_cpu_loras", "max_lora_rank")
     kwargs = {name: getattr(args, name) for name in names}
     kwargs["lora_modules"] = [_lora_module_arg(m) for m in kwargs["lora_modules"] or ()]
-    kwargs["compilation_cache_dir"] = str(args.compilation_cache_dir) if args.compilation_cache_dir else None
+    if args.compilation_cache_dir is not None:  # else the config's default
+        kwargs["compilation_cache_dir"] = str(args.compilation_cache_dir)
     for name in NO_EFFECT:  # vLLM's flags that change nothing here; the config checks each value
         value = getattr(args, name, None)
         if value is not None and value is not False:

@@ -112,7 +112,7 @@ class RunnerConfig:
     # tok/s so (H200, warm compilation cache) against 5,665 with every shape compiled first.
     compile_buckets: Literal["all", "lazy", "auto"] = "auto"
     attention_backend: str = "auto"  # auto | reference | pallas_gpu
-    compilation_cache_dir: str | None = None  # JAX persistent compilation cache (env JENGINE_COMPILATION_CACHE_DIR)
+    compilation_cache_dir: str | None = None  # JAX persistent compilation cache (`default_compilation_cache_dir`)
     # pipelined steps: step N+1 is dispatched before step N's tokens reach the host (fed to it on the device);
     # False runs each step to completion before the next is scheduled (same outputs, the host time not hidden)
     async_scheduling: bool = True
@@ -236,6 +236,19 @@ class LoraConfig:
         return max(self.max_cpu_loras or self.max_loras, self.max_loras)
 
 
+DEFAULT_COMPILATION_CACHE = Path.home() / ".cache" / "jengine" / "jax-cache"
+
+
+def default_compilation_cache_dir() -> str | None:
+    """Where every entry point (`LLM` and the CLI alike) keeps its compiled step programs and its tokenizer's class
+    unless told: $JENGINE_COMPILATION_CACHE_DIR, else the directory JAX was pointed at ($JAX_COMPILATION_CACHE_DIR),
+    else ~/.cache/jengine/jax-cache. Either variable set empty turns the cache off."""
+    for name in ("JENGINE_COMPILATION_CACHE_DIR", "JAX_COMPILATION_CACHE_DIR"):
+        if name in os.environ:
+            return os.environ[name] or None
+    return str(DEFAULT_COMPILATION_CACHE)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -273,7 +286,7 @@ class EngineConfig:
         if kwargs:
             raise ConfigError(f"unknown engine argument(s): {', '.join(sorted(kwargs))} (jengine takes vLLM's names "
                               f"for the features it has; `jengine serve --help` lists them)")
-        parts["runner"].setdefault("compilation_cache_dir", os.environ.get("JENGINE_COMPILATION_CACHE_DIR"))
+        parts["runner"].setdefault("compilation_cache_dir", default_compilation_cache_dir())
         parts["parallel"] = _multi_host_from_environment(parts["parallel"])
         model_part = ModelConfig(model=str(model), **parts["model"])
         sched = dict(parts["scheduler"], max_model_len=model_part.max_model_len or 0)

@@ -49,3 +49,30 @@ def test_vllm_marlin_quantization_names_mean_the_same_checkpoints():
     assert EngineConfig.from_kwargs("m", **engine_kwargs(args)).model.quantization == "gptq"
     with pytest.raises(ConfigError, match="'marlin' is not supported"):
         EngineConfig.from_kwargs("m", quantization="marlin")
+
+
+def test_every_entry_point_shares_one_compilation_cache_by_default(monkeypatch, tmp_path):
+    """`LLM(...)` and the CLI alike: jengine's variable, else the directory JAX was pointed at, else
+    ~/.cache/jengine/jax-cache; an empty variable turns it off, an explicit argument wins."""
+    from jengine.cli import build_parser, engine_kwargs
+
+    def resolved(**kwargs) -> str | None:
+        return EngineConfig.from_kwargs("m", **kwargs).runner.compilation_cache_dir
+
+    def from_cli(*flags: str) -> str | None:
+        return resolved(**{k: v for k, v in engine_kwargs(build_parser().parse_args(["serve", "m", *flags])).items()
+                           if k == "compilation_cache_dir"})
+
+    monkeypatch.delenv("JENGINE_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.setattr("jengine.config.DEFAULT_COMPILATION_CACHE", tmp_path / "home-cache")
+    assert resolved() == from_cli() == str(tmp_path / "home-cache")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax"))
+    assert resolved() == from_cli() == str(tmp_path / "jax")
+    monkeypatch.setenv("JENGINE_COMPILATION_CACHE_DIR", str(tmp_path / "ours"))
+    assert resolved() == from_cli() == str(tmp_path / "ours")
+    assert resolved(compilation_cache_dir=str(tmp_path / "mine")) == from_cli("--compilation-cache-dir",
+                                                                               str(tmp_path / "mine"))
+    assert resolved(compilation_cache_dir=None) is None
+    monkeypatch.setenv("JENGINE_COMPILATION_CACHE_DIR", "")
+    assert resolved() is None
