@@ -14,6 +14,8 @@ Parts (one GPU call each; both sides of every ratio are measured in the same cal
           in the details file)
   prefill TTFT at batch 1 of 1k, 4k, 16k and 32k fresh prompt tokens against the FLOP floor at the measured matmul
           rate → ratios.ttft_1k/4k/16k/32k_vs_flop_floor
+  defaults `jengine bench throughput` at its defaults (400 ShareGPT-like requests) against `--compile-buckets all`,
+          both with a warm compilation cache → ratios.default_vs_precompiled_throughput
 Each part writes the random checkpoint (16 GB, seeded) under --workdir once per machine and merges its figures into
 --out (default `$OUT/<date>-e2e.json`). `--merge-from FILE` merges earlier calls' files in first; with no --part
 only the merge is done. A part too long for one call splits by side (`--sides jengine|hf`) or, for mixed, by HF
@@ -54,7 +56,7 @@ from e2e_workload import mixed_requests, save_requests  # noqa: E402
 from gpu_bench_common import (  # noqa: E402
     device_memory_bytes, log, merge_records, print_tables, read_record, result_record, write_record)
 
-PARTS = ("shapes", "mixed", "engine", "prefill")
+PARTS = ("shapes", "mixed", "engine", "prefill", "defaults")
 HF_CONFIGS = ("best", "default")
 
 
@@ -78,6 +80,7 @@ class Scale:
     mixed: dict[str, int]  # num_prompts, input_len, output_len (medians), max_total_len
     engine_part: dict[str, int]
     prefill: dict[str, Any]  # lengths, runs, and the engine options it changes (longer requests, larger steps)
+    defaults: dict[str, Any]  # `jengine bench throughput`'s dataset, and the flags it needs beyond its defaults
 
 
 FULL = Scale(
@@ -95,6 +98,7 @@ FULL = Scale(
     prefill=dict(lengths=[1024, 4096, 16384, 32768], runs=3,
                  engine=dict(max_model_len=32768 + 256, max_num_seqs=16, max_num_batched_tokens=8192,
                              num_gpu_blocks_override=4096)),
+    defaults=dict(num_prompts=400, input_len=256, output_len=128, flags=[]),
 )
 TINY = Scale(
     model=e2e_checkpoint.TINY,
@@ -105,6 +109,7 @@ TINY = Scale(
     prefill=dict(lengths=[64, 256], runs=2,
                  engine=dict(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=128,
                              num_gpu_blocks_override=128)),
+    defaults=dict(num_prompts=12, input_len=16, output_len=8, flags=["--max-model-len", "256"]),
 )
 
 class Sink:
@@ -318,6 +323,46 @@ class Call:
         ours = self.jengine_worker(self.task(role="prefill", prefill=p, engine=engine), "jengine-prefill")
         self.publish("prefill", [ours], prefill_figures(self.shape, ours["metrics"], p["lengths"]), method)
 
+    def defaults(self) -> None:
+        """`jengine bench throughput` as a user runs it, at its defaults, against `--compile-buckets all`: three
+        processes on one fresh compilation cache (all, filling it; the defaults, warm; all, warm)."""
+        d = self.scale.defaults
+        cache = self.workdir / f"jax-cache-defaults-{time.time_ns()}"
+        method = METHODS["defaults"].format(**d)
+        metrics: dict[str, float] = {}
+        errors: list[str] = []
+        for label, flags in (("all_cold", ["--compile-buckets", "all"]), ("default", []),
+                             ("all", ["--compile-buckets", "all"])):
+            report = self.bench_throughput(label, cache, d, flags)
+            if "error" in report:
+                errors.append(report["error"])
+                break
+            metrics[f"bench_throughput_{label}_tokens_per_s"] = report["output_throughput"]
+        ratios = {}
+        if {"bench_throughput_default_tokens_per_s", "bench_throughput_all_tokens_per_s"} <= metrics.keys():
+            ratios["default_vs_precompiled_throughput"] = (metrics["bench_throughput_default_tokens_per_s"]
+                                                           / metrics["bench_throughput_all_tokens_per_s"])
+        self.publish("defaults", [{"metrics": metrics, "errors": errors}], ({}, ratios), method)
+
+    def bench_throughput(self, label: str, cache: Path, d: dict[str, Any], flags: list[str]) -> dict[str, Any]:
+        """One `jengine bench throughput` process; its JSON report, or {"error": ...}."""
+        out = self.workdir / f"bench-throughput-{label}.json"
+        out.unlink(missing_ok=True)
+        remaining = self.deadline - time.monotonic() - 15
+        if remaining < 20:
+            return {"error": f"{label}: not run, the call's deadline is near"}
+        command = [sys.executable, "-m", "jengine", "bench", "throughput", "--model", str(self.model_dir),
+                   "--dataset-name", "sharegpt-like", "--num-prompts", str(d["num_prompts"]),
+                   "--input-len", str(d["input_len"]), "--output-len", str(d["output_len"]),
+                   "--compilation-cache-dir", str(cache), "--output-json", str(out), *d["flags"], *flags]
+        log(f"\n##### bench throughput ({label}): {shlex.join(command[1:])}")
+        env = os.environ | ({} if self.gpu else {"JAX_PLATFORMS": "cpu"})
+        try:
+            subprocess.run(command, env=env, timeout=remaining, check=False)
+        except subprocess.TimeoutExpired:
+            return {"error": f"{label}: stopped at the call's deadline"}
+        return json.loads(out.read_text()) if out.exists() else {"error": f"{label}: no report (see the log)"}
+
     # ---------------------------------------------------------------- results
     def publish(self, part: str, workers: list[dict[str, Any]], figures: tuple[dict, dict], method: str) -> None:
         """This part's figures into the results file (merged over the earlier ones) and its raw samples beside."""
@@ -436,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
         print_tables(record)
         return 0
     call.prepare()
-    runs = {"shapes": call.shapes, "mixed": call.mixed, "engine": call.engine, "prefill": call.prefill}
+    runs = {"shapes": call.shapes, "mixed": call.mixed, "engine": call.engine, "prefill": call.prefill,
+            "defaults": call.defaults}
     for part in PARTS:
         if part in args.part:
             runs[part]()

@@ -58,6 +58,12 @@ METHODS = {
         "every layer matrix x prompt tokens + the LM head for the last token + causal attention 2 x head_dim x "
         "heads x layers x n(n+1)) / bf16 matmul rate (8192^3, JAX, the same process); ttft_<n>_vs_flop_floor = "
         "TTFT / floor (lower is better)."),
+    "defaults": (
+        "`jengine bench throughput --dataset-name sharegpt-like --num-prompts {num_prompts} --input-len {input_len} "
+        "--output-len {output_len}` and nothing else but the model and one fresh --compilation-cache-dir shared by "
+        "three processes in turn: --compile-buckets all (filling the cache), the defaults (warm), --compile-buckets "
+        "all (warm). Output tokens/s as the command reports it (generate's wall time); "
+        "default_vs_precompiled_throughput = defaults / the warm all."),
 }
 
 
