@@ -15,7 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 import e2e_checkpoint  # noqa: E402
 import e2e_roofline as roof  # noqa: E402
-from e2e_figures import combine_hf_shares, engine_figures, mixed_figures, shapes_figures  # noqa: E402
+from e2e_figures import (  # noqa: E402
+    combine_hf_shares, engine_figures, length_name, mixed_figures, prefill_figures, shapes_figures)
 from e2e_workload import Request, hf_batches, left_pad  # noqa: E402
 from gpu_bench_common import merge_records, result_record  # noqa: E402
 
@@ -154,3 +155,16 @@ def test_hf_shares_from_separate_calls_add_up_to_the_whole_workload():
     assert ratios == {"throughput_vs_hf": pytest.approx(1000 / 20)}
     shares["hf_best_mixed_batch_size_share1of2"] = 32  # that call fell back to a smaller batch: a different split
     assert combine_hf_shares(shares) == ({}, {})
+
+
+def test_prefill_flops_by_hand_and_the_ttft_ratios():
+    """SMALL by hand: 120 matrix parameters a layer, the LM head (40) for the last token only, and causal attention
+    (QKᵀ and PV: 2 heads x dim 2 x 2 matmuls x 2 FLOPs per attended position; token i attends i + 1)."""
+    n = 5
+    attended = sum(i + 1 for i in range(n))  # 15
+    expected = 2 * 120 * n + 2 * 40 + 2 * 2 * 2 * 2 * attended
+    assert roof.prefill_flops(SMALL, n) == expected == 1200 + 80 + 240
+    metrics, ratios = prefill_figures(SMALL, {"matmul_flops_per_s": 1e6, "ttft_prompt5_ms": 3.04}, [5, 1024])
+    assert metrics == {"ttft_floor_prompt5_ms": pytest.approx(1.52)}
+    assert ratios == {"ttft_5_vs_flop_floor": pytest.approx(2.0)}  # 1024 not measured: no ratio
+    assert length_name(32768) == "32k" and length_name(1000) == "1000"
