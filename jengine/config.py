@@ -236,9 +236,6 @@ class LoraConfig:
         return max(self.max_cpu_loras or self.max_loras, self.max_loras)
 
 
-DEFAULT_COMPILATION_CACHE = Path.home() / ".cache" / "jengine" / "jax-cache"
-
-
 def default_compilation_cache_dir() -> str | None:
     """Where every entry point (`LLM` and the CLI alike) keeps its compiled step programs and its tokenizer's class
     unless told: $JENGINE_COMPILATION_CACHE_DIR, else the directory JAX was pointed at ($JAX_COMPILATION_CACHE_DIR),
@@ -246,7 +243,7 @@ def default_compilation_cache_dir() -> str | None:
     for name in ("JENGINE_COMPILATION_CACHE_DIR", "JAX_COMPILATION_CACHE_DIR"):
         if name in os.environ:
             return os.environ[name] or None
-    return str(DEFAULT_COMPILATION_CACHE)
+    return str(Path.home() / ".cache" / "jengine" / "jax-cache")  # looked up here: importing needs no home
 
 
 @dataclasses.dataclass(frozen=True)

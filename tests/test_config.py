@@ -65,8 +65,8 @@ def test_every_entry_point_shares_one_compilation_cache_by_default(monkeypatch, 
 
     monkeypatch.delenv("JENGINE_COMPILATION_CACHE_DIR", raising=False)
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
-    monkeypatch.setattr("jengine.config.DEFAULT_COMPILATION_CACHE", tmp_path / "home-cache")
-    assert resolved() == from_cli() == str(tmp_path / "home-cache")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert resolved() == from_cli() == str(tmp_path / ".cache" / "jengine" / "jax-cache")
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax"))
     assert resolved() == from_cli() == str(tmp_path / "jax")
     monkeypatch.setenv("JENGINE_COMPILATION_CACHE_DIR", str(tmp_path / "ours"))
