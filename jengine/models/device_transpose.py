@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jengine.models.checkpoint import CheckpointReader
-from jengine.models.weights import FusedSource, LeafSource, Source
+from jengine.models.weights import FusedSource, Source, stacked_block
 
 
 class DeviceTranspose:
@@ -35,11 +35,12 @@ class DeviceTranspose:
         if flipped is None or not _applies(leaf):
             return None
         raw_shape = leaf.shape[:-2] + (leaf.shape[-1], leaf.shape[-2])
-        if isinstance(leaf, FusedSource):
-            rows = _fused_rows(reader, leaf, dtype)
+        if isinstance(leaf, FusedSource):  # the parts' rows grouped per shard: a contiguous concatenation
+            rows = leaf.fuse([np.asarray(reader.read(str(part.names)), dtype=dtype) for part in leaf.parts], axis=0)
             raw = jax.make_array_from_callback(raw_shape, flipped, lambda index: rows[index])
-        else:
-            raw = jax.make_array_from_callback(raw_shape, flipped, _stacked_reader(reader, leaf, dtype))
+        else:  # each device's block as the checkpoint holds it, read from the mapped file
+            raw = jax.make_array_from_callback(raw_shape, flipped,
+                                               lambda index: stacked_block(leaf, index, dtype, reader.read))
         return self._swap(sharding)(raw)
 
     def _swap(self, sharding: jax.sharding.Sharding) -> jax.stages.Wrapped:
@@ -50,9 +51,11 @@ class DeviceTranspose:
 
 
 def _applies(leaf: Source) -> bool:
+    """Transposed 2-D tensors without repeated heads; a fused leaf's parts single tensors (as `_place_fused`'s)."""
+    if isinstance(leaf, FusedSource) and any(p.names.ndim for p in leaf.parts):
+        return False
     parts = leaf.parts if isinstance(leaf, FusedSource) else (leaf,)
-    single = all(p.names.ndim == 0 for p in parts) if isinstance(leaf, FusedSource) else True
-    return single and all(p.transpose and p.head_repeat == 1 and len(p.tensor_shape) == 2 for p in parts)
+    return all(p.transpose and p.head_repeat == 1 and len(p.tensor_shape) == 2 for p in parts)
 
 
 def _swapped_sharding(sharding: jax.sharding.Sharding, ndim: int) -> jax.sharding.Sharding | None:
@@ -63,26 +66,3 @@ def _swapped_sharding(sharding: jax.sharding.Sharding, ndim: int) -> jax.shardin
         return None
     spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
     return NamedSharding(sharding.mesh, PartitionSpec(*spec[:-2], spec[-1], spec[-2]))
-
-
-def _stacked_reader(reader: CheckpointReader, leaf: LeafSource, dtype: jnp.dtype):
-    """A device's block of the leaf in the checkpoint's layout ([..., out, in]), read from the mapped file."""
-    stack_rank = leaf.names.ndim
-
-    def read_block(index: tuple[slice, ...]) -> np.ndarray:
-        stack_index, tensor_index = index[:stack_rank], index[stack_rank:]
-        if not stack_rank:
-            return np.asarray(reader.read(str(leaf.names))[tensor_index], dtype=dtype)
-        names = leaf.names[stack_index]
-        pieces = [np.asarray(reader.read(name)[tensor_index], dtype=dtype) for name in names.flat]
-        return np.stack(pieces).reshape(names.shape + pieces[0].shape)
-
-    return read_block
-
-
-def _fused_rows(reader: CheckpointReader, leaf: FusedSource, dtype: jnp.dtype) -> np.ndarray:
-    """The fused leaf in the checkpoint's layout: `FusedSource.fuse`'s grouping per shard, along the rows (a
-    contiguous concatenation, no strided copy)."""
-    pieces = [np.split(np.asarray(reader.read(str(part.names)), dtype=dtype), leaf.shards, axis=0)
-              for part in leaf.parts]
-    return np.concatenate([piece[s] for s in range(leaf.shards) for piece in pieces], axis=0)

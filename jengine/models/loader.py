@@ -35,7 +35,7 @@ from jengine.models.registry import spec_from_hf_config
 from jengine.models.spec import ModelSpec
 from jengine.models.weights import (
     EMBEDDING, KV_SCALE_TEMPLATES, LM_HEAD, FusedSource, LeafSource, Source, is_source, kv_scale_names, leaf_name,
-    parameter_sources)
+    parameter_sources, stacked_block)
 from jengine.progress import progress_bar
 
 logger = logging.getLogger(__name__)
@@ -302,16 +302,15 @@ def _place_any(reader: CheckpointReader, leaf: Source, dtype: jnp.dtype, shardin
 def _place_leaf(reader: CheckpointReader, leaf: Source, dtype: jnp.dtype, sharding) -> jax.Array:
     if isinstance(leaf, FusedSource):
         return _place_fused(reader, leaf, dtype, sharding)
-    stack_rank = leaf.names.ndim
 
-    def read_shard(index: tuple[slice, ...]) -> np.ndarray:
-        stack_index, tensor_index = index[:stack_rank], index[stack_rank:]
-        names = leaf.names[stack_index] if stack_rank else leaf.names
-        pieces = [np.asarray(leaf.from_checkpoint(reader.read(name))[tensor_index], dtype=dtype)
-                  for name in names.flat]
-        return np.stack(pieces).reshape(names.shape + pieces[0].shape)
+    def in_our_layout(name: str) -> np.ndarray:
+        return leaf.from_checkpoint(reader.read(name))
 
-    return jax.make_array_from_callback(leaf.shape, sharding, read_shard)
+    def owned_block(index: tuple[slice, ...]) -> np.ndarray:  # never a view of the mapped checkpoint
+        block = stacked_block(leaf, index, dtype, in_our_layout)
+        return block.copy() if leaf.names.ndim == 0 else block  # a stacked block is a fresh array already
+
+    return jax.make_array_from_callback(leaf.shape, sharding, owned_block)
 
 
 def _place_fused(reader: CheckpointReader, leaf: FusedSource, dtype: jnp.dtype, sharding) -> jax.Array:

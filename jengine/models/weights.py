@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import numpy as np
 
@@ -67,10 +68,24 @@ class FusedSource:
     def shape(self) -> tuple[int, ...]:
         return self.parts[0].shape[:-1] + (sum(p.shape[-1] for p in self.parts),)
 
-    def fuse(self, tensors: list[np.ndarray]) -> np.ndarray:
-        """The parts (each in our layout) → the fused array."""
-        pieces = [np.split(t, self.shards, axis=-1) for t in tensors]
-        return np.concatenate([piece[s] for s in range(self.shards) for piece in pieces], axis=-1)
+    def fuse(self, tensors: list[np.ndarray], axis: int = -1) -> np.ndarray:
+        """The parts (each in our layout) → the fused array. `axis=0` fuses the parts in the checkpoint's layout
+        ([out, in]: the same grouping along the rows, the fused array transposed)."""
+        pieces = [np.split(t, self.shards, axis=axis) for t in tensors]
+        return np.concatenate([piece[s] for s in range(self.shards) for piece in pieces], axis=axis)
+
+
+def stacked_block(leaf: LeafSource, index: tuple[slice, ...], dtype, read: Callable[[str], np.ndarray]
+                  ) -> np.ndarray:
+    """One device's block (`index`) of a leaf: its stacking axes select tensor names, the rest slices each tensor
+    as `read(name)` returns it, cast to `dtype`."""
+    stack_rank = leaf.names.ndim
+    stack_index, tensor_index = index[:stack_rank], index[stack_rank:]
+    if not stack_rank:
+        return np.asarray(read(str(leaf.names))[tensor_index], dtype=dtype)
+    names = leaf.names[stack_index]
+    pieces = [np.asarray(read(name)[tensor_index], dtype=dtype) for name in names.flat]
+    return np.stack(pieces).reshape(names.shape + pieces[0].shape)
 
 
 Source = LeafSource | FusedSource
