@@ -223,21 +223,26 @@ class Call:
         """Runs one worker process to completion (or to the call's deadline) and returns what it saved."""
         task_path, result_path = self.workdir / f"task-{label}.json", self.workdir / f"result-{label}.json"
         result_path.unlink(missing_ok=True)
+        task_path.write_text(json.dumps(task | {"spawned_at": time.time()}))
+        command = [sys.executable, __file__, "--worker", kind, "--task", str(task_path), "--result", str(result_path)]
+        error = self.run_before_deadline(label, command)
+        data = json.loads(result_path.read_text()) if result_path.exists() else {"metrics": {}, "errors": []}
+        data["errors"] = data.get("errors", []) + ([error] if error else [])
+        return data
+
+    def run_before_deadline(self, label: str, command: list[str]) -> str | None:
+        """Runs `command` (a worker or a jengine command) until it ends or the call's deadline nears; the error
+        that says it did not run or was stopped, else None."""
         remaining = self.deadline - time.monotonic() - 15
         if remaining < 20:
-            return nothing(f"{label}: not run, the call's deadline is near")
-        task_path.write_text(json.dumps(task | {"spawned_at": time.time()}))
+            return f"{label}: not run, the call's deadline is near"
         env = os.environ | {"PYTHONUNBUFFERED": "1"} | ({} if self.gpu else {"JAX_PLATFORMS": "cpu"})
-        command = [sys.executable, __file__, "--worker", kind, "--task", str(task_path), "--result", str(result_path)]
         log(f"\n##### {label}")
-        errors = []
         try:
             subprocess.run(command, env=env, timeout=remaining, check=False)
         except subprocess.TimeoutExpired:
-            errors.append(f"{label}: stopped at the call's deadline")
-        data = json.loads(result_path.read_text()) if result_path.exists() else {"metrics": {}, "errors": []}
-        data["errors"] = data.get("errors", []) + errors
-        return data
+            return f"{label}: stopped at the call's deadline"
+        return None
 
     def hf_worker(self, task: dict[str, Any], label: str) -> dict[str, Any]:
         if "hf" not in self.args.sides or not self.args.hf_configs:
@@ -348,19 +353,13 @@ class Call:
         """One `jengine bench throughput` process; its JSON report, or {"error": ...}."""
         out = self.workdir / f"bench-throughput-{label}.json"
         out.unlink(missing_ok=True)
-        remaining = self.deadline - time.monotonic() - 15
-        if remaining < 20:
-            return {"error": f"{label}: not run, the call's deadline is near"}
         command = [sys.executable, "-m", "jengine", "bench", "throughput", "--model", str(self.model_dir),
                    "--dataset-name", "sharegpt-like", "--num-prompts", str(d["num_prompts"]),
                    "--input-len", str(d["input_len"]), "--output-len", str(d["output_len"]),
                    "--compilation-cache-dir", str(cache), "--output-json", str(out), *d["flags"], *flags]
-        log(f"\n##### bench throughput ({label}): {shlex.join(command[1:])}")
-        env = os.environ | ({} if self.gpu else {"JAX_PLATFORMS": "cpu"})
-        try:
-            subprocess.run(command, env=env, timeout=remaining, check=False)
-        except subprocess.TimeoutExpired:
-            return {"error": f"{label}: stopped at the call's deadline"}
+        error = self.run_before_deadline(f"bench throughput ({label}): {shlex.join(command[1:])}", command)
+        if error:
+            return {"error": error}
         return json.loads(out.read_text()) if out.exists() else {"error": f"{label}: no report (see the log)"}
 
     # ---------------------------------------------------------------- results

@@ -231,8 +231,7 @@ def run_prefill(llm: Any, vocab: np.ndarray, lengths: list[int], runs: int) -> d
     """TTFT of one fresh prompt of each length at a time (one token): median of `runs` after a warm-up request."""
     metrics, samples = {}, {}
     for n in lengths:
-        prompts = fixed_prompts(vocab, runs + 1, n, seed=n)
-        times = [generate(llm, [prompt], greedy(1))[0] for prompt in prompts][1:]
+        times = ttft(llm, [], fixed_prompts(vocab, runs + 1, n, seed=n))
         samples[f"ttft_prompt{n}_s"] = times
         metrics[f"ttft_prompt{n}_ms"] = statistics.median(times) * 1e3
         log(f"  prompt {n}: TTFT {metrics[f'ttft_prompt{n}_ms']:.1f} ms")
