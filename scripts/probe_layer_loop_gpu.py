@@ -8,7 +8,8 @@ instructions the compiled program holds (a slice copied out of the stack before 
 
 Part `engine`: the engine's jitted decode step at batch 1 on a random-weight Llama with Llama-3-8B layers (fewer of
 them, tiny vocabulary), with a profiler trace summarised by kernel name; `--engine-model qwen3-30b-a3b` (any shape
-of `moe_shapes.py`) profiles that MoE shape instead, its weights made on the device: the device step beside the
+of `moe_shapes.py`) profiles that MoE shape instead, `llama-3.1-8b` the whole dense shape (its 128k-token LM head
+and sampler), weights made on the device: the device step beside the
 engine's step period says whether a decode step waits on the host or on its kernels, the summary which kernels.
 
     PYTHONPATH=. python scripts/probe_layer_loop_gpu.py --out $OUT/probe.json
@@ -287,6 +288,16 @@ def timed_runner_calls(runner) -> dict[str, list[float]]:
     return times
 
 
+def dense_8b_dir(out: Path, layers: int) -> Path:
+    """A Llama-3.1-8B-shaped model directory (config.json and a tokenizer of its vocabulary; no weights)."""
+    from e2e_checkpoint import LLAMA_31_8B, llama_config, write_tokenizer
+
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps({**llama_config(LLAMA_31_8B), "num_hidden_layers": layers}))
+    write_tokenizer(out, LLAMA_31_8B["vocab_size"])
+    return out
+
+
 def engine_part(layers: int, steps: int, shape: str = "llama", batch: int = 1) -> dict[str, Any]:
     import jax
 
@@ -297,6 +308,9 @@ def engine_part(layers: int, steps: int, shape: str = "llama", batch: int = 1) -
     extra: dict[str, Any] = {}
     if shape == "llama":
         model = build_random_llama(Path(tempfile.mkdtemp()) / "llama", num_hidden_layers=layers, **LLAMA3_8B_LAYER)
+    elif shape == "llama-3.1-8b":  # the whole shape, its 128k-token LM head and sampler included
+        model = dense_8b_dir(Path(tempfile.mkdtemp()) / shape, layers)
+        extra = dict(load_format="dummy")
     else:
         from moe_shapes import write_shape
 
@@ -337,7 +351,8 @@ def main() -> None:
     parser.add_argument("--part", action="append", choices=["loop", "dsf", "engine"])
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--engine-layers", type=int, default=8)
-    parser.add_argument("--engine-model", default="llama", help="llama, or a shape of moe_shapes.py")
+    parser.add_argument("--engine-model", default="llama", help="llama (8B layers, tiny vocabulary), llama-3.1-8b "
+                        "(the whole shape: its vocabulary, dummy weights), or a shape of moe_shapes.py")
     parser.add_argument("--engine-batch", type=int, nargs="+", default=[1], help="decode batches profiled")
     parser.add_argument("--only", default=None)
     parser.add_argument("--engine-variant", nargs="*", default=[""], help="engine: profile the engine as each of "
