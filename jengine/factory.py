@@ -22,17 +22,15 @@ from jengine.lora.host_cache import AdapterCache
 from jengine.lora.peft import LoraAdapter, read_adapter
 from jengine.lora.request import LoRARequest
 from jengine.lora.runner_slots import RunnerLora
-from jengine.models.dummy import dummy_model, expected_dummy_params
+from jengine.models.dummy import dummy_model
 from jengine.models.formats import tokenizer_dir as resolve_tokenizer_dir
-from jengine.models.loader import expected_params, load_model, load_spec
+from jengine.models.loader import load_model, load_spec
 from jengine.models.spec import ModelSpec
 from jengine.parallel.distributed import agree_across_processes
 from jengine.parallel.distributed import initialize as initialize_processes
 from jengine.parallel.mesh import build_mesh, replica_devices
 from jengine.parallel.sharding import ParallelLayout, plan_layout
 from jengine.parallel.step_feed import StepPublisher
-from jengine.runner.compile import pins_shapes
-from jengine.runner.early_compile import EarlyCompile, planning_bytes
 from jengine.runner.kv_storage import log_plan, plan_kv_cache
 from jengine.runner.multi_process import PublishingRunner
 from jengine.runner.protocol import StepRunner
@@ -113,43 +111,6 @@ def load_weights(model: ModelConfig, layout: ParallelLayout) -> tuple[ModelSpec,
     if model.load_format == "dummy":
         return dummy_model(model.model, seed=model.seed, quantization=model.quantization, **placement)
     return load_model(model.model, quantization=model.quantization, **placement)
-
-
-def expected_weights(model: ModelConfig, layout: ParallelLayout) -> tuple[ModelSpec, dict, jax.numpy.dtype] | None:
-    """`load_weights`' result with `jax.ShapeDtypeStruct`s for the arrays, before any is read or made; None where
-    that cannot be told without reading (`models/loader.py:expected_params`)."""
-    placement = dict(dtype=model.dtype, sharding=layout.param_sharding, kv_head_repeat=layout.kv_head_repeat,
-                     projection_shards=layout.size, quantization=model.quantization)
-    if model.load_format == "dummy":
-        return expected_dummy_params(model.model, **placement)
-    return expected_params(model.model, **placement)
-
-
-def start_early_compile(config: EngineConfig, layout: ParallelLayout, device: jax.Device,
-                        pool: ThreadPoolExecutor) -> EarlyCompile | None:
-    """Starts compiling the step programs for the expected weights on `pool` (`runner/early_compile.py`), for the
-    common engine: shapes pinned at start-up, float weights told from the checkpoint's headers, one process, no
-    LoRA or speculative decoding. None where it does not apply; the runner then compiles as it always did."""
-    if config.speculative is not None or config.lora.enable_lora or config.parallel.num_processes > 1:
-        return None
-    expected = expected_weights(config.model, layout)
-    if expected is None:
-        return None
-    spec, params, dtype = expected
-    deterministic = resolve_deterministic(config, spec, params, layout, dtype, device.platform)
-    backend = select_backend(device.platform, config.runner.attention_backend, head_dim=spec.head_dim,
-                             mesh=layout.mesh, deterministic=deterministic)
-    if not pins_shapes(config.runner.compile_buckets, backend.name):
-        return None
-    if deterministic:
-        params = deterministic_params(params, spec, layout, device.platform)
-    plan = plan_kv_cache(spec, config.cache, config.scheduler, dtype, device, kv_shards=layout.size,
-                         weights_to_come=planning_bytes(params))
-
-    def compile_all() -> None:
-        ModelRunner(spec, params, dtype, config, plan, backend, layout, abstract=True)
-
-    return EarlyCompile.start(pool, compile_all, params, plan, deterministic)
 
 
 def log_weights(params: dict, seconds: float) -> None:
@@ -238,23 +199,17 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
     check_tokenizer(tokenizer_dir, config.model.load_format)  # a missing tokenizer fails before any weight is read
     # a malformed generation_config.json fails before any weight is read, as a missing tokenizer does
     sampling_defaults = load_sampling_defaults(config.model.model, config.model.generation_config)
-    device = next(d for d in devices if d.process_index == jax.process_index())  # memory stats: local only
     # Loading the tokenizer imports transformers (and, the first time, torch where installed): seconds that overlap
-    # the weights'. The compilation cache also remembers the tokenizer's class, so restarts skip torch. The step
-    # programs compile meanwhile where the weights' shapes can be told before loading (`runner/early_compile.py`).
-    pool = ThreadPoolExecutor(2, thread_name_prefix="start-up")
-    try:
+    # the weights'. The compilation cache also remembers the tokenizer's class, so restarts skip torch.
+    with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
         pending_tokenizer = pool.submit(Tokenizer.from_pretrained, tokenizer_dir, config.model.chat_template,
                                         config.runner.compilation_cache_dir)
-        early = start_early_compile(config, layout, device, pool)
         spec, params, dtype = load_weights(config.model, layout)
         log_weights(params, time.perf_counter() - started)
         tokenizer = pending_tokenizer.result()
-    finally:
-        pool.shutdown(wait=False)  # an error while loading need not wait for the compiles
     weights_at = time.perf_counter()
-    deterministic = (early.deterministic if early is not None
-                     else resolve_deterministic(config, spec, params, layout, dtype, device.platform))
+    device = next(d for d in devices if d.process_index == jax.process_index())  # memory stats: local only
+    deterministic = resolve_deterministic(config, spec, params, layout, dtype, device.platform)
     if deterministic:
         params = deterministic_params(params, spec, layout, device.platform)
     draft = head = None
@@ -271,8 +226,6 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
                                                 kv_shards=layout.size,
                                                 workspace=workspace_bytes(params, dtype, device.platform)
                                                 // layout.size))
-    if early is not None:
-        plan = early.settle(params, plan)
     if plan.num_tokens < config.scheduler.max_model_len:
         raise ConfigError(
             f"the KV cache holds {plan.num_tokens} tokens, fewer than one request of max_model_len="

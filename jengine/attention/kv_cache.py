@@ -65,15 +65,6 @@ def allocate(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding | No
                    out_shardings=shardings)()
 
 
-def abstract(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding) -> KVCache:
-    """`allocate`'s result as `jax.ShapeDtypeStruct`s with its shardings (nothing allocated)."""
-    kv = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-    if not is_fp8(dtype):
-        return kv
-    return QuantizedKV(kv, jax.ShapeDtypeStruct((shape[0], 2, shape[-2]), jnp.float32,
-                                                sharding=_scales_sharding(sharding)))
-
-
 def _scales_sharding(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
     if isinstance(sharding, NamedSharding):
         spec = tuple(sharding.spec) + (None,) * (6 - len(sharding.spec))

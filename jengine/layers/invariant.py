@@ -167,8 +167,7 @@ def make_invariant(params: dict, impl: InvariantImpl, tied: bool, layout=None) -
         return dict(mesh=layout.mesh, spec=layout.param_spec(f"['{name}']", 2))
 
     def wrap(name: str, leaf):
-        # ShapeDtypeStructs too: an abstract runner (`runner/early_compile.py`) compiles for the wrapped weights
-        if not (isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) and jnp.issubdtype(leaf.dtype, jnp.floating)):
+        if not (isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jnp.floating)):
             return leaf
         if name in projections and leaf.ndim == 2:
             return InvariantWeight(leaf, False, impl, **placement(name))

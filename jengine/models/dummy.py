@@ -20,7 +20,7 @@ import numpy as np
 
 from jengine.models.dummy_quant import quantized_makers
 from jengine.models.formats import read_model_config
-from jengine.models.loader import ShardingFor, _sharding_function, abstract_model, load_spec, resolve_dtype
+from jengine.models.loader import ShardingFor, _sharding_function, load_spec, resolve_dtype
 from jengine.models.spec import ModelSpec
 from jengine.models.weights import is_source, parameter_sources
 from jengine.progress import progress_bar
@@ -58,19 +58,6 @@ def dummy_model(
     logger.info("random (dummy) weights for %s (%s) from %s in %s", spec.architecture, spec.family, model_dir,
                 resolved.name)
     return spec, params, resolved
-
-
-def expected_dummy_params(model_dir: str | Path, dtype: str = "auto",
-                          sharding: jax.sharding.Sharding | ShardingFor | None = None, kv_head_repeat: int = 1,
-                          projection_shards: int = 1, quantization: str | None = None
-                          ) -> tuple[ModelSpec, dict, jnp.dtype] | None:
-    """`dummy_model`'s result with `jax.ShapeDtypeStruct`s for the arrays, making nothing; None for a quantized
-    model (its leaves are not plain arrays)."""
-    if quantization is not None or "quantization_config" in read_model_config(model_dir):
-        return None
-    spec = load_spec(model_dir)
-    resolved = resolve_dtype(dtype, spec.checkpoint_dtype, jax.devices()[0].platform)
-    return abstract_model(spec, resolved, sharding, kv_head_repeat, projection_shards) + (resolved,)
 
 
 def random_params(sources: dict, dtype: jnp.dtype, sharding_for: ShardingFor, seed: int, progress: bool,

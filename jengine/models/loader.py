@@ -134,35 +134,6 @@ def load_model(
     return spec, _with_kv_scales(params, spec, kv_scales, sharding_for), resolved
 
 
-def expected_params(model_dir: str | Path, dtype: str = "auto",
-                    sharding: jax.sharding.Sharding | ShardingFor | None = None, kv_head_repeat: int = 1,
-                    projection_shards: int = 1, quantization: str | None = None
-                    ) -> tuple[ModelSpec, dict, jnp.dtype] | None:
-    """`load_model`'s result with `jax.ShapeDtypeStruct`s (shardings included) for the arrays, told from config.json
-    and the tensors' headers without reading a weight; None where telling takes reading (quantized and GGUF
-    checkpoints, KV-cache scales, a tied LM head the checkpoint also stores)."""
-    if Path(model_dir).is_file() or quantization is not None or "quantization_config" in read_model_config(model_dir):
-        return None
-    spec = load_spec(model_dir)
-    with open_checkpoint(model_dir) as reader:
-        if not isinstance(reader, CheckpointReader) or (spec.tie_word_embeddings and LM_HEAD in reader):
-            return None
-        if any(name in reader for template in KV_SCALE_TEMPLATES
-               for name in kv_scale_names(spec.num_layers, template).flat):
-            return None
-        resolved = resolve_dtype(dtype, spec.checkpoint_dtype or checkpoint_dtype(reader), jax.devices()[0].platform)
-    return abstract_model(spec, resolved, sharding, kv_head_repeat, projection_shards) + (resolved,)
-
-
-def abstract_model(spec: ModelSpec, dtype: jnp.dtype, sharding: jax.sharding.Sharding | ShardingFor | None,
-                   kv_head_repeat: int, projection_shards: int) -> tuple[ModelSpec, dict]:
-    """The placed model's spec and its float parameters as `jax.ShapeDtypeStruct`s."""
-    sources = parameter_sources(spec, kv_head_repeat, projection_shards)
-    placed = dataclasses.replace(spec, num_kv_heads=spec.num_kv_heads * kv_head_repeat,
-                                 projection_shards=projection_shards)
-    return placed, _abstract_params(sources, dtype, _sharding_function(sharding))
-
-
 def _tied_as_in_the_checkpoint(spec: ModelSpec, reader: CheckpointReader) -> ModelSpec:
     """A config that ties the LM head to the embedding, in a checkpoint that also holds a different lm_head.weight:
     that head is used, as HF transformers 5 does (an identical copy keeps the tie, and no second array)."""

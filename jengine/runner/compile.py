@@ -33,12 +33,6 @@ logger = logging.getLogger(__name__)
 MAX_COMPILE_THREADS = 8  # each compile holds a copy of the program's HLO; 8 keep a 16-core host busy
 
 
-def pins_shapes(compile_buckets: str, backend_name: str) -> bool:
-    """Whether a runner compiles every bucket at start-up: `all`, or `auto` with a kernel backend (an accelerator;
-    the CPU's jnp reference compiles lazily, keeping tests fast)."""
-    return compile_buckets == "all" or (compile_buckets == "auto" and backend_name != "reference")
-
-
 @dataclasses.dataclass(frozen=True)
 class StepShape:
     tokens: int
@@ -73,9 +67,7 @@ def warm_up(compile_one: Callable[[StepBatch], tuple[float, float]], run_one: Ca
             batches: Sequence[StepBatch], num_shapes: int, progress: bool = True) -> int:
     """Compiles the step for `batches` ahead of time on threads (`compile_one`), then runs each once (`run_one`,
     which returns what to wait for); returns how many step programs the runs compiled."""
-    precompiled = _compile_threads() > 1 and len(batches) > 1  # else the runs compile them, one after another
-    if precompiled:
-        precompile(compile_one, batches, progress)
+    precompiled = _precompile(compile_one, batches, progress)
     before, start = num_compiled_shapes(), time.perf_counter()
     pending = None
     for batch in progress_bar(batches, desc="Warming up step buckets" if precompiled else "Compiling step buckets",
@@ -89,14 +81,12 @@ def warm_up(compile_one: Callable[[StepBatch], tuple[float, float]], run_one: Ca
     return compiled
 
 
-def _compile_threads() -> int:
-    return min(MAX_COMPILE_THREADS, os.cpu_count() or 1)
-
-
-def precompile(compile_one: Callable[[StepBatch], tuple[float, float]], batches: Sequence[StepBatch],
-               progress: bool) -> None:
-    """Compiles every batch's programs on a thread pool (nothing runs)."""
-    workers = _compile_threads()
+def _precompile(compile_one: Callable[[StepBatch], tuple[float, float]], batches: Sequence[StepBatch],
+                progress: bool) -> bool:
+    """Compiles every batch's programs on a thread pool (nothing runs); False where one thread would do it all."""
+    workers = min(MAX_COMPILE_THREADS, os.cpu_count() or 1)
+    if workers <= 1 or len(batches) <= 1:
+        return False
     start, lowering, compiling = time.perf_counter(), 0.0, 0.0
     with ThreadPoolExecutor(workers) as pool, progress_bar(total=len(batches), desc="Compiling step buckets",
                                                            enabled=progress) as bar:
@@ -106,6 +96,7 @@ def precompile(compile_one: Callable[[StepBatch], tuple[float, float]], batches:
     logger.info("compiled %d step variants on %d threads in %.1f s (summed over threads: tracing and lowering "
                 "%.1f s, XLA compile or cache load %.1f s)", len(batches), workers, time.perf_counter() - start,
                 lowering, compiling)
+    return True
 
 
 class RecompileGuard:

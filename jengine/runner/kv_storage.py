@@ -57,17 +57,13 @@ def activation_reserve(spec: ModelSpec, sched: SchedulerConfig) -> int:
 
 
 def plan_kv_cache(spec: ModelSpec, cache: CacheConfig, sched: SchedulerConfig, dtype, device: jax.Device,
-                  kv_shards: int = 1, workspace: int = 0, weights_to_come: int = 0) -> KVPlan:
+                  kv_shards: int = 1, workspace: int = 0) -> KVPlan:
     """`device` is one of the engine's devices (they are alike); with `kv_shards` devices sharing the KV heads,
     each holds 1/kv_shards of every block, so its memory fits that many more blocks. `workspace`: bytes per device
-    the step needs besides the activations (8-bit weights' temporary copies, `layers/quant.py:workspace_bytes`).
-    `weights_to_come`: bytes per device the weights will take beyond what the device holds now (a plan made before
-    they are loaded)."""
+    the step needs besides the activations (8-bit weights' temporary copies, `layers/quant.py:workspace_bytes`)."""
     kv_dtype = kv_cache.cache_dtype(cache.kv_cache_dtype, dtype)
     per_block = bytes_per_block(spec, cache.block_size, kv_dtype)
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if stats and weights_to_come:
-        stats = {**stats, "bytes_in_use": stats.get("bytes_in_use", 0) + weights_to_come}
     if cache.num_gpu_blocks_override:
         check_override_fits(cache.num_gpu_blocks_override, per_block // kv_shards, stats)
         return KVPlan(cache.num_gpu_blocks_override, cache.block_size, per_block, "num_gpu_blocks_override", kv_dtype)
@@ -121,8 +117,3 @@ def allocate(spec: ModelSpec, plan: KVPlan, sharding: jax.sharding.Sharding | No
     step)."""
     shape = kv_cache_shape(spec, plan.num_blocks, plan.block_size)
     return kv_cache.allocate(shape, plan.kv_dtype, sharding)
-
-
-def abstract_cache(spec: ModelSpec, plan: KVPlan, sharding: jax.sharding.Sharding) -> kv_cache.KVCache:
-    """`allocate`'s shapes, dtypes and shardings, allocating nothing."""
-    return kv_cache.abstract(kv_cache_shape(spec, plan.num_blocks, plan.block_size), plan.kv_dtype, sharding)

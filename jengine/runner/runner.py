@@ -27,7 +27,7 @@ from jengine.models.spec import ModelSpec
 from jengine.parallel.sharding import ParallelLayout
 from jengine.runner.buckets import StepBuckets, pick, powers_of_two
 from jengine.runner.input_batch import InputBatch, StepInputs
-from jengine.runner.kv_storage import KVPlan, abstract_cache, allocate
+from jengine.runner.kv_storage import KVPlan, allocate
 from jengine.runner import compile as compiling
 from jengine.runner.compile import RecompileGuard, StepShape, padding_inputs, pinned_shapes
 from jengine.runner.host_pack import pack
@@ -69,31 +69,15 @@ class InFlightStep:
     verification: tuple[VerifyPlan, VerifyOutput] | None = None  # a step verifying drafts: its rows and verdicts
 
 
-def initial_state(spec: ModelSpec, plan: KVPlan, layout: ParallelLayout, max_num_seqs: int) -> StepState:
-    """The zeroed KV pool and token feed, placed."""
-    return StepState(allocate(spec, plan, layout.kv_cache_sharding),
-                     jax.device_put(np.zeros(max_num_seqs, np.int32), layout.replicated))
-
-
-def abstract_state(spec: ModelSpec, plan: KVPlan, layout: ParallelLayout, max_num_seqs: int) -> StepState:
-    """`initial_state`'s shapes, dtypes and shardings, allocating nothing."""
-    feed = jax.ShapeDtypeStruct((max_num_seqs,), np.int32, sharding=layout.replicated)
-    return StepState(abstract_cache(spec, plan, layout.kv_cache_sharding), feed)
-
-
 class ModelRunner:
     """A `StepRunner` over this process's devices; the jitted step is `step(params, state, batch)`."""
 
     def __init__(self, spec: ModelSpec, params: dict, dtype, config: EngineConfig, plan: KVPlan,
                  backend: AttentionBackend, layout: ParallelLayout, lora: RunnerLora | None = None,
-                 proposer: Proposer | None = None, abstract: bool = False) -> None:
+                 proposer: Proposer | None = None) -> None:
         """`params` are already placed as `layout` says; the KV cache is allocated here with its sharding.
         `lora`: the adapters' device slots and the host cache they load from (LoRA enabled). `proposer`:
-        speculation's, when it holds device state of its own (a draft model); else built here.
-
-        `abstract`: `params` are `jax.ShapeDtypeStruct`s (with their shardings) and nothing is allocated or run: the
-        runner only compiles the step programs a real runner of these arguments will find compiled
-        (`early_compile.py`); it cannot execute."""
+        speculation's, when it holds device state of its own (a draft model); else built here."""
         self.spec, self.params, self.dtype = spec, params, dtype
         self.lora = lora
         self.config = config
@@ -102,13 +86,15 @@ class ModelRunner:
         max_blocks = -(-sched.max_model_len // plan.block_size)
         self.buckets = StepBuckets.build(sched.max_num_batched_tokens, sched.max_num_seqs, max_blocks)
         self.layout = layout
-        pin = compiling.pins_shapes(config.runner.compile_buckets, backend.name)
+        mode = config.runner.compile_buckets
+        pin = mode == "all" or (mode == "auto" and backend.name != "reference")
         self.batch = InputBatch(sched.max_num_seqs, sched.max_model_len, plan.block_size,
                                 plan.num_blocks * plan.block_size, self.buckets, pin_shapes=pin)
         self.backend = backend
         self.sampling_rows = SamplingRowTable(sched.max_num_seqs, engine_seed=config.model.seed,
                                               row_reduction=row_reduction_for(params))
-        self.state = (abstract_state if abstract else initial_state)(spec, plan, layout, sched.max_num_seqs)
+        self.state = StepState(allocate(spec, plan, layout.kv_cache_sharding),
+                               jax.device_put(np.zeros(sched.max_num_seqs, np.int32), layout.replicated))
         speculative = config.speculative
         self.proposer = proposer or (build_proposer(speculative) if speculative else None)
         capture = None if self.proposer is None else self.proposer.hidden_capture
@@ -120,9 +106,7 @@ class ModelRunner:
         self._speculates = np.zeros(sched.max_num_seqs, bool)  # per row: its request may speculate
         self.recompile_guard = RecompileGuard()
         self._waiting: WaitingSampler | None = None  # the last dispatched step, while its sampler waits for masks
-        if pin and abstract:
-            self.precompile(pinned_shapes(self.buckets))
-        elif pin:
+        if pin:
             self.warm_up(pinned_shapes(self.buckets))
             if speculative is None:  # verification steps add shapes (k + 1 rows per request) compiled on first use
                 self.recompile_guard.arm()
@@ -285,23 +269,17 @@ class ModelRunner:
     def warm_up(self, shapes: list[StepShape], progress: bool = True) -> int:
         """Compiles the step for `shapes` (greedy and sampling variants of the sampler) by running padding-only
         steps; returns the compile count."""
+        batches = [self.padding_batch(shape, sampled, masked)
+                   for masked in (False, True) for shape in shapes for sampled in (0, 1)]
+
+        def compile_one(batch: StepBatch) -> tuple[float, float]:
+            return self._compile_step(self.step_params, self.state, batch)
 
         def run_one(batch: StepBatch) -> StepState:
             self.state, _ = self._step(self.step_params, self.state, batch)
             return self.state
 
-        return compiling.warm_up(self._compile_one, run_one, self._warm_up_batches(shapes), len(shapes), progress)
-
-    def precompile(self, shapes: list[StepShape]) -> None:
-        """Compiles what `warm_up(shapes)` runs, running nothing (an abstract runner's whole start-up)."""
-        compiling.precompile(self._compile_one, self._warm_up_batches(shapes), progress=False)
-
-    def _warm_up_batches(self, shapes: list[StepShape]) -> list[StepBatch]:
-        return [self.padding_batch(shape, sampled, masked)
-                for masked in (False, True) for shape in shapes for sampled in (0, 1)]
-
-    def _compile_one(self, batch: StepBatch) -> tuple[float, float]:
-        return self._compile_step(self.step_params, self.state, batch)
+        return compiling.warm_up(compile_one, run_one, batches, len(shapes), progress)
 
     def padding_batch(self, shape: StepShape, num_sampled: int, masked: bool = False) -> StepBatch:
         """A padding-only step of `shape` that samples `num_sampled` rows (0: the greedy variant) and records
