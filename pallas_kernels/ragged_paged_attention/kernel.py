@@ -36,6 +36,7 @@ scratch. Rows of padding tokens come back as zeros.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -201,7 +202,7 @@ def _prefill_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, tile_seq_r
         acc, m, l = attend(q, first_pos + t, src, lo, hi, first_pos, last_pos, window,
                             block_n=cfg.block_n, scores=scores, k_scale=k_scale)
         out, _ = finish(acc, m, l, v_scale)
-        store_rows(o_ref, tok, head, valid, out)
+        store_rows(o_ref, tok, head, valid, tuple(0.0 + part for part in out))  # as the decode kernel's (-0.0 → 0.0)
 
     @pl.when(b >= geo.num_seqs)
     def _():
@@ -264,11 +265,11 @@ def _merge_call(q, out, partials, layer_window, qsl, lens, geo, tuning, interpre
     )(layer_window[1], qsl, lens, *partials, *into)
 
 
-def _prefill_tiles(qsl, geo: Geometry, tuning: Tuning, single_path: bool = False):
+def _prefill_tiles(qsl, geo: Geometry, tuning: Tuning):
     """Static-length table of query tiles: (request, first new-token index) per tile, heaviest (latest) tile of a
-    request first; the spare tiles at the end get (num_seqs, first padding token to zero). `single_path`: tiles
-    for every request, decodes included (none is left to the decode kernel)."""
-    tpt_dec = 0 if single_path else tokens_per_tile(geo, tuning.decode)
+    request first; the spare tiles at the end get (num_seqs, first padding token to zero). Requests that fit the
+    decode kernel get none."""
+    tpt_dec = tokens_per_tile(geo, tuning.decode)
     tpt = tokens_per_tile(geo, tuning.prefill)
     num_tiles = cdiv(geo.num_tokens, tpt) + min(geo.num_seqs, geo.num_tokens // (tpt_dec + 1))
     q_len = qsl[1:] - qsl[:-1]
@@ -283,10 +284,9 @@ def _prefill_tiles(qsl, geo: Geometry, tuning: Tuning, single_path: bool = False
     return num_tiles, seq, q0.astype(jnp.int32)
 
 
-def _prefill_call(q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning, scores, interpret,
-                  single_path: bool = False):
+def _prefill_call(q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning, scores, interpret):
     cfg = tuning.prefill
-    num_tiles, tile_seq, tile_q0 = _prefill_tiles(qsl, geo, tuning, single_path)
+    num_tiles, tile_seq, tile_q0 = _prefill_tiles(qsl, geo, tuning)
     kernel = functools.partial(_prefill_kernel, geo=geo, cfg=cfg, scores=scores)
     return pl.pallas_call(
         kernel,
@@ -301,8 +301,8 @@ def _prefill_call(q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning,
 
 def merge_free(table_positions: int, split: SplitConfig) -> bool:
     """Whether a step's decodes need no merge: a request's context is at most its block table's positions, and
-    when those fit one split, no request has more than one."""
-    return table_positions <= split.split_tokens
+    when those fit one split, no request has more than one (nor with one split at most)."""
+    return split.max_splits == 1 or table_positions <= split.split_tokens
 
 
 def decode_only_start(q: Array) -> Array | None:
@@ -331,9 +331,9 @@ def ragged_paged_attention_impl(
     scores = Scores(float(scale), float(soft_cap) if soft_cap else None, precision)
     qsl, lens, bt = (jnp.asarray(a, jnp.int32) for a in (query_start_loc, seq_lens, block_tables))
     layer_window = _scalars(layer, sliding_window)
-    args = (q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning, scores, interpret)
     if single_path:
-        return _prefill_call(*args, single_path=True)
+        tuning, scores = tuning.batch_invariant(), dataclasses.replace(scores, sums_by_mma=True)
+    args = (q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning, scores, interpret)
     direct = merge_free(bt.shape[1] * block_size, tuning.split)
     partials = None if direct else _decode_call(*args)
     decode_only = max_query_len <= tokens_per_tile(geo, tuning.decode)  # no prefill launch
@@ -369,10 +369,11 @@ def ragged_paged_attention(
     `query_start_loc[-1]`) are zeros. Raises `UnsupportedShapeError` for head dims or block sizes the kernel does
     not handle; ValueError for missing or misshaped scales.
 
-    `single_path` (the batch-invariant mode): every request through the prefill kernel, whose row walks its
-    context from position 0 in one program. By default a request with a few new tokens goes to the split-K decode
-    kernel, whose reduction order differs: a prompt whose last chunk is short (a prefix-cache hit, a chunk budget)
-    would then round its logits differently from the same prompt in one piece.
+    `single_path` (the batch-invariant mode): every row adds up the same KV tiles in the same order whichever
+    kernel serves it, so a prompt whose last chunk is short (a prefix-cache hit, a chunk budget) rounds its logits
+    as the same prompt in one piece does (`Tuning.batch_invariant`: the decode kernel in one split, over tiles as
+    wide as the prefill kernel's, row sums on the tensor cores in both). By default a request with a few new tokens
+    goes to the split-K decode kernel, whose splits and tiles follow its own length and the decode tuning.
     """
     return ragged_paged_attention_impl(
         q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale=scale, sliding_window=sliding_window,

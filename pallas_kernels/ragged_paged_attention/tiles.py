@@ -129,11 +129,14 @@ def unpack_fp8_pairs(x16, dtype):
 
 @dataclasses.dataclass(frozen=True)
 class Scores:
-    """Static score transform: scale, optional soft cap, conversion to base 2 (the loop uses exp2)."""
+    """Static score transform: scale, optional soft cap, conversion to base 2 (the loop uses exp2). `sums_by_mma`
+    (the batch-invariant mode): the softmax's row sums are taken by the tensor cores, as the output's are, so a row
+    adds up in one order whatever the tile's shape and warps (a `jnp.sum` follows the register layout)."""
 
     scale: float
     soft_cap: float | None
     precision: lax.Precision | None
+    sums_by_mma: bool = False
 
     def __call__(self, q, k, k_scale=1.0):
         """`q`, `k`: tuples of matching column parts (their dot products add up to q·kᵀ). `k_scale`: the float8
@@ -170,8 +173,12 @@ def attend(q, q_pos, src: KVSource, lo, hi, first_pos, last_pos, window, *, bloc
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s - m_new[:, None])
-            l = l * alpha + jnp.sum(p, axis=1)
-            p = p.astype(v[0].dtype)
+            if scores.sums_by_mma:
+                p = p.astype(v[0].dtype)
+                l = l * alpha + row_sums_by_mma(p, scores.precision)
+            else:
+                l = l * alpha + jnp.sum(p, axis=1)
+                p = p.astype(v[0].dtype)
             acc = tuple(a * alpha[:, None] + pltr.dot(p, vp, precision=scores.precision) for a, vp in zip(acc, v))
             return acc, m_new, l
 
@@ -186,6 +193,16 @@ def attend(q, q_pos, src: KVSource, lo, hi, first_pos, last_pos, window, *, bloc
     carry = lax.fori_loop(t0, u0, step(True), carry)
     carry = lax.fori_loop(u0, u1, step(False), carry)
     return lax.fori_loop(u1, t1, step(True), carry)
+
+
+MMA_N = 16  # the narrowest product the tensor cores (and Triton's dot) take
+
+
+def row_sums_by_mma(p, precision):
+    """Each row's sum of `p` as a product with a ones matrix: the tensor cores add the row in 16-wide slices in a
+    fixed chain, whatever the tile's rows or warps. All MMA_N columns hold the same sum; their max is exact."""
+    ones = jnp.ones((p.shape[1], MMA_N), p.dtype)
+    return jnp.max(pltr.dot(p, ones, precision=precision), axis=1)
 
 
 def finish(acc, m, l, v_scale=1.0):

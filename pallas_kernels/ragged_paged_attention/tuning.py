@@ -38,6 +38,14 @@ class Tuning:
     prefill: KernelConfig
     split: SplitConfig
 
+    def batch_invariant(self) -> Tuning:
+        """The tuning of the batch-invariant mode: short requests still go to the decode kernel, but in one split
+        and walking KV tiles as wide as the prefill kernel's, so each row adds up the same tiles in the same order
+        in either kernel (their row sums then also go through the tensor cores: `Scores.sums_by_mma`)."""
+        decode = dataclasses.replace(self.decode, block_n=self.prefill.block_n)
+        return Tuning(decode=decode, prefill=self.prefill, split=SplitConfig(split_tokens=decode.block_n,
+                                                                             max_splits=1))
+
 
 def default_tuning(head_dim: int, group: int, quantized: bool = False) -> Tuning:
     """The table: chosen on an H200 for Llama-3-8B-like shapes (32 q / 8 kv heads, d=128, bf16) by

@@ -215,6 +215,35 @@ def test_single_path_matches_reference_and_a_short_last_chunk_equals_the_whole_p
     np.testing.assert_array_equal(_single_path(FIXED, chunk, 64)[:2], _single_path(FIXED, whole, 64)[38:40])
 
 
+def _last_rows_as_own_chunk(batch: Batch, count: int) -> Batch:
+    """The batch's one request with only its last `count` new tokens (the same context and cache)."""
+    n = batch.num_real_tokens
+    q = np.zeros(np.shape(batch.q), np.float32)
+    q[:count] = np.asarray(batch.q, np.float32)[n - count:n]
+    starts = np.concatenate([[0], np.full(batch.seq_lens.shape[0], count)]).astype(np.int32)
+    return dataclasses.replace(batch, q=jnp.asarray(q, batch.q.dtype), num_real_tokens=count,
+                               query_start_loc=jnp.asarray(starts))
+
+
+@pytest.mark.parametrize("window", [0, 50])
+def test_single_path_decode_kernel_rows_equal_the_prefill_kernel_rows_across_kv_tiles(window):
+    """Production tiles (KV tiles of 128, bf16, d=128) over a 180-token context: the last 1 or 3 tokens of a
+    40-token chunk (prefill kernel) are bitwise the rows the decode kernel gives them as a decode or a short chunk,
+    with and without a sliding window."""
+    bucket = Bucket(q_heads=8, kv_heads=2, head_dim=128, width=12, dtype=jnp.bfloat16)
+    chunk = build(bucket, [40], [180], seed=7)
+
+    def run(batch: Batch, max_query_len: int) -> np.ndarray:
+        return np.asarray(kernel.ragged_paged_attention(
+            batch.q, batch.kv_kernel, LAYER, batch.query_start_loc, batch.seq_lens, batch.block_tables,
+            scale=bucket.head_dim ** -0.5, sliding_window=jnp.int32(window), max_query_len=max_query_len,
+            interpret=True, single_path=True), np.float32)
+
+    whole = run(chunk, 64)
+    for count in (1, 3):
+        np.testing.assert_array_equal(run(_last_rows_as_own_chunk(chunk, count), 4)[:count], whole[40 - count:40])
+
+
 def _widened(batch: Batch, width: int) -> Batch:
     """The same batch with its block tables padded to `width` columns (never read: past every context)."""
     tables = np.zeros((batch.block_tables.shape[0], width), np.int32)

@@ -1,0 +1,177 @@
+"""GPU check of the batch-invariant attention (`single_path`, the deterministic engine's): bitwise, then its cost.
+
+Bits, on Llama-3.1-8B's attention shapes (32 query / 8 KV heads, d=128, bf16, pages of 16): a request's last 1 and 3
+rows computed inside a 40-token chunk (the prefill kernel) against the same rows as their own decode or short chunk
+(the decode kernel), over contexts of 180 and 1,000 positions (KV tiles crossed), with and without a sliding
+window; and one request's decode row alone against the same row at the top of a 64-request decode step and of a
+mixed step (beside a 200-token prefill).
+
+Time, a decode-only step (one token per request) at batch 64 × 4k, 256 × 576 and 8 × 32k, three ways: the invariant
+path, the path it replaced (every request through the prefill kernel), and the default split-K decode path; each
+with the step's KV bytes ÷ the copy bandwidth measured in the same process.
+
+    PYTHONPATH=. python scripts/check_invariant_attention_gpu.py --out $OUT/invariant-attention.json --git-sha <sha>
+    PYTHONPATH=. python scripts/check_invariant_attention_gpu.py --smoke --out /tmp/inv.json   # CPU: paths only
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_bench_common import copy_bandwidth, log, timeit  # noqa: E402
+
+Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+TIMED = ((64, 4096), (256, 576), (8, 32768))
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    q: Any
+    kv: Any
+    qsl: Any
+    lens: Any
+    tables: Any
+    max_query_len: int
+
+
+def make_step(q_lens: list[int], contexts: list[int], *, seed: int, num_tokens: int | None = None,
+              width: int | None = None) -> Step:
+    """Random queries and cache; each request's pages drawn at random from the pool (page 0 unused)."""
+    import jax
+    import jax.numpy as jnp
+
+    pages = [-(-c // BLOCK) for c in contexts]
+    width = width or max(pages)
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(np.arange(1, sum(pages) + 1))
+    tables = np.zeros((len(contexts), width), np.int32)
+    used = 0
+    for i, n in enumerate(pages):
+        tables[i, :n] = order[used:used + n]
+        used += n
+    keys = jax.random.split(jax.random.key(seed))
+    tokens = num_tokens or sum(q_lens)
+    kv = jax.random.normal(keys[0], (1, sum(pages) + 1, BLOCK, 2, KV_HEADS, HEAD_DIM), jnp.bfloat16)
+    q = jax.random.normal(keys[1], (tokens, Q_HEADS, HEAD_DIM), jnp.bfloat16)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    return Step(q, kv, jnp.asarray(qsl), jnp.asarray(contexts, jnp.int32), jnp.asarray(tables), max(q_lens))
+
+
+def attention(step: Step, *, single_path: bool, window: int = 0, interpret: bool = False):
+    from pallas_kernels.ragged_paged_attention import kernel
+
+    return kernel.ragged_paged_attention(step.q, step.kv, 0, step.qsl, step.lens, step.tables,
+                                         scale=HEAD_DIM ** -0.5, sliding_window=np.int32(window),
+                                         max_query_len=step.max_query_len, interpret=interpret,
+                                         single_path=single_path)
+
+
+@functools.cache
+def prefill_only(interpret: bool):
+    """The invariant path before: every request through the prefill kernel (no request fits a 2-row decode tile)."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.ragged_paged_attention import kernel
+    from pallas_kernels.ragged_paged_attention.tiles import Geometry, Scores
+    from pallas_kernels.ragged_paged_attention.tuning import default_tuning
+
+    base = default_tuning(HEAD_DIM, Q_HEADS // KV_HEADS)
+    tuning = dataclasses.replace(base, decode=dataclasses.replace(base.decode, block_m=2))
+
+    @jax.jit
+    def run(q, kv, qsl, lens, tables):
+        geo = Geometry(q.shape[0], lens.shape[0], Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK, False)
+        return kernel._prefill_call(q, kv, jnp.ones((1,), jnp.float32), kernel._scalars(0, 0), qsl, lens, tables,
+                                    geo, tuning, Scores(HEAD_DIM ** -0.5, None, None), interpret)
+
+    return run
+
+
+def bits(x) -> np.ndarray:
+    return np.asarray(x).view(np.uint16)
+
+
+def chunk_checks(interpret: bool) -> dict[str, bool]:
+    """The last `count` rows of a 40-token chunk against the same rows as their own (decode-kernel) chunk."""
+    import jax.numpy as jnp
+
+    out = {}
+    for context in (180, 1000):
+        whole = make_step([40], [context], seed=context)
+        for window in (0, 50):
+            rows = bits(attention(whole, single_path=True, window=window, interpret=interpret))
+            for count in (1, 3):
+                q = jnp.zeros_like(whole.q).at[:count].set(whole.q[40 - count:40])
+                part = dataclasses.replace(whole, q=q, qsl=jnp.asarray([0, count], jnp.int32), max_query_len=count)
+                got = bits(attention(part, single_path=True, window=window, interpret=interpret))
+                out[f"ctx{context}_window{window}_last{count}"] = bool((got[:count] == rows[40 - count:40]).all())
+    return out
+
+
+def batch_checks(interpret: bool, batch: int = 64) -> dict[str, bool]:
+    """One request's decode row alone, at the top of a decode-only batch, and beside a prefill."""
+    import jax.numpy as jnp
+
+    contexts = [700] + [300 + 37 * i for i in range(batch - 1)]
+    full = make_step([1] * batch, contexts, seed=3)
+    alone = dataclasses.replace(full, q=full.q[:1], qsl=full.qsl[:2], lens=full.lens[:1], tables=full.tables[:1])
+    mixed_q = jnp.concatenate([full.q[:1], make_step([200], [400], seed=4).q]).astype(full.q.dtype)
+    mixed = dataclasses.replace(full, q=mixed_q, qsl=jnp.asarray([0, 1, 201], jnp.int32),
+                                lens=jnp.asarray([700, 400], jnp.int32),
+                                tables=full.tables[:2].at[1].set(full.tables[1]), max_query_len=200)
+    row = bits(attention(alone, single_path=True, interpret=interpret))[:1]
+    return {"top_of_decode_batch": bool((bits(attention(full, single_path=True, interpret=interpret))[:1]
+                                         == row).all()),
+            "beside_a_prefill": bool((bits(attention(mixed, single_path=True, interpret=interpret))[:1]
+                                      == row).all())}
+
+
+def timings(bandwidth: float) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for batch, context in TIMED:
+        step = make_step([1] * batch, [context] * batch, seed=batch)
+        kv_bytes = batch * context * KV_HEADS * HEAD_DIM * 2 * 2
+        ways = {"invariant": lambda s=step: attention(s, single_path=True),
+                "prefill_only": lambda s=step: prefill_only(False)(s.q, s.kv, s.qsl, s.lens, s.tables),
+                "default": lambda s=step: attention(s, single_path=False)}
+        for name, fn in ways.items():
+            seconds = timeit(fn)
+            out[f"{name}_b{batch}_ctx{context}_us"] = seconds * 1e6
+            out[f"{name}_b{batch}_ctx{context}_bw_fraction"] = kv_bytes / seconds / bandwidth
+        log(batch, context, {k: round(v, 3) for k, v in out.items() if f"_b{batch}_" in k})
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--git-sha", default="unknown")
+    parser.add_argument("--smoke", action="store_true", help="interpret mode on the CPU, no timings")
+    args = parser.parse_args()
+    import jax
+
+    record: dict[str, Any] = {"git_sha": args.git_sha, "device": jax.devices()[0].device_kind}
+    record["bitwise"] = {**chunk_checks(args.smoke), **batch_checks(args.smoke, 4 if args.smoke else 64)}
+    log(record["bitwise"])
+    if not args.smoke:
+        _, bandwidth = copy_bandwidth()
+        record["copy_tb_per_s"] = bandwidth / 1e12
+        record["metrics"] = timings(bandwidth)
+    Path(args.out).write_text(json.dumps(record, indent=1))
+    log(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()
