@@ -75,7 +75,7 @@ def select_backend(platform: str, requested: str = "auto", head_dim: int | None 
     """`auto` picks the fastest backend the platform has; a named backend is taken as asked. On the GPU the Pallas
     kernels serve head_dim 64/128 (unknown head_dim: the backend itself falls back at trace time); others get the
     reference, with a log line saying why. `mesh`: the engine's tensor-parallel mesh (kernels run per device).
-    `deterministic`: every request through one attention code path (`--deterministic`)."""
+    `deterministic`: a row's attention arithmetic the same whatever its batch (`--deterministic`)."""
     if requested != "auto":
         if requested not in BACKENDS:
             raise ValueError(f"unknown attention backend {requested!r}; available: {sorted(BACKENDS)}")
@@ -100,12 +100,12 @@ def _fastest(platform: str, head_dim: int | None, mesh) -> AttentionBackend:
 
 
 def has_invariant_path(backend: AttentionBackend) -> bool:
-    """Whether the backend can run every request through one code path (`deterministic`)."""
+    """Whether the backend has a batch-invariant attention mode (`deterministic`)."""
     return dataclasses.is_dataclass(backend) and any(f.name == "invariant" for f in dataclasses.fields(backend))
 
 
 def _deterministic(backend: AttentionBackend, platform: str) -> AttentionBackend:
-    """The backend with one code path for every row. The reference attention keeps a row's result on the CPU
+    """The backend in its batch-invariant mode. The reference attention keeps a row's result on the CPU
     whatever the batch (the engine's tests hold it); on a GPU its XLA reductions follow the shape, so it is refused
     rather than served as deterministic."""
     if has_invariant_path(backend):

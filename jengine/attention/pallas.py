@@ -64,7 +64,8 @@ class PallasGpuBackend:
     # Tensor parallelism: a kernel is per-device code, so on a multi-device mesh it runs under `shard_map`, each
     # device on its own query heads and the KV heads they use (the cache is split by KV head).
     mesh: Mesh | None = None
-    # Batch-invariant mode (`--deterministic`): every request through one attention code path (`single_path`)
+    # Batch-invariant mode (`--deterministic`): a row's attention adds up the same way in either kernel
+    # (`single_path`)
     invariant: bool = False
 
     @property

@@ -200,9 +200,9 @@ def _single_path(bucket: Bucket, batch: Batch, max_query_len: int) -> np.ndarray
 
 
 def test_single_path_matches_reference_and_a_short_last_chunk_equals_the_whole_prompt():
-    """The batch-invariant mode (`single_path`): decodes and short chunks through the prefill kernel too, so a
-    prompt's last rows are bitwise the same computed in one piece or as a 2-token last chunk (which the default
-    path sends to the split-K decode kernel), and a mixed batch still matches the dense reference."""
+    """The batch-invariant mode (`single_path`): a prompt's last rows are bitwise the same computed in one piece
+    (the prefill kernel) or as a 2-token last chunk (the decode kernel, in one split over prefill-wide KV tiles),
+    and a mixed batch still matches the dense reference."""
     mixed = build(FIXED, [1, 20, 2, 30], [150, 70, 40, 31], seed=5)
     out = _single_path(FIXED, mixed, 64)
     _, ref = run_both(FIXED, mixed, window=0, soft_cap=None, max_query_len=64)
