@@ -2,13 +2,15 @@
 
 Bits, on Llama-3.1-8B's attention shapes (32 query / 8 KV heads, d=128, bf16, pages of 16): a request's last 1 and 3
 rows computed inside a 40-token chunk (the prefill kernel) against the same rows as their own decode or short chunk
-(the decode kernel), over contexts of 180 and 1,000 positions (KV tiles crossed), with and without a sliding
-window; and one request's decode row alone against the same row at the top of a 64-request decode step and of a
-mixed step (beside a 200-token prefill).
+(the decode kernel), and against the chunk in the 128-row tiles of a large bucket, over contexts of 180 and 1,000
+positions (KV tiles crossed), with and without a sliding window; and one request's decode row alone against the same
+row at the top of a 64-request decode step and of a mixed step (beside a 200-token prefill).
 
 Time, a decode-only step (one token per request) at batch 64 × 4k, 256 × 576 and 8 × 32k, three ways: the invariant
 path, the path it replaced (every request through the prefill kernel), and the default split-K decode path; each
-with the step's KV bytes ÷ the copy bandwidth measured in the same process.
+with the step's KV bytes ÷ the copy bandwidth measured in the same process. Then short chunks over long contexts
+(64 new tokens over 2,112, as a prefix-cache hit; 8 × 32 over 4k; 128 over 8k) in the small tiles of their bucket
+against the 128-row tiles, both modes.
 
     PYTHONPATH=. python scripts/check_invariant_attention_gpu.py --out $OUT/invariant-attention.json --git-sha <sha>
     PYTHONPATH=. python scripts/check_invariant_attention_gpu.py --smoke --out /tmp/inv.json   # CPU: paths only
@@ -117,6 +119,10 @@ def chunk_checks(interpret: bool) -> dict[str, bool]:
                 part = dataclasses.replace(whole, q=q, qsl=jnp.asarray([0, count], jnp.int32), max_query_len=count)
                 got = bits(attention(part, single_path=True, window=window, interpret=interpret))
                 out[f"ctx{context}_window{window}_last{count}"] = bool((got[:count] == rows[40 - count:40]).all())
+            wide = dataclasses.replace(whole, max_query_len=1024)  # a large bucket: the 128-row prefill tiles
+            out[f"ctx{context}_window{window}_small_vs_wide_tiles"] = bool(
+                (bits(attention(wide, single_path=True, window=window, interpret=interpret))[:40]
+                 == rows[:40]).all())
     return out
 
 
@@ -154,6 +160,25 @@ def timings(bandwidth: float) -> dict[str, float]:
     return out
 
 
+SHORT_CHUNKS = ((1, 64, 2112), (8, 32, 4096), (1, 128, 8192))  # (requests, new tokens each, context)
+
+
+def short_chunk_timings() -> dict[str, float]:
+    """Short chunks over long contexts (a prefix-cache hit's suffix): the step's tiles for its bucket (small) against
+    the 128-row prefill tiles a large bucket takes, both modes."""
+    out: dict[str, float] = {}
+    for requests, tokens, context in SHORT_CHUNKS:
+        step = make_step([tokens] * requests, [context] * requests, seed=tokens)
+        wide = dataclasses.replace(step, max_query_len=1024)
+        for invariant in (True, False):
+            mode = "invariant" if invariant else "default"
+            for name, s in (("small", step), ("wide", wide)):
+                seconds = timeit(lambda s=s, inv=invariant: attention(s, single_path=inv))
+                out[f"{mode}_{name}_tiles_r{requests}_q{tokens}_ctx{context}_us"] = seconds * 1e6
+        log(requests, tokens, context, {k: round(v, 1) for k, v in out.items() if f"_q{tokens}_" in k})
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -168,7 +193,7 @@ def main() -> None:
     if not args.smoke:
         _, bandwidth = copy_bandwidth()
         record["copy_tb_per_s"] = bandwidth / 1e12
-        record["metrics"] = timings(bandwidth)
+        record["metrics"] = {**timings(bandwidth), **short_chunk_timings()}
     Path(args.out).write_text(json.dumps(record, indent=1))
     log(json.dumps(record, indent=1))
 

@@ -12,6 +12,9 @@ import dataclasses
 from pallas_kernels.addressing import next_pow2
 
 
+SMALL_STEP_ROWS = 512  # query rows (tokens × padded heads of one KV head) up to which a step's tiles are small
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     """Static launch parameters of one of the two kernels."""
@@ -37,6 +40,18 @@ class Tuning:
     decode: KernelConfig
     prefill: KernelConfig
     split: SplitConfig
+
+    def for_query_len(self, max_query_len: int, group_pad: int) -> Tuning:
+        """The tuning of a step whose requests have at most `max_query_len` new tokens: where that many tokens'
+        query rows fill at most SMALL_STEP_ROWS, the prefill kernel takes the decode kernel's tile rows and warps
+        (over its own KV tiles), so a short chunk over a long context (a prefix-cache hit) spreads over many
+        programs instead of walking its context in two. A row's arithmetic does not depend on its tile's rows
+        (`Scores.sums_by_mma` in the batch-invariant mode; checked on an H100 in
+        `scripts/check_invariant_attention_gpu.py`)."""
+        if max_query_len * group_pad > SMALL_STEP_ROWS:
+            return self
+        small = dataclasses.replace(self.decode, block_n=self.prefill.block_n)
+        return dataclasses.replace(self, prefill=small)
 
     def batch_invariant(self) -> Tuning:
         """The tuning of the batch-invariant mode: short requests still go to the decode kernel, but in one split

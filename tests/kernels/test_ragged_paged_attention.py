@@ -228,8 +228,9 @@ def _last_rows_as_own_chunk(batch: Batch, count: int) -> Batch:
 @pytest.mark.parametrize("window", [0, 50])
 def test_single_path_decode_kernel_rows_equal_the_prefill_kernel_rows_across_kv_tiles(window):
     """Production tiles (KV tiles of 128, bf16, d=128) over a 180-token context: the last 1 or 3 tokens of a
-    40-token chunk (prefill kernel) are bitwise the rows the decode kernel gives them as a decode or a short chunk,
-    with and without a sliding window."""
+    40-token chunk are bitwise the rows the decode kernel gives them as a decode or a short chunk, with and without
+    a sliding window, whether the chunk's step takes the prefill kernel's 128-row tiles (a large bucket) or the
+    small ones of a short step (`Tuning.for_query_len`)."""
     bucket = Bucket(q_heads=8, kv_heads=2, head_dim=128, width=12, dtype=jnp.bfloat16)
     chunk = build(bucket, [40], [180], seed=7)
 
@@ -239,7 +240,8 @@ def test_single_path_decode_kernel_rows_equal_the_prefill_kernel_rows_across_kv_
             scale=bucket.head_dim ** -0.5, sliding_window=jnp.int32(window), max_query_len=max_query_len,
             interpret=True, single_path=True), np.float32)
 
-    whole = run(chunk, 64)
+    whole = run(chunk, 256)
+    np.testing.assert_array_equal(run(chunk, 64), whole)
     for count in (1, 3):
         np.testing.assert_array_equal(run(_last_rows_as_own_chunk(chunk, count), 4)[:count], whole[40 - count:40])
 
