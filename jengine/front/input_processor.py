@@ -215,6 +215,8 @@ class InputProcessor:
     def _check_token_ids(self, ids: list[int]) -> None:
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
+        if min(ids) >= 0 and max(ids) < self.vocab_size:  # the common case, in C (the loop below names the culprit)
+            return
         for position, token in enumerate(ids):
             if not 0 <= token < self.vocab_size:
                 raise InvalidRequestError(
