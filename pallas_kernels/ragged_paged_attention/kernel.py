@@ -326,7 +326,8 @@ def ragged_paged_attention_impl(
         kv_cache = as_byte_pairs(kv_cache)  # 2-byte elements: addressable at any size (addressing.py)
     scales = kv_scales.astype(jnp.float32).reshape(-1) if quantized else jnp.ones((1,), jnp.float32)
     geo = Geometry(num_tokens, seq_lens.shape[0], q_heads, kv_heads, head_dim, block_size, quantized)
-    tuning = (tuning or default_tuning(head_dim, geo.group, quantized)).for_query_len(max_query_len, geo.group_pad)
+    tuning = (tuning or default_tuning(head_dim, geo.group, quantized)).for_step(
+        max_query_len, geo.group_pad, geo.num_seqs, kv_heads)
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     scores = Scores(float(scale), float(soft_cap) if soft_cap else None, precision)
     qsl, lens, bt = (jnp.asarray(a, jnp.int32) for a in (query_start_loc, seq_lens, block_tables))

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from jax.experimental import pallas as pl
 
 from pallas_kernels.ragged_paged_attention import UnsupportedShapeError, kernel, reference
-from pallas_kernels.ragged_paged_attention.tuning import KernelConfig, SplitConfig, Tuning
+from pallas_kernels.ragged_paged_attention.tuning import KernelConfig, SplitConfig, Tuning, default_tuning
 from tests.kernels.batches import Batch, Bucket, build
 
 LAYER = 1
@@ -137,6 +137,33 @@ def test_decode_only_bucket_skips_prefill_launch():
     assert_close(out, ref, batch, FIXED.dtype)
 
 
+def test_a_step_tuning_follows_its_shapes():
+    """Short steps take small prefill tiles; decode grids of `unsplit_from_programs` programs run one split over
+    prefill-wide KV tiles; a float8 cache's tuning never drops its splits."""
+    base = default_tuning(128, 4)
+    assert base.for_step(1024, 4, 8, 8) == base
+    short = base.for_step(64, 4, 8, 8)
+    assert (short.prefill.block_m, short.prefill.block_n) == (base.decode.block_m, base.prefill.block_n)
+    assert short.decode == base.decode and short.split == base.split
+    large = base.for_step(1, 4, base.unsplit_from_programs // 8, 8)
+    assert large.split.max_splits == 1 and large.decode.block_n == base.prefill.block_n
+    assert base.for_step(1, 4, base.unsplit_from_programs // 8 - 1, 8).split == base.split
+    fp8 = default_tuning(128, 4, quantized=True)
+    assert fp8.for_step(1, 4, 4096, 8).split == fp8.split
+
+
+def test_unsplit_decodes_match_reference():
+    """The one-split decode path (`Tuning.unsplit`, here for any grid) over contexts crossing its KV tiles, decode-only
+    and beside prefills, with and without a window."""
+    tuning = dataclasses.replace(default_tuning(FIXED.head_dim, 4), unsplit_from_programs=1)
+    for max_query_len, q_lens in ((1, [1] * 5), (64, [1, 20, 2, 30])):
+        batch = build(FIXED, q_lens, [150, 70, 160, 31, 129][:len(q_lens)], seed=11)
+        for window in (0, 40):
+            out, ref = run_both(FIXED, batch, window=window, soft_cap=None, max_query_len=max_query_len,
+                                tuning=tuning)
+            assert_close(out, ref, batch, FIXED.dtype)
+
+
 SMALL_BUCKET, SMALL_CAP, _ = CONFIGS["g8-f32-bs16-cap-small-tiles"]
 
 
@@ -230,7 +257,7 @@ def test_single_path_decode_kernel_rows_equal_the_prefill_kernel_rows_across_kv_
     """Production tiles (KV tiles of 128, bf16, d=128) over a 180-token context: the last 1 or 3 tokens of a
     40-token chunk are bitwise the rows the decode kernel gives them as a decode or a short chunk, with and without
     a sliding window, whether the chunk's step takes the prefill kernel's 128-row tiles (a large bucket) or the
-    small ones of a short step (`Tuning.for_query_len`)."""
+    small ones of a short step (`Tuning.for_short_steps`)."""
     bucket = Bucket(q_heads=8, kv_heads=2, head_dim=128, width=12, dtype=jnp.bfloat16)
     chunk = build(bucket, [40], [180], seed=7)
 
