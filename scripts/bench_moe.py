@@ -251,16 +251,12 @@ def _decode(tmp: Path, copy_rate: float, batches: list[int], save, quant: str, l
     return metrics, ratios
 
 
-def mixed(tmp: Path, shape: str, max_model_len: int | None = None) -> float:
-    """`jengine bench throughput` at its defaults on the sharegpt-like set, 1,000 requests, in its own process;
-    `max_model_len` where the card's memory left after the weights cannot hold one request of the model's own
-    context (the 61 GB Qwen3-30B-A3B shape on an 80 GB card)."""
+def mixed(tmp: Path, shape: str) -> float:
+    """`jengine bench throughput` at its defaults on the sharegpt-like set, 1,000 requests, in its own process."""
     model_dir = write_shape(shape, tmp / shape)
     out = tmp / f"{shape}.json"
     cmd = [sys.executable, "-m", "jengine", "bench", "throughput", "--model", str(model_dir), "--load-format",
            "dummy", "--dataset-name", "sharegpt-like", "--num-prompts", "1000", "--output-json", str(out)]
-    if max_model_len is not None:
-        cmd += ["--max-model-len", str(max_model_len)]
     subprocess.run(cmd, check=True)
     tps = json.loads(out.read_text())["output_throughput"]
     log(f"mixed {shape}: {tps:.0f} output tok/s")
@@ -298,8 +294,6 @@ def main() -> None:
     ap.add_argument("--decode-tiles-too", nargs="+", choices=tuple(DECODE_TILES), default=[],
                     help="decode: bf16 again with the decode-sized expert tiles changed "
                     "(keys moe_tiles_<NAME>_decode_*)")
-    ap.add_argument("--max-model-len", type=int, default=None, help="mixed: the engine's max_model_len (default: "
-                    "the model's; an 80 GB card holds the Qwen3-30B-A3B shape's KV for about 8,192)")
     args = ap.parse_args()
     metrics: dict = {}
     ratios: dict = {}
@@ -329,9 +323,7 @@ def main() -> None:
         for part, shape, key in (("mixed-qwen", "qwen3-30b-a3b", "moe_mixed_tokens_per_s"),
                                  ("mixed-mixtral", "mixtral-8x7b", "mixtral_mixed_tokens_per_s")):
             if part in args.part:
-                metrics[key] = mixed(tmp, shape, args.max_model_len)
-                if args.max_model_len is not None:
-                    metrics[f"{key.removesuffix('_tokens_per_s')}_max_model_len"] = args.max_model_len
+                metrics[key] = mixed(tmp, shape)
                 save(args.out, args.git_sha, metrics, ratios)
 
 
