@@ -31,6 +31,7 @@ from jengine.parallel.distributed import initialize as initialize_processes
 from jengine.parallel.mesh import build_mesh, replica_devices
 from jengine.parallel.sharding import ParallelLayout, plan_layout
 from jengine.parallel.step_feed import StepPublisher
+from jengine.runner.device_pool import size_pool
 from jengine.runner.kv_storage import log_plan, plan_kv_cache
 from jengine.runner.multi_process import PublishingRunner
 from jengine.runner.protocol import StepRunner
@@ -185,6 +186,7 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
     """One engine replica on `devices` (default: the first `tensor_parallel_size` devices), its model split over
     them by tensor (and expert) parallelism."""
     started = time.perf_counter()
+    size_pool(config.cache.gpu_memory_utilization)  # before JAX's GPU backend starts
     initialize_processes(config.parallel)  # before any device is touched
     enable_compilation_cache(config.runner.compilation_cache_dir)
     spec = load_spec(config.model.model)
@@ -291,6 +293,7 @@ def build_replicated_engine(config: EngineConfig) -> EngineParts:
     from jengine.engine.replicated_core import ReplicatedCore
 
     parallel = config.parallel
+    size_pool(config.cache.gpu_memory_utilization)  # before replica_devices starts JAX's backends
     replicas = [build_engine(config, replica_devices(parallel.tensor_parallel_size, parallel.data_parallel_size, i))
                 for i in range(parallel.data_parallel_size)]
     core = ReplicatedCore([parts.core for parts in replicas], config.cache.block_size)

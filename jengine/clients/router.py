@@ -102,8 +102,10 @@ class Router:
         from jengine.clients.async_engine import AsyncEngine  # imports jax: only when engines are really built
         from jengine.factory import build_engine
         from jengine.parallel.mesh import replica_devices
+        from jengine.runner.device_pool import size_pool
 
         parallel = config.parallel
+        size_pool(config.cache.gpu_memory_utilization)  # before replica_devices starts JAX's backends
         groups = [replica_devices(parallel.tensor_parallel_size, parallel.data_parallel_size, i)
                   for i in range(parallel.data_parallel_size)]
         engines: list[AsyncEngine] = []

@@ -25,6 +25,7 @@ from jengine.errors import ConfigError
 from jengine.layers.attention import kv_cache_shape
 from jengine.models.spec import ModelSpec
 from jengine.runner.activation_memory import step_activations
+from jengine.runner.device_pool import share_of_pool
 from jengine.runner.memory_budget import kv_blocks_that_fit
 
 logger = logging.getLogger(__name__)
@@ -73,8 +74,8 @@ def plan_kv_cache(spec: ModelSpec, cache: CacheConfig, sched: SchedulerConfig, d
         return KVPlan(max(blocks, 1), cache.block_size, per_block, "max_num_seqs × max_model_len (capped at 2 GiB)",
                       kv_dtype)
     reserve = activation_reserve(spec, sched)
-    blocks = kv_blocks_that_fit(stats["bytes_limit"], cache.gpu_memory_utilization, stats.get("bytes_in_use", 0),
-                                reserve + workspace, per_block // kv_shards)
+    blocks = kv_blocks_that_fit(stats["bytes_limit"], share_of_pool(cache.gpu_memory_utilization),
+                                stats.get("bytes_in_use", 0), reserve + workspace, per_block // kv_shards)
     min_blocks = -(-sched.max_model_len // cache.block_size)
     if blocks < min_blocks:
         raise ConfigError(

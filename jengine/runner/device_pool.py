@@ -1,0 +1,48 @@
+"""JAX's GPU memory pool, sized for the engine.
+
+JAX's GPU client allocates from a pool of 75 % of the device's memory unless told otherwise (`memory_stats()`'s
+`bytes_limit`). `gpu_memory_utilization` means, as in vLLM, a fraction of the whole device (0.9 by default): planned
+inside JAX's default pool it would give 0.9 × 0.75 of the device, and a 61 GB model on an 80 GB card would find no
+room for its KV cache at all. So before JAX starts its GPU backend the engine sizes the pool to
+`gpu_memory_utilization` (`XLA_CLIENT_MEM_FRACTION`), unless the environment sizes it already; the planner then takes
+the part of the pool that is `gpu_memory_utilization` of the device (`share_of_pool`). Where JAX's backend was up
+before the engine (a notebook that ran JAX first), the pool is what it is, and the engine plans inside it as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+# The variables jaxlib reads for the pool's fraction of the device, the current name first (it refuses both at once)
+POOL_FRACTION_VARIABLES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+
+
+def size_pool(utilization: float) -> None:
+    """Sizes JAX's GPU pool to `utilization` of the device, where nothing sized it and JAX's backends are not up."""
+    from jax._src.xla_bridge import backends_are_initialized
+
+    if pool_fraction() is not None:
+        return
+    if backends_are_initialized():
+        logger.debug("JAX's backends started before the engine: its GPU pool keeps JAX's default size")
+        return
+    os.environ[POOL_FRACTION_VARIABLES[0]] = f"{utilization:g}"
+
+
+def pool_fraction() -> float | None:
+    """The fraction of the device the environment sizes JAX's GPU pool to; None where it says nothing."""
+    for name in POOL_FRACTION_VARIABLES:
+        if os.environ.get(name):
+            return float(os.environ[name])
+    return None
+
+
+def share_of_pool(utilization: float) -> float:
+    """The part of JAX's pool (`bytes_limit`) the engine plans with: `utilization` of the device over the pool's
+    stated fraction, at most the whole pool; where no fraction is stated (JAX's default, whose limit some versions
+    let grow), `utilization` of the pool."""
+    fraction = pool_fraction()
+    return utilization if fraction is None else min(1.0, utilization / fraction)
