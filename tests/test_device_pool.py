@@ -91,8 +91,9 @@ def _size_pool_in_fresh_process(env: dict, *args: str) -> dict:
 
 def test_the_engine_sizes_the_pool_only_where_nothing_else_did():
     env = {k: v for k, v in os.environ.items() if k not in POOL_FRACTION_VARIABLES}
-    assert _size_pool_in_fresh_process(env, "0.85") == {"XLA_CLIENT_MEM_FRACTION": "0.85",
+    assert _size_pool_in_fresh_process(env, "0.85") == {"XLA_CLIENT_MEM_FRACTION": "0.88",  # with POOL_SLACK
                                                           "XLA_PYTHON_CLIENT_MEM_FRACTION": None}
+    assert _size_pool_in_fresh_process(env, "0.99")["XLA_CLIENT_MEM_FRACTION"] == "0.97"  # MAX_POOL
     user = {**env, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.6"}  # jaxlib refuses both names at once
     assert _size_pool_in_fresh_process(user, "0.85") == {"XLA_CLIENT_MEM_FRACTION": None,
                                                          "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.6"}

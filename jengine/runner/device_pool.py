@@ -4,8 +4,10 @@ JAX's GPU client allocates from a pool of 75 % of the device's memory unless tol
 `bytes_limit`). `gpu_memory_utilization` means, as in vLLM, a fraction of the whole device (0.9 by default): planned
 inside JAX's default pool it would give 0.9 × 0.75 of the device, and a 61 GB model on an 80 GB card would find no
 room for its KV cache at all. So before JAX starts its GPU backend the engine sizes the pool to
-`gpu_memory_utilization` (`XLA_CLIENT_MEM_FRACTION`), unless the environment sizes it already; the planner then takes
-the part of the pool that is `gpu_memory_utilization` of the device (`share_of_pool`). Where JAX's backend was up
+`gpu_memory_utilization` and a little more (`XLA_CLIENT_MEM_FRACTION`), unless the environment sizes it already; the
+planner then takes the part of the pool that is `gpu_memory_utilization` of the device (`share_of_pool`). The little
+more, POOL_SLACK of the device, stays in the pool for temporaries the activation estimate misses; what is left
+outside holds the CUDA context and libraries' handles. Where JAX's backend was up
 before the engine (a notebook that ran JAX first), the pool is what it is, and the engine plans inside it as before.
 """
 
@@ -18,10 +20,13 @@ logger = logging.getLogger(__name__)
 
 # The variables jaxlib reads for the pool's fraction of the device, the current name first (it refuses both at once)
 POOL_FRACTION_VARIABLES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+POOL_SLACK = 0.03  # of the device, in the pool beyond gpu_memory_utilization
+MAX_POOL = 0.97  # of the device, at most
 
 
 def size_pool(utilization: float) -> None:
-    """Sizes JAX's GPU pool to `utilization` of the device, where nothing sized it and JAX's backends are not up."""
+    """Sizes JAX's GPU pool to `utilization` (and POOL_SLACK) of the device, where nothing sized it and JAX's
+    backends are not up."""
     from jax._src.xla_bridge import backends_are_initialized
 
     if pool_fraction() is not None:
@@ -29,7 +34,7 @@ def size_pool(utilization: float) -> None:
     if backends_are_initialized():
         logger.debug("JAX's backends started before the engine: its GPU pool keeps JAX's default size")
         return
-    os.environ[POOL_FRACTION_VARIABLES[0]] = f"{utilization:g}"
+    os.environ[POOL_FRACTION_VARIABLES[0]] = f"{min(utilization + POOL_SLACK, MAX_POOL):.4g}"
 
 
 def pool_fraction() -> float | None:
