@@ -90,7 +90,7 @@ def _size_pool_in_fresh_process(env: dict, *args: str) -> dict:
 
 
 def test_the_engine_sizes_the_pool_only_where_nothing_else_did():
-    env = {k: v for k, v in os.environ.items() if k not in POOL_FRACTION_VARIABLES}
+    env = {k: v for k, v in os.environ.items() if k not in (*POOL_FRACTION_VARIABLES, "JAX_PLATFORMS")}
     assert _size_pool_in_fresh_process(env, "0.85") == {"XLA_CLIENT_MEM_FRACTION": "0.88",  # with POOL_SLACK
                                                           "XLA_PYTHON_CLIENT_MEM_FRACTION": None}
     assert _size_pool_in_fresh_process(env, "0.99")["XLA_CLIENT_MEM_FRACTION"] == "0.97"  # MAX_POOL
@@ -99,3 +99,5 @@ def test_the_engine_sizes_the_pool_only_where_nothing_else_did():
                                                          "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.6"}
     late = _size_pool_in_fresh_process(env, "0.85", "backends first")
     assert late == {"XLA_CLIENT_MEM_FRACTION": None, "XLA_PYTHON_CLIENT_MEM_FRACTION": None}
+    cpu_only = _size_pool_in_fresh_process({**env, "JAX_PLATFORMS": "cpu"}, "0.85")
+    assert cpu_only == {"XLA_CLIENT_MEM_FRACTION": None, "XLA_PYTHON_CLIENT_MEM_FRACTION": None}

@@ -76,8 +76,8 @@ def warm_up(compile_one: Callable[[StepBatch], tuple[float, float]], run_one: Ca
     # The runs are dispatched asynchronously: wait for them here, or the first request would wait for them all.
     jax.block_until_ready(pending)
     compiled = num_compiled_shapes() - before
-    logger.info("%d step variants ready for %d shape buckets (warm-up runs %.1f s)", compiled, num_shapes,
-                time.perf_counter() - start)
+    logger.info("step programs of %d shape buckets warmed up (runs %.1f s; %d programs compiled by the runs)",
+                num_shapes, time.perf_counter() - start, compiled)
     return compiled
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 import os
 
+import jax
+
 logger = logging.getLogger(__name__)
 
 # The variables jaxlib reads for the pool's fraction of the device, the current name first (it refuses both at once)
@@ -25,11 +27,11 @@ MAX_POOL = 0.97  # of the device, at most
 
 
 def size_pool(utilization: float) -> None:
-    """Sizes JAX's GPU pool to `utilization` (and POOL_SLACK) of the device, where nothing sized it and JAX's
-    backends are not up."""
+    """Sizes JAX's GPU pool to `utilization` (and POOL_SLACK) of the device, where nothing sized it, JAX's backends
+    are not up and JAX is not held to the CPU."""
     from jax._src.xla_bridge import backends_are_initialized
 
-    if pool_fraction() is not None:
+    if pool_fraction() is not None or (jax.config.jax_platforms or "").split(",") == ["cpu"]:
         return
     if backends_are_initialized():
         logger.debug("JAX's backends started before the engine: its GPU pool keeps JAX's default size")

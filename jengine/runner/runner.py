@@ -33,8 +33,9 @@ from jengine.runner.compile import RecompileGuard, StepShape, padding_inputs, pi
 from jengine.runner.host_pack import pack
 from jengine.runner.protocol import TokenMaskSource
 from jengine.runner.token_masks import WaitingSampler, padded_masks
-from jengine.runner.step import (ModelInputs, StepBatch, StepModel, StepOutput, StepState, build_step,
-                                 build_step_compiler, forward_step, sample_phase)
+from jengine.runner.program_store import ProgramStore
+from jengine.runner.step import (ModelInputs, StepBatch, StepModel, StepOutput, StepPrograms, StepState, build_step,
+                                 sample_phase)
 from jengine.sampling.metadata import SamplingMetadata, SamplingRowTable
 from jengine.sampling.params import SamplingParams
 from jengine.scheduler.output import RunnerOutput, SchedulerOutput, TokenLogprobs
@@ -101,8 +102,9 @@ class ModelRunner:
         model = StepModel(spec, backend, layout.mesh if layout.expert_parallel else None, capture)
         self._model = model
         self.mask_words = -(-spec.vocab_size // 32)  # the sampler's token mask covers the model's whole vocabulary
-        self._step = build_step(model)
-        self._compile_step = build_step_compiler(model)
+        store = ProgramStore.beside(config.runner.compilation_cache_dir, layout.mesh.devices.flat[0].platform)
+        self._programs = StepPrograms(model, store)
+        self._step = build_step(self._programs)
         self._speculates = np.zeros(sched.max_num_seqs, bool)  # per row: its request may speculate
         self.recompile_guard = RecompileGuard()
         self._waiting: WaitingSampler | None = None  # the last dispatched step, while its sampler waits for masks
@@ -154,10 +156,10 @@ class ModelRunner:
             self.state, out = self._step(self.step_params, self.state, batch)
             _start_copy_to_host(out)
         else:  # the forward alone: its sampler waits for the masks, or it returns a proposer's hidden states
-            logits, prompt, self.state, hidden = forward_step(self._model, self.step_params, self.state,
-                                                              pack(batch.model))
+            logits, prompt, self.state, hidden = self._programs.forward(self.step_params, self.state,
+                                                                        pack(batch.model))
             if token_masks is None:
-                self.state, out = sample_phase(logits, prompt, self.state, batch)
+                self.state, out = sample_phase(logits, prompt, self.state, batch, self._programs)
                 _start_copy_to_host(out)
         if self.proposer is not None:
             self.proposer.observe(model, inputs, hidden)
@@ -181,7 +183,7 @@ class ModelRunner:
         batch = waiting.batch
         if masks is not None:
             batch.token_mask = padded_masks(*masks, len(batch.sample_rows), self.mask_words)
-        self.state, waiting.step.out = sample_phase(waiting.logits, waiting.prompt, self.state, batch)
+        self.state, waiting.step.out = sample_phase(waiting.logits, waiting.prompt, self.state, batch, self._programs)
         _start_copy_to_host(waiting.step.out)
 
     def fetch(self, step: InFlightStep) -> RunnerOutput:
@@ -210,7 +212,7 @@ class ModelRunner:
         model = ModelInputs(inputs.token_ids, inputs.metadata, plan.logits_rows, prompt_rows, prompt_targets,
                             prompt_k, self._lora_rows(self.batch.lora_slot[inputs.rows], inputs.num_scheduled,
                                                           len(inputs.token_ids)))
-        logits, prompt, self.state, hidden = forward_step(self._model, self.step_params, self.state, pack(model))
+        logits, prompt, self.state, hidden = self._programs.forward(self.step_params, self.state, pack(model))
         masks = token_masks() if token_masks is not None else None
         mask = None if masks is None else padded_masks(plan.first_rows[masks[0]], masks[1], len(plan.draft_ids),
                                                        self.mask_words)
@@ -273,7 +275,7 @@ class ModelRunner:
                    for masked in (False, True) for shape in shapes for sampled in (0, 1)]
 
         def compile_one(batch: StepBatch) -> tuple[float, float]:
-            return self._compile_step(self.step_params, self.state, batch)
+            return self._programs.compile(self.step_params, self.state, batch)
 
         def run_one(batch: StepBatch) -> StepState:
             self.state, _ = self._step(self.step_params, self.state, batch)

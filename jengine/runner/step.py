@@ -19,7 +19,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,7 @@ from jengine.models.decoder import compute_logits, forward_capturing
 from jengine.models.spec import ModelSpec
 from jengine.runner.host_pack import Packed, pack, unpack
 from jengine.runner.input_batch import PENDING_BASE
+from jengine.runner.program_store import ProgramStore, device_assignment, program_key
 from jengine.sampling.metadata import SamplingMetadata
 from jengine.sampling.sampler import SamplerOutput, raw_logprobs, sample
 from jengine.structured.device import apply_token_mask
@@ -154,52 +156,90 @@ def sample_step(logits: Float[Array, "seqs vocab"], host: Packed, row_tokens: In
 StepFn = Callable[[dict, StepState, StepBatch], tuple[StepState, StepOutput]]
 
 
-def build_step(model: StepModel) -> StepFn:
+class StepPrograms:
+    """The step's two programs, compiled ahead for the runner's shapes and called directly at dispatch (keyed by the
+    shapes of the inputs that vary; the weights and state keep theirs). `compile` builds one batch's programs, or
+    loads them from the `ProgramStore` without tracing; a shape never compiled goes through the jits."""
+
+    def __init__(self, model: StepModel, store: ProgramStore | None = None) -> None:
+        self.model, self.store = model, store
+        self._forward: dict[Hashable, Any] = {}
+        self._sample: dict[Hashable, Any] = {}
+
+    def forward(self, params: dict, state: StepState, packed: Packed):
+        program = self._forward.get(_shapes_of(packed))
+        if program is None:
+            return forward_step(self.model, params, state, packed)
+        return program(params, state, packed)
+
+    def sample(self, logits: Float[Array, "seqs vocab"], host: Packed, row_tokens: Int[Array, " rows"]):
+        program = self._sample.get((logits.shape, _shapes_of(host)))
+        if program is None:
+            return sample_step(logits, host, row_tokens)
+        return program(logits, host, row_tokens)
+
+    def compile(self, params: dict, state: StepState, batch: StepBatch) -> tuple[float, float]:
+        """Compiles (or loads) the programs a step of `batch` calls, without running them (nothing is donated or
+        written): start-up runs it from several threads. Returns the seconds spent (tracing and lowering, XLA
+        compiling or loading)."""
+        packed = pack(batch.model)
+        forward, lower_f, compile_f = self._build(self._forward, _shapes_of(packed), forward_step,
+                                                  (params, state, packed))
+        logits = forward.out_info[0]
+        logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=logits.sharding)
+        host = sampler_inputs(batch)
+        _, lower_s, compile_s = self._build(self._sample, (logits.shape, _shapes_of(host)), sample_step,
+                                            (logits, host, state.row_tokens))
+        return lower_f + lower_s, compile_f + compile_s
+
+    def _build(self, table: dict, shapes: Hashable, jitted, args: tuple):
+        """(program, seconds tracing and lowering, seconds compiling or loading), the program put in `table` (found
+        there where another batch of the same shapes built it: the sampler's variants share their forward)."""
+        if shapes in table:
+            return table[shapes], 0.0, 0.0
+        start = time.perf_counter()
+        static = (self.model,) if jitted is forward_step else ()
+        key = program_key(jitted.__name__, static, args) if self.store is not None else None
+        compiled = self.store.load(key, device_assignment(args)) if key is not None else None
+        if compiled is not None:
+            table[shapes] = compiled
+            return compiled, 0.0, time.perf_counter() - start
+        lowered = jitted.lower(*static, *args)
+        lowered_at = time.perf_counter()
+        compiled = lowered.compile()
+        if key is not None:
+            self.store.save(key, compiled)
+        table[shapes] = compiled
+        return compiled, lowered_at - start, time.perf_counter() - lowered_at
+
+
+def _shapes_of(tree: Any) -> Hashable:
+    """What selects a compiled program for `tree` (a `Packed`): its structure and its leaves' shapes."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple(leaf.shape for leaf in leaves)
+
+
+def build_step(programs: StepPrograms) -> StepFn:
     """One engine step for one model: forward, then sampling. Returns the new state and the step's outputs;
     nothing waits for the device."""
 
     def step(params: dict, state: StepState, batch: StepBatch) -> tuple[StepState, StepOutput]:
-        logits, prompt, state, _ = forward_step(model, params, state, pack(batch.model))
-        return sample_phase(logits, prompt, state, batch)
+        logits, prompt, state, _ = programs.forward(params, state, pack(batch.model))
+        return sample_phase(logits, prompt, state, batch, programs)
 
     return step
 
 
 def sample_phase(logits: Float[Array, "seqs vocab"], prompt: SamplerOutput | None, state: StepState,
-                 batch: StepBatch) -> tuple[StepState, StepOutput]:
+                 batch: StepBatch, programs: StepPrograms | None = None) -> tuple[StepState, StepOutput]:
     """The step's second program, on the forward's outputs: a runner that must fill `batch.token_mask` on the host
     launches the forward (`forward_step`) first and this once the mask is ready."""
-    sampled, row_tokens = sample_step(logits, sampler_inputs(batch), state.row_tokens)
+    host = sampler_inputs(batch)
+    if programs is None:
+        sampled, row_tokens = sample_step(logits, host, state.row_tokens)
+    else:
+        sampled, row_tokens = programs.sample(logits, host, state.row_tokens)
     return StepState(state.kv_cache, row_tokens), StepOutput(sampled, prompt)
-
-
-def build_step_compiler(model: StepModel) -> Callable[[dict, StepState, StepBatch], tuple[float, float]]:
-    """Compiles the step's two programs for the arguments a step call would get, without running them (nothing is
-    donated or written): start-up runs it from several threads, and the step calls that follow reuse the programs.
-    Returns the seconds spent (tracing and lowering, XLA compiling or loading from the persistent cache)."""
-
-    def compile_step(params: dict, state: StepState, batch: StepBatch) -> tuple[float, float]:
-        if batch.token_mask is not None:  # the masked sampler; the same forward compiles with the free variant
-            logits = jax.eval_shape(forward_step, model, params, state, pack(batch.model))[0]
-            sharding, lower_f, compile_f = state.row_tokens.sharding, 0.0, 0.0  # logits come replicated likewise
-        else:
-            compiled, lower_f, compile_f = _lower_and_compile(forward_step, model, params, state, pack(batch.model))
-            logits = compiled.out_info[0]
-            sharding = logits.sharding
-        logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=sharding)
-        _, lower_s, compile_s = _lower_and_compile(sample_step, logits, sampler_inputs(batch), state.row_tokens)
-        return lower_f + lower_s, compile_f + compile_s
-
-    return compile_step
-
-
-def _lower_and_compile(jitted, *args):
-    """(compiled, seconds tracing and lowering, seconds compiling or loading from the cache)."""
-    start = time.perf_counter()
-    lowered = jitted.lower(*args)
-    lowered_at = time.perf_counter()
-    compiled = lowered.compile()
-    return compiled, lowered_at - start, time.perf_counter() - lowered_at
 
 
 def num_compiled_shapes() -> int:

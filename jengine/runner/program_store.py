@@ -1,0 +1,117 @@
+"""Compiled step programs saved whole, so that a restart neither traces nor lowers them.
+
+JAX's persistent compilation cache skips XLA's compile on a restart, but its key is the lowered program: every step
+program is still traced and lowered first, on the host, under the GIL (on an H100, 56 step variants of an 8B model
+took 5.7 s of a 13.3 s warm start, most of it that Python). Here each compiled program is also saved as an
+executable (`jax.experimental.serialize_executable`) under a key computed without tracing: this installation's
+identity (the jengine and pallas_kernels sources, the jax and jaxlib versions, the devices, XLA_FLAGS and jax's
+configuration) and the call's static model and argument shapes, dtypes and shardings. A restart with the same key
+loads the executable; anything that changed the program changes the key. A file that cannot be read is compiled
+again (and replaced).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pickle
+import tempfile
+from collections.abc import Hashable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+
+logger = logging.getLogger(__name__)
+
+STORE_DIRNAME = "jengine-programs"  # beside the compilation cache's own files
+
+
+class ProgramStore:
+    """Executables in `directory`, keyed by `program_key`."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory / installation_identity()[:24]
+
+    @classmethod
+    def beside(cls, compilation_cache_dir: str | None, platform: str) -> ProgramStore | None:
+        """The store beside the compilation cache; None where that is off (programs are then compiled each start)
+        or on the CPU, whose executables come back incomplete (jaxlib 0.11.2: a loaded step program can miss a
+        function its compile emitted apart, "Function wrapped_iota not found"; the CPU compiles lazily anyway)."""
+        if not compilation_cache_dir or platform == "cpu":
+            return None
+        return cls(Path(compilation_cache_dir) / STORE_DIRNAME)
+
+    def load(self, key: str, devices: Sequence[jax.Device]) -> Any | None:
+        """The executable saved under `key`, loaded onto `devices` (its arguments' device assignment, in order);
+        None where none is saved (or it cannot be read)."""
+        from jax.experimental import serialize_executable
+
+        path = self.directory / key
+        if not path.exists():
+            return None
+        try:
+            payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+            return serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                             backend=devices[0].client, execution_devices=devices)
+        except Exception as error:  # a torn or foreign file: compiled again, and replaced
+            logger.warning("could not load the saved step program %s (%s: %s); compiling it", path,
+                           type(error).__name__, error)
+            return None
+
+    def save(self, key: str, compiled: Any) -> None:
+        """Saves `compiled` under `key` (written whole, then renamed: readers never see a part)."""
+        from jax.experimental import serialize_executable
+
+        try:
+            blob = pickle.dumps(serialize_executable.serialize(compiled))
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=self.directory, delete=False) as part:
+                part.write(blob)
+            os.replace(part.name, self.directory / key)
+        except Exception as error:  # a full disk or an unserialisable program costs the next start a compile
+            logger.warning("could not save a step program (%s: %s)", type(error).__name__, error)
+
+
+def program_key(name: str, static: Hashable, args: tuple) -> str:
+    """The key of program `name` for `static` (its static arguments) and `args` (arrays or ShapeDtypeStructs):
+    their tree, shapes, dtypes, shardings and the shardings' devices."""
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    signature = [(tuple(leaf.shape), str(leaf.dtype), str(getattr(leaf, "sharding", None)),
+                  _device_ids(getattr(leaf, "sharding", None))) for leaf in leaves]
+    text = repr((name, repr(static), str(treedef), signature))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def device_assignment(args: tuple) -> Sequence[jax.Device]:
+    """The devices a program of `args` runs on, in the order its executable numbers them (all its arguments
+    share one assignment: the engine's mesh, or one device)."""
+    return next(leaf.sharding for leaf in jax.tree_util.tree_leaves(args)
+                if getattr(leaf, "sharding", None) is not None)._device_assignment
+
+
+def _device_ids(sharding: jax.sharding.Sharding | None) -> tuple[int, ...]:
+    return () if sharding is None else tuple(sorted(device.id for device in sharding.device_set))
+
+
+@functools.cache
+def installation_identity() -> str:
+    """What every saved program depends on besides its own call: the sources, versions, devices and flags."""
+    import jaxlib
+
+    import jengine
+    import pallas_kernels
+
+    digest = hashlib.sha256()
+    for package in (jengine, pallas_kernels):
+        root = Path(package.__file__).parent
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+    devices = [(d.platform, d.device_kind, d.id, d.process_index) for d in jax.devices()]
+    config = sorted((name, repr(value)) for name, value in jax.config.values.items())
+    digest.update(repr((jax.__version__, jaxlib.__version__, devices, os.environ.get("XLA_FLAGS", ""),
+                        config)).encode())
+    return digest.hexdigest()

@@ -1,0 +1,94 @@
+"""Saved step programs (`runner/program_store.py`): a key that changes with whatever changes the program, a round
+trip that gives the same program back on its devices, and a file that cannot be read compiled again."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jengine.runner.program_store import ProgramStore, device_assignment, installation_identity, program_key
+
+
+@jax.jit
+def affine(x, w):
+    return x @ w + 1.0
+
+
+def _args(rows: int = 4, devices=None):
+    devices = devices or jax.devices()[:1]
+    mesh = jax.sharding.Mesh(np.array(devices), ("tp",))
+    x = jax.device_put(jnp.arange(rows * 8, dtype=jnp.float32).reshape(rows, 8), NamedSharding(mesh, P()))
+    w = jax.device_put(jnp.ones((8, 4 * len(devices)), jnp.float32), NamedSharding(mesh, P(None, "tp")))
+    return x, w
+
+
+def test_the_key_follows_what_makes_the_program():
+    base = program_key("affine", ("static",), _args())
+    assert program_key("affine", ("static",), _args()) == base
+    assert program_key("affine", ("other",), _args()) != base  # the static model
+    assert program_key("affine", ("static",), _args(rows=8)) != base  # a shape
+    assert program_key("affine", ("static",), _args(devices=jax.devices()[1:2])) != base  # the devices
+    assert program_key("affine", ("static",), _args(devices=jax.devices()[:2])) != base  # the sharding
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), _args())
+    assert program_key("affine", ("static",), abstract) == base  # abstract arguments key as their arrays
+    assert len(installation_identity()) == 64
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_a_saved_program_comes_back_on_its_devices(tmp_path, count):
+    args = _args(devices=jax.devices()[2:2 + count])
+    compiled = affine.lower(*args).compile()
+    store, key = ProgramStore(tmp_path), program_key("affine", (), args)
+    assert store.load(key, device_assignment(args)) is None
+    store.save(key, compiled)
+    loaded = ProgramStore(tmp_path).load(key, device_assignment(args))
+    np.testing.assert_array_equal(np.asarray(loaded(*args)), np.asarray(affine(*args)))
+    assert loaded.output_shardings == compiled.output_shardings
+
+
+def test_an_unreadable_file_is_compiled_again(tmp_path, caplog):
+    args = _args()
+    store, key = ProgramStore(tmp_path), program_key("affine", (), args)
+    store.directory.mkdir(parents=True)
+    (store.directory / key).write_bytes(b"not a program")
+    with caplog.at_level(logging.WARNING, logger="jengine.runner.program_store"):
+        assert store.load(key, device_assignment(args)) is None
+    assert "compiling it" in caplog.text
+
+
+def test_the_store_is_off_without_a_cache_and_on_the_cpu(tmp_path):
+    assert ProgramStore.beside("", "gpu") is None
+    assert ProgramStore.beside(str(tmp_path), "cpu") is None
+    assert ProgramStore.beside(str(tmp_path), "gpu").directory.parent == tmp_path / "jengine-programs"
+
+
+def test_a_pinned_engine_serves_through_its_compiled_programs_as_a_lazy_one(build_checkpoint, tiny_tokenizer_dir):
+    """`compile_buckets="all"` dispatches every step to the programs compiled at start-up (`StepPrograms`): the
+    jits compile nothing more while it serves, and greedy and seeded outputs are the lazy engine's."""
+    from transformers import LlamaConfig
+
+    from jengine import LLM, SamplingParams
+    from jengine.runner.step import num_compiled_shapes
+    from tests.conftest import COMMON
+
+    model = build_checkpoint(LlamaConfig(**{**COMMON, "num_hidden_layers": 2, "max_position_embeddings": 96}),
+                             tokenizer_dir=tiny_tokenizer_dir)[0]
+    options = dict(dtype="float32", max_model_len=96, max_num_seqs=6, max_num_batched_tokens=40, seed=0)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 9, 33, 4, 60)]
+    params = [SamplingParams(temperature=0, max_tokens=7), SamplingParams(temperature=0.8, seed=5, max_tokens=7)]
+
+    def serve(mode: str) -> list:
+        with LLM(str(model), compile_buckets=mode, **options) as llm:
+            before = num_compiled_shapes()
+            outputs = [[o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)] for p in params]
+            return outputs, num_compiled_shapes() - before
+
+    pinned, pinned_compiles = serve("all")
+    lazy, _ = serve("lazy")
+    assert pinned_compiles == 0
+    assert pinned == lazy
