@@ -4,6 +4,7 @@ trip that gives the same program back on its devices, and a file that cannot be 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -39,16 +40,38 @@ def test_the_key_follows_what_makes_the_program():
     assert len(installation_identity()) == 64
 
 
+ROUND_TRIP = """
+import json, sys
+import jax, numpy as np
+from tests.test_program_store import _args, affine
+from jengine.runner.program_store import ProgramStore, device_assignment, program_key
+args = _args(devices=jax.devices()[2:2 + int(sys.argv[2])])
+compiled = affine.lower(*args).compile()
+store, key = ProgramStore(__import__("pathlib").Path(sys.argv[1])), program_key("affine", (), args)
+missing = store.load(key, device_assignment(args)) is None
+store.save(key, compiled)
+loaded = ProgramStore(store.directory.parent).load(key, device_assignment(args))
+print(json.dumps({"missing_first": missing, "same": bool((np.asarray(loaded(*args)) == np.asarray(affine(*args))).all()),
+                  "shardings": loaded.output_shardings == compiled.output_shardings}))
+"""
+
+
 @pytest.mark.parametrize("count", [1, 2])
 def test_a_saved_program_comes_back_on_its_devices(tmp_path, count):
-    args = _args(devices=jax.devices()[2:2 + count])
-    compiled = affine.lower(*args).compile()
-    store, key = ProgramStore(tmp_path), program_key("affine", (), args)
-    assert store.load(key, device_assignment(args)) is None
-    store.save(key, compiled)
-    loaded = ProgramStore(tmp_path).load(key, device_assignment(args))
-    np.testing.assert_array_equal(np.asarray(loaded(*args)), np.asarray(affine(*args)))
-    assert loaded.output_shardings == compiled.output_shardings
+    """In a fresh process without JAX's persistent cache: XLA:CPU re-serializes an executable it took from that
+    cache without the functions it compiled apart (the reason the store is off on the CPU)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    out = subprocess.run([sys.executable, "-c", ROUND_TRIP, str(tmp_path), str(count)], env=env, text=True,
+                         capture_output=True, cwd=Path(__file__).resolve().parents[1], timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"missing_first": True, "same": True,
+                                                                 "shardings": True}
 
 
 def test_an_unreadable_file_is_compiled_again(tmp_path, caplog):
