@@ -194,17 +194,27 @@ def engine_variants(args: argparse.Namespace) -> list[tuple[str, Callable[[], An
 
 @contextlib.contextmanager
 def retraced(context):
-    """`context` with JAX's in-memory caches cleared on the way in and out: the patches change what the layer
-    functions trace, and their jit caches, keyed on static arguments that do not see the patches, would otherwise
-    hand the variant the default's compiled step (an A/B of two identical programs)."""
+    """`context` with JAX's in-memory caches cleared on the way in and out and the engine's saved step programs
+    off (`runner/program_store.py`): the patches change what the layer functions trace, and those caches, keyed on
+    static arguments that do not see the patches, would otherwise hand the variant the default's compiled step (an
+    A/B of two identical programs)."""
+    import os
+
     import jax
 
+    from jengine.runner.program_store import STORE_SWITCH
+
     jax.clear_caches()
+    saved, os.environ[STORE_SWITCH] = os.environ.get(STORE_SWITCH), "off"
     try:
         with context:
             yield
     finally:
         jax.clear_caches()
+        if saved is None:
+            os.environ.pop(STORE_SWITCH)
+        else:
+            os.environ[STORE_SWITCH] = saved
 
 
 def decode(tmp: Path, copy_rate: float, batches: list[int], save, quant: str = "bf16", layers: int | None = None,

@@ -90,6 +90,11 @@ def test_the_store_is_off_without_a_cache_and_on_the_cpu(tmp_path):
     assert ProgramStore.beside(str(tmp_path), "gpu").directory.parent == tmp_path / "jengine-programs"
 
 
+def test_the_store_can_be_switched_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("JENGINE_PROGRAM_STORE", "off")
+    assert ProgramStore.beside(str(tmp_path), "gpu") is None
+
+
 def test_a_pinned_engine_serves_through_its_compiled_programs_as_a_lazy_one(build_checkpoint, tiny_tokenizer_dir):
     """`compile_buckets="all"` dispatches every step to the programs compiled at start-up (`StepPrograms`): the
     jits compile nothing more while it serves, and greedy and seeded outputs are the lazy engine's."""

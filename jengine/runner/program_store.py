@@ -7,7 +7,8 @@ executable (`jax.experimental.serialize_executable`) under a key computed withou
 identity (the jengine and pallas_kernels sources, the jax and jaxlib versions, the devices, XLA_FLAGS and jax's
 configuration) and the call's static model and argument shapes, dtypes and shardings. A restart with the same key
 loads the executable; anything that changed the program changes the key. A file that cannot be read is compiled
-again (and replaced).
+again (and replaced). Code patched at run time is not in the key: a benchmark that patches the model for an A/B
+sets `JENGINE_PROGRAM_STORE=off` (STORE_SWITCH) while it does.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import jax
 logger = logging.getLogger(__name__)
 
 STORE_DIRNAME = "jengine-programs"  # beside the compilation cache's own files
+STORE_SWITCH = "JENGINE_PROGRAM_STORE"  # "off": no program is loaded or saved
 
 
 class ProgramStore:
@@ -37,10 +39,10 @@ class ProgramStore:
 
     @classmethod
     def beside(cls, compilation_cache_dir: str | None, platform: str) -> ProgramStore | None:
-        """The store beside the compilation cache; None where that is off (programs are then compiled each start)
-        or on the CPU, whose executables come back incomplete (jaxlib 0.11.2: a loaded step program can miss a
+        """The store beside the compilation cache; None where that is off (programs are then compiled each start),
+        where STORE_SWITCH says "off", or on the CPU, whose executables come back incomplete (jaxlib 0.11.2: a loaded step program can miss a
         function its compile emitted apart, "Function wrapped_iota not found"; the CPU compiles lazily anyway)."""
-        if not compilation_cache_dir or platform == "cpu":
+        if not compilation_cache_dir or platform == "cpu" or os.environ.get(STORE_SWITCH) == "off":
             return None
         return cls(Path(compilation_cache_dir) / STORE_DIRNAME)
 
