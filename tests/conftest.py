@@ -22,6 +22,16 @@ from jengine.tokenizer.tiny import train_tiny_tokenizer
 TOKENIZER_VOCAB = 384
 
 
+@pytest.fixture(autouse=True)
+def pool_fraction_unstated(monkeypatch):
+    """Every test starts with JAX's GPU pool fraction unstated: an engine built earlier in the process may have set
+    it (`runner/device_pool.py`), and the KV planner reads it."""
+    from jengine.runner.device_pool import POOL_FRACTION_VARIABLES
+
+    for name in POOL_FRACTION_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
 def fresh_seed() -> int:
     """A new seed per run (tests print it on failure); JENGINE_TEST_SEED replays a failing one."""
     import numpy as np

@@ -60,15 +60,6 @@ class _Gpu:
         return self.stats
 
 
-@pytest.fixture(autouse=True)
-def pool_fraction_unstated(monkeypatch):
-    """The planner plans inside a pool whose fraction of the device nothing states (`runner/device_pool.py`)."""
-    from jengine.runner.device_pool import POOL_FRACTION_VARIABLES
-
-    for name in POOL_FRACTION_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-
-
 def test_kv_pool_leaves_the_reserve_free():
     """On a 141 GiB device holding 57 GiB of weights, the pool is what utilisation leaves after weights and the
     hand-counted reserve, and shrinks as the budget grows."""
