@@ -34,7 +34,11 @@ def size_pool(utilization: float) -> None:
     if pool_fraction() is not None or (jax.config.jax_platforms or "").split(",") == ["cpu"]:
         return
     if backends_are_initialized():
-        logger.debug("JAX's backends started before the engine: its GPU pool keeps JAX's default size")
+        if jax.default_backend() == "gpu":
+            logger.info("JAX's GPU backend started before the engine, in a pool of 75 %% of the device: the engine "
+                        "plans gpu_memory_utilization=%g of that pool; set XLA_CLIENT_MEM_FRACTION=%.2f before JAX "
+                        "starts for that share of the whole device", utilization,
+                        min(utilization + POOL_SLACK, MAX_POOL))
         return
     os.environ[POOL_FRACTION_VARIABLES[0]] = f"{min(utilization + POOL_SLACK, MAX_POOL):.4g}"
 
