@@ -326,14 +326,14 @@ def ragged_paged_attention_impl(
         kv_cache = as_byte_pairs(kv_cache)  # 2-byte elements: addressable at any size (addressing.py)
     scales = kv_scales.astype(jnp.float32).reshape(-1) if quantized else jnp.ones((1,), jnp.float32)
     geo = Geometry(num_tokens, seq_lens.shape[0], q_heads, kv_heads, head_dim, block_size, quantized)
-    tuning = (tuning or default_tuning(head_dim, geo.group, quantized)).for_step(
-        max_query_len, geo.group_pad, geo.num_seqs, kv_heads)
+    tuning = tuning or default_tuning(head_dim, geo.group, quantized)
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     scores = Scores(float(scale), float(soft_cap) if soft_cap else None, precision)
     qsl, lens, bt = (jnp.asarray(a, jnp.int32) for a in (query_start_loc, seq_lens, block_tables))
     layer_window = _scalars(layer, sliding_window)
     if single_path:
-        tuning, scores = tuning.batch_invariant(), dataclasses.replace(scores, sums_by_mma=True)
+        tuning = tuning.batch_invariant(max_query_len, geo.group_pad)
+        scores = dataclasses.replace(scores, sums_by_mma=True)
     args = (q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning, scores, interpret)
     direct = merge_free(bt.shape[1] * block_size, tuning.split)
     partials = None if direct else _decode_call(*args)
@@ -373,8 +373,8 @@ def ragged_paged_attention(
     `single_path` (the batch-invariant mode): every row adds up the same KV tiles in the same order whichever
     kernel serves it, so a prompt whose last chunk is short (a prefix-cache hit, a chunk budget) rounds its logits
     as the same prompt in one piece does (`Tuning.batch_invariant`: the decode kernel in one split, over tiles as
-    wide as the prefill kernel's, row sums on the tensor cores in both). By default a request with a few new tokens
-    goes to the split-K decode kernel, whose splits and tiles follow its own length and the decode tuning.
+    wide as the prefill kernel's, row sums on the tensor cores in both; small prefill tiles for a short step). By
+    default a request with a few new tokens goes to the split-K decode kernel, whose splits follow its own length.
     """
     return ragged_paged_attention_impl(
         q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale=scale, sliding_window=sliding_window,

@@ -2,8 +2,8 @@
 
 Two launches share one step: the *decode* kernel (requests whose new tokens fit in one small query tile, KV split
 across programs, "flash decoding") and the *prefill* kernel (all other requests, one program per query tile and KV
-head, the whole visible context in one program). `default_tuning` is the table; `Tuning.for_step` adapts it to one
-step's static shapes. Every block dimension is a power of two (Triton rule).
+head, the whole visible context in one program). `default_tuning` is the table; `Tuning.batch_invariant` adapts it
+to the batch-invariant mode and a step's static shapes. Every block dimension is a power of two (Triton rule).
 """
 
 from __future__ import annotations
@@ -14,10 +14,6 @@ from pallas_kernels.addressing import next_pow2
 
 
 SMALL_STEP_ROWS = 512  # query rows (tokens × padded heads of one KV head) up to which a step's tiles are small
-# A bf16 cache's decode grid from which splitting stops paying: on an H100 (7615561) one split over 128-wide KV tiles
-# took 380 against the split-K tuning's 394 µs at 64 requests × 4k (512 programs), 228 against 250 at 256 × 576,
-# but 618 against 386 at 8 × 32k (64 programs). Unmeasured on a float8 cache, which keeps its splits.
-UNSPLIT_FROM_PROGRAMS = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,10 +28,9 @@ class KernelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SplitConfig:
-    """Split-K of the decode kernel. Within a step's tuning a request's split count depends on its own visible
-    length only (`clamp(ceil(len / split_tokens), 1, max_splits)`); the tuning itself follows the step's request
-    bucket (`Tuning.for_step`), so only the batch-invariant mode, which never splits, promises a request's result
-    alone and in any batch."""
+    """Split-K of the decode kernel. A request's split count depends on its own visible length only
+    (`clamp(ceil(len / split_tokens), 1, max_splits)`), never on the rest of the batch, so its reduction order
+    (and therefore its result) is the same alone or in any batch."""
 
     split_tokens: int  # target KV positions per split (a multiple of the decode block_n)
     max_splits: int  # grid size along the split axis
@@ -46,39 +41,29 @@ class Tuning:
     decode: KernelConfig
     prefill: KernelConfig
     split: SplitConfig
-    # Decode programs (requests × KV heads) from which a step's decode kernel runs in one split over prefill-wide
-    # KV tiles: the grid fills the GPU without split-K, whose partials and merge would only cost. None: never.
-    unsplit_from_programs: int | None = None
-
-    def for_step(self, max_query_len: int, group_pad: int, num_seqs: int, kv_heads: int) -> Tuning:
-        """The tuning of one step (its static shapes): `for_short_steps`, then `unsplit` where the step's decode
-        grid holds `unsplit_from_programs` programs."""
-        tuning = self.for_short_steps(max_query_len, group_pad)
-        if self.unsplit_from_programs is not None and num_seqs * kv_heads >= self.unsplit_from_programs:
-            return tuning.unsplit()
-        return tuning
-
     def for_short_steps(self, max_query_len: int, group_pad: int) -> Tuning:
         """Where a step's requests have few new tokens (at most SMALL_STEP_ROWS query rows of one KV head), the
         prefill kernel takes the decode kernel's tile rows and warps (over its own KV tiles), so a short chunk over
-        a long context (a prefix-cache hit) spreads over many programs instead of walking its context in two. A
-        row's arithmetic does not depend on its tile's rows (`Scores.sums_by_mma` in the batch-invariant mode;
-        checked on an H100 in `scripts/check_invariant_attention_gpu.py`)."""
+        a long context (a prefix-cache hit) spreads over many programs instead of walking its context in two. For
+        the batch-invariant mode only: there a row's arithmetic does not depend on its tile's rows
+        (`Scores.sums_by_mma`; checked on an H100 in `scripts/check_invariant_attention_gpu.py`), while the
+        default's row sums follow the tile's register layout, which a step's bucket would then choose."""
         if max_query_len * group_pad > SMALL_STEP_ROWS:
             return self
         small = dataclasses.replace(self.decode, block_n=self.prefill.block_n)
         return dataclasses.replace(self, prefill=small)
 
-    def unsplit(self) -> Tuning:
-        """The decode kernel in one split, walking KV tiles as wide as the prefill kernel's."""
+    def batch_invariant(self, max_query_len: int, group_pad: int) -> Tuning:
+        """The tuning of the batch-invariant mode: short requests still go to the decode kernel, but in one split
+        and walking KV tiles as wide as the prefill kernel's, so each row adds up the same tiles in the same order
+        in either kernel (their row sums then also go through the tensor cores: `Scores.sums_by_mma`); a short step
+        takes small prefill tiles (`for_short_steps`). One split also measured faster than split-K where the grid
+        is full (an H100, 7615561: 380 against 394 µs at 64 requests × 4k, 228 against 250 at 256 × 576; 618
+        against 386 at 8 × 32k)."""
         decode = dataclasses.replace(self.decode, block_n=self.prefill.block_n)
-        return dataclasses.replace(self, decode=decode, split=SplitConfig(split_tokens=decode.block_n, max_splits=1))
-
-    def batch_invariant(self) -> Tuning:
-        """The tuning of the batch-invariant mode: short requests still go to the decode kernel, `unsplit`, so each
-        row adds up the same KV tiles in the same order in either kernel (their row sums then also go through the
-        tensor cores: `Scores.sums_by_mma`)."""
-        return self.unsplit()
+        unsplit = dataclasses.replace(self, decode=decode, split=SplitConfig(split_tokens=decode.block_n,
+                                                                              max_splits=1))
+        return unsplit.for_short_steps(max_query_len, group_pad)
 
 
 def default_tuning(head_dim: int, group: int, quantized: bool = False) -> Tuning:
@@ -105,5 +90,4 @@ def default_tuning(head_dim: int, group: int, quantized: bool = False) -> Tuning
         decode=KernelConfig(block_m=decode_m, block_n=64, num_warps=4, num_stages=2),
         prefill=prefill,
         split=SplitConfig(split_tokens=512, max_splits=16),
-        unsplit_from_programs=UNSPLIT_FROM_PROGRAMS,
     )

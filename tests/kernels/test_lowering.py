@@ -26,8 +26,7 @@ def lower_for_h200(fn, *specs) -> str:
 @pytest.mark.parametrize(
     "tokens,seqs,q_heads,kv_heads,head_dim,block_size,dtype,max_query_len,soft_cap,launches,table_width",
     [
-        (64, 64, 32, 8, 128, 16, jnp.bfloat16, 1, None, 1, 2048),  # Llama-3-8B, 64 decodes: one unsplit launch
-        (8, 8, 32, 8, 128, 16, jnp.bfloat16, 1, None, 2, 2048),  # 8 decodes (64 programs): split-K + merge only
+        (64, 64, 32, 8, 128, 16, jnp.bfloat16, 1, None, 2, 2048),  # Llama-3-8B decode bucket: split-K + merge only
         (4096, 8, 32, 8, 128, 16, jnp.bfloat16, 4096, 30.0, 3, 2048),  # prefill, decode, merge; soft cap
         (256, 16, 8, 8, 64, 128, jnp.float32, 64, None, 3, 2048),  # MHA, d=64, big pages, f32
         (128, 4, 40, 8, 128, 32, jnp.bfloat16, 128, None, 3, 2048),  # group 5 (padded to 8)

@@ -137,31 +137,33 @@ def test_decode_only_bucket_skips_prefill_launch():
     assert_close(out, ref, batch, FIXED.dtype)
 
 
-def test_a_step_tuning_follows_its_shapes():
-    """Short steps take small prefill tiles; decode grids of `unsplit_from_programs` programs run one split over
-    prefill-wide KV tiles; a float8 cache's tuning never drops its splits."""
+def test_the_batch_invariant_tuning_follows_the_step():
+    """The batch-invariant mode's decode runs one split over prefill-wide KV tiles; a short step's prefill tiles
+    take the decode kernel's rows and warps; a long step keeps the prefill table's. The default is untouched."""
     base = default_tuning(128, 4)
-    assert base.for_step(1024, 4, 8, 8) == base
-    short = base.for_step(64, 4, 8, 8)
-    assert (short.prefill.block_m, short.prefill.block_n) == (base.decode.block_m, base.prefill.block_n)
-    assert short.decode == base.decode and short.split == base.split
-    large = base.for_step(1, 4, base.unsplit_from_programs // 8, 8)
-    assert large.split.max_splits == 1 and large.decode.block_n == base.prefill.block_n
-    assert base.for_step(1, 4, base.unsplit_from_programs // 8 - 1, 8).split == base.split
-    fp8 = default_tuning(128, 4, quantized=True)
-    assert fp8.for_step(1, 4, 4096, 8).split == fp8.split
+    long, short = base.batch_invariant(1024, 4), base.batch_invariant(64, 4)
+    for tuning in (long, short):
+        assert tuning.split.max_splits == 1 and tuning.decode.block_n == base.prefill.block_n
+    assert long.prefill == base.prefill
+    assert (short.prefill.block_m, short.prefill.block_n, short.prefill.num_warps) == (
+        base.decode.block_m, base.prefill.block_n, base.decode.num_warps)
+    assert default_tuning(128, 4) == base
 
 
-def test_unsplit_decodes_match_reference():
-    """The one-split decode path (`Tuning.unsplit`, here for any grid) over contexts crossing its KV tiles, decode-only
-    and beside prefills, with and without a window."""
-    tuning = dataclasses.replace(default_tuning(FIXED.head_dim, 4), unsplit_from_programs=1)
-    for max_query_len, q_lens in ((1, [1] * 5), (64, [1, 20, 2, 30])):
-        batch = build(FIXED, q_lens, [150, 70, 160, 31, 129][:len(q_lens)], seed=11)
-        for window in (0, 40):
-            out, ref = run_both(FIXED, batch, window=window, soft_cap=None, max_query_len=max_query_len,
-                                tuning=tuning)
-            assert_close(out, ref, batch, FIXED.dtype)
+@pytest.mark.parametrize("max_query_len,q_lens", [(1, [1] * 5), (64, [1, 20, 2, 30])])
+def test_single_path_matches_reference_with_windows(max_query_len, q_lens):
+    """The batch-invariant path (one-split decodes, small prefill tiles for these short steps) against the dense
+    reference over contexts crossing its KV tiles, decode-only and mixed, with and without a window."""
+    batch = build(FIXED, q_lens, [150, 70, 160, 31, 129][:len(q_lens)], seed=11)
+    args = (batch.query_start_loc, batch.seq_lens, batch.block_tables)
+    for window in (0, 40):
+        out = np.asarray(kernel.ragged_paged_attention(
+            batch.q, batch.kv_kernel, LAYER, *args, scale=FIXED.head_dim ** -0.5, sliding_window=jnp.int32(window),
+            max_query_len=max_query_len, interpret=True, single_path=True), np.float32)
+        ref = np.asarray(reference.ragged_paged_attention(
+            batch.q, batch.kv_reference, LAYER, *args, scale=FIXED.head_dim ** -0.5, sliding_window=jnp.int32(window),
+            max_query_len=max_query_len), np.float32)
+        assert_close(out, ref, batch, FIXED.dtype)
 
 
 SMALL_BUCKET, SMALL_CAP, _ = CONFIGS["g8-f32-bs16-cap-small-tiles"]
