@@ -51,7 +51,8 @@ store, key = ProgramStore(__import__("pathlib").Path(sys.argv[1])), program_key(
 missing = store.load(key, device_assignment(args)) is None
 store.save(key, compiled)
 loaded = ProgramStore(store.directory.parent).load(key, device_assignment(args))
-print(json.dumps({"missing_first": missing, "same": bool((np.asarray(loaded(*args)) == np.asarray(affine(*args))).all()),
+same = bool((np.asarray(loaded(*args)) == np.asarray(affine(*args))).all())
+print(json.dumps({"missing_first": missing, "same": same,
                   "shardings": loaded.output_shardings == compiled.output_shardings}))
 """
 

@@ -40,8 +40,9 @@ class ProgramStore:
     @classmethod
     def beside(cls, compilation_cache_dir: str | None, platform: str) -> ProgramStore | None:
         """The store beside the compilation cache; None where that is off (programs are then compiled each start),
-        where STORE_SWITCH says "off", or on the CPU, whose executables come back incomplete (jaxlib 0.11.2: a loaded step program can miss a
-        function its compile emitted apart, "Function wrapped_iota not found"; the CPU compiles lazily anyway)."""
+        where STORE_SWITCH says "off", or on the CPU, whose executables come back incomplete (jaxlib 0.11.2: a
+        loaded step program can miss a function its compile emitted apart, "Function wrapped_iota not found"; the
+        CPU compiles lazily anyway)."""
         if not compilation_cache_dir or platform == "cpu" or os.environ.get(STORE_SWITCH) == "off":
             return None
         return cls(Path(compilation_cache_dir) / STORE_DIRNAME)

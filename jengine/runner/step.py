@@ -231,14 +231,10 @@ def build_step(programs: StepPrograms) -> StepFn:
 
 
 def sample_phase(logits: Float[Array, "seqs vocab"], prompt: SamplerOutput | None, state: StepState,
-                 batch: StepBatch, programs: StepPrograms | None = None) -> tuple[StepState, StepOutput]:
+                 batch: StepBatch, programs: StepPrograms) -> tuple[StepState, StepOutput]:
     """The step's second program, on the forward's outputs: a runner that must fill `batch.token_mask` on the host
-    launches the forward (`forward_step`) first and this once the mask is ready."""
-    host = sampler_inputs(batch)
-    if programs is None:
-        sampled, row_tokens = sample_step(logits, host, state.row_tokens)
-    else:
-        sampled, row_tokens = programs.sample(logits, host, state.row_tokens)
+    launches the forward (`StepPrograms.forward`) first and this once the mask is ready."""
+    sampled, row_tokens = programs.sample(logits, sampler_inputs(batch), state.row_tokens)
     return StepState(state.kv_cache, row_tokens), StepOutput(sampled, prompt)
 
 

@@ -41,29 +41,22 @@ class Tuning:
     decode: KernelConfig
     prefill: KernelConfig
     split: SplitConfig
-    def for_short_steps(self, max_query_len: int, group_pad: int) -> Tuning:
-        """Where a step's requests have few new tokens (at most SMALL_STEP_ROWS query rows of one KV head), the
-        prefill kernel takes the decode kernel's tile rows and warps (over its own KV tiles), so a short chunk over
-        a long context (a prefix-cache hit) spreads over many programs instead of walking its context in two. For
-        the batch-invariant mode only: there a row's arithmetic does not depend on its tile's rows
-        (`Scores.sums_by_mma`; checked on an H100 in `scripts/check_invariant_attention_gpu.py`), while the
-        default's row sums follow the tile's register layout, which a step's bucket would then choose."""
-        if max_query_len * group_pad > SMALL_STEP_ROWS:
-            return self
-        small = dataclasses.replace(self.decode, block_n=self.prefill.block_n)
-        return dataclasses.replace(self, prefill=small)
-
     def batch_invariant(self, max_query_len: int, group_pad: int) -> Tuning:
         """The tuning of the batch-invariant mode: short requests still go to the decode kernel, but in one split
         and walking KV tiles as wide as the prefill kernel's, so each row adds up the same tiles in the same order
-        in either kernel (their row sums then also go through the tensor cores: `Scores.sums_by_mma`); a short step
-        takes small prefill tiles (`for_short_steps`). One split also measured faster than split-K where the grid
-        is full (an H100, 7615561: 380 against 394 µs at 64 requests × 4k, 228 against 250 at 256 × 576; 618
-        against 386 at 8 × 32k)."""
+        in either kernel (their row sums then also go through the tensor cores: `Scores.sums_by_mma`). One split
+        also measured faster than split-K where the grid is full (an H100, 7615561: 380 against 394 µs at 64
+        requests × 4k, 228 against 250 at 256 × 576; 618 against 386 at 8 × 32k).
+
+        A step whose requests have few new tokens (at most SMALL_STEP_ROWS query rows of one KV head) gives the
+        prefill kernel the same tiles, so a short chunk over a long context (a prefix-cache hit) spreads over many
+        programs instead of walking its context in two: a row's arithmetic does not depend on its tile's rows
+        here (checked on an H100 in `scripts/check_invariant_attention_gpu.py`), where the default's row sums
+        follow the tile's register layout, which a step's bucket would then choose."""
         decode = dataclasses.replace(self.decode, block_n=self.prefill.block_n)
-        unsplit = dataclasses.replace(self, decode=decode, split=SplitConfig(split_tokens=decode.block_n,
-                                                                              max_splits=1))
-        return unsplit.for_short_steps(max_query_len, group_pad)
+        short = max_query_len * group_pad <= SMALL_STEP_ROWS
+        return Tuning(decode=decode, prefill=decode if short else self.prefill,
+                      split=SplitConfig(split_tokens=decode.block_n, max_splits=1))
 
 
 def default_tuning(head_dim: int, group: int, quantized: bool = False) -> Tuning:

@@ -259,7 +259,7 @@ def test_single_path_decode_kernel_rows_equal_the_prefill_kernel_rows_across_kv_
     """Production tiles (KV tiles of 128, bf16, d=128) over a 180-token context: the last 1 or 3 tokens of a
     40-token chunk are bitwise the rows the decode kernel gives them as a decode or a short chunk, with and without
     a sliding window, whether the chunk's step takes the prefill kernel's 128-row tiles (a large bucket) or the
-    small ones of a short step (`Tuning.for_short_steps`)."""
+    small ones of a short step (`Tuning.batch_invariant`)."""
     bucket = Bucket(q_heads=8, kv_heads=2, head_dim=128, width=12, dtype=jnp.bfloat16)
     chunk = build(bucket, [40], [180], seed=7)
 
