@@ -527,6 +527,9 @@ def kv_write(bench: Bench, kv) -> None:
 # Decode tunings (block_n, num_warps, num_stages, split_tokens, max_splits) also timed on the float8 cache: half the
 # bytes per position may want longer tiles. The ratio uses the shipped tuning; these go to the details file.
 FP8_CANDIDATES = [(64, 4, 2, 512, 16), (64, 4, 3, 512, 16), (128, 4, 2, 512, 16), (64, 4, 3, 1024, 8)]
+# `--sweep` adds these: wider and deeper float8 tiles, fewer splits.
+FP8_SWEEP = [(128, 4, 3, 1024, 8), (128, 4, 3, 2048, 8), (128, 8, 3, 1024, 8), (256, 4, 2, 2048, 8),
+             (64, 4, 4, 1024, 8), (128, 4, 4, 1024, 8), (64, 8, 3, 1024, 8), (128, 4, 3, 1024, 16)]
 # e4m3's own rounding (3 mantissa bits, 2.6 % RMS per value) puts the decode output ~3.8 % (L2) from bf16's on
 # standard-normal data (tests/kernels/test_fp8_kv.py); a broken scale or cast is far beyond this bound.
 FP8_VS_BF16_L2_TOL = 5e-2
@@ -703,7 +706,8 @@ def main() -> None:
     parser.add_argument("--details", default=None, help="checks and sweep JSON (default: beside --out)")
     parser.add_argument("--git-sha", default="unknown")
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--sweep", action="store_true", help="also the wide block-size sweep and extra anchors")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also the wide block-size sweep and extra anchors (group core), more float8 tiles (fp8)")
     parser.add_argument("--variants", action="store_true", help="also windows, soft cap, ragged and f32 checks")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU check of the script)")
     parser.add_argument("--only", default=",".join(GROUPS), help=f"comma-separated groups of {', '.join(GROUPS)}")
@@ -717,6 +721,8 @@ def main() -> None:
         parser.error(f"unknown group(s) {', '.join(sorted(groups - set(GROUPS)))}; choose from {', '.join(GROUPS)}")
     if args.smoke:
         apply_smoke()
+    if args.sweep and not args.smoke:
+        FP8_CANDIDATES.extend(FP8_SWEEP)
     if args.details is None:
         args.details = args.out.rsplit("/", 1)[0] + "/attention_checks_and_sweep.json" if "/" in args.out \
             else "attention_checks_and_sweep.json"
@@ -752,7 +758,7 @@ def main() -> None:
         bench.section("prefill: Mosaic GPU attention, bf16 matmul rate", lambda: prefill_anchors(bench, kv, bs))
     if args.variants:
         bench.section("correctness: window, soft cap, ragged, f32", lambda: correctness_variants(bench, kv))
-    if args.sweep:
+    if args.sweep and "core" in groups:  # with group fp8 alone, --sweep widens its candidates only
         bench.section("XLA reference decode", lambda: xla_reference_decode(bench, kv, bs))
         bench.section("block-size sweep", lambda: sweep(bench, kv, bs))
     write_results(bench)
