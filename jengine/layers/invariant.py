@@ -127,6 +127,16 @@ def invariant_rms_norm(x: Float[Array, "... d"], weight: InvariantNorm, eps: flo
     return on_every_device(lambda x, w: rms_norm_rows(x, w, eps=eps, interpret=interpret), weight.mesh, x, weight.w)
 
 
+def invariant_add_rms_norm(x: Float[Array, "... d"], delta: Float[Array, "... d"], weight: InvariantNorm,
+                           eps: float) -> tuple[Float[Array, "... d"], Float[Array, "... d"]]:
+    """(x + delta, its RMSNorm) in one row kernel, each bitwise the unfused add and `invariant_rms_norm`."""
+    from pallas_kernels.invariant_matmul.rows import add_rms_norm_rows
+
+    interpret = weight.impl == "pallas_interpret"
+    return on_every_device(lambda x, d, w: add_rms_norm_rows(x, d, w, eps=eps, interpret=interpret), weight.mesh,
+                           x, delta, weight.w)
+
+
 def invariant_log_softmax(x: Float[Array, "n v"], how: RowReduction) -> Float[Array, "n v"]:
     """Row-wise log-softmax in float32 (`how.impl` "xla": XLA's own)."""
     if how.impl == "xla":

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from jengine.layers.invariant import InvariantNorm, invariant_rms_norm
+from jengine.layers.invariant import InvariantNorm, invariant_add_rms_norm, invariant_rms_norm
 
 
 def rms_norm(x: Float[Array, "... d"], weight: Float[Array, " d"], eps: float) -> Float[Array, "... d"]:
@@ -18,3 +18,13 @@ def rms_norm(x: Float[Array, "... d"], weight: Float[Array, " d"], eps: float) -
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return weight * normed.astype(x.dtype)
+
+
+def add_rms_norm(x: Float[Array, "... d"], delta: Float[Array, "... d"], weight: Float[Array, " d"], eps: float
+                 ) -> tuple[Float[Array, "... d"], Float[Array, "... d"]]:
+    """(x + delta, `rms_norm` of it): a residual add and the norm after it. XLA fuses the two itself; a
+    batch-invariant Pallas norm takes the add into its own launch (each output bitwise the unfused one's)."""
+    if isinstance(weight, InvariantNorm) and weight.impl != "xla":
+        return invariant_add_rms_norm(x, delta, weight, eps)
+    total = x + delta
+    return total, rms_norm(total, weight, eps)

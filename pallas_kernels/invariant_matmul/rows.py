@@ -3,7 +3,8 @@
 XLA's GPU reduction emitter picks its thread layout by the whole shape, so the same row summed inside 16 rows and
 inside 64 can round differently (seen on the H200 for a log-softmax over a 128k vocabulary). Here one program
 reduces one row, walking it in chunks of `CHUNK` columns from 0 upwards into a `CHUNK`-wide float32 accumulator
-that is summed once at the end: the order is the same for every row count.
+that is summed once at the end: the order is the same for every row count. The RMSNorm can take the residual add
+before it as well (`add_rms_norm_rows`): one launch instead of an XLA add and the norm.
 
 Triton rules (JAX-PALLAS.md §1.2): power-of-two blocks, ragged edges masked.
 """
@@ -28,14 +29,25 @@ def _columns(i, width: int):
     return cols, cols < width
 
 
-def _rms_kernel(x_ref, w_ref, o_ref, *, eps: float):
+def _rms_kernel(*refs, eps: float, add: bool):
+    """HF's RMSNorm of one row. `add` (refs x, delta, weight → sum, normed): of the row `x + delta`, added in
+    float32 and rounded once to the sum's dtype as XLA rounds the add, and that sum written out too (the residual
+    stream); the normed row is then bitwise the unfused path's (`x + delta`, then the plain kernel)."""
+    x_ref, d_ref, w_ref, s_ref, o_ref = refs if add else (refs[0], None, refs[1], None, refs[2])
+    source_dtype = s_ref.dtype if add else x_ref.dtype  # the dtype of the row that is normed
     width = x_ref.shape[1]
     row = pl.program_id(0)
     chunks = pl.cdiv(width, CHUNK)
 
+    def load(cols, valid):  # the normed row's chunk, exactly as stored in its own dtype, widened to float32
+        x = pltr.load(x_ref.at[row, cols], mask=valid, other=0)
+        if add:
+            d = pltr.load(d_ref.at[row, cols], mask=valid, other=0)
+            x = (x.astype(jnp.float32) + d.astype(jnp.float32)).astype(source_dtype)
+        return x.astype(jnp.float32)
+
     def squares(i, acc):
-        cols, valid = _columns(i, width)
-        x = pltr.load(x_ref.at[row, cols], mask=valid, other=0).astype(jnp.float32)
+        x = load(*_columns(i, width))
         return acc + x * x
 
     total = jnp.sum(lax.fori_loop(0, chunks, squares, jnp.zeros((CHUNK,), jnp.float32)))
@@ -43,31 +55,51 @@ def _rms_kernel(x_ref, w_ref, o_ref, *, eps: float):
 
     def write(i, carry):
         cols, valid = _columns(i, width)
-        x = pltr.load(x_ref.at[row, cols], mask=valid, other=0).astype(jnp.float32)
+        x = load(cols, valid)  # the sum recomputed, not read back: another thread of the program wrote it
         w = pltr.load(w_ref.at[cols], mask=valid, other=0).astype(jnp.float32)
-        normed = (x * scale).astype(x_ref.dtype).astype(jnp.float32)  # HF: the weight applies after the cast back
+        normed = (x * scale).astype(source_dtype).astype(jnp.float32)  # HF: the weight applies after the cast back
         pltr.store(o_ref.at[row, cols], (w * normed).astype(o_ref.dtype), mask=valid)
+        if add:
+            pltr.store(s_ref.at[row, cols], x.astype(s_ref.dtype), mask=valid)
         return carry
 
     lax.fori_loop(0, chunks, write, 0)
+
+
+def _norm_rows(name: str, inputs: tuple[Array, ...], weight: Array, out_dtypes: tuple, *, eps: float,
+               interpret: bool) -> list[Array]:
+    """The RMSNorm kernel over `inputs`' rows (x, or x and delta, flattened to [n, d]), one program per row."""
+    flat = [a.reshape(-1, a.shape[-1]) for a in inputs]
+    return pl.pallas_call(
+        functools.partial(_rms_kernel, eps=eps, add=len(inputs) == 2),
+        grid=(flat[0].shape[0],),
+        in_specs=[pl.no_block_spec] * (len(inputs) + 1),
+        out_specs=[pl.no_block_spec] * len(out_dtypes),
+        out_shape=[jax.ShapeDtypeStruct(flat[0].shape, dtype) for dtype in out_dtypes],
+        compiler_params=pltr.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        interpret=interpret,
+        name=name,
+    )(*flat, weight)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"))
 def rms_norm_rows(x: Float[Array, "... d"], weight: Float[Array, " d"], *, eps: float,
                   interpret: bool = False) -> Float[Array, "... d"]:
     """HF's RMSNorm (statistics in float32, the weight applied after casting back), one row per program."""
-    flat = x.reshape(-1, x.shape[-1])
-    out = pl.pallas_call(
-        functools.partial(_rms_kernel, eps=eps),
-        grid=(flat.shape[0],),
-        in_specs=[pl.no_block_spec] * 2,
-        out_specs=pl.no_block_spec,
-        out_shape=jax.ShapeDtypeStruct(flat.shape, jnp.result_type(weight.dtype, x.dtype)),
-        compiler_params=pltr.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
-        interpret=interpret,
-        name="invariant_rms_norm",
-    )(flat, weight)
+    (out,) = _norm_rows("invariant_rms_norm", (x,), weight, (jnp.result_type(weight.dtype, x.dtype),), eps=eps,
+                        interpret=interpret)
     return out.reshape(x.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "interpret"))
+def add_rms_norm_rows(x: Float[Array, "... d"], delta: Float[Array, "... d"], weight: Float[Array, " d"], *,
+                      eps: float, interpret: bool = False) -> tuple[Float[Array, "... d"], Float[Array, "... d"]]:
+    """(x + delta, `rms_norm_rows` of it) in one launch: a residual add fused into the norm after it, each output
+    bitwise the unfused path's (vLLM's fused_add_rms_norm)."""
+    total = jnp.result_type(x.dtype, delta.dtype)
+    out = _norm_rows("invariant_add_rms_norm", (x, delta), weight, (total, jnp.result_type(weight.dtype, total)),
+                     eps=eps, interpret=interpret)
+    return out[0].reshape(x.shape), out[1].reshape(x.shape)
 
 
 def _lse_kernel(x_ref, o_ref):

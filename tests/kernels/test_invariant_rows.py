@@ -1,7 +1,9 @@
 """The batch-invariant row reductions (`pallas_kernels/invariant_matmul/rows.py`, interpret mode): RMSNorm and
 log-sum-exp against float64 numpy on ragged widths, rows of -inf, a row bit for bit the same alone and in batches,
-and the Triton lowering for an H200 of an 8B hidden state and a 128k vocabulary. Tolerances: float32 1e-6 relative;
-bfloat16 RMSNorm two bf16 roundings (the normed value, then the output: 2^-7 relative)."""
+and the Triton lowering for an H200 of an 8B hidden state and a 128k vocabulary. The fused residual add and RMSNorm
+bit for bit the unfused path's (the add, then the RMSNorm kernel), and both its outputs against float64. Tolerances:
+float32 1e-6 relative; bfloat16 RMSNorm two bf16 roundings (the normed value, then the output: 2^-7 relative); the
+bfloat16 sum one rounding (2^-8 relative), its normed rows a third (2^-7 + 2^-8)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.invariant_matmul.rows import log_softmax_rows, logsumexp_rows, rms_norm_rows
+from pallas_kernels.invariant_matmul.rows import add_rms_norm_rows, log_softmax_rows, logsumexp_rows, rms_norm_rows
+from tests.conftest import fresh_seed
+
+SEED = fresh_seed()
 
 
 def rms_reference(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -27,6 +32,38 @@ def test_rms_norm_matches_float64(shape, dtype, tol):
     assert ours.shape == x.shape and ours.dtype == dtype
     ref = rms_reference(np.asarray(x.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)), 1e-6)
     err = np.abs(np.asarray(ours.astype(jnp.float32)) - ref)
+    assert np.all(err <= tol * np.abs(ref) + 1e-6 * np.abs(ref).max())
+
+
+def bits(a) -> np.ndarray:
+    """The array's bit patterns (so -0 differs from 0 and NaN equals itself)."""
+    a = np.asarray(a)
+    return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("shape", [(1, 64), (3, 1024), (7, 2880), (2, 5, 4096)])
+def test_add_rms_norm_is_bitwise_the_add_then_the_norm(shape, dtype):
+    rng = np.random.default_rng([SEED, *shape])  # fresh inputs each run: bitwise equality must hold for any
+    x, delta = (jnp.asarray(rng.normal(0, 3, shape), dtype) for _ in range(2))
+    w = jnp.asarray(rng.normal(1, 0.5, shape[-1]), dtype)
+    total, normed = add_rms_norm_rows(x, delta, w, eps=1e-6, interpret=True)
+    unfused = x + delta
+    assert total.shape == normed.shape == x.shape and total.dtype == normed.dtype == dtype
+    assert np.array_equal(bits(total), bits(unfused)), f"seed {SEED}"
+    assert np.array_equal(bits(normed), bits(rms_norm_rows(unfused, w, eps=1e-6, interpret=True))), f"seed {SEED}"
+
+
+@pytest.mark.parametrize("dtype,sum_tol,tol", [(jnp.float32, 1e-7, 1e-6), (jnp.bfloat16, 2 ** -8, 2 ** -7 + 2 ** -8)])
+def test_add_rms_norm_matches_float64(dtype, sum_tol, tol):
+    rng = np.random.default_rng(5)
+    x, delta = (jnp.asarray(rng.normal(0, 3, (6, 2500)), dtype) for _ in range(2))
+    w = jnp.asarray(rng.normal(1, 0.5, 2500), dtype)
+    total, normed = add_rms_norm_rows(x, delta, w, eps=1e-5, interpret=True)
+    exact = sum(np.asarray(a.astype(jnp.float32), np.float64) for a in (x, delta))
+    np.testing.assert_allclose(np.asarray(total.astype(jnp.float32)), exact, rtol=sum_tol, atol=0)
+    ref = rms_reference(exact, np.asarray(w.astype(jnp.float32)), 1e-5)
+    err = np.abs(np.asarray(normed.astype(jnp.float32)) - ref)
     assert np.all(err <= tol * np.abs(ref) + 1e-6 * np.abs(ref).max())
 
 

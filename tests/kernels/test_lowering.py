@@ -162,3 +162,12 @@ def test_block_scaled_fp8_grouped_matmul_lowers_for_h200(tokens):
     text = lower_for_h200(fn, S((tokens, d), jnp.bfloat16), S((tokens, k), i32), S((tokens, k), jnp.bfloat16),
                           *w, *scales)
     assert text.count("__gpu$xla.gpu.triton") == 3  # gate/up, down, the combine
+
+
+def test_add_rms_norm_lowers_for_h200():
+    """The residual add fused into the RMSNorm: one Triton launch for an 8B hidden state."""
+    from pallas_kernels.invariant_matmul.rows import add_rms_norm_rows
+
+    text = lower_for_h200(lambda x, d, w: add_rms_norm_rows(x, d, w, eps=1e-5), S((64, 4096), jnp.bfloat16),
+                          S((64, 4096), jnp.bfloat16), S((4096,), jnp.bfloat16))
+    assert text.count("__gpu$xla.gpu.triton") == 1
