@@ -7,9 +7,10 @@ LM head (`models/decoder.py:compute_logits`) dispatch on it. On NVIDIA GPUs it r
 XLA's dot already reduces a row the same way whatever the row count (the engine's CPU tests hold it), the plain dot.
 
 Row reductions go the same way: the norms' weights are wrapped as `InvariantNorm` (`layers/norm.py` dispatches on
-it; the residual add before a norm runs in the norm's kernel), and the log-softmax of the logprobs and the MoE router's softmax use `invariant_log_softmax`, each on
-`pallas_kernels/invariant_matmul/rows.py` on NVIDIA GPUs (XLA's reduction emitter lays a row out by the whole
-shape: on the H200 a 128k-vocabulary log-softmax at 16 rows rounded differently from the same rows among 64).
+it; the residual add before a norm runs in the norm's kernel), and the log-softmax of the logprobs and the MoE
+router's softmax use `invariant_log_softmax`, each on `pallas_kernels/invariant_matmul/rows.py` on NVIDIA GPUs
+(XLA's reduction emitter lays a row out by the whole shape: on the H200 a 128k-vocabulary log-softmax at 16 rows
+rounded differently from the same rows among 64).
 
 Under tensor parallelism a wrapped weight carries its mesh and PartitionSpec and multiplies per device under
 `shard_map` (a Pallas call must not be handed to XLA's partitioner, which would gather the whole weight); a weight
