@@ -1,6 +1,7 @@
 """Dense projections. Weights are stored `[in, out]` (transposed from HF) so activations multiply on the left; an
-8-bit weight (`layers/quant.py:QuantizedWeight`) or a 4-bit one (`layers/quant4.py:Int4Weight`) takes its own matmul, so every projection of every family runs
-quantized checkpoints; a batch-invariant one (`layers/invariant.py:InvariantWeight`, `--deterministic`) likewise."""
+8-bit weight (`layers/quant.py:QuantizedWeight`) or a 4-bit one (`layers/quant4.py:Int4Weight`) takes its own
+matmul, so every projection of every family runs quantized checkpoints; a batch-invariant one
+(`layers/invariant.py:InvariantWeight`, `--deterministic`) likewise."""
 
 from __future__ import annotations
 
