@@ -106,37 +106,6 @@ def probe_shape(name: str, k: int, n: int, transposed: bool, args) -> dict:
     return out
 
 
-def probe_gated(args) -> dict:
-    """The gate/up projection and its SiLU: one launch (`invariant_gated_matmul`) against the plain matmul and XLA's
-    `silu(gate) * up` after it, µs per layer (chained as above), and how many outputs agree bit for bit (the
-    kernel's exponential is Triton's, XLA's its own)."""
-    import jax
-    import jax.numpy as jnp
-
-    from pallas_kernels.invariant_matmul import invariant_gated_matmul, invariant_matmul
-
-    k, two_n, _ = (96, 160, False) if args.tiny else LLAMA_8B_WEIGHTS["gate_up"]
-    n = two_n // 2
-    count = 1 if args.tiny else max(2, min(args.calls, int(4e8 // (2 * k * two_n))))
-    ws = weights(k, two_n, False, count)
-    fused = lambda x, w: invariant_gated_matmul(x, w, interpret=args.tiny)  # noqa: E731
-
-    def unfused(x, w):
-        y = invariant_matmul(x, w, interpret=args.tiny)
-        return jax.nn.silu(y[:, :n]) * y[:, n:]
-
-    out = {}
-    for rows in ((1, 40) if args.tiny else args.rows):
-        x = jax.random.normal(jax.random.key(rows), (rows, k), jnp.bfloat16)
-        same = jnp.mean((jax.jit(fused)(x, ws[0]) == jax.jit(unfused)(x, ws[0])).astype(jnp.float32))
-        entry = {f"{name}_us": 1e6 * timeit(chain(fn), x, ws, runs=3) / count
-                 for name, fn in (("fused", fused), ("unfused", unfused))}
-        entry.update(unfused_vs_fused=entry["unfused_us"] / entry["fused_us"], same_bits_fraction=float(same))
-        out[str(rows)] = entry
-        log({f"gated_{rows}": entry})
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
@@ -146,7 +115,6 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 4096])
     parser.add_argument("--default-only", action="store_true", help="no candidates: the default tile and XLA's dot")
     parser.add_argument("--calls", type=int, default=8, help="most weights chained per timed program")
-    parser.add_argument("--gated", action="store_true", help="also the gate/up projection with its SiLU fused")
     args = parser.parse_args()
     import jax
 
@@ -156,9 +124,6 @@ def main() -> None:
     for name in args.shapes:
         k, n, transposed = (96, 80, name == "lm_head") if args.tiny else LLAMA_8B_WEIGHTS[name]
         record["shapes"][name] = probe_shape(name, k, n, transposed, args)
-        (out / f"invariant_tiles_{args.git_sha}.json").write_text(json.dumps(record, indent=1))
-    if args.gated:
-        record["gated"] = probe_gated(args)
         (out / f"invariant_tiles_{args.git_sha}.json").write_text(json.dumps(record, indent=1))
 
 

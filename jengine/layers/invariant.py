@@ -78,17 +78,11 @@ def _local_matmul(x, weight, w: InvariantWeight, precision, out_dtype):
     return kernel(x, weight, transposed=w.transposed, out_dtype=out_dtype, interpret=w.impl == "pallas_interpret")
 
 
-def _split_axes(w: InvariantWeight) -> tuple[tuple, str | None, str | None]:
-    """(the weight's full PartitionSpec, the mesh axis splitting its inputs, the one splitting its outputs)."""
-    spec = tuple(w.spec) + (None,) * (2 - len(w.spec))
-    k_axis, n_axis = (spec[1], spec[0]) if w.transposed else spec
-    return spec, k_axis, n_axis
-
-
 def _sharded_matmul(x, w: InvariantWeight, precision, out_dtype):
     """Each device multiplies its slices; split inputs (row-parallel) leave float32 partials added in device
     order. The output is split as the weight's outputs are (column-parallel, the vocab-parallel LM head)."""
-    spec, k_axis, n_axis = _split_axes(w)
+    spec = tuple(w.spec) + (None,) * (2 - len(w.spec))
+    k_axis, n_axis = (spec[1], spec[0]) if w.transposed else spec
 
     def local(x, weight):
         if k_axis is None:
@@ -96,34 +90,6 @@ def _sharded_matmul(x, w: InvariantWeight, precision, out_dtype):
         return ordered_psum(_local_matmul(x, weight, w, precision, jnp.float32), k_axis).astype(out_dtype)
 
     return jax.shard_map(local, mesh=w.mesh, in_specs=(P(None, k_axis), P(*spec)), out_specs=P(None, n_axis),
-                         check_vma=False)(x, w.w)
-
-
-def fuses_gated_activation(w, act: str, shards: int) -> bool:
-    """Whether a gated MLP's fused gate/up weight `w` and its activation run as one Pallas launch
-    (`invariant_gated_matmul`): a batch-invariant Pallas weight, a SiLU, and under tensor parallelism its
-    columns split over exactly the `shards` devices they are grouped by (each device's slice: gate, then up)."""
-    if not (isinstance(w, InvariantWeight) and w.impl != "xla" and not w.transposed and act in ("silu", "swish")):
-        return False
-    if w.mesh is None or w.mesh.size == 1:
-        return shards == 1
-    _, k_axis, n_axis = _split_axes(w)
-    return k_axis is None and isinstance(n_axis, str) and w.mesh.shape[n_axis] == shards
-
-
-def invariant_gated_matmul(x: Float[Array, "tokens k"], w: InvariantWeight) -> Float[Array, "tokens n"]:
-    """`silu(x @ gate) * (x @ up)` of a fused gate/up weight in one launch per device, bit for bit the matmul's
-    stored output followed by XLA's `silu(gate) * up` where the exponentials agree (on the CPU they do); no
-    `[tokens, 2n]` intermediate. Only where `fuses_gated_activation`."""
-    from pallas_kernels.invariant_matmul import invariant_gated_matmul as kernel  # Pallas imported only where used
-
-    def local(x, weight):
-        return kernel(x, weight, interpret=w.impl == "pallas_interpret")
-
-    if w.mesh is None or w.mesh.size == 1:
-        return local(x, w.w)
-    _, _, n_axis = _split_axes(w)
-    return jax.shard_map(local, mesh=w.mesh, in_specs=(P(), P(None, n_axis)), out_specs=P(None, n_axis),
                          check_vma=False)(x, w.w)
 
 

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from jengine.layers.invariant import (InvariantWeight, RowReduction, fuses_gated_activation,
-                                     invariant_gated_matmul, invariant_log_softmax, on_every_device, ordered_sum)
+from jengine.layers.invariant import (InvariantWeight, RowReduction, invariant_log_softmax, on_every_device,
+                                     ordered_sum)
 from jengine.layers.linear import ACTIVATIONS, Precision, linear, split_fused
 from jengine.layers.lora import LayerLora
 from jengine.layers.experts import expert_float, expert_operands, kernel_weight_specs, kernel_weights
@@ -34,28 +34,17 @@ def gated_mlp(
 ) -> Float[Array, "tokens d"]:
     """down(act(gate(x)) * up(x)), with the optional biases some Llama configs ask for; gate and up are one fused
     projection whose columns are grouped per `shards` (see `split_fused`); `lora`: the rows' adapters add to the
-    three projections. A batch-invariant Pallas gate/up weight takes the SiLU into its own launch, so the
-    `[tokens, 2 × inter]` product never goes to memory (`invariant_gated_matmul`)."""
-    inter = w["w_down"].shape[0]
-    if lora is None and w.get("b_gate_up") is None and fuses_gated_activation(w["w_gate_up"], act, shards):
-        hidden = invariant_gated_matmul(x.reshape(-1, x.shape[-1]), w["w_gate_up"]).reshape(*x.shape[:-1], inter)
-    else:
-        hidden = _gate_times_up(x, w, act, precision, shards, lora)
-    if lora is None:
-        return linear(hidden, w["w_down"], w.get("b_down"), precision)
-    return lora.project("down", hidden, w["w_down"], w.get("b_down"), precision)
-
-
-def _gate_times_up(x, w: dict[str, Array], act: str, precision: Precision, shards: int,
-                   lora: LayerLora | None) -> Float[Array, "tokens inter"]:
-    """`act(gate(x)) * up(x)` through the fused gate/up projection's stored output."""
+    three projections."""
     inter = w["w_down"].shape[0]
     if lora is None:
         gate_up = linear(x, w["w_gate_up"], w.get("b_gate_up"), precision)
     else:
         gate_up = lora.project("gate_up", x, w["w_gate_up"], w.get("b_gate_up"), precision)
     gate, up = split_fused(gate_up, (inter, inter), shards)
-    return ACTIVATIONS[act](gate) * up
+    hidden = ACTIVATIONS[act](gate) * up
+    if lora is None:
+        return linear(hidden, w["w_down"], w.get("b_down"), precision)
+    return lora.project("down", hidden, w["w_down"], w.get("b_down"), precision)
 
 
 class Routing(NamedTuple):

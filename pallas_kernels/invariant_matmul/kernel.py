@@ -69,25 +69,20 @@ def _arange(start, size: int):
     return start + jnp.arange(size, dtype=jnp.int32)
 
 
-def _step_product(x_ref, w_ref, rows, col_tiles, i, accs, *, tile: Tile, transposed: bool, interpret: bool):
-    """`accs` plus K step `i`'s products of this program's rows with each of `col_tiles` ((columns of `w`, valid)
-    pairs: one, or a gated matmul's gate and up columns), in float32."""
-    m_dim, k_dim = (x_ref.shape[0], w_ref.shape[1] if transposed else w_ref.shape[0])
+def _step_product(x_ref, w_ref, rows, cols, i, acc, *, tile: Tile, transposed: bool, interpret: bool):
+    """`acc` plus K step `i`'s product of this program's tile, in float32."""
+    m_dim, k_dim = x_ref.shape
+    n_dim = w_ref.shape[0] if transposed else w_ref.shape[1]
     ks = _arange(i * tile.block_k, tile.block_k)
     x = pltr.load(x_ref.at[rows[:, None], ks[None, :]], mask=(rows[:, None] < m_dim) & (ks[None, :] < k_dim),
                   other=0)
-    return tuple(_accumulate(acc, x, _load_w(w_ref, ks, cols, valid, k_dim, transposed).astype(x.dtype), tile,
-                             interpret) for acc, (cols, valid) in zip(accs, col_tiles, strict=True))
-
-
-def _load_w(w_ref, ks, cols, valid, k_dim: int, transposed: bool):
     if transposed:  # w [n, k]
-        return pltr.load(w_ref.at[cols[:, None], ks[None, :]], mask=valid[:, None] & (ks[None, :] < k_dim),
-                         other=0).T
-    return pltr.load(w_ref.at[ks[:, None], cols[None, :]], mask=(ks[:, None] < k_dim) & valid[None, :], other=0)
-
-
-def _accumulate(acc, x, w, tile: Tile, interpret: bool):
+        w = pltr.load(w_ref.at[cols[:, None], ks[None, :]],
+                      mask=(cols[:, None] < n_dim) & (ks[None, :] < k_dim), other=0).T
+    else:
+        w = pltr.load(w_ref.at[ks[:, None], cols[None, :]],
+                      mask=(ks[:, None] < k_dim) & (cols[None, :] < n_dim), other=0)
+    w = w.astype(x.dtype)
     if not interpret:  # Triton folds `acc + dot` into the MMAs' accumulator: one slice of MMA_K at a time
         return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
     for s in range(0, tile.block_k, MMA_K):  # the same chain, spelled out for the interpreter
@@ -95,31 +90,15 @@ def _accumulate(acc, x, w, tile: Tile, interpret: bool):
     return acc
 
 
-def silu_times(gate, up, dtype):
-    """`silu(gate) * up` with every step rounded to `dtype` as XLA rounds `jax.nn.silu(gate) * up` on `dtype`
-    arrays (`exp(-g)`, `1 + e`, its reciprocal, the products): on the CPU bit for bit."""
-    def rounded(v):
-        return v.astype(dtype).astype(jnp.float32)
-
-    g = rounded(gate)
-    sigmoid = rounded(1.0 / rounded(1.0 + rounded(jnp.exp(-g))))
-    return (rounded(g * sigmoid) * rounded(up)).astype(dtype)
-
-
-def _kernel(x_ref, w_ref, y_ref, *, tile: Tile, transposed: bool, interpret: bool, gated: bool):
-    """One output tile. `gated`: `w` is `[k, 2n]`, gate columns then up columns, and the tile is `silu(x @ gate)
-    * (x @ up)`: both products rounded to the output dtype first, as a gate/up matmul's stored output is."""
+def _kernel(x_ref, w_ref, y_ref, *, tile: Tile, transposed: bool, interpret: bool):
     rows = _arange(pl.program_id(0) * tile.block_m, tile.block_m)
     cols = _arange(pl.program_id(1) * tile.block_n, tile.block_n)
-    n_dim = y_ref.shape[1]
-    col_tiles = ((cols, cols < n_dim), (cols + n_dim, cols < n_dim)) if gated else ((cols, cols < n_dim),)
-    step = functools.partial(_step_product, x_ref, w_ref, rows, col_tiles, tile=tile, transposed=transposed,
+    step = functools.partial(_step_product, x_ref, w_ref, rows, cols, tile=tile, transposed=transposed,
                              interpret=interpret)
-    zeros = jnp.zeros((tile.block_m, tile.block_n), jnp.float32)
-    accs = lax.fori_loop(0, pl.cdiv(x_ref.shape[1], tile.block_k), step, (zeros,) * len(col_tiles))
-    total = silu_times(*accs, y_ref.dtype) if gated else accs[0].astype(y_ref.dtype)
-    pltr.store(y_ref.at[rows[:, None], cols[None, :]], total,
-               mask=(rows[:, None] < y_ref.shape[0]) & (cols[None, :] < n_dim))
+    total = lax.fori_loop(0, pl.cdiv(x_ref.shape[1], tile.block_k), step,
+                          jnp.zeros((tile.block_m, tile.block_n), jnp.float32))
+    pltr.store(y_ref.at[rows[:, None], cols[None, :]], total.astype(y_ref.dtype),
+               mask=(rows[:, None] < y_ref.shape[0]) & (cols[None, :] < y_ref.shape[1]))
 
 
 @functools.partial(jax.jit, static_argnames=("transposed", "out_dtype", "interpret", "tile"))
@@ -131,38 +110,12 @@ def invariant_matmul(
     `tile`: the output tile, K step, warps and stages (default `tile_for` the shape); any gives the same bits."""
     (m, _), n = x.shape, w.shape[0] if transposed else w.shape[1]
     tile = tile or tile_for(m, n, jnp.dtype(w.dtype).itemsize)
-    return _call(x, w, n, tile, transposed=transposed, gated=False, out_dtype=out_dtype or x.dtype,
-                 interpret=interpret)
-
-
-def gated_tile_for(m: int, n: int, itemsize: int = 2) -> Tile:
-    """A gated matmul's tile (n: its output columns): `tile_for` the `[k, 2n]` weight it reads, each of its two
-    accumulators half as wide, so a program loads and holds what the plain tile does."""
-    tile = tile_for(m, 2 * n, itemsize)
-    return dataclasses.replace(tile, block_n=max(MMA_K, tile.block_n // 2))
-
-
-@functools.partial(jax.jit, static_argnames=("interpret", "tile"))
-def invariant_gated_matmul(x: Float[Array, "m k"], w: Float[Array, "k two_n"], *, interpret: bool = False,
-                           tile: Tile | None = None) -> Float[Array, "m n"]:
-    """`silu(x @ w[:, :n]) * (x @ w[:, n:])`: a gated MLP's fused gate/up projection and its activation in one
-    launch, with the bits of the matmul's stored output followed by `silu_times` (each product walks K as
-    `invariant_matmul`'s does), and no `[m, 2n]` intermediate in memory."""
-    (m, _), two_n = x.shape, w.shape[1]
-    if two_n % 2:
-        raise ValueError(f"a gated weight has gate and up columns: {two_n} columns is odd")
-    tile = tile or gated_tile_for(m, two_n // 2, jnp.dtype(w.dtype).itemsize)
-    return _call(x, w, two_n // 2, tile, transposed=False, gated=True, out_dtype=x.dtype, interpret=interpret)
-
-
-def _call(x, w, n: int, tile: Tile, *, transposed: bool, gated: bool, out_dtype, interpret: bool):
     if tile.block_k % MMA_K:
         raise ValueError(f"tile.block_k={tile.block_k}: K steps are whole MMA slices of {MMA_K}")
-    m = x.shape[0]
-    kernel = functools.partial(_kernel, tile=tile, transposed=transposed, interpret=interpret, gated=gated)
+    kernel = functools.partial(_kernel, tile=tile, transposed=transposed, interpret=interpret)
     return pl.pallas_call(
         kernel, grid=(pl.cdiv(m, tile.block_m), pl.cdiv(n, tile.block_n)),
-        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype or x.dtype),
         in_specs=[pl.no_block_spec] * 2, out_specs=pl.no_block_spec, interpret=interpret,
         compiler_params=pltr.CompilerParams(num_warps=tile.num_warps, num_stages=tile.num_stages),
-        name="invariant_gated_matmul" if gated else "invariant_matmul")(x, w)
+        name="invariant_matmul")(x, w)

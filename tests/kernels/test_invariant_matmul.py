@@ -1,18 +1,16 @@
 """The batch-invariant matmul (`pallas_kernels/invariant_matmul`, interpret mode) against float64 numpy, in both
 weight layouts with ragged edges; a row's result bit for bit the same at every row count (each picking another tile
 and K step), and under every candidate tile; the Triton lowering for an H200 of 8B-shaped projections and the LM
-head at each row class's tile. The gated form (gate/up and SiLU in one launch) likewise, and bit for bit the plain
-matmul followed by XLA's `silu(gate) * up`. Tolerance: 1e-5 · max|ref| (float32 inputs)."""
+head at each row class's tile. Tolerance: 1e-5 · max|ref| (float32 inputs)."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.invariant_matmul import invariant_gated_matmul, invariant_matmul
-from pallas_kernels.invariant_matmul.kernel import NARROW_TILES, TILE, WIDE, Tile, gated_tile_for, tile_for
+from pallas_kernels.invariant_matmul import invariant_matmul
+from pallas_kernels.invariant_matmul.kernel import NARROW_TILES, TILE, WIDE, Tile, tile_for
 
 
 @pytest.mark.parametrize("transposed", [False, True])
@@ -89,60 +87,3 @@ def test_every_tile_gives_the_same_bits_and_matches_float64(tile):
             assert np.abs(ours - ref).max() <= 1e-5 * np.abs(ref).max()
     with pytest.raises(ValueError, match="MMA slices"):
         invariant_matmul(jnp.asarray(x), jnp.asarray(w), interpret=True, tile=Tile(block_k=24))
-
-
-def _xla_gated(y, n: int):
-    return jax.jit(lambda y: jax.nn.silu(y[:, :n]) * y[:, n:])(y)
-
-
-@pytest.mark.parametrize("m,k,n", [(1, 72, 100), (70, 130, 136), (130, 300, 40)])
-def test_gated_matches_the_unfused_product_bit_for_bit_and_float64(m, k, n):
-    """`silu(x @ gate) * (x @ up)` in one launch: bit for bit the plain matmul's stored output followed by XLA's
-    `silu(gate) * up` (bf16 and float32), and within 1e-5 · max|ref| of float64 (float32 inputs)."""
-    seed = np.random.SeedSequence().entropy
-    rng = np.random.default_rng(seed)
-    x, w = rng.normal(0, 1, (m, k)), rng.normal(0, 1, (k, 2 * n)) / np.sqrt(k)
-    for dtype in (jnp.bfloat16, jnp.float32):
-        xs, ws = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
-        fused = invariant_gated_matmul(xs, ws, interpret=True)
-        unfused = _xla_gated(invariant_matmul(xs, ws, interpret=True), n)
-        assert fused.shape == (m, n) and fused.dtype == dtype
-        assert np.array_equal(np.asarray(fused, np.float32), np.asarray(unfused, np.float32)), f"seed {seed}"
-    y = x @ w
-    ref = y[:, :n] / (1 + np.exp(-y[:, :n])) * y[:, n:]
-    assert np.abs(np.asarray(fused) - ref).max() <= 1e-5 * np.abs(ref).max()
-
-
-def test_a_gated_row_is_the_same_alone_and_in_any_batch():
-    seed = np.random.SeedSequence().entropy
-    rng = np.random.default_rng(seed)
-    k, n = 200, 96
-    w = jnp.asarray(rng.normal(0, 1, (k, 2 * n)) / np.sqrt(k), jnp.bfloat16)
-    row = rng.normal(0, 1, (1, k))
-    alone = np.asarray(invariant_gated_matmul(jnp.asarray(row, jnp.bfloat16), w, interpret=True), np.float32)[0]
-    counts = (40, 130, 300, 2100)  # with 1: every row class's tile
-    assert len({gated_tile_for(m, n) for m in (1, *counts)}) == 5
-    for m in counts:
-        batch = rng.normal(0, 1, (m, k))
-        at = int(rng.integers(m))
-        batch[at] = row[0]
-        out = np.asarray(invariant_gated_matmul(jnp.asarray(batch, jnp.bfloat16), w, interpret=True), np.float32)
-        assert np.array_equal(out[at], alone), f"row {at} of {m} differs from the row alone (seed {seed})"
-
-
-def test_gated_tiles_hold_what_the_plain_tile_holds():
-    for m in (1, 16, 64, 256, 1024, 4096):
-        plain, gated = tile_for(m, 28672), gated_tile_for(m, 14336)
-        assert gated.block_n * 2 == plain.block_n and gated.stage_bytes(2) < plain.stage_bytes(2)
-        assert (gated.block_m, gated.block_k, gated.num_warps, gated.num_stages) == (
-            plain.block_m, plain.block_k, plain.num_warps, plain.num_stages)
-    with pytest.raises(ValueError, match="odd"):
-        invariant_gated_matmul(jnp.ones((2, 8)), jnp.ones((8, 5)), interpret=True)
-
-
-@pytest.mark.parametrize("rows", [1, 64, 256, 4096])
-def test_gated_lowers_for_h200(rows):
-    from tests.kernels.test_lowering import S, lower_for_h200
-
-    text = lower_for_h200(invariant_gated_matmul, S((rows, 4096), jnp.bfloat16), S((4096, 28672), jnp.bfloat16))
-    assert text.count("__gpu$xla.gpu.triton") == 1

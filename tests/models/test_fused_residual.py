@@ -1,9 +1,7 @@
-"""Launches fused in the batch-invariant mode change no bit. The decoder's residual adds run inside the norms after
-them (`layers/norm.py:add_rms_norm`), and a gated MLP's SiLU inside its gate/up matmul (`invariant_gated_matmul`).
-With the batch-invariant kernels in interpret mode (as on a GPU) the step's logits and the captured layer inputs
-(EAGLE-3's features) are bit for bit those of the unfused path (the add, then the norm kernel; the gate/up matmul,
-then XLA's `silu(gate) * up`): dense, MoE and shared-expert layers, in bfloat16 and float32 (the SiLU's float32
-within rounding: see its test)."""
+"""The decoder's residual adds run inside the norms after them (`layers/norm.py:add_rms_norm`). With the
+batch-invariant norms as Pallas kernels (interpret mode, as on a GPU) the step's logits and the captured layer
+inputs (EAGLE-3's features) are bit for bit those of the unfused path (the add, then the norm kernel): dense,
+MoE and shared-expert layers, in bfloat16 and float32."""
 
 from __future__ import annotations
 
@@ -17,7 +15,6 @@ from jengine.attention.metadata import build_metadata
 from jengine.layers.attention import allocate_kv_cache
 from jengine.layers.invariant import make_invariant
 from jengine.layers.norm import rms_norm
-from jengine.layers import mlp
 from jengine.models import decoder
 from jengine.models.loader import load_model
 from jengine.runner.step import ModelInputs, StepModel, StepState, forward_step
@@ -58,18 +55,14 @@ def prefill(model_dir, dtype: str):
     return np.asarray(logits), np.asarray(features.astype(jnp.float32))
 
 
-CONFIGS = [
+@pytest.mark.parametrize("config,dtype", [
     (LlamaConfig(**COMMON), "bfloat16"),
     (LlamaConfig(**COMMON), "float32"),
     (Qwen3MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16),
      "bfloat16"),
     (Qwen2MoeConfig(**COMMON, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=3,
                     shared_expert_intermediate_size=48, mlp_only_layers=[1]), "bfloat16"),
-]
-IDS = ["llama-bf16", "llama-f32", "qwen3-moe-bf16", "qwen2-moe-shared-bf16"]
-
-
-@pytest.mark.parametrize("config,dtype", CONFIGS, ids=IDS)
+], ids=["llama-bf16", "llama-f32", "qwen3-moe-bf16", "qwen2-moe-shared-bf16"])
 def test_fused_adds_change_no_bit(build_checkpoint, fresh_traces, monkeypatch, config, dtype):
     model_dir, _ = build_checkpoint(config)
     fused_logits, fused_features = prefill(model_dir, dtype)
@@ -77,26 +70,5 @@ def test_fused_adds_change_no_bit(build_checkpoint, fresh_traces, monkeypatch, c
     for jitted in (forward_step, decoder._decoder_layer):
         jitted.clear_cache()
     logits, features = prefill(model_dir, dtype)
-    assert np.array_equal(fused_logits.view(np.uint32), logits.view(np.uint32)), f"seed {SEED}"
-    assert np.array_equal(fused_features.view(np.uint32), features.view(np.uint32)), f"seed {SEED}"
-
-
-@pytest.mark.parametrize("config,dtype", [CONFIGS[0], CONFIGS[1], CONFIGS[3]], ids=[IDS[0], IDS[1], IDS[3]])
-def test_fused_gated_activation_changes_no_bit(build_checkpoint, fresh_traces, monkeypatch, config, dtype):
-    """In bfloat16 bit for bit; in float32 XLA may fold `g * (1 / (1 + e))` differently inside the whole step
-    than alone (where the kernel tests hold it bit for bit), so there within 2e-6 · max|logit|."""
-    model_dir, _ = build_checkpoint(config)
-    fused = []
-    real = mlp.fuses_gated_activation
-    monkeypatch.setattr(mlp, "fuses_gated_activation", lambda *a: fused.append(real(*a)) or fused[-1])
-    fused_logits, fused_features = prefill(model_dir, dtype)
-    assert fused and all(fused), "every gated MLP (dense, shared expert) took the fused launch"
-    monkeypatch.setattr(mlp, "fuses_gated_activation", lambda *a: False)
-    for jitted in (forward_step, decoder._decoder_layer):
-        jitted.clear_cache()
-    logits, features = prefill(model_dir, dtype)
-    if dtype == "float32":
-        assert np.abs(fused_logits - logits).max() <= 2e-6 * np.abs(logits).max(), f"seed {SEED}"
-        return
     assert np.array_equal(fused_logits.view(np.uint32), logits.view(np.uint32)), f"seed {SEED}"
     assert np.array_equal(fused_features.view(np.uint32), features.view(np.uint32)), f"seed {SEED}"
