@@ -25,7 +25,9 @@ float8 cache (`kv_scales` given, see `pallas_kernels.kv_quant`): the cache is re
 (2, 4] GiB), half the bytes of bf16, and each pair is unpacked in registers into the even and odd columns
 (`unpack_fp8_pairs`), so every tile is split into two column parts and each dot product into two. The per-(layer,
 KV head) scales are scalars for a whole program, so they are applied where they cost nothing: K's scale joins the
-softmax scale that multiplies the scores, V's scale multiplies the finished output rows.
+softmax scale that multiplies the scores, V's scale multiplies the finished output rows. The unpacked halves are
+bfloat16 operands by default; `Tuning.fp8_operands="float16"` makes them float16 (e4m3 → float16 is one conversion
+a pair on Hopper), with the query scaled by 2^-8 into float16's range (`tiles.Scores`); float32 queries keep float32.
 
 Backend: `pl.pallas_call` lowers through Triton on GPU, which jax 0.11.2 marks deprecated (a warning at lowering)
 but runs correctly on the H200; a Mosaic GPU (`plgpu.kernel`) port is the way to more prefill throughput.
@@ -116,7 +118,7 @@ def _decode_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, q_ref, kv_r
         valid = (t < q_len) & (g < geo.group)
         tok = jnp.where(valid, q_start + t, 0)
         head = jnp.where(valid, h * geo.group + g, 0)
-        q = load_q(q_ref, tok, head, valid, geo.parts)
+        q = scores.operands(load_q(q_ref, tok, head, valid, geo.parts))
         src = KVSource(kv_ref, bt_ref, b, layer_ref[0], h, hi, geo.block_size)
         k_scale, v_scale = head_scales(scales_ref, layer_ref[0], h, geo)
         acc, m, l = attend(q, first_pos + t, src, my_lo, my_hi, first_pos, last_pos, window,
@@ -195,7 +197,7 @@ def _prefill_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, tile_seq_r
         last_pos = first_pos + n_tok - 1
         valid = (t < n_tok) & (g < geo.group)
         tok = jnp.where(valid, q_start + q0 + t, 0)
-        q = load_q(q_ref, tok, head, valid, geo.parts)
+        q = scores.operands(load_q(q_ref, tok, head, valid, geo.parts))
         lo, hi = visible_range(first_pos, last_pos, window, cfg.block_n)
         src = KVSource(kv_ref, bt_ref, b, layer_ref[0], h, hi, geo.block_size)
         k_scale, v_scale = head_scales(scales_ref, layer_ref[0], h, geo)
@@ -328,7 +330,8 @@ def ragged_paged_attention_impl(
     geo = Geometry(num_tokens, seq_lens.shape[0], q_heads, kv_heads, head_dim, block_size, quantized)
     tuning = tuning or default_tuning(head_dim, geo.group, quantized)
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    scores = Scores(float(scale), float(soft_cap) if soft_cap else None, precision)
+    scores = Scores(float(scale), float(soft_cap) if soft_cap else None, precision,  # float32 queries stay float32
+                    float16_operands=quantized and tuning.fp8_operands == "float16" and q.dtype != jnp.float32)
     qsl, lens, bt = (jnp.asarray(a, jnp.int32) for a in (query_start_loc, seq_lens, block_tables))
     layer_window = _scalars(layer, sliding_window)
     if single_path:

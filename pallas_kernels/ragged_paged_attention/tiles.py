@@ -127,24 +127,38 @@ def unpack_fp8_pairs(x16, dtype):
     return lo.astype(dtype), hi.astype(dtype)
 
 
+QUERY_SHIFT = 8  # float16 operands: the query enters scaled by 2^-8 (|q| up to 1.6e7 fits), the scores leave × 2^8
+
+
 @dataclasses.dataclass(frozen=True)
 class Scores:
     """Static score transform: scale, optional soft cap, conversion to base 2 (the loop uses exp2). `sums_by_mma`
     (the batch-invariant mode): the softmax's row sums are taken by the tensor cores, as the output's are, so a row
-    adds up in one order whatever the tile's shape and warps (a `jnp.sum` follows the register layout)."""
+    adds up in one order whatever the tile's shape and warps (a `jnp.sum` follows the register layout).
+    `float16_operands` (a float8 cache, `Tuning.fp8_operands`): the tensor cores multiply float16 (e4m3 converts to
+    it in one instruction a pair, where bfloat16 takes more); the query is scaled by an exact power of two into
+    float16's range and the scores scaled back."""
 
     scale: float
     soft_cap: float | None
     precision: lax.Precision | None
     sums_by_mma: bool = False
+    float16_operands: bool = False
+
+    def operands(self, q):
+        """The query's column parts as the tensor cores take them."""
+        if not self.float16_operands:
+            return q
+        return tuple((qp.astype(jnp.float32) * 2.0 ** -QUERY_SHIFT).astype(jnp.float16) for qp in q)
 
     def __call__(self, q, k, k_scale=1.0):
-        """`q`, `k`: tuples of matching column parts (their dot products add up to q·kᵀ). `k_scale`: the float8
-        cache's dequantization scale of K (a traced scalar), or the Python 1.0."""
+        """`q` (from `operands`), `k`: tuples of matching column parts (their dot products add up to q·kᵀ).
+        `k_scale`: the float8 cache's dequantization scale of K (a traced scalar), or the Python 1.0."""
         s = sum(pltr.dot(qp, kp, trans_b=True, precision=self.precision) for qp, kp in zip(q, k))
+        scale = self.scale * 2.0 ** QUERY_SHIFT if self.float16_operands else self.scale
         if self.soft_cap:
-            return jnp.tanh(s * (k_scale * (self.scale / self.soft_cap))) * (self.soft_cap * LOG2E)
-        return s * (k_scale * (self.scale * LOG2E))
+            return jnp.tanh(s * (k_scale * (scale / self.soft_cap))) * (self.soft_cap * LOG2E)
+        return s * (k_scale * (scale * LOG2E))
 
 
 def attend(q, q_pos, src: KVSource, lo, hi, first_pos, last_pos, window, *, block_n: int, scores: Scores,

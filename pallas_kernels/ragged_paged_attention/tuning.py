@@ -41,6 +41,12 @@ class Tuning:
     decode: KernelConfig
     prefill: KernelConfig
     split: SplitConfig
+    fp8_operands: str = "bfloat16"  # a float8 cache's tensor-core operands: "bfloat16" or "float16" (`Scores`)
+
+    def __post_init__(self):
+        if self.fp8_operands not in ("bfloat16", "float16"):
+            raise ValueError(f"fp8_operands={self.fp8_operands!r}: bfloat16 or float16")
+
     def batch_invariant(self, max_query_len: int, group_pad: int) -> Tuning:
         """The tuning of the batch-invariant mode: short requests still go to the decode kernel, but in one split
         and walking KV tiles as wide as the prefill kernel's, so each row adds up the same tiles in the same order
@@ -55,8 +61,8 @@ class Tuning:
         follow the tile's register layout, which a step's bucket would then choose."""
         decode = dataclasses.replace(self.decode, block_n=self.prefill.block_n)
         short = max_query_len * group_pad <= SMALL_STEP_ROWS
-        return Tuning(decode=decode, prefill=decode if short else self.prefill,
-                      split=SplitConfig(split_tokens=decode.block_n, max_splits=1))
+        return dataclasses.replace(self, decode=decode, prefill=decode if short else self.prefill,
+                                   split=SplitConfig(split_tokens=decode.block_n, max_splits=1))
 
 
 def default_tuning(head_dim: int, group: int, quantized: bool = False) -> Tuning:

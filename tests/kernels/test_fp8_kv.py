@@ -6,6 +6,9 @@ Random inputs are drawn fresh each run (the seed is in every failure message).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -15,6 +18,7 @@ from pallas_kernels.kv_quant import FP8_DTYPE, FP8_MAX, quantize
 from pallas_kernels.kv_write import kernel as write_kernel
 from pallas_kernels.kv_write import reference as write_reference
 from pallas_kernels.ragged_paged_attention import kernel, reference
+from pallas_kernels.ragged_paged_attention.tuning import Tuning, default_tuning
 from tests.conftest import fresh_seed
 from tests.kernels.batches import Batch, Bucket, build
 
@@ -65,11 +69,19 @@ def attention_f64(q, kv, layer, qsl, seq_lens, tables, *, scale, window=0, soft_
     return out
 
 
-def run_kernel(batch: Batch, cache, scales, *, max_query_len, window=0, soft_cap=None):
-    return kernel.ragged_paged_attention(
+def run_kernel(batch: Batch, cache, scales, *, max_query_len, window=0, soft_cap=None, fp8_operands=None):
+    if fp8_operands is None:
+        return kernel.ragged_paged_attention(
+            batch.q, cache, LAYER, batch.query_start_loc, batch.seq_lens, batch.block_tables, kv_scales=scales,
+            scale=batch.q.shape[-1] ** -0.5, sliding_window=jnp.int32(window), soft_cap=soft_cap,
+            max_query_len=max_query_len, interpret=True)
+    q_heads, head_dim = batch.q.shape[1:]
+    group = q_heads // cache.shape[4]
+    tuning = dataclasses.replace(default_tuning(head_dim, group, quantized=True), fp8_operands=fp8_operands)
+    return kernel.ragged_paged_attention_impl(
         batch.q, cache, LAYER, batch.query_start_loc, batch.seq_lens, batch.block_tables, kv_scales=scales,
-        scale=batch.q.shape[-1] ** -0.5, sliding_window=jnp.int32(window), soft_cap=soft_cap,
-        max_query_len=max_query_len, interpret=True)
+        scale=head_dim ** -0.5, sliding_window=jnp.int32(window), soft_cap=soft_cap, max_query_len=max_query_len,
+        interpret=True, tuning=tuning)
 
 
 # (bucket, q_lens, seq_lens, window, soft_cap, max_query_len): a decode-only bucket (split-K + merge), a mixed step
@@ -98,6 +110,42 @@ def test_fp8_kernel_matches_float64_reference_on_dequantized_cache(name):
     assert np.isfinite(out).all(), f"NaN: an unowned slot was read (seed {SEED})"
     np.testing.assert_allclose(out[:n], ref[:n], atol=tol, rtol=tol, err_msg=f"seed {SEED}")
     assert (out[n:] == 0).all()
+
+
+BF16_CASES = {
+    "mixed-bf16-cap-d128": CASES["mixed-bf16-cap-d128"],
+    "decode-bf16-window": (Bucket(q_heads=8, kv_heads=2, head_dim=64, width=5, dtype=jnp.bfloat16),
+                           [1] * 5, [3, 40, 17, 70, 64], 24, None, 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BF16_CASES))
+@pytest.mark.parametrize("magnitude", [1.0, 3e4], ids=["unit", "large-query"])
+def test_float16_operands_match_float64_reference(name, magnitude):
+    """`Tuning.fp8_operands="float16"`: the tensor cores take float16 K, V, probabilities and a query scaled by
+    2^-8 (a query of 3e4, past half of float16's range, stays finite); as close to float64 as bfloat16 operands
+    (2e-2), and closer to the bfloat16-operand kernel than that bound."""
+    bucket, q_lens, seq_lens, window, soft_cap, max_query_len = BF16_CASES[name]
+    batch = build(bucket, q_lens, seq_lens, seed=SEED)
+    batch = dataclasses.replace(batch, q=(batch.q.astype(jnp.float32) * magnitude).astype(batch.q.dtype))
+    cache, scales, deq = to_fp8(batch)
+    run = functools.partial(run_kernel, batch, cache, scales, max_query_len=max_query_len, window=window,
+                            soft_cap=soft_cap)
+    out = np.asarray(run(fp8_operands="float16"), np.float64)
+    ref = attention_f64(np.asarray(batch.q, np.float32), deq, LAYER, batch.query_start_loc, batch.seq_lens,
+                        batch.block_tables, scale=bucket.head_dim ** -0.5, window=window, soft_cap=soft_cap)
+    n = batch.num_real_tokens
+    assert np.isfinite(out).all(), f"seed {SEED}"
+    np.testing.assert_allclose(out[:n], ref[:n], atol=2e-2, rtol=2e-2, err_msg=f"seed {SEED}")
+    bf16_operands = np.asarray(run(fp8_operands="bfloat16"), np.float64)
+    np.testing.assert_allclose(out[:n], bf16_operands[:n], atol=2e-2, rtol=2e-2, err_msg=f"seed {SEED}")
+    assert (out[n:] == 0).all()
+
+
+def test_operand_types_are_checked():
+    base = default_tuning(128, 4, quantized=True)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        Tuning(base.decode, base.prefill, base.split, fp8_operands="float8")
 
 
 def test_jnp_reference_dequantizes_like_the_float64_oracle():

@@ -171,3 +171,22 @@ def test_add_rms_norm_lowers_for_h200():
     text = lower_for_h200(lambda x, d, w: add_rms_norm_rows(x, d, w, eps=1e-5), S((64, 4096), jnp.bfloat16),
                           S((64, 4096), jnp.bfloat16), S((4096,), jnp.bfloat16))
     assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("tokens,seqs,max_query_len,launches", [(64, 64, 1, 2), (4096, 8, 4096, 3)])
+def test_fp8_attention_with_float16_operands_lowers_for_h200(tokens, seqs, max_query_len, launches):
+    """`Tuning.fp8_operands="float16"`: e4m3 pages unpacked to float16 and the query scaled into its range."""
+    import dataclasses
+
+    from pallas_kernels.ragged_paged_attention.tuning import default_tuning
+
+    tuning = dataclasses.replace(default_tuning(128, 4, quantized=True), fp8_operands="float16")
+    fn = functools.partial(attention.ragged_paged_attention_impl, scale=128 ** -0.5, sliding_window=0,
+                           soft_cap=None, max_query_len=max_query_len, interpret=False, tuning=tuning)
+    text = lower_for_h200(
+        lambda q, kv, scales, layer, qsl, lens, bt: fn(q, kv, layer, qsl, lens, bt, kv_scales=scales),
+        S((tokens, 32, 128), jnp.bfloat16), S((32, 40000, 16, 2, 8, 128), jnp.float8_e4m3fn),
+        S((32, 2, 8), jnp.float32), S((), i32), S((seqs + 1,), i32), S((seqs,), i32), S((seqs, 2048), i32),
+    )
+    assert text.count("__gpu$xla.gpu.triton") == launches
+    assert "f16" in text
