@@ -4,6 +4,7 @@ trip that gives the same program back on its devices, and a file that cannot be 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import jax
@@ -12,7 +13,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jengine.runner.program_store import ProgramStore, device_assignment, installation_identity, program_key
+from jengine.runner.program_store import (KEPT_INSTALLATIONS, ProgramStore, device_assignment, installation_identity,
+                                          program_key, prune_installations)
 
 
 @jax.jit
@@ -83,6 +85,42 @@ def test_an_unreadable_file_is_compiled_again(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="jengine.runner.program_store"):
         assert store.load(key, device_assignment(args)) is None
     assert "compiling it" in caplog.text
+
+
+def _installation(root: Path, name: str, used_at: float, size: int = 1000) -> Path:
+    folder = root / name
+    folder.mkdir(parents=True)
+    (folder / "program").write_bytes(b"x" * size)
+    os.utime(folder, (used_at, used_at))
+    return folder
+
+
+def test_old_installations_are_removed_on_the_first_save(tmp_path, caplog):
+    """Each upgrade keys a new folder: the first save of a process keeps its own and the most recently used
+    others (KEPT_INSTALLATIONS in all), by when they were used, not by name, and removes the rest."""
+    store = ProgramStore(tmp_path)
+    store.directory.mkdir(parents=True)
+    root = store.directory.parent
+    used_at = [5, 1, 4, 2, 3]  # the folders named 0..4, used in this order of time
+    olds = [_installation(root, f"{i:024x}", used_at=1_000_000 + t * 1000) for i, t in enumerate(used_at)]
+    with caplog.at_level(logging.INFO, logger="jengine.runner.program_store"):
+        store.save("key", object())  # not a program: the save fails (a warning), the pruning still runs
+    newest = [olds[0], olds[2]]
+    assert sorted(p.name for p in root.iterdir()) == sorted([store.directory.name, *(p.name for p in newest)])
+    assert KEPT_INSTALLATIONS == 3
+    assert caplog.text.count("removed the saved step programs of an older installation") == 3
+    _installation(root, "f" * 24, used_at=0.0)
+    store.save("key", object())  # once a process: nothing more is looked at
+    assert (root / ("f" * 24)).exists()
+
+
+def test_pruning_passes_over_what_it_cannot_see(tmp_path):
+    assert prune_installations(tmp_path / "missing", keep=tmp_path / "missing" / "x") == []
+    keep = _installation(tmp_path, "current", used_at=1.0)  # the oldest by time, kept all the same
+    others = [_installation(tmp_path, f"other{i}", used_at=100.0 + i) for i in range(3)]
+    removed = prune_installations(tmp_path, keep=keep, count=2)
+    assert keep.exists() and others[2].exists()
+    assert sorted(removed) == sorted(others[:2])
 
 
 def test_the_store_is_off_without_a_cache_and_on_the_cpu(tmp_path):

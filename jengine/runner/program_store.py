@@ -8,7 +8,8 @@ identity (the jengine and pallas_kernels sources, the jax and jaxlib versions, t
 configuration) and the call's static model and argument shapes, dtypes and shardings. A restart with the same key
 loads the executable; anything that changed the program changes the key. A file that cannot be read is compiled
 again (and replaced). Code patched at run time is not in the key: a benchmark that patches the model for an A/B
-sets `JENGINE_PROGRAM_STORE=off` (STORE_SWITCH) while it does.
+sets `JENGINE_PROGRAM_STORE=off` (STORE_SWITCH) while it does. Only the few most recently used installations'
+folders are kept (`prune_installations`).
 """
 
 from __future__ import annotations
@@ -29,13 +30,17 @@ logger = logging.getLogger(__name__)
 
 STORE_DIRNAME = "jengine-programs"  # beside the compilation cache's own files
 STORE_SWITCH = "JENGINE_PROGRAM_STORE"  # "off": no program is loaded or saved
+KEPT_INSTALLATIONS = 3  # folders kept: this installation's and the most recently used others (several venvs)
 
 
 class ProgramStore:
-    """Executables in `directory`, keyed by `program_key`."""
+    """Executables in `directory`, keyed by `program_key`, one folder per installation: each upgrade or source
+    change starts a new one, and the first save of a process removes all but the KEPT_INSTALLATIONS most recently
+    used (a load or save marks its folder used), so the store does not grow with every version."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory / installation_identity()[:24]
+        self._pruned = False
 
     @classmethod
     def beside(cls, compilation_cache_dir: str | None, platform: str) -> ProgramStore | None:
@@ -55,6 +60,7 @@ class ProgramStore:
         path = self.directory / key
         if not path.exists():
             return None
+        _mark_used(self.directory)
         try:
             payload, in_tree, out_tree = pickle.loads(path.read_bytes())
             return serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
@@ -74,8 +80,55 @@ class ProgramStore:
             with tempfile.NamedTemporaryFile(dir=self.directory, delete=False) as part:
                 part.write(blob)
             os.replace(part.name, self.directory / key)
+            _mark_used(self.directory)
         except Exception as error:  # a full disk or an unserialisable program costs the next start a compile
             logger.warning("could not save a step program (%s: %s)", type(error).__name__, error)
+        if not self._pruned:
+            self._pruned = True
+            prune_installations(self.directory.parent, keep=self.directory)
+
+
+def prune_installations(root: Path, keep: Path, count: int = KEPT_INSTALLATIONS) -> list[Path]:
+    """Removes the installation folders under `root` beyond the `count` most recently used (`keep` always stays);
+    returns what it removed. A folder another process removes first, or that cannot be removed, is passed over."""
+    import shutil
+
+    if not root.is_dir():
+        return []
+    others = sorted((f for f in root.iterdir() if f.is_dir() and f != keep), key=_last_used, reverse=True)
+    removed = []
+    for folder in others[max(count - 1, 0):]:
+        size = _folder_bytes(folder)
+        shutil.rmtree(folder, ignore_errors=True)
+        if not folder.exists():
+            removed.append(folder)
+            logger.info("removed the saved step programs of an older installation (%s, %.1f MB)", folder.name,
+                        size / 1e6)
+    return removed
+
+
+def _last_used(folder: Path) -> float:
+    try:
+        return folder.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _folder_bytes(folder: Path) -> int:
+    total = 0
+    for path in folder.glob("*"):
+        try:
+            total += path.stat().st_size
+        except OSError:
+            pass
+    return total
+
+
+def _mark_used(folder: Path) -> None:
+    try:
+        os.utime(folder)
+    except OSError:  # removed meanwhile by another process's pruning: the next save makes it again
+        pass
 
 
 def program_key(name: str, static: Hashable, args: tuple) -> str:
