@@ -13,7 +13,7 @@ from jengine.attention.kv_cache import KVCache, QuantizedKV, allocate, calibrate
 from jengine.attention.metadata import AttentionMetadata
 from jengine.layers.linear import Precision, linear, split_fused
 from jengine.layers.lora import LayerLora
-from jengine.layers.norm import rms_norm
+from jengine.layers.norm import rms_norm_pair
 from jengine.layers.rotary import apply_rotary
 from jengine.models.spec import ModelSpec
 
@@ -42,8 +42,7 @@ def self_attention(
     q = q.reshape(tokens, spec.num_heads, hd)
     k, v = (a.reshape(tokens, spec.num_kv_heads, hd) for a in (k, v))
     if spec.qk_norm:  # Qwen3: RMSNorm over each head before the rotation
-        q = rms_norm(q, w["q_norm"], spec.rms_norm_eps)
-        k = rms_norm(k, w["k_norm"], spec.rms_norm_eps)
+        q, k = rms_norm_pair(q, k, w["q_norm"], w["k_norm"], spec.rms_norm_eps)
     inv_freq, scaling = rope
     q = apply_rotary(q, md.positions, inv_freq, scaling)
     k = apply_rotary(k, md.positions, inv_freq, scaling)

@@ -138,6 +138,16 @@ def invariant_add_rms_norm(x: Float[Array, "... d"], delta: Float[Array, "... d"
                            x, delta, weight.w)
 
 
+def invariant_rms_norm_pair(a: Float[Array, "... d"], b: Float[Array, "... d"], weight_a: InvariantNorm,
+                            weight_b: InvariantNorm, eps: float) -> tuple[Float[Array, "... d"], Float[Array, "... d"]]:
+    """Two RMSNorms of the same row width in one row kernel, each bitwise `invariant_rms_norm`."""
+    from pallas_kernels.invariant_matmul.rows import rms_norm_pair_rows
+
+    interpret = weight_a.impl == "pallas_interpret"
+    return on_every_device(lambda a, b, wa, wb: rms_norm_pair_rows(a, b, wa, wb, eps=eps, interpret=interpret),
+                           weight_a.mesh, a, b, weight_a.w, weight_b.w)
+
+
 def invariant_log_softmax(x: Float[Array, "n v"], how: RowReduction) -> Float[Array, "n v"]:
     """Row-wise log-softmax in float32 (`how.impl` "xla": XLA's own)."""
     if how.impl == "xla":

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from jengine.layers.invariant import InvariantNorm, invariant_add_rms_norm, invariant_rms_norm
+from jengine.layers.invariant import (InvariantNorm, invariant_add_rms_norm, invariant_rms_norm,
+                                     invariant_rms_norm_pair)
 
 
 def rms_norm(x: Float[Array, "... d"], weight: Float[Array, " d"], eps: float) -> Float[Array, "... d"]:
@@ -28,3 +29,13 @@ def add_rms_norm(x: Float[Array, "... d"], delta: Float[Array, "... d"], weight:
         return invariant_add_rms_norm(x, delta, weight, eps)
     total = x + delta
     return total, rms_norm(total, weight, eps)
+
+
+def rms_norm_pair(a: Float[Array, "... d"], b: Float[Array, "... d"], weight_a: Float[Array, " d"],
+                  weight_b: Float[Array, " d"], eps: float) -> tuple[Float[Array, "... d"], Float[Array, "... d"]]:
+    """(`rms_norm(a, weight_a)`, `rms_norm(b, weight_b)`): a model's query and key norms. Batch-invariant Pallas
+    norms run both in one launch (each bitwise the separate one); XLA schedules the pair itself."""
+    fused = all(isinstance(w, InvariantNorm) and w.impl != "xla" for w in (weight_a, weight_b))
+    if fused and weight_a.impl == weight_b.impl and a.shape[-1] == b.shape[-1]:
+        return invariant_rms_norm_pair(a, b, weight_a, weight_b, eps)
+    return rms_norm(a, weight_a, eps), rms_norm(b, weight_b, eps)

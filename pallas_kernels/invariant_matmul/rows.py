@@ -34,9 +34,27 @@ def _rms_kernel(*refs, eps: float, add: bool):
     float32 and rounded once to the sum's dtype as XLA rounds the add, and that sum written out too (the residual
     stream); the normed row is then bitwise the unfused path's (`x + delta`, then the plain kernel)."""
     x_ref, d_ref, w_ref, s_ref, o_ref = refs if add else (refs[0], None, refs[1], None, refs[2])
+    _norm_row(x_ref, d_ref, w_ref, s_ref, o_ref, pl.program_id(0), eps)
+
+
+def _pair_kernel(a_ref, b_ref, wa_ref, wb_ref, oa_ref, ob_ref, *, eps: float):
+    """Two RMSNorms in one launch (a's rows, then b's, one program each), each row as `_rms_kernel` does it."""
+    row, rows_a = pl.program_id(0), a_ref.shape[0]
+
+    @pl.when(row < rows_a)
+    def _():
+        _norm_row(a_ref, None, wa_ref, None, oa_ref, row, eps)
+
+    @pl.when(row >= rows_a)
+    def _():
+        _norm_row(b_ref, None, wb_ref, None, ob_ref, row - rows_a, eps)
+
+
+def _norm_row(x_ref, d_ref, w_ref, s_ref, o_ref, row, eps: float):
+    """Row `row` of `x` (plus `d` where given, its sum stored to `s`) normed into `o`."""
+    add = d_ref is not None
     source_dtype = s_ref.dtype if add else x_ref.dtype  # the dtype of the row that is normed
     width = x_ref.shape[1]
-    row = pl.program_id(0)
     chunks = pl.cdiv(width, CHUNK)
 
     def load(cols, valid):  # the normed row's chunk, exactly as stored in its own dtype, widened to float32
@@ -100,6 +118,29 @@ def add_rms_norm_rows(x: Float[Array, "... d"], delta: Float[Array, "... d"], we
     out = _norm_rows("invariant_add_rms_norm", (x, delta), weight, (total, jnp.result_type(weight.dtype, total)),
                      eps=eps, interpret=interpret)
     return out[0].reshape(x.shape), out[1].reshape(x.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "interpret"))
+def rms_norm_pair_rows(a: Float[Array, "... d"], b: Float[Array, "... d"], weight_a: Float[Array, " d"],
+                       weight_b: Float[Array, " d"], *, eps: float,
+                       interpret: bool = False) -> tuple[Float[Array, "... d"], Float[Array, "... d"]]:
+    """(`rms_norm_rows(a, weight_a)`, `rms_norm_rows(b, weight_b)`) in one launch, each bitwise the separate call
+    (Qwen3's query and key norms: one launch a layer instead of two)."""
+    flat_a, flat_b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+    if flat_a.shape[1] != flat_b.shape[1]:
+        raise ValueError(f"rows of {flat_a.shape[1]} and {flat_b.shape[1]}: a pair of norms shares its row width")
+    dtypes = (jnp.result_type(weight_a.dtype, a.dtype), jnp.result_type(weight_b.dtype, b.dtype))
+    out_a, out_b = pl.pallas_call(
+        functools.partial(_pair_kernel, eps=eps),
+        grid=(flat_a.shape[0] + flat_b.shape[0],),
+        in_specs=[pl.no_block_spec] * 4,
+        out_specs=[pl.no_block_spec] * 2,
+        out_shape=[jax.ShapeDtypeStruct(f.shape, dtype) for f, dtype in zip((flat_a, flat_b), dtypes)],
+        compiler_params=pltr.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        interpret=interpret,
+        name="invariant_rms_norm_pair",
+    )(flat_a, flat_b, weight_a, weight_b)
+    return out_a.reshape(a.shape), out_b.reshape(b.shape)
 
 
 def _lse_kernel(x_ref, o_ref):

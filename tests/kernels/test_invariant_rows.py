@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.invariant_matmul.rows import add_rms_norm_rows, log_softmax_rows, logsumexp_rows, rms_norm_rows
+from pallas_kernels.invariant_matmul.rows import (add_rms_norm_rows, log_softmax_rows, logsumexp_rows,
+                                                  rms_norm_pair_rows, rms_norm_rows)
 from tests.conftest import fresh_seed
 
 SEED = fresh_seed()
@@ -108,3 +109,21 @@ def test_lowers_for_h200(kind):
     else:
         text = lower_for_h200(logsumexp_rows, S((16, 128256), jnp.float32))
     assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("heads_a,heads_b,width", [(32, 4, 128), (5, 3, 80)])
+def test_a_pair_of_norms_in_one_launch_is_bitwise_each_alone(dtype, heads_a, heads_b, width):
+    """Qwen3's query and key norms as one launch: each output bit for bit its own `rms_norm_rows`."""
+    seed = np.random.SeedSequence().entropy
+    rng = np.random.default_rng(seed)
+    a = jnp.asarray(rng.normal(0, 2, (3, heads_a, width)), dtype)
+    b = jnp.asarray(rng.normal(0, 2, (3, heads_b, width)), dtype)
+    wa, wb = (jnp.asarray(rng.normal(1, 0.1, width), dtype) for _ in range(2))
+    pair = rms_norm_pair_rows(a, b, wa, wb, eps=1e-6, interpret=True)
+    alone = (rms_norm_rows(a, wa, eps=1e-6, interpret=True), rms_norm_rows(b, wb, eps=1e-6, interpret=True))
+    for got, want in zip(pair, alone):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert np.array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32)), f"seed {seed}"
+    with pytest.raises(ValueError, match="row width"):
+        rms_norm_pair_rows(a, b[..., :16], wa, wb[:16], eps=1e-6, interpret=True)

@@ -190,3 +190,12 @@ def test_fp8_attention_with_float16_operands_lowers_for_h200(tokens, seqs, max_q
     )
     assert text.count("__gpu$xla.gpu.triton") == launches
     assert "f16" in text
+
+
+def test_rms_norm_pair_lowers_for_h200():
+    from pallas_kernels.invariant_matmul.rows import rms_norm_pair_rows
+
+    text = lower_for_h200(lambda a, b, wa, wb: rms_norm_pair_rows(a, b, wa, wb, eps=1e-6),
+                          S((64, 32, 128), jnp.bfloat16), S((64, 4, 128), jnp.bfloat16), S((128,), jnp.bfloat16),
+                          S((128,), jnp.bfloat16))
+    assert text.count("__gpu$xla.gpu.triton") == 1

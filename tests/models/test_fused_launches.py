@@ -1,7 +1,8 @@
-"""The decoder's residual adds run inside the norms after them (`layers/norm.py:add_rms_norm`). With the
+"""Launches fused in the batch-invariant mode change no bit: the decoder's residual adds run inside the norms after
+them (`layers/norm.py:add_rms_norm`), and Qwen3's query and key norms run as one launch (`rms_norm_pair`). With the
 batch-invariant norms as Pallas kernels (interpret mode, as on a GPU) the step's logits and the captured layer
-inputs (EAGLE-3's features) are bit for bit those of the unfused path (the add, then the norm kernel): dense,
-MoE and shared-expert layers, in bfloat16 and float32."""
+inputs (EAGLE-3's features) are bit for bit those of the unfused path (the add, then the norm kernel; each norm
+alone): dense, MoE (with query and key norms) and shared-expert layers, in bfloat16 and float32."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from transformers import LlamaConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
 from jengine.attention.backend import ReferenceBackend
 from jengine.attention.metadata import build_metadata
+from jengine.layers import attention, norm
 from jengine.layers.attention import allocate_kv_cache
 from jengine.layers.invariant import make_invariant
 from jengine.layers.norm import rms_norm
@@ -28,6 +30,13 @@ CAPTURE = (0, 2)  # layer 2's input is captured: the pending MLP output is added
 def unfused_add_rms_norm(x, delta, weight, eps):
     total = x + delta
     return total, rms_norm(total, weight, eps)
+
+
+real_pair = norm.invariant_rms_norm_pair
+
+
+def separate_rms_norms(a, b, weight_a, weight_b, eps):
+    return rms_norm(a, weight_a, eps), rms_norm(b, weight_b, eps)
 
 
 @pytest.fixture
@@ -63,10 +72,14 @@ def prefill(model_dir, dtype: str):
     (Qwen2MoeConfig(**COMMON, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=3,
                     shared_expert_intermediate_size=48, mlp_only_layers=[1]), "bfloat16"),
 ], ids=["llama-bf16", "llama-f32", "qwen3-moe-bf16", "qwen2-moe-shared-bf16"])
-def test_fused_adds_change_no_bit(build_checkpoint, fresh_traces, monkeypatch, config, dtype):
+def test_fused_launches_change_no_bit(build_checkpoint, fresh_traces, monkeypatch, config, dtype):
     model_dir, _ = build_checkpoint(config)
+    pairs = []
+    monkeypatch.setattr(norm, "invariant_rms_norm_pair", lambda *a: pairs.append(1) or real_pair(*a))
     fused_logits, fused_features = prefill(model_dir, dtype)
+    assert bool(pairs) == (config.model_type == "qwen3_moe")  # traced once per distinct layer trace, not per layer
     monkeypatch.setattr(decoder, "add_rms_norm", unfused_add_rms_norm)
+    monkeypatch.setattr(attention, "rms_norm_pair", separate_rms_norms)
     for jitted in (forward_step, decoder._decoder_layer):
         jitted.clear_cache()
     logits, features = prefill(model_dir, dtype)
