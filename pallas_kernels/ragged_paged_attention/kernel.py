@@ -27,7 +27,7 @@ float8 cache (`kv_scales` given, see `pallas_kernels.kv_quant`): the cache is re
 KV head) scales are scalars for a whole program, so they are applied where they cost nothing: K's scale joins the
 softmax scale that multiplies the scores, V's scale multiplies the finished output rows. The unpacked halves are
 bfloat16 operands by default; `Tuning.fp8_operands="float16"` makes them float16 (e4m3 → float16 is one conversion
-a pair on Hopper), with the query scaled by 2^-8 into float16's range (`tiles.Scores`); float32 queries keep float32.
+a pair on Hopper), with the query scaled by 2^-4 into float16's range (`tiles.Scores`); float32 queries keep float32.
 
 Backend: `pl.pallas_call` lowers through Triton on GPU, which jax 0.11.2 marks deprecated (a warning at lowering)
 but runs correctly on the H200; a Mosaic GPU (`plgpu.kernel`) port is the way to more prefill throughput.

@@ -123,7 +123,7 @@ BF16_CASES = {
 @pytest.mark.parametrize("magnitude", [1.0, 3e4], ids=["unit", "large-query"])
 def test_float16_operands_match_float64_reference(name, magnitude):
     """`Tuning.fp8_operands="float16"`: the tensor cores take float16 K, V, probabilities and a query scaled by
-    2^-8 (a query of 3e4, past half of float16's range, stays finite); as close to float64 as bfloat16 operands
+    2^-4 (a query of 3e4, past half of float16's range, stays finite); as close to float64 as bfloat16 operands
     (2e-2), and closer to the bfloat16-operand kernel than that bound."""
     bucket, q_lens, seq_lens, window, soft_cap, max_query_len = BF16_CASES[name]
     batch = build(bucket, q_lens, seq_lens, seed=SEED)
