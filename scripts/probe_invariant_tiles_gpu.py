@@ -37,6 +37,10 @@ MIDDLE = [(64, 64, 64, 4, 4), (64, 64, 128, 4, 3), (128, 128, 64, 8, 3), (128, 1
           (64, 128, 64, 4, 4), (64, 128, 128, 4, 4), (64, 64, 128, 4, 4), (64, 256, 64, 8, 3), (128, 64, 128, 8, 3),
           (128, 128, 64, 8, 4), (64, 256, 64, 4, 4), (128, 256, 64, 8, 3), (128, 256, 32, 8, 4)]
 PREFILL = [(128, 256, 64, 8, 3), (128, 128, 128, 8, 3), (128, 256, 128, 8, 2), (256, 128, 64, 8, 3)]
+# `--transposed-too`: the same weight stored `[n, k]` (as the LM head is), whose rows are contiguous along K, so narrow
+# column tiles still load whole lines: enough programs for every SM at decode sizes (q/k/v: 96 tiles of 64 columns)
+DECODE_TRANSPOSED = [(16, 16, 256, 4, 4), (16, 16, 512, 4, 3), (16, 16, 256, 2, 4), (16, 32, 256, 4, 4),
+                     (16, 32, 512, 4, 3), (16, 64, 256, 4, 4)]
 
 
 def candidates(rows: int) -> list[tuple[int, int, int, int]]:
@@ -96,6 +100,8 @@ def probe_shape(name: str, k: int, n: int, transposed: bool, args) -> dict:
                 entry[f"{key}_us"] = per_call(ours(tile), x)
             except Exception as e:  # noqa: BLE001 - a candidate that does not compile is reported, not fatal
                 entry[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        if args.transposed_too and not transposed and rows <= 64:
+            entry.update(transposed_layout(x, ws, reference, per_call, interp))
         timed = {key[:-3]: value for key, value in entry.items() if key.endswith("_us") and key[0] == "m"}
         if timed:
             best = min(timed, key=timed.get)
@@ -103,6 +109,30 @@ def probe_shape(name: str, k: int, n: int, transposed: bool, args) -> dict:
                          default_vs_xla=entry["xla_us"] / entry["default_us"])
         out[str(rows)] = entry
         log({f"{name}_{rows}": entry})
+    return out
+
+
+def transposed_layout(x, ws, reference, per_call, interp: bool) -> dict:
+    """The `DECODE_TRANSPOSED` tiles on each weight stored `[n, k]`: µs per call and whether a row keeps its bits."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.invariant_matmul import invariant_matmul
+    from pallas_kernels.invariant_matmul.kernel import Tile
+
+    ws_t = [jnp.asarray(w.T) for w in ws]
+    out = {}
+    for block_m, block_n, block_k, warps, stages in DECODE_TRANSPOSED:
+        key = f"t_m{block_m}_n{block_n}_k{block_k}_w{warps}_s{stages}"
+        tile = Tile(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)
+
+        def ours(a, w, tile=tile):
+            return invariant_matmul(a, w, transposed=True, interpret=interp, tile=tile)
+
+        try:
+            out[f"{key}_same_bits"] = rows_equal(ours(x, ws_t[0]), reference)
+            out[f"{key}_us"] = 1e6 * timeit(chain(ours), x, ws_t, runs=3) / len(ws_t) if not interp else 0.0
+        except Exception as e:  # noqa: BLE001 - a candidate that does not compile is reported, not fatal
+            out[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     return out
 
 
@@ -115,6 +145,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 4096])
     parser.add_argument("--default-only", action="store_true", help="no candidates: the default tile and XLA's dot")
     parser.add_argument("--calls", type=int, default=8, help="most weights chained per timed program")
+    parser.add_argument("--transposed-too", action="store_true",
+                        help="also each [k, n] weight stored [n, k], with narrow decode tiles (rows <= 64)")
     args = parser.parse_args()
     import jax
 
