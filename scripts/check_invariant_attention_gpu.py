@@ -10,7 +10,8 @@ Time, a decode-only step (one token per request) at batch 64 × 4k, 256 × 576 a
 path, the path it replaced (every request through the prefill kernel), and the default split-K decode path; each
 with the step's KV bytes ÷ the copy bandwidth measured in the same process. Then short chunks over long contexts
 (64 new tokens over 2,112, as a prefix-cache hit; 8 × 32 over 4k; 128 over 8k) in the invariant mode's small tiles
-of their bucket against its 128-row tiles, and the default mode's beside.
+of their bucket against its 128-row tiles, and the default mode's beside. `--decode-variants`: the invariant
+decode-only steps with other warps and stages for its tile (bits checked against the shipped one).
 
     PYTHONPATH=. python scripts/check_invariant_attention_gpu.py --out $OUT/invariant-attention.json --git-sha <sha>
     PYTHONPATH=. python scripts/check_invariant_attention_gpu.py --smoke --out /tmp/inv.json   # CPU: paths only
@@ -160,6 +161,39 @@ def timings(bandwidth: float) -> dict[str, float]:
     return out
 
 
+DECODE_VARIANTS = ((4, 3), (4, 4), (8, 2), (8, 3))  # (warps, stages) of the invariant decode tile (shipped: 4, 2)
+
+
+def decode_variant_timings(bandwidth: float) -> dict[str, float]:
+    """The invariant decode-only steps with other warps and stages for the decode kernel's 128-position tiles (its
+    additions do not depend on either: checked here bit for bit against the shipped tile), µs and ÷ copy."""
+    from pallas_kernels.ragged_paged_attention import kernel
+    from pallas_kernels.ragged_paged_attention.tuning import default_tuning
+
+    base = default_tuning(HEAD_DIM, Q_HEADS // KV_HEADS)
+    out: dict[str, float] = {}
+    for batch, context in TIMED:
+        step = make_step([1] * batch, [context] * batch, seed=batch)
+        kv_bytes = batch * context * KV_HEADS * HEAD_DIM * 2 * 2
+        shipped = bits(attention(step, single_path=True))
+        for warps, stages in DECODE_VARIANTS:
+            tuning = dataclasses.replace(base, decode=dataclasses.replace(base.decode, num_warps=warps,
+                                                                          num_stages=stages))
+
+            def run(s=step, t=tuning):
+                return kernel.ragged_paged_attention_impl(
+                    s.q, s.kv, 0, s.qsl, s.lens, s.tables, scale=HEAD_DIM ** -0.5, sliding_window=np.int32(0),
+                    soft_cap=None, max_query_len=s.max_query_len, interpret=False, tuning=t, single_path=True)
+
+            key = f"invariant_w{warps}_s{stages}_b{batch}_ctx{context}"
+            out[f"{key}_same_bits"] = float(np.array_equal(bits(run()), shipped))
+            seconds = timeit(run)
+            out[f"{key}_us"] = seconds * 1e6
+            out[f"{key}_bw_fraction"] = kv_bytes / seconds / bandwidth
+        log(batch, context, {k: round(v, 3) for k, v in out.items() if f"_b{batch}_" in k})
+    return out
+
+
 SHORT_CHUNKS = ((1, 64, 2112), (8, 32, 4096), (1, 128, 8192))  # (requests, new tokens each, context)
 
 
@@ -183,6 +217,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--git-sha", default="unknown")
     parser.add_argument("--smoke", action="store_true", help="interpret mode on the CPU, no timings")
+    parser.add_argument("--decode-variants", action="store_true",
+                        help="also the invariant decode tile with other warps and stages (DECODE_VARIANTS)")
     args = parser.parse_args()
     import jax
 
@@ -193,6 +229,8 @@ def main() -> None:
         _, bandwidth = copy_bandwidth()
         record["copy_tb_per_s"] = bandwidth / 1e12
         record["metrics"] = {**timings(bandwidth), **short_chunk_timings()}
+        if args.decode_variants:
+            record["metrics"].update(decode_variant_timings(bandwidth))
     Path(args.out).write_text(json.dumps(record, indent=1))
     log(json.dumps(record, indent=1))
 
