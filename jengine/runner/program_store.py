@@ -85,7 +85,10 @@ class ProgramStore:
             logger.warning("could not save a step program (%s: %s)", type(error).__name__, error)
         if not self._pruned:
             self._pruned = True
-            prune_installations(self.directory.parent, keep=self.directory)
+            try:
+                prune_installations(self.directory.parent, keep=self.directory)
+            except OSError as error:  # tidying up never stops a start
+                logger.warning("could not remove older saved step programs (%s)", error)
 
 
 def prune_installations(root: Path, keep: Path, count: int = KEPT_INSTALLATIONS) -> list[Path]:
