@@ -662,13 +662,14 @@ def prefill_anchors(bench: Bench, kv, bs: dict[str, Batch]) -> None:
     if hasattr(bench, "chosen"):
         tuning = with_prefill(decode_tuning(bench.chosen["decode"]), bench.chosen["prefill"])
     jobs = {"ours/prefill_4k": (ours(b, tuning=tuning), b.args(kv))}
-    try:
-        job, mgpu_reference = peers.mgpu_prefill(PREFILL, Q_HEADS, KV_HEADS, HEAD_DIM)
-        bench.check("mgpu_prefill_4k_vs_xla_reference", job[0](*job[1]), mgpu_reference(), 2e-2)
-        job[2](job[0], *job[1], runs=1)
-        jobs["mgpu/prefill_4k"] = job
-    except Exception as e:  # noqa: BLE001 - a peer this machine cannot run is recorded, not fatal
-        bench.peer_error("peer attention_mgpu prefill_4k", e)
+    for name, causal in (("prefill_4k", True), ("prefill_4k_noncausal", False)):  # the second: its mask's cost
+        try:
+            job, mgpu_reference = peers.mgpu_prefill(PREFILL, Q_HEADS, KV_HEADS, HEAD_DIM, causal=causal)
+            bench.check(f"mgpu_{name}_vs_xla_reference", job[0](*job[1]), mgpu_reference(), 2e-2)
+            job[2](job[0], *job[1], runs=1)
+            jobs[f"mgpu/{name}"] = job
+        except Exception as e:  # noqa: BLE001 - a peer this machine cannot run is recorded, not fatal
+            bench.peer_error(f"peer attention_mgpu {name}", e)
     t = time_jobs(jobs, runs=bench.args.runs)
     tflops = prefill_flops() / t["ours/prefill_4k"]
     bench.metric("prefill_4k_beside_mgpu_us", t["ours/prefill_4k"] * 1e6)
@@ -677,6 +678,9 @@ def prefill_anchors(bench: Bench, kv, bs: dict[str, Batch]) -> None:
     if "mgpu/prefill_4k" in t:
         bench.metric("mgpu_prefill_4k_causal_f16_tflops", prefill_flops() / t["mgpu/prefill_4k"] / 1e12)
         bench.ratios["prefill_4k_vs_mgpu_f16"] = t["mgpu/prefill_4k"] / t["ours/prefill_4k"]
+    if "mgpu/prefill_4k_noncausal" in t:  # twice the causal FLOPs
+        noncausal_flops = 2 * prefill_flops()
+        bench.metric("mgpu_prefill_4k_noncausal_f16_tflops", noncausal_flops / t["mgpu/prefill_4k_noncausal"] / 1e12)
 
 
 def merge_results(paths: list[str], out: str) -> None:

@@ -94,19 +94,19 @@ def jax_cudnn_decode(q, k, v, scale: float):
     return fn, (q[:, None], k, v), common.timeit
 
 
-def mgpu_prefill(seq: int, q_heads: int, kv_heads: int, head_dim: int):
-    """The bundled FA3-style Mosaic GPU attention, causal, float16, one sequence of `seq` tokens (it applies no
-    softmax scale; the FLOPs are the same); also returns an XLA float32 reference of the same inputs for the check."""
+def mgpu_prefill(seq: int, q_heads: int, kv_heads: int, head_dim: int, causal: bool = True):
+    """The bundled FA3-style Mosaic GPU attention, float16, one sequence of `seq` tokens (it applies no softmax
+    scale; the FLOPs are the same); also returns an XLA float32 reference of the same inputs for the check."""
     from jax.experimental.pallas.ops.gpu import attention_mgpu as mgpu
 
     keys = jax.random.split(jax.random.key(3), 3)
     q = jax.random.normal(keys[0], (1, seq, q_heads, head_dim), jnp.float32).astype(jnp.float16)
     k, v = (jax.random.normal(key, (1, seq, kv_heads, head_dim), jnp.float32).astype(jnp.float16) for key in keys[1:])
-    cfg = mgpu.TuningConfig(block_q=128, block_kv=128, max_concurrent_steps=2, causal=True)
+    cfg = mgpu.TuningConfig(block_q=128, block_kv=128, max_concurrent_steps=2, causal=causal)
     fn = jax.jit(functools.partial(mgpu.attention, config=cfg))
 
     def reference():
         f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-        return jax.nn.dot_product_attention(*f32, scale=1.0, is_causal=True, implementation="xla")  # mgpu: unscaled
+        return jax.nn.dot_product_attention(*f32, scale=1.0, is_causal=causal, implementation="xla")  # unscaled
 
     return (fn, (q, k, v), common.timeit), reference
