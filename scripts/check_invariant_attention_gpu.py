@@ -11,7 +11,8 @@ path, the path it replaced (every request through the prefill kernel), and the d
 with the step's KV bytes ÷ the copy bandwidth measured in the same process. Then short chunks over long contexts
 (64 new tokens over 2,112, as a prefix-cache hit; 8 × 32 over 4k; 128 over 8k) in the invariant mode's small tiles
 of their bucket against its 128-row tiles, and the default mode's beside. `--decode-variants`: the invariant
-decode-only steps with other warps and stages for its tile (bits checked against the shipped one).
+decode-only steps with other warps and stages for its tile (bits checked against the shipped one). `--segment S`:
+every bit check again with long contexts in S-position segments (`Tuning.invariant_segment`), and its decode times.
 
     PYTHONPATH=. python scripts/check_invariant_attention_gpu.py --out $OUT/invariant-attention.json --git-sha <sha>
     PYTHONPATH=. python scripts/check_invariant_attention_gpu.py --smoke --out /tmp/inv.json   # CPU: paths only
@@ -35,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench_common import copy_bandwidth, log, timeit  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
-TIMED = ((64, 4096), (256, 576), (8, 32768))
+TIMED = ((64, 4096), (256, 576), (8, 32768), (1, 32768))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,13 +72,14 @@ def make_step(q_lens: list[int], contexts: list[int], *, seed: int, num_tokens: 
     return Step(q, kv, jnp.asarray(qsl), jnp.asarray(contexts, jnp.int32), jnp.asarray(tables), max(q_lens))
 
 
-def attention(step: Step, *, single_path: bool, window: int = 0, interpret: bool = False):
+def _attention(step: Step, *, single_path: bool, window: int = 0, interpret: bool = False,
+               segment: int | None = None):
     from pallas_kernels.ragged_paged_attention import kernel
 
     return kernel.ragged_paged_attention(step.q, step.kv, 0, step.qsl, step.lens, step.tables,
                                          scale=HEAD_DIM ** -0.5, sliding_window=np.int32(window),
                                          max_query_len=step.max_query_len, interpret=interpret,
-                                         single_path=single_path)
+                                         single_path=single_path, invariant_segment=segment)
 
 
 @functools.cache
@@ -106,10 +108,11 @@ def bits(x) -> np.ndarray:
     return np.asarray(x).view(np.uint16)
 
 
-def chunk_checks(interpret: bool) -> dict[str, bool]:
+def chunk_checks(interpret: bool, segment: int | None = None) -> dict[str, bool]:
     """The last `count` rows of a 40-token chunk against the same rows as their own (decode-kernel) chunk."""
     import jax.numpy as jnp
 
+    attention = functools.partial(_attention, segment=segment)
     out = {}
     for context in (180, 1000):
         whole = make_step([40], [context], seed=context)
@@ -127,10 +130,11 @@ def chunk_checks(interpret: bool) -> dict[str, bool]:
     return out
 
 
-def batch_checks(interpret: bool, batch: int = 64) -> dict[str, bool]:
+def batch_checks(interpret: bool, batch: int = 64, segment: int | None = None) -> dict[str, bool]:
     """One request's decode row alone, at the top of a decode-only batch, and beside a prefill."""
     import jax.numpy as jnp
 
+    attention = functools.partial(_attention, segment=segment)
     contexts = [700] + [300 + 37 * i for i in range(batch - 1)]
     full = make_step([1] * batch, contexts, seed=3)
     alone = dataclasses.replace(full, q=full.q[:1], qsl=full.qsl[:2], lens=full.lens[:1], tables=full.tables[:1])
@@ -145,14 +149,16 @@ def batch_checks(interpret: bool, batch: int = 64) -> dict[str, bool]:
                                       == row).all())}
 
 
-def timings(bandwidth: float) -> dict[str, float]:
+def timings(bandwidth: float, segment: int | None = None) -> dict[str, float]:
     out: dict[str, float] = {}
     for batch, context in TIMED:
         step = make_step([1] * batch, [context] * batch, seed=batch)
         kv_bytes = batch * context * KV_HEADS * HEAD_DIM * 2 * 2
-        ways = {"invariant": lambda s=step: attention(s, single_path=True),
+        ways = {"invariant": lambda s=step: _attention(s, single_path=True),
                 "prefill_only": lambda s=step: prefill_only(False)(s.q, s.kv, s.qsl, s.lens, s.tables),
-                "default": lambda s=step: attention(s, single_path=False)}
+                "default": lambda s=step: _attention(s, single_path=False)}
+        if segment:
+            ways["invariant_segmented"] = lambda s=step: _attention(s, single_path=True, segment=segment)
         for name, fn in ways.items():
             seconds = timeit(fn)
             out[f"{name}_b{batch}_ctx{context}_us"] = seconds * 1e6
@@ -175,7 +181,7 @@ def decode_variant_timings(bandwidth: float) -> dict[str, float]:
     for batch, context in TIMED:
         step = make_step([1] * batch, [context] * batch, seed=batch)
         kv_bytes = batch * context * KV_HEADS * HEAD_DIM * 2 * 2
-        shipped = bits(attention(step, single_path=True))
+        shipped = bits(_attention(step, single_path=True))
         for warps, stages in DECODE_VARIANTS:
             tuning = dataclasses.replace(base, decode=dataclasses.replace(base.decode, num_warps=warps,
                                                                           num_stages=stages))
@@ -206,7 +212,7 @@ def short_chunk_timings() -> dict[str, float]:
         wide = dataclasses.replace(step, max_query_len=1024)
         ways = {"invariant_small": (step, True), "invariant_wide": (wide, True), "default": (step, False)}
         for name, (s, invariant) in ways.items():
-            seconds = timeit(lambda s=s, inv=invariant: attention(s, single_path=inv))
+            seconds = timeit(lambda s=s, inv=invariant: _attention(s, single_path=inv))
             out[f"{name}_tiles_r{requests}_q{tokens}_ctx{context}_us"] = seconds * 1e6
         log(requests, tokens, context, {k: round(v, 1) for k, v in out.items() if f"_q{tokens}_" in k})
     return out
@@ -217,6 +223,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--git-sha", default="unknown")
     parser.add_argument("--smoke", action="store_true", help="interpret mode on the CPU, no timings")
+    parser.add_argument("--segment", type=int, default=None,
+                        help="also the bits and decode times with Tuning.invariant_segment (e.g. 256)")
     parser.add_argument("--decode-variants", action="store_true",
                         help="also the invariant decode tile with other warps and stages (DECODE_VARIANTS)")
     args = parser.parse_args()
@@ -224,11 +232,14 @@ def main() -> None:
 
     record: dict[str, Any] = {"git_sha": args.git_sha, "device": jax.devices()[0].device_kind}
     record["bitwise"] = {**chunk_checks(args.smoke), **batch_checks(args.smoke, 4 if args.smoke else 64)}
-    log(record["bitwise"])
+    if args.segment:
+        record["bitwise_segmented"] = {**chunk_checks(args.smoke, args.segment),
+                                       **batch_checks(args.smoke, 4 if args.smoke else 64, args.segment)}
+    log(record["bitwise"], record.get("bitwise_segmented"))
     if not args.smoke:
         _, bandwidth = copy_bandwidth()
         record["copy_tb_per_s"] = bandwidth / 1e12
-        record["metrics"] = {**timings(bandwidth), **short_chunk_timings()}
+        record["metrics"] = {**timings(bandwidth, args.segment), **short_chunk_timings()}
         if args.decode_variants:
             record["metrics"].update(decode_variant_timings(bandwidth))
     Path(args.out).write_text(json.dumps(record, indent=1))

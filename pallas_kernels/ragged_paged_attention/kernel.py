@@ -56,11 +56,14 @@ from pallas_kernels.ragged_paged_attention.tiles import (
     KVSource,
     Scores,
     attend,
+    attend_in_segments,
     cdiv,
     column_index,
     finish,
     head_scales,
     load_q,
+    merge_partial,
+    merged_rows,
     num_splits,
     query_rows,
     split_range,
@@ -161,26 +164,24 @@ def _merge_kernel(window_ref, qsl_ref, lens_ref, o_part_ref, lse_part_ref, *out_
         mask2 = jnp.broadcast_to(valid[:, None], (cfg.block_m, geo.head_dim))
 
         def body(s, carry):
-            acc, m, den = carry
             lse = pltr.load(lse_part_ref.at[b, h, s, rows], mask=valid, other=-jnp.inf)
             o = pltr.load(o_part_ref.at[b, h, s, rows[:, None], cols], mask=mask2, other=0.0)
-            m_new = jnp.maximum(m, lse)
-            alpha, w = jnp.exp2(m - m_new), jnp.exp2(lse - m_new)
-            return acc * alpha[:, None] + o * w[:, None], m_new, den * alpha + w
+            return merge_partial(carry, (o,), lse)
 
-        init = (jnp.zeros((cfg.block_m, geo.head_dim), jnp.float32), jnp.full((cfg.block_m,), M_INIT, jnp.float32),
-                jnp.zeros((cfg.block_m,), jnp.float32))
+        init = ((jnp.zeros((cfg.block_m, geo.head_dim), jnp.float32),),
+                jnp.full((cfg.block_m,), M_INIT, jnp.float32), jnp.zeros((cfg.block_m,), jnp.float32))
         acc, _, den = lax.fori_loop(0, num_splits(lo, hi, split), body, init)
-        out = acc / jnp.where(den > 0, den, 1.0)[:, None]
+        (out,) = merged_rows(acc, den)
         tok = q_start + t
         head = jnp.where(valid, h * geo.group + g, 0)
         store_rows(out_ref, tok, head, valid, (out,))
 
 
 def _prefill_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, tile_seq_ref, tile_q0_ref, q_ref, kv_ref,
-                    scales_ref, o_ref, *, geo: Geometry, cfg: KernelConfig, scores: Scores):
-    """Program (query tile i, KV head h). Real tiles attend; spare tiles (tile_seq == num_seqs) zero the rows of
-    padding tokens, so the output holds no uninitialised memory."""
+                    scales_ref, o_ref, *, geo: Geometry, cfg: KernelConfig, scores: Scores, segment: int | None):
+    """Program (query tile i, KV head h). Real tiles attend (`segment`: in the batch-invariant mode's absolute
+    segments, folded as a decode's splits are merged); spare tiles (tile_seq == num_seqs) zero the rows of padding
+    tokens, so the output holds no uninitialised memory."""
     i, h = pl.program_id(0), pl.program_id(1)
     b, q0 = tile_seq_ref[i], tile_q0_ref[i]
     t, g = query_rows(cfg.block_m, geo.group, geo.group_pad)
@@ -201,9 +202,13 @@ def _prefill_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, tile_seq_r
         lo, hi = visible_range(first_pos, last_pos, window, cfg.block_n)
         src = KVSource(kv_ref, bt_ref, b, layer_ref[0], h, hi, geo.block_size)
         k_scale, v_scale = head_scales(scales_ref, layer_ref[0], h, geo)
-        acc, m, l = attend(q, first_pos + t, src, lo, hi, first_pos, last_pos, window,
-                            block_n=cfg.block_n, scores=scores, k_scale=k_scale)
-        out, _ = finish(acc, m, l, v_scale)
+        if segment:
+            out = attend_in_segments(q, first_pos + t, src, lo, hi, first_pos, last_pos, window, block_n=cfg.block_n,
+                                     scores=scores, segment=segment, k_scale=k_scale, v_scale=v_scale)
+        else:
+            acc, m, l = attend(q, first_pos + t, src, lo, hi, first_pos, last_pos, window,
+                                block_n=cfg.block_n, scores=scores, k_scale=k_scale)
+            out, _ = finish(acc, m, l, v_scale)
         store_rows(o_ref, tok, head, valid, tuple(0.0 + part for part in out))  # as the decode kernel's (-0.0 → 0.0)
 
     @pl.when(b >= geo.num_seqs)
@@ -289,7 +294,8 @@ def _prefill_tiles(qsl, geo: Geometry, tuning: Tuning):
 def _prefill_call(q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning, scores, interpret):
     cfg = tuning.prefill
     num_tiles, tile_seq, tile_q0 = _prefill_tiles(qsl, geo, tuning)
-    kernel = functools.partial(_prefill_kernel, geo=geo, cfg=cfg, scores=scores)
+    segment = tuning.split.split_tokens if tuning.split.absolute else None
+    kernel = functools.partial(_prefill_kernel, geo=geo, cfg=cfg, scores=scores, segment=segment)
     return pl.pallas_call(
         kernel,
         grid=(num_tiles, geo.kv_heads),
@@ -317,6 +323,7 @@ def decode_only_start(q: Array) -> Array | None:
 def ragged_paged_attention_impl(
     q, kv_cache, layer, query_start_loc, seq_lens, block_tables, *, scale, sliding_window, soft_cap, max_query_len,
     interpret, tuning: Tuning | None = None, kv_scales: KVScales | None = None, single_path: bool = False,
+    invariant_segment: int | None = None,
 ):
     """The body of `ragged_paged_attention` with the block sizes as an argument (benchmarks sweep them)."""
     num_tokens, q_heads, head_dim = q.shape
@@ -329,6 +336,8 @@ def ragged_paged_attention_impl(
     scales = kv_scales.astype(jnp.float32).reshape(-1) if quantized else jnp.ones((1,), jnp.float32)
     geo = Geometry(num_tokens, seq_lens.shape[0], q_heads, kv_heads, head_dim, block_size, quantized)
     tuning = tuning or default_tuning(head_dim, geo.group, quantized)
+    if invariant_segment:
+        tuning = dataclasses.replace(tuning, invariant_segment=invariant_segment)
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     scores = Scores(float(scale), float(soft_cap) if soft_cap else None, precision,  # float32 queries stay float32
                     float16_operands=quantized and tuning.fp8_operands == "float16" and q.dtype != jnp.float32)
@@ -337,6 +346,9 @@ def ragged_paged_attention_impl(
     if single_path:
         tuning = tuning.batch_invariant(max_query_len, geo.group_pad)
         scores = dataclasses.replace(scores, sums_by_mma=True)
+        if tuning.split.absolute:  # as many segments as the step's block table can cross
+            bound = cdiv(bt.shape[1] * block_size, tuning.split.split_tokens)
+            tuning = dataclasses.replace(tuning, split=dataclasses.replace(tuning.split, max_splits=bound))
     args = (q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning, scores, interpret)
     direct = merge_free(bt.shape[1] * block_size, tuning.split)
     partials = None if direct else _decode_call(*args)
@@ -347,7 +359,8 @@ def ragged_paged_attention_impl(
     return _merge_call(q, out, partials, layer_window, qsl, lens, geo, tuning, interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "max_query_len", "interpret", "single_path"))
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "max_query_len", "interpret", "single_path",
+                                             "invariant_segment"))
 def ragged_paged_attention(
     q: Float[Array, "tokens q_heads head_dim"],
     kv_cache: KVCache,
@@ -363,6 +376,7 @@ def ragged_paged_attention(
     max_query_len: int,
     interpret: bool = False,
     single_path: bool = False,
+    invariant_segment: int | None = None,
 ) -> Float[Array, "tokens q_heads head_dim"]:
     """Attention of every new token over its own request's cached positions (this step's K/V already written).
 
@@ -378,9 +392,11 @@ def ragged_paged_attention(
     as the same prompt in one piece does (`Tuning.batch_invariant`: the decode kernel in one split, over tiles as
     wide as the prefill kernel's, row sums on the tensor cores in both; small prefill tiles for a short step). By
     default a request with a few new tokens goes to the split-K decode kernel, whose splits follow its own length.
+    `invariant_segment` (with `single_path`; `Tuning.invariant_segment`): long contexts decoded in splits at the
+    multiples of this many positions and merged, the prefill kernel folding its rows' segments alike.
     """
     return ragged_paged_attention_impl(
         q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale=scale, sliding_window=sliding_window,
         soft_cap=soft_cap, max_query_len=max_query_len, interpret=interpret, kv_scales=kv_scales,
-        single_path=single_path,
+        single_path=single_path, invariant_segment=invariant_segment,
     )

@@ -69,16 +69,35 @@ def visible_range(first_pos, last_pos, window, block_n: int):
 
 
 def num_splits(lo, hi, split: SplitConfig):
-    """How many chunks a decode request's context is cut into: a function of its own visible length only."""
+    """How many chunks a decode request's context is cut into: a function of its own visible range only."""
+    if split.absolute:
+        return (hi - 1) // split.split_tokens - lo // split.split_tokens + 1
     return jnp.clip(cdiv(hi - lo, split.split_tokens), 1, split.max_splits)
 
 
 def split_range(lo, hi, s, split: SplitConfig, block_n: int):
     """Chunk `s` of `[lo, hi)`: chunks are multiples of `block_n`, so no KV tile straddles two of them."""
+    if split.absolute:  # segment lo // split_tokens + s of the positions from 0
+        start = (lo // split.split_tokens + s) * split.split_tokens
+        return jnp.maximum(lo, start), jnp.minimum(hi, start + split.split_tokens)
     nsplit = num_splits(lo, hi, split)
     chunk = cdiv(cdiv(hi - lo, nsplit), block_n) * block_n
     my_lo = lo + s * chunk
     return my_lo, jnp.minimum(hi, my_lo + chunk)
+
+
+def merge_partial(carry, out, lse):
+    """One split's normalised rows `out` (column parts) and base-2 LSE folded into the running (sum, max, weight):
+    the merge kernel's arithmetic, which the batch-invariant prefill kernel repeats for its rows' segments."""
+    acc, m, den = carry
+    m_new = jnp.maximum(m, lse)
+    alpha, w = jnp.exp2(m - m_new), jnp.exp2(lse - m_new)
+    return tuple(a * alpha[:, None] + o * w[:, None] for a, o in zip(acc, out)), m_new, den * alpha + w
+
+
+def merged_rows(acc, den):
+    """The merged rows: the folded sum over its weight (rows that saw nothing: 0)."""
+    return tuple(a / jnp.where(den > 0, den, 1.0)[:, None] for a in acc)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,6 +236,24 @@ def row_sums_by_mma(p, precision):
     fixed chain, whatever the tile's rows or warps. All MMA_N columns hold the same sum; their max is exact."""
     ones = jnp.ones((p.shape[1], MMA_N), p.dtype)
     return jnp.max(pltr.dot(p, ones, precision=precision), axis=1)
+
+
+def attend_in_segments(q, q_pos, src: KVSource, lo, hi, first_pos, last_pos, window, *, block_n: int, scores: Scores,
+                       segment: int, k_scale=1.0, v_scale=1.0):
+    """`attend` over `[lo, hi)` cut at the multiples of `segment`, each segment's rows normalised and folded by
+    their LSE in order (`merge_partial`): a row gets the bits a decode's absolute splits and their merge give it,
+    whatever its tile (a segment a row cannot see folds in as nothing). Returns the merged rows."""
+    def body(j, carry):
+        seg_lo, seg_hi = jnp.maximum(lo, j * segment), jnp.minimum(hi, (j + 1) * segment)
+        acc, m, l = attend(q, q_pos, src, seg_lo, seg_hi, first_pos, last_pos, window, block_n=block_n,
+                           scores=scores, k_scale=k_scale)
+        return merge_partial(carry, *finish(acc, m, l, v_scale))
+
+    block_m = q[0].shape[0]
+    init = (tuple(jnp.zeros(qp.shape, jnp.float32) for qp in q), jnp.full((block_m,), M_INIT, jnp.float32),
+            jnp.zeros((block_m,), jnp.float32))
+    acc, _, den = lax.fori_loop(lo // segment, cdiv(hi, segment), body, init)
+    return merged_rows(acc, den)
 
 
 def finish(acc, m, l, v_scale=1.0):

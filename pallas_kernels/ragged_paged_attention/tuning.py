@@ -34,6 +34,10 @@ class SplitConfig:
 
     split_tokens: int  # target KV positions per split (a multiple of the decode block_n)
     max_splits: int  # grid size along the split axis
+    # `absolute`: the splits are the segments [j·split_tokens, (j+1)·split_tokens) of the positions from 0, as many as
+    # a context crosses (`max_splits` then bounds them for the step's block table): the batch-invariant mode's
+    # long-context split, which the prefill kernel reproduces row by row (`Tuning.invariant_segment`)
+    absolute: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +46,10 @@ class Tuning:
     prefill: KernelConfig
     split: SplitConfig
     fp8_operands: str = "bfloat16"  # a float8 cache's tensor-core operands: "bfloat16" or "float16" (`Scores`)
+    # The batch-invariant mode's long contexts: None, one split (a batch-1 32k context then walks on one program a
+    # KV head); or segments of this many positions (a multiple of the prefill tile's KV width) decoded as splits
+    # and merged, which the prefill kernel folds the same way for every row, so the rows stay bitwise the same
+    invariant_segment: int | None = None
 
     def __post_init__(self):
         if self.fp8_operands not in ("bfloat16", "float16"):
@@ -61,8 +69,12 @@ class Tuning:
         follow the tile's register layout, which a step's bucket would then choose."""
         decode = dataclasses.replace(self.decode, block_n=self.prefill.block_n)
         short = max_query_len * group_pad <= SMALL_STEP_ROWS
-        return dataclasses.replace(self, decode=decode, prefill=decode if short else self.prefill,
-                                   split=SplitConfig(split_tokens=decode.block_n, max_splits=1))
+        split = SplitConfig(split_tokens=decode.block_n, max_splits=1)
+        if self.invariant_segment:
+            if self.invariant_segment % decode.block_n:
+                raise ValueError(f"invariant_segment={self.invariant_segment}: a multiple of {decode.block_n}")
+            split = SplitConfig(split_tokens=self.invariant_segment, max_splits=1, absolute=True)  # bound: per step
+        return dataclasses.replace(self, decode=decode, prefill=decode if short else self.prefill, split=split)
 
 
 def default_tuning(head_dim: int, group: int, quantized: bool = False) -> Tuning:

@@ -199,3 +199,17 @@ def test_rms_norm_pair_lowers_for_h200():
                           S((64, 32, 128), jnp.bfloat16), S((64, 4, 128), jnp.bfloat16), S((128,), jnp.bfloat16),
                           S((128,), jnp.bfloat16))
     assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("tokens,seqs,max_query_len,launches", [(64, 64, 1, 2), (4096, 8, 4096, 3)])
+def test_segmented_invariant_attention_lowers_for_h200(tokens, seqs, max_query_len, launches):
+    """The batch-invariant mode with 2,048-position segments over 32k tables: decode splits and the merge, and the
+    prefill kernel folding its rows' segments."""
+    fn = functools.partial(attention.ragged_paged_attention, scale=128 ** -0.5, max_query_len=max_query_len,
+                           single_path=True, invariant_segment=2048)
+    text = lower_for_h200(
+        lambda q, kv, layer, qsl, lens, bt: fn(q, kv, layer, qsl, lens, bt),
+        S((tokens, 32, 128), jnp.bfloat16), S((32, 20000, 16, 2, 8, 128), jnp.bfloat16),
+        S((), i32), S((seqs + 1,), i32), S((seqs,), i32), S((seqs, 2048), i32),
+    )
+    assert text.count("__gpu$xla.gpu.triton") == launches

@@ -307,3 +307,51 @@ def test_one_split_contexts_skip_the_merge_with_the_same_bits(q_lens, seq_lens, 
             "__gpu$xla.gpu.triton")
 
     assert launches(wide) == launches(batch) + 1  # the merge
+
+
+SEGMENT = 128  # `invariant_segment` at the production KV tile's width: every 128 positions a split
+
+
+def _segmented(batch: Batch, bucket: Bucket, max_query_len: int, window: int = 0) -> np.ndarray:
+    return np.asarray(kernel.ragged_paged_attention(
+        batch.q, batch.kv_kernel, LAYER, batch.query_start_loc, batch.seq_lens, batch.block_tables,
+        scale=bucket.head_dim ** -0.5, sliding_window=jnp.int32(window), max_query_len=max_query_len,
+        interpret=True, single_path=True, invariant_segment=SEGMENT), np.float32)
+
+
+@pytest.mark.parametrize("max_query_len,q_lens", [(1, [1] * 5), (64, [1, 20, 2, 30])])
+def test_segmented_single_path_matches_reference_with_windows(max_query_len, q_lens):
+    """The batch-invariant path with long contexts in 128-position segments (decoded as splits and merged, folded
+    alike in the prefill kernel) against the dense reference, contexts crossing up to three segments."""
+    bucket = dataclasses.replace(FIXED, width=24)
+    batch = build(bucket, q_lens, [150, 300, 360, 31, 129][:len(q_lens)], seed=13)
+    args = (batch.query_start_loc, batch.seq_lens, batch.block_tables)
+    for window in (0, 40, 200):
+        out = _segmented(batch, bucket, max_query_len, window)
+        ref = np.asarray(reference.ragged_paged_attention(
+            batch.q, batch.kv_reference, LAYER, *args, scale=bucket.head_dim ** -0.5, sliding_window=jnp.int32(window),
+            max_query_len=max_query_len), np.float32)
+        assert_close(out, ref, batch, bucket.dtype)
+
+
+@pytest.mark.parametrize("window", [0, 50, 200])
+def test_segmented_decode_rows_equal_the_prefill_kernel_rows(window):
+    """Production tiles over a 340-token context in 128-position segments: the last 1 or 3 tokens of a 40-token
+    chunk (the prefill kernel, folding each row's segments) are bitwise the rows the decode kernel gives them in
+    absolute splits and the merge, in the prefill kernel's large and small tiles, with and without a window (one
+    that starts a segment later than the context)."""
+    bucket = Bucket(q_heads=8, kv_heads=2, head_dim=128, width=24, dtype=jnp.bfloat16)
+    chunk = build(bucket, [40], [340], seed=17)
+    whole = _segmented(chunk, bucket, 256, window)
+    np.testing.assert_array_equal(_segmented(chunk, bucket, 64, window), whole)
+    for count in (1, 3):
+        rows = _segmented(_last_rows_as_own_chunk(chunk, count), bucket, 4, window)[:count]
+        np.testing.assert_array_equal(rows, whole[40 - count:40])
+
+
+def test_invariant_segments_are_whole_kv_tiles():
+    base = default_tuning(128, 4)
+    tuning = dataclasses.replace(base, invariant_segment=256).batch_invariant(1, 4)
+    assert tuning.split.absolute and tuning.split.split_tokens == 256
+    with pytest.raises(ValueError, match="multiple of 128"):
+        dataclasses.replace(base, invariant_segment=200).batch_invariant(1, 4)
