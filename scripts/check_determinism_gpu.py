@@ -193,7 +193,13 @@ def main() -> None:
                         "(decode at batch 1 and 8 after --long-context-token prompts)")
     parser.add_argument("--long-context", type=int, nargs="+", default=[4096, 32768])
     parser.add_argument("--modes", default="deterministic,fast", help="the engines each part runs")
+    parser.add_argument("--invariant-segment", type=int, default=None,
+                        help="the deterministic engines' attention in long-context segments of this many positions")
     args = parser.parse_args()
+    if args.invariant_segment:
+        from jengine.attention import backend
+
+        backend.INVARIANT_SEGMENT = args.invariant_segment  # static in the backend: the programs key on it
     if args.tiny:
         args.requests, args.mixed, args.max_tokens, args.step_tokens = 6, 24, 8, 8
         args.long_context = [128, 256]
@@ -204,7 +210,8 @@ def main() -> None:
     high = 60 if args.tiny else 700
     requests = prompts(rng, args.requests, vocab, 20, high)
     neighbours = prompts(rng, 3 * args.requests, vocab, 1, high)
-    metrics: dict[str, Any] = {"layers": args.layers, "requests": args.requests, "max_tokens": args.max_tokens}
+    metrics: dict[str, Any] = {"layers": args.layers, "requests": args.requests, "max_tokens": args.max_tokens,
+                               "invariant_segment": args.invariant_segment}
     ratios: dict[str, float] = {}
     if "ways" in args.parts:
         modes = [(d, name) for d, name, mode in ((True, "gpu", "deterministic"), (False, "fast", "fast"))
@@ -224,7 +231,8 @@ def main() -> None:
     record = common.result_record("determinism", args.git_sha, common.jax_device_name(), common.versions(),
                                   " ".join(["python", *sys.argv]), metrics, ratios,
                                   shape="Qwen3-30B-A3B" if args.moe else "tiny" if args.tiny else "Llama-3.1-8B layers")
-    shape = "-moe" if args.moe else "-cpu" if args.tiny else ""
+    shape = ("-moe" if args.moe else "-cpu" if args.tiny else "") + (
+        f"-segment{args.invariant_segment}" if args.invariant_segment else "")
     out = Path(args.out) / f"{time.strftime('%Y-%m-%d')}{shape}-determinism.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.exists():  # another part's call at the same commit

@@ -104,12 +104,18 @@ def has_invariant_path(backend: AttentionBackend) -> bool:
     return dataclasses.is_dataclass(backend) and any(f.name == "invariant" for f in dataclasses.fields(backend))
 
 
+# The batch-invariant attention's long-context segments (`Tuning.invariant_segment`): None (one split) until their
+# bits are checked on a GPU (`scripts/check_invariant_attention_gpu.py --segment`); the determinism check sets it.
+INVARIANT_SEGMENT: int | None = None
+
+
 def _deterministic(backend: AttentionBackend, platform: str) -> AttentionBackend:
     """The backend in its batch-invariant mode. The reference attention keeps a row's result on the CPU
     whatever the batch (the engine's tests hold it); on a GPU its XLA reductions follow the shape, so it is refused
     rather than served as deterministic."""
     if has_invariant_path(backend):
-        return dataclasses.replace(backend, invariant=True)
+        segment = {"invariant_segment": INVARIANT_SEGMENT} if hasattr(backend, "invariant_segment") else {}
+        return dataclasses.replace(backend, invariant=True, **segment)
     if platform != "cpu":
         raise ConfigError(f"deterministic=True needs the pallas_gpu attention backend on {platform} ({backend.name} "
                           "attention is not batch-invariant there; pallas_gpu serves head_dim 64 and 128)")

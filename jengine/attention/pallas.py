@@ -65,8 +65,10 @@ class PallasGpuBackend:
     # device on its own query heads and the KV heads they use (the cache is split by KV head).
     mesh: Mesh | None = None
     # Batch-invariant mode (`--deterministic`): a row's attention adds up the same way in either kernel
-    # (`single_path`)
+    # (`single_path`); `invariant_segment`: its long contexts in splits of that many positions
+    # (`Tuning.invariant_segment`; None: one split)
     invariant: bool = False
+    invariant_segment: int | None = None
 
     @property
     def experts(self):
@@ -100,6 +102,7 @@ class PallasGpuBackend:
             q, kv, layer, md.query_start_loc, md.seq_lens, md.block_tables, kv_scales=kv_scales, scale=float(scale),
             sliding_window=sliding_window, soft_cap=float(soft_cap) if soft_cap else None,
             max_query_len=md.max_query_len, interpret=self.interpret, single_path=self.invariant,
+            invariant_segment=self.invariant_segment if self.invariant else None,
         )
         return out, kv_cache
 
