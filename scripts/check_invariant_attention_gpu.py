@@ -114,7 +114,7 @@ def chunk_checks(interpret: bool, segment: int | None = None) -> dict[str, bool]
 
     attention = functools.partial(_attention, segment=segment)
     out = {}
-    for context in (180, 1000):
+    for context in (180, 1000, *((5000,) if segment else ())):  # segments: a context crossing two boundaries
         whole = make_step([40], [context], seed=context)
         for window in (0, 50):
             rows = bits(attention(whole, single_path=True, window=window, interpret=interpret))
@@ -135,12 +135,12 @@ def batch_checks(interpret: bool, batch: int = 64, segment: int | None = None) -
     import jax.numpy as jnp
 
     attention = functools.partial(_attention, segment=segment)
-    contexts = [700] + [300 + 37 * i for i in range(batch - 1)]
+    contexts = [3000 if segment else 700] + [300 + 37 * i for i in range(batch - 1)]  # segments: the row crosses one
     full = make_step([1] * batch, contexts, seed=3)
     alone = dataclasses.replace(full, q=full.q[:1], qsl=full.qsl[:2], lens=full.lens[:1], tables=full.tables[:1])
     mixed_q = jnp.concatenate([full.q[:1], make_step([200], [400], seed=4).q]).astype(full.q.dtype)
     mixed = dataclasses.replace(full, q=mixed_q, qsl=jnp.asarray([0, 1, 201], jnp.int32),
-                                lens=jnp.asarray([700, 400], jnp.int32),
+                                lens=jnp.asarray([contexts[0], 400], jnp.int32),
                                 tables=full.tables[:2].at[1].set(full.tables[1]), max_query_len=200)
     row = bits(attention(alone, single_path=True, interpret=interpret))[:1]
     return {"top_of_decode_batch": bool((bits(attention(full, single_path=True, interpret=interpret))[:1]
