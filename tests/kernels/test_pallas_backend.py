@@ -92,6 +92,72 @@ def test_deterministic_takes_one_attention_path_or_is_refused():
         select_backend("gpu", "reference", deterministic=True)
 
 
+@pytest.mark.parametrize("kernel_write", [False, True])
+def test_fp8_backend_matches_reference_backend(monkeypatch, kernel_write):
+    """A float8 cache through both backends: the same bytes written (Pallas write or scatter, both quantizing with
+    the cache's scales), outputs within float32 rounding of each other, scales passed through untouched."""
+    if kernel_write:
+        monkeypatch.setattr(pallas, "KV_WRITE_KERNEL_MIN_TOKENS", 1)
+    q, k, v, kv, md, n = step_inputs(BUCKET, [1, 20, 1, 9], [40, 20, 160, 70])
+    rng = np.random.default_rng(3)
+    scales = jnp.asarray(rng.uniform(0.005, 0.02, (BUCKET.layers, 2, BUCKET.kv_heads)), jnp.float32)
+    fp8 = kv_quant.quantize(kv, (1.0 / scales)[:, None, None, :, :, None])
+    kw = dict(scale=BUCKET.head_dim ** -0.5, sliding_window=jnp.int32(0), soft_cap=None)
+    out, cache = pallas.PallasGpuBackend(interpret=True)(q, k, v, QuantizedKV(jnp.array(fp8), scales), 1, md, **kw)
+    ref_out, ref_cache = ReferenceBackend()(q, k, v, QuantizedKV(jnp.array(fp8), scales), 1, md, **kw)
+    assert isinstance(cache, QuantizedKV) and cache.kv.dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(np.asarray(cache.kv).view(np.uint8), np.asarray(ref_cache.kv).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(cache.scales), np.asarray(scales))
+    np.testing.assert_allclose(np.asarray(out[:n]), np.asarray(ref_out[:n]), atol=2e-5, rtol=2e-5)
+
+
+H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+
+
+def kernel_launches_for_h200(cache_blocks: int, cache_dtype) -> int:
+    """The backend's step for an abstract H200 with a float8 (or other) cache of `cache_blocks` 16-token blocks of
+    32 layers × 4 KV heads × 128: how many Triton kernels it launches (0: the reference path)."""
+    S = jax.ShapeDtypeStruct
+    tokens, seqs = 64, 64
+    cache = S((32, cache_blocks, 16, 2, 4, 128), cache_dtype)
+    kv = QuantizedKV(cache, S((32, 2, 4), jnp.float32)) if cache_dtype == jnp.float8_e4m3fn else cache
+    i32 = jnp.int32
+    md = AttentionMetadata(S((tokens,), i32), S((tokens,), i32), S((seqs + 1,), i32), S((seqs,), i32),
+                           S((seqs, 256), i32), 1)
+    qkv = [S((tokens, h, 128), jnp.bfloat16) for h in (16, 4, 4)]
+    step = functools.partial(pallas.PallasGpuBackend(), scale=0.1, sliding_window=jnp.int32(0), soft_cap=None)
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)
+    with jax.sharding.use_abstract_mesh(mesh):
+        lowered = jax.jit(step).trace(*qkv, kv, S((), i32), md).lower(lowering_platforms=("cuda",))
+    return lowered.as_text().count("__gpu$xla.gpu.triton")
+
+
+def test_gpu_float8_caches_of_every_size_run_the_kernels():
+    """Lowered for an H200 (no GPU needed): a float8 cache of (2, 4] GiB per device, whose single bytes the Triton
+    lowering's 32-bit offsets cannot address, runs the attention kernel through its byte-pair view (it used to take
+    the reference path), as do float8 caches on either side of that window and a bfloat16 one."""
+    assert kernel_launches_for_h200(4800, jnp.float8_e4m3fn) > 0  # 2.34 GiB
+    assert kernel_launches_for_h200(3000, jnp.float8_e4m3fn) > 0  # 1.46 GiB
+    assert kernel_launches_for_h200(9000, jnp.float8_e4m3fn) > 0  # 4.39 GiB: 64-bit offsets
+    assert kernel_launches_for_h200(4800, jnp.bfloat16) > 0  # 4.69 GiB
+
+
+def test_fp8_backend_under_a_tensor_parallel_mesh():
+    """On a 2-device mesh the kernels run per device under shard_map: the float8 cache's scales travel split by KV
+    head with the pages (each device reads its own heads' scales)."""
+    q, k, v, kv, md, n = step_inputs(BUCKET, [1, 20, 1, 9], [40, 20, 160, 70], seed=4)
+    scales = jnp.asarray(np.random.default_rng(4).uniform(0.005, 0.02, (BUCKET.layers, 2, BUCKET.kv_heads)),
+                         jnp.float32)
+    fp8 = kv_quant.quantize(kv, (1.0 / scales)[:, None, None, :, :, None])
+    mesh = jax.make_mesh((2,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
+    kw = dict(scale=BUCKET.head_dim ** -0.5, sliding_window=jnp.int32(0), soft_cap=None)
+    backend = pallas.PallasGpuBackend(interpret=True, mesh=mesh)
+    out, cache = jax.jit(lambda *a: backend(*a, **kw))(q, k, v, QuantizedKV(jnp.array(fp8), scales), 1, md)
+    ref_out, ref_cache = ReferenceBackend()(q, k, v, QuantizedKV(jnp.array(fp8), scales), 1, md, **kw)
+    np.testing.assert_array_equal(np.asarray(cache.kv).view(np.uint8), np.asarray(ref_cache.kv).view(np.uint8))
+    np.testing.assert_allclose(np.asarray(out[:n]), np.asarray(ref_out[:n]), atol=2e-5, rtol=2e-5)
+
+
 def test_the_invariant_segment_reaches_the_kernels_only_in_the_invariant_mode(monkeypatch):
     """`backend.INVARIANT_SEGMENT` (None until its GPU check): the deterministic backend carries it, the default
     one does not, and a segmented invariant backend's rows match the reference backend's over contexts crossing
