@@ -37,6 +37,28 @@ def test_all_buckets_compile_at_start_and_steady_state_compiles_nothing(model_di
         assert "compiled after warm-up" not in caplog.text
 
 
+def test_start_up_builds_each_step_program_once(model_dir, monkeypatch):
+    """Start-up compiles its batches on threads, and the sampler's variants of a shape share one forward: a thread
+    that meets a program another is building waits for it instead of compiling it again."""
+    import collections
+
+    from jengine.runner import step
+
+    builds = collections.Counter()
+    real = step.StepPrograms._build_new
+
+    def counting(self, table, shapes, jitted, args):
+        builds[(jitted.__name__, shapes)] += 1
+        return real(self, table, shapes, jitted, args)
+
+    monkeypatch.setattr(step.StepPrograms, "_build_new", counting)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)  # threads, whatever this machine has
+    with LLM(str(model_dir), dtype="float32", max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32,
+             compile_buckets="all"):
+        pass
+    assert len(builds) > 1 and set(builds.values()) == {1}, builds
+
+
 def test_auto_compiles_up_front_only_with_a_kernel_backend(model_dir):
     """`auto` (the default of every entry point) pins and precompiles with a kernel backend; with the jnp reference
     (the CPU) it compiles lazily, so a CPU engine starts in seconds."""

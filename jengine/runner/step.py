@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import time
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -165,6 +166,7 @@ class StepPrograms:
         self.model, self.store = model, store
         self._forward: dict[Hashable, Any] = {}
         self._sample: dict[Hashable, Any] = {}
+        self._building: dict[Hashable, threading.Lock] = {}  # one per program: start-up's threads build each once
 
     def forward(self, params: dict, state: StepState, packed: Packed):
         program = self._forward.get(_shapes_of(packed))
@@ -194,9 +196,14 @@ class StepPrograms:
 
     def _build(self, table: dict, shapes: Hashable, jitted, args: tuple):
         """(program, seconds tracing and lowering, seconds compiling or loading), the program put in `table` (found
-        there where another batch of the same shapes built it: the sampler's variants share their forward)."""
-        if shapes in table:
-            return table[shapes], 0.0, 0.0
+        there where another batch of the same shapes built it: the sampler's variants share their forward; a thread
+        that finds it being built waits for it)."""
+        with self._building.setdefault((jitted.__name__, shapes), threading.Lock()):
+            if shapes in table:
+                return table[shapes], 0.0, 0.0
+            return self._build_new(table, shapes, jitted, args)
+
+    def _build_new(self, table: dict, shapes: Hashable, jitted, args: tuple):
         start = time.perf_counter()
         static = (self.model,) if jitted is forward_step else ()
         key = program_key(jitted.__name__, static, args) if self.store is not None else None
