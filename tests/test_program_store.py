@@ -114,6 +114,23 @@ def test_old_installations_are_removed_on_the_first_save(tmp_path, caplog):
     assert (root / ("f" * 24)).exists()
 
 
+def test_a_save_that_fails_leaves_no_part_behind(tmp_path, monkeypatch, caplog):
+    """A full disk at the rename: a warning, and no partly written file left in the store."""
+    from jax.experimental import serialize_executable
+
+    store = ProgramStore(tmp_path)
+    monkeypatch.setattr(serialize_executable, "serialize", lambda compiled: ("payload", None, None))
+
+    def full_disk(*args):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with caplog.at_level(logging.WARNING, logger="jengine.runner.program_store"):
+        store.save("key", object())
+    assert "could not save a step program" in caplog.text
+    assert list(store.directory.iterdir()) == []
+
+
 def test_pruning_passes_over_what_it_cannot_see(tmp_path):
     assert prune_installations(tmp_path / "missing", keep=tmp_path / "missing" / "x") == []
     keep = _installation(tmp_path, "current", used_at=1.0)  # the oldest by time, kept all the same

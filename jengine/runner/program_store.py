@@ -74,6 +74,7 @@ class ProgramStore:
         """Saves `compiled` under `key` (written whole, then renamed: readers never see a part)."""
         from jax.experimental import serialize_executable
 
+        part = None
         try:
             blob = pickle.dumps(serialize_executable.serialize(compiled))
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -83,6 +84,8 @@ class ProgramStore:
             _mark_used(self.directory)
         except Exception as error:  # a full disk or an unserialisable program costs the next start a compile
             logger.warning("could not save a step program (%s: %s)", type(error).__name__, error)
+            if part is not None:  # a part written short stays out of the store
+                Path(part.name).unlink(missing_ok=True)
         if not self._pruned:
             self._pruned = True
             try:
