@@ -51,7 +51,6 @@ from jaxtyping import Array, Float, Int
 from pallas_kernels.addressing import UnsupportedShapeError, as_byte_pairs
 from pallas_kernels.kv_quant import KVScales, check_kv_scales
 from pallas_kernels.ragged_paged_attention.tiles import (
-    M_INIT,
     Geometry,
     KVSource,
     Scores,
@@ -59,6 +58,7 @@ from pallas_kernels.ragged_paged_attention.tiles import (
     attend_in_segments,
     cdiv,
     column_index,
+    empty_state,
     finish,
     head_scales,
     load_q,
@@ -168,8 +168,7 @@ def _merge_kernel(window_ref, qsl_ref, lens_ref, o_part_ref, lse_part_ref, *out_
             o = pltr.load(o_part_ref.at[b, h, s, rows[:, None], cols], mask=mask2, other=0.0)
             return merge_partial(carry, (o,), lse)
 
-        init = ((jnp.zeros((cfg.block_m, geo.head_dim), jnp.float32),),
-                jnp.full((cfg.block_m,), M_INIT, jnp.float32), jnp.zeros((cfg.block_m,), jnp.float32))
+        init = empty_state(((cfg.block_m, geo.head_dim),))
         acc, _, den = lax.fori_loop(0, num_splits(lo, hi, split), body, init)
         (out,) = merged_rows(acc, den)
         tok = q_start + t
@@ -344,11 +343,8 @@ def ragged_paged_attention_impl(
     qsl, lens, bt = (jnp.asarray(a, jnp.int32) for a in (query_start_loc, seq_lens, block_tables))
     layer_window = _scalars(layer, sliding_window)
     if single_path:
-        tuning = tuning.batch_invariant(max_query_len, geo.group_pad)
+        tuning = tuning.batch_invariant(max_query_len, geo.group_pad, bt.shape[1] * block_size)
         scores = dataclasses.replace(scores, sums_by_mma=True)
-        if tuning.split.absolute:  # as many segments as the step's block table can cross
-            bound = cdiv(bt.shape[1] * block_size, tuning.split.split_tokens)
-            tuning = dataclasses.replace(tuning, split=dataclasses.replace(tuning.split, max_splits=bound))
     args = (q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning, scores, interpret)
     direct = merge_free(bt.shape[1] * block_size, tuning.split)
     partials = None if direct else _decode_call(*args)

@@ -86,6 +86,14 @@ def split_range(lo, hi, s, split: SplitConfig, block_n: int):
     return my_lo, jnp.minimum(hi, my_lo + chunk)
 
 
+def empty_state(part_shapes: tuple[tuple[int, int], ...]):
+    """(sums, running max, weight) before anything is added, for rows of column parts of `part_shapes`: the online
+    softmax's and the merge's start alike (the merge and the prefill kernel's fold must start from the same bits)."""
+    rows = part_shapes[0][0]
+    return (tuple(jnp.zeros(shape, jnp.float32) for shape in part_shapes), jnp.full((rows,), M_INIT, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+
+
 def merge_partial(carry, out, lse):
     """One split's normalised rows `out` (column parts) and base-2 LSE folded into the running (sum, max, weight):
     the merge kernel's arithmetic, which the batch-invariant prefill kernel repeats for its rows' segments."""
@@ -217,13 +225,7 @@ def attend(q, q_pos, src: KVSource, lo, hi, first_pos, last_pos, window, *, bloc
 
         return body
 
-    block_m = q[0].shape[0]
-    carry = (
-        tuple(jnp.zeros(qp.shape, jnp.float32) for qp in q),
-        jnp.full((block_m,), M_INIT, jnp.float32),
-        jnp.zeros((block_m,), jnp.float32),
-    )
-    carry = lax.fori_loop(t0, u0, step(True), carry)
+    carry = lax.fori_loop(t0, u0, step(True), empty_state(tuple(qp.shape for qp in q)))
     carry = lax.fori_loop(u0, u1, step(False), carry)
     return lax.fori_loop(u1, t1, step(True), carry)
 
@@ -249,10 +251,7 @@ def attend_in_segments(q, q_pos, src: KVSource, lo, hi, first_pos, last_pos, win
                            scores=scores, k_scale=k_scale)
         return merge_partial(carry, *finish(acc, m, l, v_scale))
 
-    block_m = q[0].shape[0]
-    init = (tuple(jnp.zeros(qp.shape, jnp.float32) for qp in q), jnp.full((block_m,), M_INIT, jnp.float32),
-            jnp.zeros((block_m,), jnp.float32))
-    acc, _, den = lax.fori_loop(lo // segment, cdiv(hi, segment), body, init)
+    acc, _, den = lax.fori_loop(lo // segment, cdiv(hi, segment), body, empty_state(tuple(qp.shape for qp in q)))
     return merged_rows(acc, den)
 
 

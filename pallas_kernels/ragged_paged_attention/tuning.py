@@ -55,7 +55,7 @@ class Tuning:
         if self.fp8_operands not in ("bfloat16", "float16"):
             raise ValueError(f"fp8_operands={self.fp8_operands!r}: bfloat16 or float16")
 
-    def batch_invariant(self, max_query_len: int, group_pad: int) -> Tuning:
+    def batch_invariant(self, max_query_len: int, group_pad: int, table_positions: int) -> Tuning:
         """The tuning of the batch-invariant mode: short requests still go to the decode kernel, but in one split
         and walking KV tiles as wide as the prefill kernel's, so each row adds up the same tiles in the same order
         in either kernel (their row sums then also go through the tensor cores: `Scores.sums_by_mma`). One split
@@ -66,14 +66,16 @@ class Tuning:
         prefill kernel the same tiles, so a short chunk over a long context (a prefix-cache hit) spreads over many
         programs instead of walking its context in two: a row's arithmetic does not depend on its tile's rows
         here (checked on an H100 in `scripts/check_invariant_attention_gpu.py`), where the default's row sums
-        follow the tile's register layout, which a step's bucket would then choose."""
+        follow the tile's register layout, which a step's bucket would then choose. `table_positions` (the step's
+        block-table width in positions) bounds the splits of `invariant_segment`."""
         decode = dataclasses.replace(self.decode, block_n=self.prefill.block_n)
         short = max_query_len * group_pad <= SMALL_STEP_ROWS
         split = SplitConfig(split_tokens=decode.block_n, max_splits=1)
         if self.invariant_segment:
             if self.invariant_segment % decode.block_n:
                 raise ValueError(f"invariant_segment={self.invariant_segment}: a multiple of {decode.block_n}")
-            split = SplitConfig(split_tokens=self.invariant_segment, max_splits=1, absolute=True)  # bound: per step
+            split = SplitConfig(split_tokens=self.invariant_segment, absolute=True,
+                                max_splits=-(-table_positions // self.invariant_segment))  # segments it can cross
         return dataclasses.replace(self, decode=decode, prefill=decode if short else self.prefill, split=split)
 
 

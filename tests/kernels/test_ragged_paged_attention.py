@@ -141,7 +141,7 @@ def test_the_batch_invariant_tuning_follows_the_step():
     """The batch-invariant mode's decode runs one split over prefill-wide KV tiles; a short step's prefill tiles
     take the decode kernel's rows and warps; a long step keeps the prefill table's. The default is untouched."""
     base = default_tuning(128, 4)
-    long, short = base.batch_invariant(1024, 4), base.batch_invariant(64, 4)
+    long, short = base.batch_invariant(1024, 4, 2048), base.batch_invariant(64, 4, 2048)
     for tuning in (long, short):
         assert tuning.split.max_splits == 1 and tuning.decode.block_n == base.prefill.block_n
     assert long.prefill == base.prefill
@@ -351,7 +351,7 @@ def test_segmented_decode_rows_equal_the_prefill_kernel_rows(window):
 
 def test_invariant_segments_are_whole_kv_tiles():
     base = default_tuning(128, 4)
-    tuning = dataclasses.replace(base, invariant_segment=256).batch_invariant(1, 4)
-    assert tuning.split.absolute and tuning.split.split_tokens == 256
+    tuning = dataclasses.replace(base, invariant_segment=256).batch_invariant(1, 4, 2048)
+    assert tuning.split.absolute and tuning.split.split_tokens == 256 and tuning.split.max_splits == 8
     with pytest.raises(ValueError, match="multiple of 128"):
-        dataclasses.replace(base, invariant_segment=200).batch_invariant(1, 4)
+        dataclasses.replace(base, invariant_segment=200).batch_invariant(1, 4, 2048)
