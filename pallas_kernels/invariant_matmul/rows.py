@@ -84,20 +84,28 @@ def _norm_row(x_ref, d_ref, w_ref, s_ref, o_ref, row, eps: float):
     lax.fori_loop(0, chunks, write, 0)
 
 
+def _row_programs(kernel, num_rows: int, args: tuple[Array, ...], out_shapes: list[jax.ShapeDtypeStruct], *,
+                  name: str, interpret: bool) -> list[Array]:
+    """`kernel` on `num_rows` programs, one a row (every ref whole; the kernel finds its row by `program_id`)."""
+    return pl.pallas_call(
+        kernel,
+        grid=(num_rows,),
+        in_specs=[pl.no_block_spec] * len(args),
+        out_specs=[pl.no_block_spec] * len(out_shapes),
+        out_shape=out_shapes,
+        compiler_params=pltr.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        interpret=interpret,
+        name=name,
+    )(*args)
+
+
 def _norm_rows(name: str, inputs: tuple[Array, ...], weight: Array, out_dtypes: tuple, *, eps: float,
                interpret: bool) -> list[Array]:
     """The RMSNorm kernel over `inputs`' rows (x, or x and delta, flattened to [n, d]), one program per row."""
     flat = [a.reshape(-1, a.shape[-1]) for a in inputs]
-    return pl.pallas_call(
-        functools.partial(_rms_kernel, eps=eps, add=len(inputs) == 2),
-        grid=(flat[0].shape[0],),
-        in_specs=[pl.no_block_spec] * (len(inputs) + 1),
-        out_specs=[pl.no_block_spec] * len(out_dtypes),
-        out_shape=[jax.ShapeDtypeStruct(flat[0].shape, dtype) for dtype in out_dtypes],
-        compiler_params=pltr.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
-        interpret=interpret,
-        name=name,
-    )(*flat, weight)
+    return _row_programs(functools.partial(_rms_kernel, eps=eps, add=len(inputs) == 2), flat[0].shape[0],
+                         (*flat, weight), [jax.ShapeDtypeStruct(flat[0].shape, dtype) for dtype in out_dtypes],
+                         name=name, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"))
@@ -130,16 +138,11 @@ def rms_norm_pair_rows(a: Float[Array, "... d"], b: Float[Array, "... d"], weigh
     if flat_a.shape[1] != flat_b.shape[1]:
         raise ValueError(f"rows of {flat_a.shape[1]} and {flat_b.shape[1]}: a pair of norms shares its row width")
     dtypes = (jnp.result_type(weight_a.dtype, a.dtype), jnp.result_type(weight_b.dtype, b.dtype))
-    out_a, out_b = pl.pallas_call(
-        functools.partial(_pair_kernel, eps=eps),
-        grid=(flat_a.shape[0] + flat_b.shape[0],),
-        in_specs=[pl.no_block_spec] * 4,
-        out_specs=[pl.no_block_spec] * 2,
-        out_shape=[jax.ShapeDtypeStruct(f.shape, dtype) for f, dtype in zip((flat_a, flat_b), dtypes)],
-        compiler_params=pltr.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
-        interpret=interpret,
-        name="invariant_rms_norm_pair",
-    )(flat_a, flat_b, weight_a, weight_b)
+    out_a, out_b = _row_programs(
+        functools.partial(_pair_kernel, eps=eps), flat_a.shape[0] + flat_b.shape[0],
+        (flat_a, flat_b, weight_a, weight_b),
+        [jax.ShapeDtypeStruct(f.shape, dtype) for f, dtype in zip((flat_a, flat_b), dtypes)],
+        name="invariant_rms_norm_pair", interpret=interpret)
     return out_a.reshape(a.shape), out_b.reshape(b.shape)
 
 
@@ -167,16 +170,9 @@ def _lse_kernel(x_ref, o_ref):
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def logsumexp_rows(x: Float[Array, "n v"], *, interpret: bool = False) -> Float[Array, " n"]:
     """log(sum(exp(x))) of each row in float32 (-inf for a row of -inf), one row per program."""
-    return pl.pallas_call(
-        _lse_kernel,
-        grid=(x.shape[0],),
-        in_specs=[pl.no_block_spec],
-        out_specs=pl.no_block_spec,
-        out_shape=jax.ShapeDtypeStruct((x.shape[0],), jnp.float32),
-        compiler_params=pltr.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
-        interpret=interpret,
-        name="invariant_logsumexp",
-    )(x)
+    (out,) = _row_programs(_lse_kernel, x.shape[0], (x,), [jax.ShapeDtypeStruct((x.shape[0],), jnp.float32)],
+                           name="invariant_logsumexp", interpret=interpret)
+    return out
 
 
 def log_softmax_rows(x: Float[Array, "n v"], *, interpret: bool = False) -> Float[Array, "n v"]:
