@@ -149,11 +149,16 @@ def batch_checks(interpret: bool, batch: int = 64, segment: int | None = None) -
                                       == row).all())}
 
 
+def decode_kv_bytes(batch: int, context: int) -> int:
+    """The K and V bytes (bf16) a decode-only step of `batch` requests over `context` positions reads."""
+    return batch * context * KV_HEADS * HEAD_DIM * 2 * 2
+
+
 def timings(bandwidth: float, segment: int | None = None) -> dict[str, float]:
     out: dict[str, float] = {}
     for batch, context in TIMED:
         step = make_step([1] * batch, [context] * batch, seed=batch)
-        kv_bytes = batch * context * KV_HEADS * HEAD_DIM * 2 * 2
+        kv_bytes = decode_kv_bytes(batch, context)
         ways = {"invariant": lambda s=step: _attention(s, single_path=True),
                 "prefill_only": lambda s=step: prefill_only(False)(s.q, s.kv, s.qsl, s.lens, s.tables),
                 "default": lambda s=step: _attention(s, single_path=False)}
@@ -180,7 +185,7 @@ def decode_variant_timings(bandwidth: float) -> dict[str, float]:
     out: dict[str, float] = {}
     for batch, context in TIMED:
         step = make_step([1] * batch, [context] * batch, seed=batch)
-        kv_bytes = batch * context * KV_HEADS * HEAD_DIM * 2 * 2
+        kv_bytes = decode_kv_bytes(batch, context)
         shipped = bits(_attention(step, single_path=True))
         for warps, stages in DECODE_VARIANTS:
             tuning = dataclasses.replace(base, decode=dataclasses.replace(base.decode, num_warps=warps,
