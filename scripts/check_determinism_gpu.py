@@ -194,12 +194,13 @@ def main() -> None:
     parser.add_argument("--long-context", type=int, nargs="+", default=[4096, 32768])
     parser.add_argument("--modes", default="deterministic,fast", help="the engines each part runs")
     parser.add_argument("--invariant-segment", type=int, default=None,
-                        help="the deterministic engines' attention in long-context segments of this many positions")
+                        help="the deterministic engines' attention in long-context segments of this many positions "
+                             "(0: one split; default: the engine's)")
     args = parser.parse_args()
-    if args.invariant_segment:
+    if args.invariant_segment is not None:
         from jengine.attention import backend
 
-        backend.INVARIANT_SEGMENT = args.invariant_segment  # static in the backend: the programs key on it
+        backend.INVARIANT_SEGMENT = args.invariant_segment or None  # static in the backend: the programs key on it
     if args.tiny:
         args.requests, args.mixed, args.max_tokens, args.step_tokens = 6, 24, 8, 8
         args.long_context = [128, 256]

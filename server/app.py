@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import hmac
 import importlib.metadata
 import logging
@@ -231,6 +232,7 @@ class RunningServer:
             await self.grpc_server.stop(0)
         await self.runner.cleanup()
         self.state.work.close()
+        gc.unfreeze()
 
 
 async def start_server(state: ServerState, *, with_grpc: bool = False) -> RunningServer:
@@ -245,10 +247,20 @@ async def start_server(state: ServerState, *, with_grpc: bool = False) -> Runnin
         server.grpc_server = await _start_grpc(state)
     if config.log_stats_interval > 0:
         server.stats_log = asyncio.create_task(StatsLogger(state.metrics, config.log_stats_interval).run())
+    freeze_startup_heap()
     info = state.client.get_model_info()
     logger.info("OpenAI API on http://%s:%d/v1 serving %r (max_model_len %d)", config.host, server.port, info.name,
                 info.max_model_len)
     return server
+
+
+def freeze_startup_heap() -> None:
+    """Moves what start-up built (modules, the engine, the tokenizer, compiled programs' wrappers) out of the garbage
+    collector's reach, once its garbage is collected. A full collection walks every tracked object while holding the
+    GIL: in a process of a million objects it took 0.7 s, a stall of every stream and of `/health`; afterwards it
+    walks only what serving allocates. `RunningServer.close` unfreezes them."""
+    gc.collect()
+    gc.freeze()
 
 
 async def _start_grpc(state: ServerState) -> Any:

@@ -34,8 +34,10 @@ from jengine.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-# Measured (32 layers): the scatter is faster at 1024 tokens (636 vs 746 µs), the kernel at 2048 (726 vs 1155 µs).
-KV_WRITE_KERNEL_MIN_TOKENS = 2048
+# Measured (32 layers, an H100, results/2026-12-06-kernels-prefill-kvwrite-b9302db.json and ...-kvwrite1024-...):
+# the kernel is faster from 1024 tokens (524 / 638 µs against the scatter's 713 / 720 in two calls; 2048: 609 against
+# 1311), the scatter below 1024 (64 tokens: 371 against 493 µs).
+KV_WRITE_KERNEL_MIN_TOKENS = 1024
 
 
 def supports(*, head_dim: int, block_size: int, num_q_heads: int, num_kv_heads: int, dtype,

@@ -159,12 +159,13 @@ def test_fp8_backend_under_a_tensor_parallel_mesh():
 
 
 def test_the_invariant_segment_reaches_the_kernels_only_in_the_invariant_mode(monkeypatch):
-    """`backend.INVARIANT_SEGMENT` (None until its GPU check): the deterministic backend carries it, the default
-    one does not, and a segmented invariant backend's rows match the reference backend's over contexts crossing
-    its 128-position segments."""
+    """`backend.INVARIANT_SEGMENT` (2048 positions): the deterministic backend carries it, the default one does
+    not, and a segmented invariant backend's rows match the reference backend's over contexts crossing its
+    128-position segments."""
     from jengine.attention import backend as backend_module
 
-    assert backend_module.INVARIANT_SEGMENT is None
+    assert select_backend("gpu", deterministic=True).invariant_segment == 2048
+    monkeypatch.setattr(backend_module, "INVARIANT_SEGMENT", None)
     assert select_backend("gpu", deterministic=True).invariant_segment is None
     monkeypatch.setattr(backend_module, "INVARIANT_SEGMENT", 128)
     assert select_backend("gpu", deterministic=True).invariant_segment == 128
