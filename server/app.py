@@ -238,6 +238,7 @@ class RunningServer:
 async def start_server(state: ServerState, *, with_grpc: bool = False) -> RunningServer:
     """Bind the HTTP app (and the gRPC service, if asked and available) on the current loop."""
     config = state.config
+    freeze_startup_heap()  # before the port opens: the collection must not delay a first request
     runner = JsonErrorRunner(build_app(state), max_header_bytes=config.max_header_bytes, handler_cancellation=True,
                              access_log=None, shutdown_timeout=1.0, keepalive_timeout=KEEPALIVE_SECONDS)
     await runner.setup()
@@ -247,7 +248,6 @@ async def start_server(state: ServerState, *, with_grpc: bool = False) -> Runnin
         server.grpc_server = await _start_grpc(state)
     if config.log_stats_interval > 0:
         server.stats_log = asyncio.create_task(StatsLogger(state.metrics, config.log_stats_interval).run())
-    freeze_startup_heap()
     info = state.client.get_model_info()
     logger.info("OpenAI API on http://%s:%d/v1 serving %r (max_model_len %d)", config.host, server.port, info.name,
                 info.max_model_len)
