@@ -216,7 +216,7 @@ class Call:
     def task(self, **fields: Any) -> dict[str, Any]:
         return {"tiny": self.args.tiny, "gpu": self.gpu, "model_dir": str(self.model_dir), "vocab": self.vocab,
                 "engine": {**self.engine_kwargs, **dict(self.args.engine_option)},
-                "cache_dir": str(self.workdir / "jax-cache"),
+                "cache_dir": str(self.workdir / "jax-cache"), "invariant_segment": self.args.invariant_segment,
                 "hf_configs": self.args.hf_configs, **fields}
 
     def worker(self, kind: str, task: dict[str, Any], label: str) -> dict[str, Any]:
@@ -427,6 +427,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workdir", default="/tmp/jengine-e2e", help="checkpoint, caches and worker files")
     parser.add_argument("--engine-option", action="append", default=[], type=_engine_option, metavar="KEY=VALUE",
                         help="an extra jengine engine argument (JSON value), e.g. async_scheduling=false; repeatable")
+    parser.add_argument("--invariant-segment", type=int, default=None,
+                        help="the deterministic attention's long-context segment in positions for the A/B (0: one "
+                             "split, no merge launch; default: the engine's)")
     parser.add_argument("--deadline-s", type=float, default=570.0,
                         help="stop starting workers, and stop a running one, so the call ends within this")
     parser.add_argument("--worker", choices=("hf", "jengine"), help=argparse.SUPPRESS)

@@ -114,6 +114,10 @@ def engine_kwargs(task: dict[str, Any], prefix_caching: bool = True) -> dict[str
 def build_llm(task: dict[str, Any], prefix_caching: bool = True) -> Any:
     from jengine import LLM
 
+    if task.get("invariant_segment") is not None:
+        from jengine.attention import backend
+
+        backend.INVARIANT_SEGMENT = task["invariant_segment"] or None  # static in the backend: programs key on it
     return LLM(task["model_dir"], **engine_kwargs(task, prefix_caching))
 
 
