@@ -44,25 +44,51 @@ class Tile:
 TILE = Tile()  # wide weights' decode rows
 WIDE = Tile(block_m=128, block_n=256, num_warps=8, num_stages=3)  # prefill rows
 WIDE_MIN_COLUMNS = 16384  # the fused gate/up and LM heads: enough column tiles without narrowing them
-# Narrow weights (q/k/v, o, down) by row count: (most rows, tile), measured on an H100 on the 8B projections
-# (`results/2026-12-06-invariant-tiles-e21ca20.json`); above the last, WIDE.
-NARROW_TILES = ((16, Tile(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4)),
-                (64, Tile(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4)),
-                (256, Tile(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)),
-                (2048, Tile(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)))
+# Narrow weights (q/k/v, o, down) by row count: (most rows, candidate tiles); above the last, WIDE. A call takes the
+# candidate with the most programs (output tiles) that still fit one wave of the GPU's SMs, else the first: a second,
+# part-filled wave costs as much as the first. Measured on an H100 on the 8B projections, µs per call in one run
+# (`results/2026-12-06-invariant-tiles-e21ca20.json`): at 16 rows o (4,096 columns) 14.3 in 16 × 32 tiles (128
+# programs) against 14.9 in 16 × 64 (64), q/k/v (6,144) 20.2 in 16 × 64 (96) against 23.3 in 16 × 32 (192); at 256
+# rows q/k/v 36.0 in 128 × 128 (96) against 41.1 in 64 × 128 (192), o and down fastest in 64 × 128 (128 programs each:
+# 22.1, 67.8). Every candidate kept every bit there. (At 64 rows down's 64 × 32 tiles gained 2 %, o's nothing: left
+# out, as in interpret mode its float32 slices of 32 columns round apart from the others'.)
+NARROW_TILES = ((16, (Tile(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4),
+                      Tile(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=6))),
+                (64, (Tile(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4),)),
+                (256, (Tile(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3),
+                       Tile(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3))),
+                (2048, (Tile(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),)))
 WIDE_MIN_ROWS = 128
 SHARED_MEMORY_BUDGET = 160 * 1024  # pipelined stages' bytes (an H100/H200 SM has 228 KiB)
+DEFAULT_SM_COUNT = 132  # an H100's or H200's SMs, where the device does not say (the CPU's interpret mode)
 
 
-def tile_for(m: int, n: int, itemsize: int = 2) -> Tile:
+@functools.cache
+def device_sm_count() -> int:
+    """The default device's SM count (its `core_count` on a GPU), else `DEFAULT_SM_COUNT`."""
+    return getattr(jax.devices()[0], "core_count", None) or DEFAULT_SM_COUNT
+
+
+def tile_for(m: int, n: int, itemsize: int = 2, sm_count: int | None = None) -> Tile:
     """The output tile and K step of an `[m, k] @ [k, n]` product; none changes a row's additions. Stages are cut
-    to fit `SHARED_MEMORY_BUDGET` for wider dtypes (stages change the prefetch, not the arithmetic)."""
+    to fit `SHARED_MEMORY_BUDGET` for wider dtypes (stages change the prefetch, not the arithmetic). `sm_count`:
+    the wave the narrow tiles fill (default: the device's)."""
     if n >= WIDE_MIN_COLUMNS:
         tile = WIDE if m >= WIDE_MIN_ROWS else TILE
     else:
-        tile = next((t for rows, t in NARROW_TILES if m <= rows), WIDE)
+        candidates = next((tiles for rows, tiles in NARROW_TILES if m <= rows), (WIDE,))
+        tile = _fullest_wave(candidates, m, n, sm_count or device_sm_count())
     stages = max(1, min(tile.num_stages, SHARED_MEMORY_BUDGET // tile.stage_bytes(itemsize)))
     return dataclasses.replace(tile, num_stages=stages)
+
+
+def _fullest_wave(candidates: tuple[Tile, ...], m: int, n: int, sm_count: int) -> Tile:
+    """The candidate with the most programs not over `sm_count`; the first where every one is over."""
+    def programs(tile: Tile) -> int:
+        return pl.cdiv(m, tile.block_m) * pl.cdiv(n, tile.block_n)
+
+    fitting = [t for t in candidates if programs(t) <= sm_count]
+    return max(fitting, key=programs) if fitting else candidates[0]
 
 
 def _arange(start, size: int):

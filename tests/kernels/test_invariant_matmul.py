@@ -44,15 +44,29 @@ def test_a_row_is_the_same_alone_and_in_any_batch(n):
         assert np.array_equal(out[at], alone), f"row {at} of {m} differs from the row alone (seed {seed})"
 
 
+def _programs(tile: Tile, m: int, n: int) -> int:
+    return -(-m // tile.block_m) * -(-n // tile.block_n)
+
+
 def test_tiles_follow_the_row_count_and_fit_shared_memory():
-    """Narrow weights (Llama-3.1-8B's q/k/v, o, down): long K steps on few rows, wider tiles as rows grow; wide
-    weights (gate/up, the LM head) the default tile below 128 rows and the wide one above; stages cut for f32."""
-    assert [tile_for(m, 4096) for m in (1, 16, 17, 64, 65, 256, 257, 2048)] == [
-        t for _, t in NARROW_TILES for _ in (0, 1)]
+    """Narrow weights (Llama-3.1-8B's q/k/v, o, down): long K steps on few rows, wider tiles as rows grow, each call
+    the candidate tile whose programs fill one wave of 132 SMs the most (an H100's and H200's count); wide weights
+    (gate/up, the LM head) the default tile below 128 rows and the wide one above; stages cut for f32."""
+    narrow = [t for _, tiles in NARROW_TILES for t in tiles]
+    for rows, tiles in NARROW_TILES:
+        for m in (rows // 2 + 1, rows):
+            for n in (4096, 5120, 6144, 1024):  # o / down, a MoE model's q/k/v, 8B's q/k/v, a TP shard
+                chosen = tile_for(m, n, sm_count=132)
+                assert chosen in tiles
+                fitting = [_programs(t, m, n) for t in tiles if _programs(t, m, n) <= 132]
+                assert _programs(chosen, m, n) == max(fitting, default=_programs(tiles[0], m, n))
+    assert tile_for(16, 4096, sm_count=132).block_n == 32 and tile_for(16, 6144, sm_count=132).block_n == 64
+    assert tile_for(256, 6144, sm_count=132).block_m == 128 and tile_for(256, 4096, sm_count=132).block_m == 64
+    assert tile_for(256, 4096, sm_count=64).block_m == 128  # a smaller GPU's wave
     assert tile_for(4096, 6144) == WIDE and tile_for(2049, 4096) == WIDE
     assert tile_for(1, 28672) == TILE and tile_for(127, 128256) == TILE and tile_for(128, 28672) == WIDE
-    assert tile_for(1, 4096, itemsize=4).num_stages < NARROW_TILES[0][1].num_stages
-    assert all(t.stage_bytes(2) * t.num_stages <= 160 * 1024 for t in (TILE, WIDE, *(t for _, t in NARROW_TILES)))
+    assert tile_for(1, 6144, itemsize=4).num_stages < tile_for(1, 6144).num_stages
+    assert all(t.stage_bytes(2) * t.num_stages <= 160 * 1024 for t in (TILE, WIDE, *narrow))
 
 
 @pytest.mark.parametrize("rows", [1, 64, 256, 1024, 4096])
@@ -68,8 +82,8 @@ def test_lowers_for_h200(transposed, w_shape, rows):
     assert text.count("__gpu$xla.gpu.triton") == 1
 
 
-@pytest.mark.parametrize("tile", [TILE, WIDE, Tile(16, 64, 256), Tile(64, 64, 128), Tile(128, 128, 16)],
-                         ids=str)
+@pytest.mark.parametrize("tile", [TILE, WIDE, Tile(16, 64, 256), Tile(16, 32, 128), Tile(64, 64, 128),
+                                  Tile(128, 128, 64, num_warps=8), Tile(128, 128, 16)], ids=str)
 def test_every_tile_gives_the_same_bits_and_matches_float64(tile):
     """The output tile and K step decide which program computes an output and how much of K a step loads, never
     the additions (one accumulator, 16-wide slices in K order): bf16 and float32 rows equal `TILE`'s bit for bit."""
