@@ -237,7 +237,8 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
     plan, proposer = build_model_proposer(config, draft, head, plan, layout, device.platform)
     log_plan(plan, config.scheduler.max_model_len)
     backend = select_backend(device.platform, config.runner.attention_backend, head_dim=spec.head_dim,
-                             mesh=layout.mesh, deterministic=deterministic)
+                             mesh=layout.mesh, deterministic=deterministic,
+                             max_model_len=config.scheduler.max_model_len)
     runner_at = time.perf_counter()
     runner: StepRunner = ModelRunner(spec, params, dtype, config, plan, backend, layout, runner_lora, proposer)
     runner_s = time.perf_counter() - runner_at

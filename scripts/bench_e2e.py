@@ -428,8 +428,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engine-option", action="append", default=[], type=_engine_option, metavar="KEY=VALUE",
                         help="an extra jengine engine argument (JSON value), e.g. async_scheduling=false; repeatable")
     parser.add_argument("--invariant-segment", type=int, default=None,
-                        help="the deterministic attention's long-context segment in positions for the A/B (0: one "
-                             "split, no merge launch; default: the engine's)")
+                        help="the deterministic attention's smallest long-context segment in positions, for the A/B "
+                             "(0: one split, no merge launch; default: the engine's)")
     parser.add_argument("--deadline-s", type=float, default=570.0,
                         help="stop starting workers, and stop a running one, so the call ends within this")
     parser.add_argument("--worker", choices=("hf", "jengine"), help=argparse.SUPPRESS)

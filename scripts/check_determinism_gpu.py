@@ -194,8 +194,8 @@ def main() -> None:
     parser.add_argument("--long-context", type=int, nargs="+", default=[4096, 32768])
     parser.add_argument("--modes", default="deterministic,fast", help="the engines each part runs")
     parser.add_argument("--invariant-segment", type=int, default=None,
-                        help="the deterministic engines' attention in long-context segments of this many positions "
-                             "(0: one split; default: the engine's)")
+                        help="the deterministic engines' attention in long-context segments of at least this many "
+                             "positions (0: one split; default: the engine's)")
     args = parser.parse_args()
     if args.invariant_segment is not None:
         from jengine.attention import backend

@@ -71,18 +71,19 @@ BACKENDS = {"reference": _reference, "pallas_gpu": _pallas_gpu}
 
 
 def select_backend(platform: str, requested: str = "auto", head_dim: int | None = None, *,
-                   mesh=None, deterministic: bool = False) -> AttentionBackend:
+                   mesh=None, deterministic: bool = False, max_model_len: int | None = None) -> AttentionBackend:
     """`auto` picks the fastest backend the platform has; a named backend is taken as asked. On the GPU the Pallas
     kernels serve head_dim 64/128 (unknown head_dim: the backend itself falls back at trace time); others get the
     reference, with a log line saying why. `mesh`: the engine's tensor-parallel mesh (kernels run per device).
-    `deterministic`: a row's attention arithmetic the same whatever its batch (`--deterministic`)."""
+    `deterministic`: a row's attention arithmetic the same whatever its batch (`--deterministic`), its long
+    contexts in segments sized for `max_model_len` (`invariant_segment`)."""
     if requested != "auto":
         if requested not in BACKENDS:
             raise ValueError(f"unknown attention backend {requested!r}; available: {sorted(BACKENDS)}")
         backend = BACKENDS[requested](mesh)
     else:
         backend = _fastest(platform, head_dim, mesh)
-    return _deterministic(backend, platform) if deterministic else backend
+    return _deterministic(backend, platform, max_model_len) if deterministic else backend
 
 
 def _fastest(platform: str, head_dim: int | None, mesh) -> AttentionBackend:
@@ -104,19 +105,36 @@ def has_invariant_path(backend: AttentionBackend) -> bool:
     return dataclasses.is_dataclass(backend) and any(f.name == "invariant" for f in dataclasses.fields(backend))
 
 
-# The batch-invariant attention's long-context segments (`Tuning.invariant_segment`; None: one split). 2048 kept every
-# bit check equal on an H100 (`scripts/check_invariant_attention_gpu.py --segment 2048`, and the engine's five ways in
-# `check_determinism_gpu.py`) and brought a deterministic batch-1 32k-context decode step from 3.9x the fast one's to
-# 0.99x (benchmarks/results/2026-12-06-*-segment2048-b9302db.json).
+# The batch-invariant attention's long-context segments (`Tuning.invariant_segment`; None: one split): at least
+# INVARIANT_SEGMENT positions, and few enough that `max_model_len` spans at most MAX_INVARIANT_SEGMENTS of them (the
+# decode grid's split axis and its partial outputs grow with the segments a block table can cross, as the fast
+# decode's `max_splits` bounds its own). 2048 kept every bit check equal on an H100
+# (`scripts/check_invariant_attention_gpu.py --segment 2048`, and the engine's five ways in `check_determinism_gpu.py`)
+# and brought a deterministic batch-1 32k-context decode step from 3.9x the fast one's to 0.99x
+# (benchmarks/results/2026-12-06-*-segment2048-b9302db.json).
 INVARIANT_SEGMENT: int | None = 2048
+MAX_INVARIANT_SEGMENTS = 16
+SEGMENT_QUANTUM = 128  # a segment is whole prefill KV tiles (`Tuning.batch_invariant`)
 
 
-def _deterministic(backend: AttentionBackend, platform: str) -> AttentionBackend:
+def invariant_segment_for(max_model_len: int | None) -> int | None:
+    """The segment of an engine serving `max_model_len` positions: INVARIANT_SEGMENT, doubled until the context
+    spans at most MAX_INVARIANT_SEGMENTS (fixed for the engine's life, as its rows' bits require)."""
+    if not INVARIANT_SEGMENT:
+        return None
+    segment = INVARIANT_SEGMENT
+    while max_model_len and -(-max_model_len // segment) > MAX_INVARIANT_SEGMENTS:
+        segment *= 2
+    return -(-segment // SEGMENT_QUANTUM) * SEGMENT_QUANTUM
+
+
+def _deterministic(backend: AttentionBackend, platform: str, max_model_len: int | None = None) -> AttentionBackend:
     """The backend in its batch-invariant mode. The reference attention keeps a row's result on the CPU
     whatever the batch (the engine's tests hold it); on a GPU its XLA reductions follow the shape, so it is refused
     rather than served as deterministic."""
     if has_invariant_path(backend):
-        segment = {"invariant_segment": INVARIANT_SEGMENT} if hasattr(backend, "invariant_segment") else {}
+        segment = ({"invariant_segment": invariant_segment_for(max_model_len)}
+                   if hasattr(backend, "invariant_segment") else {})
         return dataclasses.replace(backend, invariant=True, **segment)
     if platform != "cpu":
         raise ConfigError(f"deterministic=True needs the pallas_gpu attention backend on {platform} ({backend.name} "
