@@ -176,8 +176,7 @@ def resolve_deterministic(config: EngineConfig, spec: ModelSpec, params: dict, l
     blocker = auto_deterministic_blocker(config, spec, params, layout, dtype, platform)
     if blocker is None:
         logger.info("deterministic output on: a request's tokens and logprobs do not depend on its batch "
-                    "(batch-invariant kernels, about 6 %% of throughput; "
-                    "--no-deterministic turns them off)")
+                    "(batch-invariant kernels, about 6 %% of throughput; --no-deterministic turns them off)")
     elif platform != "cpu":
         logger.info("deterministic output off (%s); --deterministic asks for it", blocker)
     return blocker is None

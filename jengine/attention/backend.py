@@ -114,18 +114,18 @@ def has_invariant_path(backend: AttentionBackend) -> bool:
 # (benchmarks/results/2026-12-06-*-segment2048-b9302db.json).
 INVARIANT_SEGMENT: int | None = 2048
 MAX_INVARIANT_SEGMENTS = 16
-SEGMENT_QUANTUM = 128  # a segment is whole prefill KV tiles (`Tuning.batch_invariant`)
 
 
 def invariant_segment_for(max_model_len: int | None) -> int | None:
     """The segment of an engine serving `max_model_len` positions: INVARIANT_SEGMENT, doubled until the context
-    spans at most MAX_INVARIANT_SEGMENTS (fixed for the engine's life, as its rows' bits require)."""
+    spans at most MAX_INVARIANT_SEGMENTS (fixed for the engine's life, as its rows' bits require; whole prefill KV
+    tiles, which `Tuning.batch_invariant` checks)."""
     if not INVARIANT_SEGMENT:
         return None
     segment = INVARIANT_SEGMENT
     while max_model_len and -(-max_model_len // segment) > MAX_INVARIANT_SEGMENTS:
         segment *= 2
-    return -(-segment // SEGMENT_QUANTUM) * SEGMENT_QUANTUM
+    return segment
 
 
 def _deterministic(backend: AttentionBackend, platform: str, max_model_len: int | None = None) -> AttentionBackend:
