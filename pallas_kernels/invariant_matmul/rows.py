@@ -22,6 +22,7 @@ from jaxtyping import Array, Float
 
 CHUNK = 1024  # columns per load; one configuration for every shape
 NUM_WARPS = 4
+MAX_UNROLLED_CHUNKS = 8  # rows up to 8,192 wide stay in registers (64 float32 a thread at 4 warps)
 
 
 def _columns(i, width: int):
@@ -29,29 +30,32 @@ def _columns(i, width: int):
     return cols, cols < width
 
 
-def _rms_kernel(*refs, eps: float, add: bool):
+def _rms_kernel(*refs, eps: float, add: bool, unrolled: int):
     """HF's RMSNorm of one row. `add` (refs x, delta, weight → sum, normed): of the row `x + delta`, added in
     float32 and rounded once to the sum's dtype as XLA rounds the add, and that sum written out too (the residual
     stream); the normed row is then bitwise the unfused path's (`x + delta`, then the plain kernel)."""
     x_ref, d_ref, w_ref, s_ref, o_ref = refs if add else (refs[0], None, refs[1], None, refs[2])
-    _norm_row(x_ref, d_ref, w_ref, s_ref, o_ref, pl.program_id(0), eps)
+    _norm_row(x_ref, d_ref, w_ref, s_ref, o_ref, pl.program_id(0), eps, unrolled)
 
 
-def _pair_kernel(a_ref, b_ref, wa_ref, wb_ref, oa_ref, ob_ref, *, eps: float):
+def _pair_kernel(a_ref, b_ref, wa_ref, wb_ref, oa_ref, ob_ref, *, eps: float, unrolled: int):
     """Two RMSNorms in one launch (a's rows, then b's, one program each), each row as `_rms_kernel` does it."""
     row, rows_a = pl.program_id(0), a_ref.shape[0]
 
     @pl.when(row < rows_a)
     def _():
-        _norm_row(a_ref, None, wa_ref, None, oa_ref, row, eps)
+        _norm_row(a_ref, None, wa_ref, None, oa_ref, row, eps, unrolled)
 
     @pl.when(row >= rows_a)
     def _():
-        _norm_row(b_ref, None, wb_ref, None, ob_ref, row - rows_a, eps)
+        _norm_row(b_ref, None, wb_ref, None, ob_ref, row - rows_a, eps, unrolled)
 
 
-def _norm_row(x_ref, d_ref, w_ref, s_ref, o_ref, row, eps: float):
-    """Row `row` of `x` (plus `d` where given, its sum stored to `s`) normed into `o`."""
+def _norm_row(x_ref, d_ref, w_ref, s_ref, o_ref, row, eps: float, max_unrolled_chunks: int):
+    """Row `row` of `x` (plus `d` where given, its sum stored to `s`) normed into `o`. A row of at most
+    `max_unrolled_chunks` chunks is walked in straight-line code: its loads are then all in flight at once and the
+    row stays in registers for the second pass, where a loop waits for each chunk twice. Both walks add the same
+    chunks in the same order, so the bits do not depend on which one ran."""
     add = d_ref is not None
     source_dtype = s_ref.dtype if add else x_ref.dtype  # the dtype of the row that is normed
     width = x_ref.shape[1]
@@ -64,24 +68,39 @@ def _norm_row(x_ref, d_ref, w_ref, s_ref, o_ref, row, eps: float):
             x = (x.astype(jnp.float32) + d.astype(jnp.float32)).astype(source_dtype)
         return x.astype(jnp.float32)
 
-    def squares(i, acc):
-        x = load(*_columns(i, width))
-        return acc + x * x
-
-    total = jnp.sum(lax.fori_loop(0, chunks, squares, jnp.zeros((CHUNK,), jnp.float32)))
-    scale = lax.rsqrt(total / width + eps)
-
-    def write(i, carry):
-        cols, valid = _columns(i, width)
-        x = load(cols, valid)  # the sum recomputed, not read back: another thread of the program wrote it
+    def write(cols, valid, x, scale):
         w = pltr.load(w_ref.at[cols], mask=valid, other=0).astype(jnp.float32)
         normed = (x * scale).astype(source_dtype).astype(jnp.float32)  # HF: the weight applies after the cast back
         pltr.store(o_ref.at[row, cols], (w * normed).astype(o_ref.dtype), mask=valid)
         if add:
             pltr.store(s_ref.at[row, cols], x.astype(s_ref.dtype), mask=valid)
+
+    def scale_of(squares):
+        return lax.rsqrt(jnp.sum(squares) / width + eps)
+
+    if chunks <= max_unrolled_chunks:
+        spans = [_columns(i, width) for i in range(chunks)]
+        row_chunks = [load(cols, valid) for cols, valid in spans]
+        squares = jnp.zeros((CHUNK,), jnp.float32)
+        for x in row_chunks:
+            squares = squares + x * x
+        scale = scale_of(squares)
+        for (cols, valid), x in zip(spans, row_chunks):
+            write(cols, valid, x, scale)
+        return
+
+    def add_squares(i, acc):
+        x = load(*_columns(i, width))
+        return acc + x * x
+
+    scale = scale_of(lax.fori_loop(0, chunks, add_squares, jnp.zeros((CHUNK,), jnp.float32)))
+
+    def write_chunk(i, carry):
+        cols, valid = _columns(i, width)
+        write(cols, valid, load(cols, valid), scale)  # the sum recomputed, not read back: another thread wrote it
         return carry
 
-    lax.fori_loop(0, chunks, write, 0)
+    lax.fori_loop(0, chunks, write_chunk, 0)
 
 
 def _row_programs(kernel, num_rows: int, args: tuple[Array, ...], out_shapes: list[jax.ShapeDtypeStruct], *,
@@ -100,38 +119,42 @@ def _row_programs(kernel, num_rows: int, args: tuple[Array, ...], out_shapes: li
 
 
 def _norm_rows(name: str, inputs: tuple[Array, ...], weight: Array, out_dtypes: tuple, *, eps: float,
-               interpret: bool) -> list[Array]:
+               interpret: bool, unrolled: int) -> list[Array]:
     """The RMSNorm kernel over `inputs`' rows (x, or x and delta, flattened to [n, d]), one program per row."""
     flat = [a.reshape(-1, a.shape[-1]) for a in inputs]
-    return _row_programs(functools.partial(_rms_kernel, eps=eps, add=len(inputs) == 2), flat[0].shape[0],
+    kernel = functools.partial(_rms_kernel, eps=eps, add=len(inputs) == 2, unrolled=unrolled)
+    return _row_programs(kernel, flat[0].shape[0],
                          (*flat, weight), [jax.ShapeDtypeStruct(flat[0].shape, dtype) for dtype in out_dtypes],
                          name=name, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "interpret"))
-def rms_norm_rows(x: Float[Array, "... d"], weight: Float[Array, " d"], *, eps: float,
-                  interpret: bool = False) -> Float[Array, "... d"]:
-    """HF's RMSNorm (statistics in float32, the weight applied after casting back), one row per program."""
+@functools.partial(jax.jit, static_argnames=("eps", "interpret", "max_unrolled_chunks"))
+def rms_norm_rows(x: Float[Array, "... d"], weight: Float[Array, " d"], *, eps: float, interpret: bool = False,
+                  max_unrolled_chunks: int = MAX_UNROLLED_CHUNKS) -> Float[Array, "... d"]:
+    """HF's RMSNorm (statistics in float32, the weight applied after casting back), one row per program.
+    `max_unrolled_chunks`: the widest row (in CHUNKs) walked in straight-line code (0: every row in a loop)."""
     (out,) = _norm_rows("invariant_rms_norm", (x,), weight, (jnp.result_type(weight.dtype, x.dtype),), eps=eps,
-                        interpret=interpret)
+                        interpret=interpret, unrolled=max_unrolled_chunks)
     return out.reshape(x.shape)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "interpret", "max_unrolled_chunks"))
 def add_rms_norm_rows(x: Float[Array, "... d"], delta: Float[Array, "... d"], weight: Float[Array, " d"], *,
-                      eps: float, interpret: bool = False) -> tuple[Float[Array, "... d"], Float[Array, "... d"]]:
+                      eps: float, interpret: bool = False, max_unrolled_chunks: int = MAX_UNROLLED_CHUNKS
+                      ) -> tuple[Float[Array, "... d"], Float[Array, "... d"]]:
     """(x + delta, `rms_norm_rows` of it) in one launch: a residual add fused into the norm after it, each output
     bitwise the unfused path's (vLLM's fused_add_rms_norm)."""
     total = jnp.result_type(x.dtype, delta.dtype)
     out = _norm_rows("invariant_add_rms_norm", (x, delta), weight, (total, jnp.result_type(weight.dtype, total)),
-                     eps=eps, interpret=interpret)
+                     eps=eps, interpret=interpret, unrolled=max_unrolled_chunks)
     return out[0].reshape(x.shape), out[1].reshape(x.shape)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "interpret", "max_unrolled_chunks"))
 def rms_norm_pair_rows(a: Float[Array, "... d"], b: Float[Array, "... d"], weight_a: Float[Array, " d"],
-                       weight_b: Float[Array, " d"], *, eps: float,
-                       interpret: bool = False) -> tuple[Float[Array, "... d"], Float[Array, "... d"]]:
+                       weight_b: Float[Array, " d"], *, eps: float, interpret: bool = False,
+                       max_unrolled_chunks: int = MAX_UNROLLED_CHUNKS
+                       ) -> tuple[Float[Array, "... d"], Float[Array, "... d"]]:
     """(`rms_norm_rows(a, weight_a)`, `rms_norm_rows(b, weight_b)`) in one launch, each bitwise the separate call
     (Qwen3's query and key norms: one launch a layer instead of two)."""
     flat_a, flat_b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
@@ -139,7 +162,7 @@ def rms_norm_pair_rows(a: Float[Array, "... d"], b: Float[Array, "... d"], weigh
         raise ValueError(f"rows of {flat_a.shape[1]} and {flat_b.shape[1]}: a pair of norms shares its row width")
     dtypes = (jnp.result_type(weight_a.dtype, a.dtype), jnp.result_type(weight_b.dtype, b.dtype))
     out_a, out_b = _row_programs(
-        functools.partial(_pair_kernel, eps=eps), flat_a.shape[0] + flat_b.shape[0],
+        functools.partial(_pair_kernel, eps=eps, unrolled=max_unrolled_chunks), flat_a.shape[0] + flat_b.shape[0],
         (flat_a, flat_b, weight_a, weight_b),
         [jax.ShapeDtypeStruct(f.shape, dtype) for f, dtype in zip((flat_a, flat_b), dtypes)],
         name="invariant_rms_norm_pair", interpret=interpret)

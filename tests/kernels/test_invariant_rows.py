@@ -24,7 +24,7 @@ def rms_reference(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 2 ** -7)])
-@pytest.mark.parametrize("shape", [(3, 64), (5, 2880), (2, 4, 128)])
+@pytest.mark.parametrize("shape", [(3, 64), (5, 2880), (2, 4, 128), (2, 8500)])  # 8,500: past the unrolled rows
 def test_rms_norm_matches_float64(shape, dtype, tol):
     rng = np.random.default_rng(sum(shape))
     x = jnp.asarray(rng.normal(0, 3, shape), dtype)
@@ -53,6 +53,18 @@ def test_add_rms_norm_is_bitwise_the_add_then_the_norm(shape, dtype):
     assert total.shape == normed.shape == x.shape and total.dtype == normed.dtype == dtype
     assert np.array_equal(bits(total), bits(unfused)), f"seed {SEED}"
     assert np.array_equal(bits(normed), bits(rms_norm_rows(unfused, w, eps=1e-6, interpret=True))), f"seed {SEED}"
+
+
+@pytest.mark.parametrize("width", [700, 4096, 5000, 8192])
+def test_rows_in_straight_line_code_are_bitwise_the_loop(width):
+    """A row walked unrolled (its chunks all loaded at once) gives the loop's bits, fused add or not."""
+    rng = np.random.default_rng([SEED, width])
+    x, delta = (jnp.asarray(rng.normal(0, 3, (3, width)), jnp.bfloat16) for _ in range(2))
+    w = jnp.asarray(rng.normal(1, 0.5, width), jnp.bfloat16)
+    for walk in (lambda **kw: (rms_norm_rows(x, w, eps=1e-6, interpret=True, **kw),),
+                 lambda **kw: add_rms_norm_rows(x, delta, w, eps=1e-6, interpret=True, **kw)):
+        for got, want in zip(walk(), walk(max_unrolled_chunks=0), strict=True):
+            assert np.array_equal(bits(got), bits(want)), f"seed {SEED}"
 
 
 @pytest.mark.parametrize("dtype,sum_tol,tol", [(jnp.float32, 1e-7, 1e-6), (jnp.bfloat16, 2 ** -8, 2 ** -7 + 2 ** -8)])
