@@ -529,8 +529,9 @@ def kv_write(bench: Bench, kv) -> None:
 # Decode tunings (block_n, num_warps, num_stages, split_tokens, max_splits) also timed on the float8 cache: half the
 # bytes per position may want longer tiles. The ratio uses the shipped tuning; these go to the details file.
 FP8_CANDIDATES = [(64, 4, 2, 512, 16), (64, 4, 3, 512, 16), (128, 4, 2, 512, 16), (64, 4, 3, 1024, 8)]
-# `--sweep` adds these: float16 operands (`Tuning.fp8_operands`: one conversion a byte pair) on the shipped and
-# nearby tiles, then wider and deeper bfloat16 tiles (49006d8 on an H100: none beat the shipped one).
+# `--sweep` adds these: float16 operands (`Tuning.fp8_operands`: one conversion a byte pair, shipped since 2d9a43c's
+# sweep) on the shipped and nearby tiles, then wider and deeper bfloat16 tiles (49006d8 on an H100: none beat the
+# then bfloat16-operand shipped one).
 FP8_SWEEP = [(64, 4, 3, 1024, 8, "float16"), (64, 4, 4, 1024, 8, "float16"), (128, 4, 3, 1024, 8, "float16"),
              (64, 4, 2, 512, 16, "float16"), (128, 4, 3, 2048, 8), (64, 4, 4, 1024, 8), (128, 4, 3, 1024, 16)]
 # e4m3's own rounding (3 mantissa bits, 2.6 % RMS per value) puts the decode output ~3.8 % (L2) from bf16's on

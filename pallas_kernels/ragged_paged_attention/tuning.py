@@ -90,7 +90,9 @@ def default_tuning(head_dim: int, group: int, quantized: bool = False) -> Tuning
     top of each iteration), and wants 4 warps with chunks of 512 positions for bf16 (274 / 262 µs at batch 64 × 4k
     / 8 × 32k, against 290 / 275 µs for 2 warps and chunks of 256) and chunks of 1024 with 3 stages for float8
     (230 / 238 µs, against 249 / 242 µs). Prefill wants the biggest tiles Triton keeps in registers (128 × 128,
-    8 warps; 3 stages 3 % faster than 2).
+    8 warps; 3 stages 3 % faster than 2). A float8 cache's tensor cores take float16 operands (e4m3 converts to
+    float16 in one instruction a byte pair; an H100, 2d9a43c: 208.8 against 232.5 µs at batch 64 × 4k, 199.3
+    against 234.9 at 8 × 32k, `benchmarks/results/2026-12-06-kernels-fp8-sweep-2d9a43c.json`).
     """
     group_pad = next_pow2(group)
     decode_m = max(16, group_pad)
@@ -98,7 +100,7 @@ def default_tuning(head_dim: int, group: int, quantized: bool = False) -> Tuning
     prefill = KernelConfig(block_m=prefill_m, block_n=128, num_warps=8, num_stages=3)
     if quantized:
         return Tuning(decode=KernelConfig(block_m=decode_m, block_n=64, num_warps=4, num_stages=3), prefill=prefill,
-                      split=SplitConfig(split_tokens=1024, max_splits=8))
+                      split=SplitConfig(split_tokens=1024, max_splits=8), fp8_operands="float16")
     return Tuning(
         decode=KernelConfig(block_m=decode_m, block_n=64, num_warps=4, num_stages=2),
         prefill=prefill,

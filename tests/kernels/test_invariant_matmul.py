@@ -5,12 +5,14 @@ head at each row class's tile. Tolerance: 1e-5 · max|ref| (float32 inputs)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels.invariant_matmul import invariant_matmul
-from pallas_kernels.invariant_matmul.kernel import NARROW_TILES, TILE, WIDE, Tile, tile_for
+from pallas_kernels.invariant_matmul.kernel import NARROW_TILES, TILE, WIDE, Tile, shared_memory_budget, tile_for
 
 
 @pytest.mark.parametrize("transposed", [False, True])
@@ -66,7 +68,14 @@ def test_tiles_follow_the_row_count_and_fit_shared_memory():
     assert tile_for(4096, 6144) == WIDE and tile_for(2049, 4096) == WIDE
     assert tile_for(1, 28672) == TILE and tile_for(127, 128256) == TILE and tile_for(128, 28672) == WIDE
     assert tile_for(1, 6144, itemsize=4).num_stages < tile_for(1, 6144).num_stages
-    assert all(t.stage_bytes(2) * t.num_stages <= 160 * 1024 for t in (TILE, WIDE, *narrow))
+    hopper = shared_memory_budget("9.0")
+    assert all(t.stage_bytes(2) * t.num_stages <= hopper for t in (TILE, WIDE, *narrow))
+    for capability in ("8.0", "8.9"):  # an A100, an L4: fewer stages of the same tiles, each within the part's limit
+        budget = shared_memory_budget(capability)
+        for m, n in ((256, 4096), (256, 6144), (16, 4096), (4096, 6144)):
+            small, large = tile_for(m, n, sm_count=132, capability=capability), tile_for(m, n, sm_count=132)
+            assert small.stage_bytes(2) * small.num_stages <= budget < hopper
+            assert dataclasses.replace(small, num_stages=large.num_stages) == large
 
 
 @pytest.mark.parametrize("rows", [1, 64, 256, 1024, 4096])
