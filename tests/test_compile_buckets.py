@@ -119,3 +119,56 @@ def test_pinned_start_up_compiles_one_mixed_program_per_token_bucket():
     assert len(shapes) == len(buckets.seqs) + len(buckets.tokens) == 14
     assert sorted(s.tokens for s in mixed) == list(buckets.tokens)
     assert all(s.seqs >= min(s.tokens, 256) for s in mixed)
+
+
+def test_decode_tables_narrow_to_one_split_where_the_backend_has_one():
+    """A backend whose decode merges its splits after a wide table (`one_split_positions`) gives a pinned runner a
+    second decode width: the widest bucket within one split (no merge launch), beside the whole table; mixed steps
+    and a backend without splits keep the whole table."""
+    buckets = StepBuckets.build(2048, 256, 2048, one_split_blocks=2048 // 16)  # 32k positions, 2,048 a segment
+    assert buckets.decode_blocks == (128, 2048)
+    shapes = pinned_shapes(buckets)
+    assert {s.blocks for s in shapes if s.query_len == 1} == {128, 2048}
+    assert {s.blocks for s in shapes if s.query_len > 1} == {2048}
+    assert len(shapes) == 2 * len(buckets.seqs) + len(buckets.tokens)
+    assert StepBuckets.build(2048, 256, 2048, one_split_blocks=100).decode_blocks == (64, 2048)
+    assert StepBuckets.build(2048, 256, 64, one_split_blocks=128).decode_blocks == (64,)  # the whole table fits
+    assert StepBuckets.build(2048, 256, 2048).decode_blocks == (2048,)
+
+
+def test_pinned_decode_steps_take_the_narrow_table_while_their_requests_fit(build_checkpoint, tiny_tokenizer_dir,
+                                                                          monkeypatch):
+    """With a backend that merges past 64 positions, decode steps whose requests fit 64 positions run on the narrow
+    table, longer ones and prefills on the whole one; both widths compile at start-up, none after, and the greedy
+    tokens are those of the lazily compiled engine (whose tables follow the longest request)."""
+    from jengine.attention.backend import ReferenceBackend
+    from jengine.runner.input_batch import InputBatch
+
+    config = LlamaConfig(**{**COMMON, "num_hidden_layers": 1, "max_position_embeddings": 256})
+    path = str(build_checkpoint(config, tokenizer_dir=tiny_tokenizer_dir)[0])
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40, 9)]
+    params = SamplingParams(temperature=0, max_tokens=30)
+    with LLM(path, dtype="float32", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32,
+             compile_buckets="lazy") as llm:
+        lazy = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setattr(ReferenceBackend, "one_split_positions", lambda self, quantized: 64)
+    widths = []
+    real = InputBatch._table_width
+
+    def recording(self, needed, longest):
+        widths.append((needed, longest, real(self, needed, longest)))
+        return widths[-1][2]
+
+    monkeypatch.setattr(InputBatch, "_table_width", recording)
+    with LLM(path, dtype="float32", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32,
+             compile_buckets="all") as llm:
+        assert llm._core.runner.buckets.decode_blocks == (4, 16)
+        after_start = num_compiled_shapes()
+        pinned = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert num_compiled_shapes() == after_start, "a step compiled after warm-up"
+    assert pinned == lazy
+    decode = [(needed, width) for needed, longest, width in widths if longest == 1]
+    assert {width for needed, width in decode if needed <= 4} == {4}
+    assert {width for needed, width in decode if needed > 4} == {16}
+    assert {width for _, longest, width in widths if longest > 1} == {16}
+

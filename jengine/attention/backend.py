@@ -42,6 +42,12 @@ class AttentionBackend(Protocol):
         soft_cap: float | None,
     ) -> tuple[Float[Array, "tokens q_heads head_dim"], KVCache]: ...
 
+    def one_split_positions(self, quantized: bool) -> int | None:
+        """Block-table positions up to which a decode-only step's attention needs no merge launch after its split
+        programs (the runner gives such steps a table that narrow: `StepBuckets.decode_blocks`); None where no
+        table width needs one. `quantized`: a float8 cache."""
+        ...
+
 
 @dataclasses.dataclass(frozen=True)
 class ReferenceBackend:
@@ -55,6 +61,9 @@ class ReferenceBackend:
             q, kv_cache, layer, md, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap
         )
         return out, kv_cache
+
+    def one_split_positions(self, quantized: bool) -> int | None:
+        return None  # one dense computation at every width
 
 
 def _pallas_gpu(mesh=None) -> AttentionBackend:

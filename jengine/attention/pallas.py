@@ -27,6 +27,7 @@ from pallas_kernels.addressing import offsets_overflow
 from pallas_kernels.kv_write import write_kv as pallas_write_kv
 from pallas_kernels.kv_write.reference import write_kv as scatter_write_kv
 from pallas_kernels.ragged_paged_attention import UnsupportedShapeError, check_supported, ragged_paged_attention
+from pallas_kernels.ragged_paged_attention.tuning import DECODE_SPLIT_TOKENS, FP8_DECODE_SPLIT_TOKENS
 
 from jengine.attention import reference
 from jengine.attention.kv_cache import QuantizedKV, partition_spec, parts
@@ -78,6 +79,14 @@ class PallasGpuBackend:
         from jengine.layers.mlp import PallasExperts
 
         return PallasExperts(interpret=self.interpret, mesh=self.mesh)
+
+    def one_split_positions(self, quantized: bool) -> int | None:
+        """`merge_free`'s width: the deterministic mode's long-context segment (None: it never splits), else the
+        fast decode's split. A decode step given a table this narrow launches one attention kernel a layer, where a
+        wider one adds the merge (as the engine's pinned full-width tables did at every context length)."""
+        if self.invariant:
+            return self.invariant_segment
+        return FP8_DECODE_SPLIT_TOKENS if quantized else DECODE_SPLIT_TOKENS
 
     def __call__(self, q, k, v, kv_cache, layer, md, *, scale, sliding_window, soft_cap):
         call = functools.partial(self._local, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)

@@ -30,15 +30,25 @@ class StepBuckets:
     seqs: tuple[int, ...]  # requests in a step
     blocks: tuple[int, ...]  # block-table width (blocks of the longest request)
     query_len: tuple[int, ...]  # new tokens of the longest request (1 for decode-only steps)
+    # the block-table widths of a pinned runner's decode-only steps: the widest bucket whose attention needs no
+    # merge launch (where one is narrower than the whole table), then the whole table
+    decode_blocks: tuple[int, ...] = ()
 
     @classmethod
-    def build(cls, max_num_batched_tokens: int, max_num_seqs: int, max_blocks_per_seq: int) -> StepBuckets:
+    def build(cls, max_num_batched_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
+              one_split_blocks: int | None = None) -> StepBuckets:
+        """`one_split_blocks`: the table width up to which a decode step's attention is one launch
+        (`AttentionBackend.one_split_positions`, in blocks)."""
         max_tokens = max(max_num_batched_tokens, max_num_seqs)
+        blocks = powers_of_two(4, max_blocks_per_seq)
+        narrow = [b for b in blocks if one_split_blocks and b <= one_split_blocks]
+        decode_blocks = (narrow[-1], blocks[-1]) if narrow and narrow[-1] < blocks[-1] else (blocks[-1],)
         return cls(
             tokens=powers_of_two(16, max_tokens),
             seqs=powers_of_two(8, max_num_seqs),
-            blocks=powers_of_two(4, max_blocks_per_seq),
+            blocks=blocks,
             query_len=powers_of_two(1, max_num_batched_tokens),
+            decode_blocks=decode_blocks,
         )
 
     def mixed_step_seqs(self, tokens_padded: int) -> int:

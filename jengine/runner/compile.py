@@ -42,11 +42,11 @@ class StepShape:
 
 
 def pinned_shapes(buckets: StepBuckets) -> list[StepShape]:
-    """Every shape a pinned runner produces: decode-only steps (query length 1), one per request bucket, and mixed
-    steps, one per token bucket."""
-    width = buckets.blocks[-1]
-    decode = [StepShape(min(t for t in buckets.tokens if t >= s), s, width, 1) for s in buckets.seqs]
-    mixed = [StepShape(t, buckets.mixed_step_seqs(t), width, t) for t in buckets.tokens]
+    """Every shape a pinned runner produces: decode-only steps (query length 1), one per request bucket and
+    decode table width, and mixed steps, one per token bucket (whole tables)."""
+    decode = [StepShape(min(t for t in buckets.tokens if t >= s), s, width, 1)
+              for width in buckets.decode_blocks for s in buckets.seqs]
+    mixed = [StepShape(t, buckets.mixed_step_seqs(t), buckets.blocks[-1], t) for t in buckets.tokens]
     return decode + mixed
 
 

@@ -50,9 +50,10 @@ class StepInputs:
 class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, num_slots: int,
                  buckets: StepBuckets, pin_shapes: bool = False) -> None:
-        """`pin_shapes` (compile_buckets="all"): the block-table width is always the largest bucket, and a prefill
-        step's query bound is its token bucket and its request bucket follows from that one, so every step shape is
-        one `compile.pinned_shapes` lists."""
+        """`pin_shapes` (compile_buckets="all"): the block-table width is the largest bucket (a decode-only step
+        whose requests fit the narrower of `buckets.decode_blocks` takes that one), and a prefill step's query bound
+        is its token bucket and its request bucket follows from that one, so every step shape is one
+        `compile.pinned_shapes` lists."""
         self.block_size, self.num_slots, self.buckets = block_size, num_slots, buckets
         self.pin_shapes = pin_shapes
         max_blocks = -(-max_model_len // block_size)
@@ -168,6 +169,14 @@ class InputBatch:
         return self._last_rows
 
     # ------------------------------------------------------------------ one step's inputs
+    def _table_width(self, needed: int, longest: int) -> int:
+        """The step's block-table width for requests of up to `needed` blocks; `longest`: its most new tokens."""
+        if not self.pin_shapes:
+            return pick(needed, self.buckets.blocks)
+        if longest == 1:  # decode-only: a table narrow enough spares the attention its merge launch
+            return pick(needed, self.buckets.decode_blocks)
+        return self.buckets.blocks[-1]
+
     def _query_bound(self, longest: int, tokens_padded: int) -> int:
         if self.pin_shapes:
             return 1 if longest == 1 else tokens_padded
@@ -192,7 +201,7 @@ class InputBatch:
         tokens_padded = pick(total, b.tokens)
         pinned_mixed = self.pin_shapes and longest > 1
         seqs_padded = b.mixed_step_seqs(tokens_padded) if pinned_mixed else pick(len(rows), b.seqs)
-        width = b.blocks[-1] if self.pin_shapes else pick(int(self.num_blocks[rows].max()), b.blocks)
+        width = self._table_width(int(self.num_blocks[rows].max()), longest)
         pad_tokens, pad_seqs = tokens_padded - total, seqs_padded - len(rows)
         tables = np.zeros((seqs_padded, width), np.int32)
         tables[: len(rows)] = self.block_table[rows, :width]

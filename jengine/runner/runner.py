@@ -85,7 +85,9 @@ class ModelRunner:
         self.engine_seed = config.model.seed
         sched = config.scheduler
         max_blocks = -(-sched.max_model_len // plan.block_size)
-        self.buckets = StepBuckets.build(sched.max_num_batched_tokens, sched.max_num_seqs, max_blocks)
+        one_split = backend.one_split_positions(np.dtype(plan.kv_dtype).itemsize == 1)
+        self.buckets = StepBuckets.build(sched.max_num_batched_tokens, sched.max_num_seqs, max_blocks,
+                                         one_split // plan.block_size if one_split else None)
         self.layout = layout
         mode = config.runner.compile_buckets
         pin = mode == "all" or (mode == "auto" and backend.name != "reference")

@@ -14,6 +14,8 @@ from pallas_kernels.addressing import next_pow2
 
 
 SMALL_STEP_ROWS = 512  # query rows (tokens × padded heads of one KV head) up to which a step's tiles are small
+DECODE_SPLIT_TOKENS = 512  # the fast decode's positions a split (`default_tuning`): 16-bit cache
+FP8_DECODE_SPLIT_TOKENS = 1024  # and float8 cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,9 +102,9 @@ def default_tuning(head_dim: int, group: int, quantized: bool = False) -> Tuning
     prefill = KernelConfig(block_m=prefill_m, block_n=128, num_warps=8, num_stages=3)
     if quantized:
         return Tuning(decode=KernelConfig(block_m=decode_m, block_n=64, num_warps=4, num_stages=3), prefill=prefill,
-                      split=SplitConfig(split_tokens=1024, max_splits=8), fp8_operands="float16")
+                      split=SplitConfig(split_tokens=FP8_DECODE_SPLIT_TOKENS, max_splits=8), fp8_operands="float16")
     return Tuning(
         decode=KernelConfig(block_m=decode_m, block_n=64, num_warps=4, num_stages=2),
         prefill=prefill,
-        split=SplitConfig(split_tokens=512, max_splits=16),
+        split=SplitConfig(split_tokens=DECODE_SPLIT_TOKENS, max_splits=16),
     )

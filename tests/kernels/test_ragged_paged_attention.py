@@ -349,6 +349,28 @@ def test_segmented_decode_rows_equal_the_prefill_kernel_rows(window):
         np.testing.assert_array_equal(rows, whole[40 - count:40])
 
 
+def test_segmented_decodes_on_a_one_segment_table_skip_the_merge_with_the_same_bits():
+    """The batch-invariant decode with contexts within one segment: on a table of at most one segment's positions
+    (what the engine gives such a decode step) the decode kernel writes the rows itself, bitwise the rows of the same
+    batch on a table wide enough for three segments (split programs, then the merge), with one launch fewer."""
+    bucket = dataclasses.replace(FIXED, width=SEGMENT // FIXED.block_size)
+    batch = build(bucket, [1] * 5, [3, 17, 128, 48, 100], seed=19)
+    wide = _widened(batch, 3 * SEGMENT // FIXED.block_size)
+    np.testing.assert_array_equal(_segmented(batch, bucket, 1).view(np.uint32),
+                                  _segmented(wide, bucket, 1).view(np.uint32))
+
+    def launches(b: Batch) -> int:  # Triton kernels of the step as lowered for an H200
+        from tests.kernels.test_lowering import lower_for_h200
+
+        specs = (b.q, b.kv_kernel, LAYER, b.query_start_loc, b.seq_lens, b.block_tables)
+        fn = functools.partial(kernel.ragged_paged_attention, scale=0.125, max_query_len=1, single_path=True,
+                               invariant_segment=SEGMENT)
+        return lower_for_h200(fn, *(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in specs)).count(
+            "__gpu$xla.gpu.triton")
+
+    assert launches(wide) == launches(batch) + 1  # the merge
+
+
 def test_invariant_segments_are_whole_kv_tiles():
     base = default_tuning(128, 4)
     tuning = dataclasses.replace(base, invariant_segment=256).batch_invariant(1, 4, 2048)
