@@ -166,7 +166,10 @@ async def run_soak(url: str, pid: int, settings: SoakSettings, target: traffic.T
     await wait_idle(url)
     async with quiet:
         fds_start, warm_at = await idle_fds(pid), time.monotonic() - started
-    await traffic_phase(url, target, ledger, settings, max(0.0, settings.duration - warm_at), settings.seed + 1)
+    # the main traffic's seconds are the run's less the warm-up's traffic, not less the wait for the warm-up's
+    # requests to end: a server compiling its first shapes would otherwise leave no main traffic at all
+    await traffic_phase(url, target, ledger, settings, max(0.0, settings.duration - settings.warmup_s),
+                        settings.seed + 1)
     end_gauges = await wait_idle(url)
     stop.set()
     await sampling
