@@ -171,4 +171,3 @@ def test_pinned_decode_steps_take_the_narrow_table_while_their_requests_fit(buil
     assert {width for needed, width in decode if needed <= 4} == {4}
     assert {width for needed, width in decode if needed > 4} == {16}
     assert {width for _, longest, width in widths if longest > 1} == {16}
-
