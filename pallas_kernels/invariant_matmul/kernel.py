@@ -61,9 +61,9 @@ NARROW_TILES = ((16, (Tile(block_m=16, block_n=64, block_k=256, num_warps=4, num
 # (The 256-row tiles' fourth stage, 2d9a43c on an H100, µs per call: q/k/v 29.1 against 36.0 with three, o 18.4
 # against 21.9, down 55.3 against 67.6; 64 × 128 × 128 then holds 192 KiB of stages.)
 WIDE_MIN_ROWS = 128
-# Pipelined stages' bytes a program may hold, by compute capability: a block's shared-memory limit (Hopper 227 KiB,
-# A100 163 KiB, other parts 99 KiB or more) less room for the epilogue's own buffers
-SHARED_MEMORY_LIMITS = {"9.0": 227 * 1024, "8.0": 163 * 1024, "8.7": 163 * 1024}
+# Pipelined stages' bytes a program may hold, by compute capability: a block's shared-memory limit (Hopper and
+# datacenter Blackwell 227 KiB, A100 163 KiB, other parts 99 KiB or more) less room for the epilogue's own buffers
+SHARED_MEMORY_LIMITS = {"9.0": 227 * 1024, "10.0": 227 * 1024, "8.0": 163 * 1024, "8.7": 163 * 1024}
 SMALLEST_SHARED_MEMORY_LIMIT = 99 * 1024
 EPILOGUE_RESERVE = 24 * 1024
 DEFAULT_SM_COUNT = 132  # an H100's or H200's SMs, where the device does not say (the CPU's interpret mode)
