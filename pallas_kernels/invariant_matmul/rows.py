@@ -30,25 +30,25 @@ def _columns(i, width: int):
     return cols, cols < width
 
 
-def _rms_kernel(*refs, eps: float, add: bool, unrolled: int):
+def _rms_kernel(*refs, eps: float, add: bool, max_unrolled_chunks: int):
     """HF's RMSNorm of one row. `add` (refs x, delta, weight → sum, normed): of the row `x + delta`, added in
     float32 and rounded once to the sum's dtype as XLA rounds the add, and that sum written out too (the residual
     stream); the normed row is then bitwise the unfused path's (`x + delta`, then the plain kernel)."""
     x_ref, d_ref, w_ref, s_ref, o_ref = refs if add else (refs[0], None, refs[1], None, refs[2])
-    _norm_row(x_ref, d_ref, w_ref, s_ref, o_ref, pl.program_id(0), eps, unrolled)
+    _norm_row(x_ref, d_ref, w_ref, s_ref, o_ref, pl.program_id(0), eps, max_unrolled_chunks)
 
 
-def _pair_kernel(a_ref, b_ref, wa_ref, wb_ref, oa_ref, ob_ref, *, eps: float, unrolled: int):
+def _pair_kernel(a_ref, b_ref, wa_ref, wb_ref, oa_ref, ob_ref, *, eps: float, max_unrolled_chunks: int):
     """Two RMSNorms in one launch (a's rows, then b's, one program each), each row as `_rms_kernel` does it."""
     row, rows_a = pl.program_id(0), a_ref.shape[0]
 
     @pl.when(row < rows_a)
     def _():
-        _norm_row(a_ref, None, wa_ref, None, oa_ref, row, eps, unrolled)
+        _norm_row(a_ref, None, wa_ref, None, oa_ref, row, eps, max_unrolled_chunks)
 
     @pl.when(row >= rows_a)
     def _():
-        _norm_row(b_ref, None, wb_ref, None, ob_ref, row - rows_a, eps, unrolled)
+        _norm_row(b_ref, None, wb_ref, None, ob_ref, row - rows_a, eps, max_unrolled_chunks)
 
 
 def _norm_row(x_ref, d_ref, w_ref, s_ref, o_ref, row, eps: float, max_unrolled_chunks: int):
@@ -119,10 +119,11 @@ def _row_programs(kernel, num_rows: int, args: tuple[Array, ...], out_shapes: li
 
 
 def _norm_rows(name: str, inputs: tuple[Array, ...], weight: Array, out_dtypes: tuple, *, eps: float,
-               interpret: bool, unrolled: int) -> list[Array]:
+               interpret: bool, max_unrolled_chunks: int) -> list[Array]:
     """The RMSNorm kernel over `inputs`' rows (x, or x and delta, flattened to [n, d]), one program per row."""
     flat = [a.reshape(-1, a.shape[-1]) for a in inputs]
-    kernel = functools.partial(_rms_kernel, eps=eps, add=len(inputs) == 2, unrolled=unrolled)
+    kernel = functools.partial(_rms_kernel, eps=eps, add=len(inputs) == 2,
+                               max_unrolled_chunks=max_unrolled_chunks)
     return _row_programs(kernel, flat[0].shape[0],
                          (*flat, weight), [jax.ShapeDtypeStruct(flat[0].shape, dtype) for dtype in out_dtypes],
                          name=name, interpret=interpret)
@@ -134,7 +135,7 @@ def rms_norm_rows(x: Float[Array, "... d"], weight: Float[Array, " d"], *, eps: 
     """HF's RMSNorm (statistics in float32, the weight applied after casting back), one row per program.
     `max_unrolled_chunks`: the widest row (in CHUNKs) walked in straight-line code (0: every row in a loop)."""
     (out,) = _norm_rows("invariant_rms_norm", (x,), weight, (jnp.result_type(weight.dtype, x.dtype),), eps=eps,
-                        interpret=interpret, unrolled=max_unrolled_chunks)
+                        interpret=interpret, max_unrolled_chunks=max_unrolled_chunks)
     return out.reshape(x.shape)
 
 
@@ -146,7 +147,7 @@ def add_rms_norm_rows(x: Float[Array, "... d"], delta: Float[Array, "... d"], we
     bitwise the unfused path's (vLLM's fused_add_rms_norm)."""
     total = jnp.result_type(x.dtype, delta.dtype)
     out = _norm_rows("invariant_add_rms_norm", (x, delta), weight, (total, jnp.result_type(weight.dtype, total)),
-                     eps=eps, interpret=interpret, unrolled=max_unrolled_chunks)
+                     eps=eps, interpret=interpret, max_unrolled_chunks=max_unrolled_chunks)
     return out[0].reshape(x.shape), out[1].reshape(x.shape)
 
 
@@ -162,7 +163,8 @@ def rms_norm_pair_rows(a: Float[Array, "... d"], b: Float[Array, "... d"], weigh
         raise ValueError(f"rows of {flat_a.shape[1]} and {flat_b.shape[1]}: a pair of norms shares its row width")
     dtypes = (jnp.result_type(weight_a.dtype, a.dtype), jnp.result_type(weight_b.dtype, b.dtype))
     out_a, out_b = _row_programs(
-        functools.partial(_pair_kernel, eps=eps, unrolled=max_unrolled_chunks), flat_a.shape[0] + flat_b.shape[0],
+        functools.partial(_pair_kernel, eps=eps, max_unrolled_chunks=max_unrolled_chunks),
+        flat_a.shape[0] + flat_b.shape[0],
         (flat_a, flat_b, weight_a, weight_b),
         [jax.ShapeDtypeStruct(f.shape, dtype) for f, dtype in zip((flat_a, flat_b), dtypes)],
         name="invariant_rms_norm_pair", interpret=interpret)
