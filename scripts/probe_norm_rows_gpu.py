@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_bench_common import log, timeit  # noqa: E402
+from pallas_kernels.invariant_matmul.rows import MAX_UNROLLED_CHUNKS  # noqa: E402
 
 
 def chained(max_unrolled_chunks: int, links: int, interpret: bool):
@@ -49,7 +50,7 @@ def probe(width: int, rows: int, args) -> dict:
     x, delta = (jax.random.normal(k, (rows, width), jnp.float32).astype(jnp.bfloat16)
                 for k in jax.random.split(key))
     w = (1 + 0.1 * jax.random.normal(key, (width,), jnp.float32)).astype(jnp.bfloat16)
-    walks = {"unrolled": chained(8, args.chain, args.tiny), "loop": chained(0, args.chain, args.tiny)}
+    walks = {"unrolled": chained(MAX_UNROLLED_CHUNKS, args.chain, args.tiny), "loop": chained(0, args.chain, args.tiny)}
     outs = {name: run(x, delta, w) for name, run in walks.items()}
     same = all(np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
                for a, b in zip(outs["unrolled"], outs["loop"], strict=True))
