@@ -32,6 +32,7 @@ def main() -> None:
     parser.add_argument("--system-len", type=int, default=2048)
     parser.add_argument("--suffix-len", type=int, default=64)
     parser.add_argument("--requests", type=int, default=12)
+    parser.add_argument("--timeline", action="store_true", help="the requests' moments, then launch-to-ready")
     parser.add_argument("--also-nondeterministic", action="store_true",
                         help="then the same requests' TTFT in an engine with deterministic=False (no profile)")
     args = parser.parse_args()
@@ -57,13 +58,14 @@ def main() -> None:
     for _ in range(4):  # compiles and fills the prefix cache
         one()
     plain = [one() * 1e3 for _ in range(args.requests)]
+    timeline = moments(llm, one, args.requests) if args.timeline else ""
     profile = cProfile.Profile()
     profile.enable()
     profiled = [one() * 1e3 for _ in range(args.requests)]
     profile.disable()
     text = io.StringIO()
     text.write(f"TTFT ms plain: {np.round(plain, 2).tolist()}\nmedian {np.median(plain):.2f}\n")
-    text.write(f"TTFT ms under cProfile: median {np.median(profiled):.2f}\n")
+    text.write(f"TTFT ms under cProfile: median {np.median(profiled):.2f}\n{timeline}")
     for key in ("tottime", "cumulative"):
         pstats.Stats(profile, stream=text).sort_stats(key).print_stats(40)
     llm.shutdown()
@@ -76,6 +78,45 @@ def main() -> None:
         llm.shutdown()
     Path(args.out).write_text(text.getvalue())
     print(text.getvalue()[:3000])
+
+
+def moments(llm, one, requests: int) -> str:
+    """Per request, ms since `generate` was called: the forward's launch entered / returned, the sampler's likewise,
+    the fetch entered / returned, `generate` returned; then with a wait for the device after the sampler's launch
+    (its moment: `ready`)."""
+    import jax
+
+    runner = llm._core.runner
+    programs, stamps, wait = runner._programs, [], [False]
+    forward, sample, fetch = programs.forward, programs.sample, runner.fetch
+
+    def stamped(name, fn, after=None):
+        def call(*a, **k):
+            stamps.append((f"{name}>", time.perf_counter()))
+            out = fn(*a, **k)
+            stamps.append((f"{name}<", time.perf_counter()))
+            if after is not None and wait[0]:
+                after(out)
+                stamps.append(("ready", time.perf_counter()))
+            return out
+        return call
+
+    programs.forward, programs.sample = stamped("forward", forward), stamped("sample", sample, jax.block_until_ready)
+    runner.fetch = stamped("fetch", fetch)
+    lines = []
+    try:
+        for waited in (False, True):
+            wait[0] = waited
+            lines.append(f"timeline ({'waiting for the device after the launches' if waited else 'as served'}):")
+            for _ in range(requests):
+                stamps.clear()
+                start = time.perf_counter()
+                total = one()
+                marks = " ".join(f"{n} {(t - start) * 1e3:.2f}" for n, t in stamps)
+                lines.append(f"  {marks} | done {total * 1e3:.2f}")
+    finally:
+        programs.forward, programs.sample, runner.fetch = forward, sample, fetch
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
