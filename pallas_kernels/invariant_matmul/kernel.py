@@ -148,7 +148,16 @@ def _silu(g):
     return (wide / (1.0 + jnp.exp(-wide))).astype(g.dtype)
 
 
-GATED_ACTIVATIONS = {"silu": _silu, "swish": _silu}  # Llama's, Qwen's, Mistral's
+def _gelu_tanh(g):
+    """GELU's tanh approximation in float32, rounded once to g's dtype: x · (1 + tanh z) / 2 = x · sigmoid(2z),
+    which loses nothing to cancellation where tanh z nears -1."""
+    wide = g.astype(jnp.float32)
+    z = 0.7978845608028654 * (wide + 0.044715 * wide * wide * wide)  # sqrt(2 / pi)
+    return (wide / (1.0 + jnp.exp(-2.0 * z))).astype(g.dtype)
+
+
+# Llama's, Qwen's, Mistral's (silu), Gemma's (the tanh GELU)
+GATED_ACTIVATIONS = {"silu": _silu, "swish": _silu, "gelu_new": _gelu_tanh, "gelu_pytorch_tanh": _gelu_tanh}
 
 
 def _gated_kernel(x_ref, w_ref, y_ref, *, tile: Tile, half: int, activation: str, interpret: bool):
