@@ -3,7 +3,8 @@ the device) serves a 2,048-token shared prompt plus a 64-token suffix, one reque
 --part engine` measures TTFT; the same requests then run under cProfile, whose table (by own time and by cumulative
 time) says which host functions stand between the device's step and the first token.
 
-    PYTHONPATH=. python scripts/probe_ttft_host_gpu.py --out $OUT/ttft-host.txt
+    PYTHONPATH=. python scripts/probe_ttft_host_gpu.py --out $OUT/ttft-host.txt [--timeline]
+    PYTHONPATH=. python scripts/probe_ttft_host_gpu.py --tiny --timeline --out /tmp/ttft.txt   # CPU: paths only
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 
-from e2e_checkpoint import LLAMA_31_8B, llama_config, write_tokenizer  # noqa: E402
+from e2e_checkpoint import LLAMA_31_8B, TINY, llama_config, write_tokenizer  # noqa: E402
 
 
 def main() -> None:
@@ -32,25 +33,30 @@ def main() -> None:
     parser.add_argument("--system-len", type=int, default=2048)
     parser.add_argument("--suffix-len", type=int, default=64)
     parser.add_argument("--requests", type=int, default=12)
+    parser.add_argument("--tiny", action="store_true", help="a small Llama, 128 + 8 tokens: the paths on a CPU")
     parser.add_argument("--timeline", action="store_true", help="the requests' moments, then launch-to-ready")
     parser.add_argument("--also-nondeterministic", action="store_true",
                         help="then the same requests' TTFT in an engine with deterministic=False (no profile)")
     args = parser.parse_args()
     from jengine import LLM, SamplingParams
 
-    model = Path(tempfile.mkdtemp()) / "llama-8b-dummy"
+    shape = TINY if args.tiny else LLAMA_31_8B
+    if args.tiny:
+        args.system_len, args.suffix_len, args.requests = 128, 8, 3
+    model = Path(tempfile.mkdtemp()) / "llama-dummy"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps(llama_config(LLAMA_31_8B)))
-    write_tokenizer(model, LLAMA_31_8B["vocab_size"])
-    options = dict(load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=256,
-                   max_num_batched_tokens=2048, num_gpu_blocks_override=8192, enable_prefix_caching=True)
+    (model / "config.json").write_text(json.dumps(llama_config(shape)))
+    write_tokenizer(model, shape["vocab_size"])
+    options = dict(load_format="dummy", dtype="bfloat16", max_model_len=min(4096, shape["max_position_embeddings"]),
+                   max_num_seqs=256, max_num_batched_tokens=2048, num_gpu_blocks_override=8192, enable_prefix_caching=True)
     llm = LLM(str(model), **options)
     rng = np.random.default_rng(0)
-    system = rng.integers(1000, 100_000, args.system_len).tolist()
+    low, high = (3, shape["vocab_size"]) if args.tiny else (1000, 100_000)
+    system = rng.integers(low, high, args.system_len).tolist()
     greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
     def one() -> float:
-        suffix = rng.integers(1000, 100_000, args.suffix_len).tolist()
+        suffix = rng.integers(low, high, args.suffix_len).tolist()
         start = time.perf_counter()
         llm.generate([{"prompt_token_ids": system + suffix}], greedy, use_tqdm=False)
         return time.perf_counter() - start
