@@ -48,7 +48,8 @@ def main() -> None:
     (model / "config.json").write_text(json.dumps(llama_config(shape)))
     write_tokenizer(model, shape["vocab_size"])
     options = dict(load_format="dummy", dtype="bfloat16", max_model_len=min(4096, shape["max_position_embeddings"]),
-                   max_num_seqs=256, max_num_batched_tokens=2048, num_gpu_blocks_override=8192, enable_prefix_caching=True)
+                   max_num_seqs=256, max_num_batched_tokens=2048, num_gpu_blocks_override=8192,
+                   enable_prefix_caching=True)
     llm = LLM(str(model), **options)
     rng = np.random.default_rng(0)
     low, high = (3, shape["vocab_size"]) if args.tiny else (1000, 100_000)
