@@ -78,10 +78,15 @@ def _local_matmul(x, weight, w: InvariantWeight, precision, out_dtype):
     return kernel(x, weight, transposed=w.transposed, out_dtype=out_dtype, interpret=w.impl == "pallas_interpret")
 
 
+def _full_spec(w: InvariantWeight) -> tuple:
+    """The weight's PartitionSpec with an entry for each of its two axes (None: not split)."""
+    return tuple(w.spec) + (None,) * (2 - len(w.spec))
+
+
 def _sharded_matmul(x, w: InvariantWeight, precision, out_dtype):
     """Each device multiplies its slices; split inputs (row-parallel) leave float32 partials added in device
     order. The output is split as the weight's outputs are (column-parallel, the vocab-parallel LM head)."""
-    spec = tuple(w.spec) + (None,) * (2 - len(w.spec))
+    spec = _full_spec(w)
     k_axis, n_axis = (spec[1], spec[0]) if w.transposed else spec
 
     def local(x, weight):
@@ -101,7 +106,7 @@ def gated_invariant_matmul(x: Float[Array, "tokens k"], w: InvariantWeight,
     then its up slice (`models/weights.py`), so each device's launch reads only its own."""
     from pallas_kernels.invariant_matmul import GATED_ACTIVATIONS  # Pallas imported only where used
 
-    spec = tuple(w.spec) + (None,) * (2 - len(w.spec))
+    spec = _full_spec(w)
     if w.impl == "xla" or w.transposed or activation not in GATED_ACTIVATIONS or spec[0] is not None:
         return None
     from pallas_kernels.invariant_matmul import gated_invariant_matmul as kernel
