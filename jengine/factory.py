@@ -52,6 +52,9 @@ class EngineParts:
     sampling_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
+TOKENIZER_WAIT_LOGGED_S = 0.2  # a wait this long is worth naming in the start-up log
+
+
 def model_context_limit(spec: ModelSpec) -> tuple[int, str]:
     """(positions the model serves, why): max_position_embeddings, stretched by a rope scaling that exists to extend
     it, as vLLM derives it: YaRN to original_max_position_embeddings × factor (Qwen's 32k → 131k recipe), linear
@@ -208,8 +211,11 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
                                         config.runner.compilation_cache_dir)
         spec, params, dtype = load_weights(config.model, layout)
         log_weights(params, time.perf_counter() - started)
+        placed = time.perf_counter()
         tokenizer = pending_tokenizer.result()
     weights_at = time.perf_counter()
+    if weights_at - placed > TOKENIZER_WAIT_LOGGED_S:
+        logger.info("start-up waited %.1f s after the weights for the tokenizer", weights_at - placed)
     device = next(d for d in devices if d.process_index == jax.process_index())  # memory stats: local only
     deterministic = resolve_deterministic(config, spec, params, layout, dtype, device.platform)
     if deterministic:

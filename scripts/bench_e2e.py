@@ -216,8 +216,7 @@ class Call:
     def task(self, **fields: Any) -> dict[str, Any]:
         return {"tiny": self.args.tiny, "gpu": self.gpu, "model_dir": str(self.model_dir), "vocab": self.vocab,
                 "engine": {**self.engine_kwargs, **dict(self.args.engine_option)},
-                "cache_dir": str(self.workdir / f"jax-cache{'-unfused-gating' if self.args.unfused_gating else ''}"),
-                "invariant_segment": self.args.invariant_segment, "unfused_gating": self.args.unfused_gating,
+                "cache_dir": str(self.workdir / "jax-cache"), "invariant_segment": self.args.invariant_segment,
                 "hf_configs": self.args.hf_configs, **fields}
 
     def worker(self, kind: str, task: dict[str, Any], label: str) -> dict[str, Any]:
@@ -431,9 +430,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--invariant-segment", type=int, default=None,
                         help="the deterministic attention's smallest long-context segment in positions, for the A/B "
                              "(0: one split, no merge launch; default: the engine's)")
-    parser.add_argument("--unfused-gating", action="store_true",
-                        help="the A/B: a gated MLP's act(gate) · up as its own launch, not in the batch-invariant "
-                             "gate/up kernel's (programs cached apart)")
     parser.add_argument("--deadline-s", type=float, default=570.0,
                         help="stop starting workers, and stop a running one, so the call ends within this")
     parser.add_argument("--worker", choices=("hf", "jengine"), help=argparse.SUPPRESS)

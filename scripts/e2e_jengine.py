@@ -118,10 +118,6 @@ def build_llm(task: dict[str, Any], prefix_caching: bool = True) -> Any:
         from jengine.attention import backend
 
         backend.INVARIANT_SEGMENT = task["invariant_segment"] or None  # static in the backend: programs key on it
-    if task.get("unfused_gating"):  # the A/B's other side: act(gate) · up as XLA's own launch (its own cache_dir)
-        from jengine.layers import mlp
-
-        mlp._fused_gating = lambda x, w, act: None
     return LLM(task["model_dir"], **engine_kwargs(task, prefix_caching))
 
 

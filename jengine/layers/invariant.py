@@ -98,28 +98,6 @@ def _sharded_matmul(x, w: InvariantWeight, precision, out_dtype):
                          check_vma=False)(x, w.w)
 
 
-def gated_invariant_matmul(x: Float[Array, "tokens k"], w: InvariantWeight,
-                           activation: str) -> Float[Array, "tokens n"] | None:
-    """act(x @ gate) · (x @ up) for a gated MLP's fused `[gate | up]` weight in one launch per device, in x's dtype;
-    None where the kernel does not apply (XLA's impl, an activation it lacks, a weight split along its inputs), and
-    the caller multiplies and activates apart. Under tensor parallelism each device's columns hold its gate slice
-    then its up slice (`models/weights.py`), so each device's launch reads only its own."""
-    from pallas_kernels.invariant_matmul import GATED_ACTIVATIONS  # Pallas imported only where used
-
-    spec = _full_spec(w)
-    if w.impl == "xla" or w.transposed or activation not in GATED_ACTIVATIONS or spec[0] is not None:
-        return None
-    from pallas_kernels.invariant_matmul import gated_invariant_matmul as kernel
-
-    def local(x, weight):
-        return kernel(x, weight, activation=activation, interpret=w.impl == "pallas_interpret")
-
-    if w.mesh is None or w.mesh.size == 1:
-        return local(x, w.w)
-    return jax.shard_map(local, mesh=w.mesh, in_specs=(P(), P(*spec)), out_specs=P(None, spec[1]),
-                         check_vma=False)(x, w.w)
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class InvariantNorm:

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from jengine.layers.invariant import (InvariantWeight, RowReduction, gated_invariant_matmul, invariant_log_softmax,
-                                     on_every_device, ordered_sum)
+from jengine.layers.invariant import (InvariantWeight, RowReduction, invariant_log_softmax, on_every_device,
+                                     ordered_sum)
 from jengine.layers.linear import ACTIVATIONS, Precision, linear, split_fused
 from jengine.layers.lora import LayerLora
 from jengine.layers.experts import expert_float, expert_operands, kernel_weight_specs, kernel_weights
@@ -34,11 +34,8 @@ def gated_mlp(
 ) -> Float[Array, "tokens d"]:
     """down(act(gate(x)) * up(x)), with the optional biases some Llama configs ask for; gate and up are one fused
     projection whose columns are grouped per `shards` (see `split_fused`); `lora`: the rows' adapters add to the
-    three projections. A batch-invariant weight on the GPU takes act(gate) · up in the gate/up launch."""
+    three projections."""
     inter = w["w_down"].shape[0]
-    hidden = _fused_gating(x, w, act) if lora is None else None
-    if hidden is not None:
-        return linear(hidden, w["w_down"], w.get("b_down"), precision)
     if lora is None:
         gate_up = linear(x, w["w_gate_up"], w.get("b_gate_up"), precision)
     else:
@@ -48,15 +45,6 @@ def gated_mlp(
     if lora is None:
         return linear(hidden, w["w_down"], w.get("b_down"), precision)
     return lora.project("down", hidden, w["w_down"], w.get("b_down"), precision)
-
-
-def _fused_gating(x: Float[Array, "tokens d"], w: dict[str, Array], act: str) -> Float[Array, "tokens inter"] | None:
-    """act(gate(x)) · up(x) in the gate/up kernel's launch, where the weight and activation allow it (else None)."""
-    gate_up = w["w_gate_up"]
-    if not isinstance(gate_up, InvariantWeight) or "b_gate_up" in w:
-        return None
-    hidden = gated_invariant_matmul(x.reshape(-1, x.shape[-1]), gate_up, act)
-    return None if hidden is None else hidden.reshape(*x.shape[:-1], hidden.shape[-1])
 
 
 class Routing(NamedTuple):

@@ -141,69 +141,6 @@ def _kernel(x_ref, w_ref, y_ref, *, tile: Tile, transposed: bool, interpret: boo
                mask=(rows[:, None] < y_ref.shape[0]) & (cols[None, :] < y_ref.shape[1]))
 
 
-def _silu(g):
-    """x · sigmoid(x) in float32, rounded once to g's dtype (as torch's silu rounds; XLA's bf16 silu rounds after
-    each of its four ops)."""
-    wide = g.astype(jnp.float32)
-    return (wide / (1.0 + jnp.exp(-wide))).astype(g.dtype)
-
-
-def _gelu_tanh(g):
-    """GELU's tanh approximation in float32, rounded once to g's dtype: x · (1 + tanh z) / 2 = x · sigmoid(2z),
-    which loses nothing to cancellation where tanh z nears -1."""
-    wide = g.astype(jnp.float32)
-    z = 0.7978845608028654 * (wide + 0.044715 * wide * wide * wide)  # sqrt(2 / pi)
-    return (wide / (1.0 + jnp.exp(-2.0 * z))).astype(g.dtype)
-
-
-# Llama's, Qwen's, Mistral's (silu), Gemma's (the tanh GELU)
-GATED_ACTIVATIONS = {"silu": _silu, "swish": _silu, "gelu_new": _gelu_tanh, "gelu_pytorch_tanh": _gelu_tanh}
-
-
-def _gated_kernel(x_ref, w_ref, y_ref, *, tile: Tile, half: int, activation: str, interpret: bool):
-    """One program: a tile of the gate's columns and the same tile of the up's (`half` columns on), each walked
-    along K as `_kernel` walks it, then act(gate) · up in the output's dtype."""
-    rows = _arange(pl.program_id(0) * tile.block_m, tile.block_m)
-    cols = _arange(pl.program_id(1) * tile.block_n, tile.block_n)
-    step = functools.partial(_step_product, x_ref, w_ref, rows, tile=tile, transposed=False, interpret=interpret)
-
-    def both(i, accs):
-        return step(cols, i, accs[0]), step(cols + half, i, accs[1])
-
-    zero = jnp.zeros((tile.block_m, tile.block_n), jnp.float32)
-    gate, up = lax.fori_loop(0, pl.cdiv(x_ref.shape[1], tile.block_k), both, (zero, zero))
-    gate, up = gate.astype(y_ref.dtype), up.astype(y_ref.dtype)
-    hidden = GATED_ACTIVATIONS[activation](gate).astype(jnp.float32) * up.astype(jnp.float32)
-    pltr.store(y_ref.at[rows[:, None], cols[None, :]], hidden.astype(y_ref.dtype),
-               mask=(rows[:, None] < y_ref.shape[0]) & (cols[None, :] < half))
-
-
-@functools.partial(jax.jit, static_argnames=("activation", "interpret", "tile"))
-def gated_invariant_matmul(
-    x: Float[Array, "m k"], w: Float[Array, "k two_n"], *, activation: str = "silu", interpret: bool = False,
-    tile: Tile | None = None,
-) -> Float[Array, "m n"]:
-    """act(x @ gate) · (x @ up) for `w = [gate | up]` (a gated MLP's fused gate/up projection), in x's dtype, in one
-    launch: the gate's and up's sums are `invariant_matmul`'s bits (the same K chain), rounded to x's dtype before
-    the activation as the unfused MLP rounds them, and the `[m, 2n]` product is never written. `tile`: as
-    `invariant_matmul`'s for the whole `[k, 2n]` weight; each program holds its `block_n` columns as two halves."""
-    (m, _), two_n = x.shape, w.shape[1]
-    if two_n % 2 or activation not in GATED_ACTIVATIONS:
-        raise ValueError(f"a [k, 2n] weight and one of {sorted(GATED_ACTIVATIONS)}; got {w.shape}, {activation!r}")
-    tile = tile or tile_for(m, two_n, jnp.dtype(w.dtype).itemsize)
-    if tile.block_k % MMA_K or tile.block_n % 2:
-        raise ValueError(f"{tile}: K steps are whole MMA slices of {MMA_K}, and block_n splits in two")
-    half_tile = dataclasses.replace(tile, block_n=tile.block_n // 2)
-    kernel = functools.partial(_gated_kernel, tile=half_tile, half=two_n // 2, activation=activation,
-                               interpret=interpret)
-    return pl.pallas_call(
-        kernel, grid=(pl.cdiv(m, tile.block_m), pl.cdiv(two_n // 2, half_tile.block_n)),
-        out_shape=jax.ShapeDtypeStruct((m, two_n // 2), x.dtype),
-        in_specs=[pl.no_block_spec] * 2, out_specs=pl.no_block_spec, interpret=interpret,
-        compiler_params=pltr.CompilerParams(num_warps=tile.num_warps, num_stages=tile.num_stages),
-        name="gated_invariant_matmul")(x, w)
-
-
 @functools.partial(jax.jit, static_argnames=("transposed", "out_dtype", "interpret", "tile"))
 def invariant_matmul(
     x: Float[Array, "m k"], w: Float[Array, "k n"] | Float[Array, "n k"], *, transposed: bool = False,

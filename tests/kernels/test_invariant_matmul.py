@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.invariant_matmul import gated_invariant_matmul, invariant_matmul
+from pallas_kernels.invariant_matmul import invariant_matmul
 from pallas_kernels.invariant_matmul.kernel import NARROW_TILES, TILE, WIDE, Tile, shared_memory_budget, tile_for
 
 
@@ -110,78 +110,3 @@ def test_every_tile_gives_the_same_bits_and_matches_float64(tile):
             assert np.abs(ours - ref).max() <= 1e-5 * np.abs(ref).max()
     with pytest.raises(ValueError, match="MMA slices"):
         invariant_matmul(jnp.asarray(x), jnp.asarray(w), interpret=True, tile=Tile(block_k=24))
-
-
-# (x · (1 + tanh z) / 2 as x · sigmoid(2z): in float64 too, tanh z rounds to -1 from z < -19 and the GELU to 0)
-ACTIVATIONS_64 = {"silu": lambda g: g / (1 + np.exp(-g)),
-                  "gelu_pytorch_tanh": lambda g: g / (1 + np.exp(-2 * np.sqrt(2 / np.pi) * (g + 0.044715 * g**3)))}
-
-
-def _gated_reference(gate_up: np.ndarray, dtype, activation: str = "silu") -> np.ndarray:
-    """act(gate) · up from float64 sums: each rounded to `dtype`, the float64 activation rounded, then the product
-    (the unfused MLP's roundings, with torch's one-rounding activations)."""
-    def rounded(a):
-        return a if dtype == np.float64 else np.asarray(jnp.asarray(a, dtype), np.float64)
-
-    gate, up = np.split(rounded(gate_up), 2, axis=-1)
-    return rounded(rounded(ACTIVATIONS_64[activation](gate)) * up)
-
-
-@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
-@pytest.mark.parametrize("m,k,n", [(1, 72, 100), (70, 130, 136), (300, 96, 520)])
-def test_gated_matches_float64_and_the_unfused_gate_and_up(m, k, n, activation):
-    """act(x @ gate) · (x @ up) in one launch: float32 against float64 sums (1e-5 · max|ref|); bf16 the unfused
-    kernel's gate and up sums, activated and multiplied with the same roundings (silu: bit for bit; the GELU, its
-    tanh spelled as a sigmoid, a bf16 step apart on a few elements, mostly where it is ~0)."""
-    seed = np.random.SeedSequence().entropy
-    rng = np.random.default_rng(seed)
-    x, w = rng.normal(0, 1, (m, k)), rng.normal(0, 0.2, (k, 2 * n))
-    ref = _gated_reference(x @ w, np.float64, activation)
-    ours = np.asarray(gated_invariant_matmul(jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32),
-                                             activation=activation, interpret=True))
-    assert ours.shape == (m, n)
-    assert np.abs(ours - ref).max() <= 1e-5 * np.abs(ref).max(), f"seed {seed}"
-    xs, ws = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
-    unfused = np.asarray(invariant_matmul(xs, ws, interpret=True, out_dtype=jnp.float32), np.float64)
-    fused = np.asarray(gated_invariant_matmul(xs, ws, activation=activation, interpret=True), np.float64)
-    expected = _gated_reference(unfused, jnp.bfloat16, activation)
-    if activation == "silu":
-        assert np.array_equal(fused, expected), f"seed {seed}"
-    else:  # a bf16 step of the activation apart (two after the product), rarely outside the far negative tail,
-        # where float32's exponential overflows and the GELU's ~1e-38 comes out 0
-        floor = 1e-6 * np.abs(expected).max()
-        assert np.all(np.abs(fused - expected) <= 2 ** -6 * np.abs(expected) + floor), f"seed {seed}"
-        visible = np.abs(expected) > 1e-3 * np.abs(expected).max()
-        assert np.mean(fused[visible] != expected[visible]) < 0.01, f"seed {seed}"
-
-
-def test_gated_row_is_the_same_alone_and_in_any_batch():
-    seed = np.random.SeedSequence().entropy
-    rng = np.random.default_rng(seed)
-    k, n = 200, 9000  # a wide weight: the default tile below 128 rows, the wide one above
-    w = jnp.asarray(rng.normal(0, 0.1, (k, 2 * n)), jnp.bfloat16)
-    row = rng.normal(0, 1, (1, k))
-    alone = np.asarray(gated_invariant_matmul(jnp.asarray(row, jnp.bfloat16), w, interpret=True))[0]
-    for m in (7, 130):
-        batch = rng.normal(0, 1, (m, k))
-        at = int(rng.integers(m))
-        batch[at] = row[0]
-        out = np.asarray(gated_invariant_matmul(jnp.asarray(batch, jnp.bfloat16), w, interpret=True))
-        assert np.array_equal(out[at], alone), f"row {at} of {m} (seed {seed})"
-
-
-def test_gated_refuses_what_it_cannot_compute():
-    x, w = jnp.zeros((2, 32)), jnp.zeros((32, 64))
-    with pytest.raises(ValueError, match="activation|silu"):
-        gated_invariant_matmul(x, w, activation="relu", interpret=True)
-    with pytest.raises(ValueError, match=r"\[k, 2n\]"):
-        gated_invariant_matmul(x, jnp.zeros((32, 63)), interpret=True)
-
-
-@pytest.mark.parametrize("rows", [1, 64, 256, 2048])
-def test_gated_lowers_for_h200(rows):
-    from tests.kernels.test_lowering import S, lower_for_h200
-
-    text = lower_for_h200(lambda x, w: gated_invariant_matmul(x, w), S((rows, 4096), jnp.bfloat16),
-                          S((4096, 28672), jnp.bfloat16))
-    assert text.count("__gpu$xla.gpu.triton") == 1
