@@ -3,7 +3,7 @@ the device) serves a 2,048-token shared prompt plus a 64-token suffix, one reque
 --part engine` measures TTFT; the same requests then run under cProfile, whose table (by own time and by cumulative
 time) says which host functions stand between the device's step and the first token.
 
-    PYTHONPATH=. python scripts/probe_ttft_host_gpu.py --out $OUT/ttft-host.txt [--timeline]
+    PYTHONPATH=. python scripts/probe_ttft_host_gpu.py --out $OUT/ttft-host.txt [--timeline] [--device-trace]
     PYTHONPATH=. python scripts/probe_ttft_host_gpu.py --tiny --timeline --out /tmp/ttft.txt   # CPU: paths only
 """
 
@@ -35,6 +35,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--tiny", action="store_true", help="a small Llama, 128 + 8 tokens: the paths on a CPU")
     parser.add_argument("--timeline", action="store_true", help="the requests' moments, then launch-to-ready")
+    parser.add_argument("--device-trace", action="store_true",
+                        help="also profile the hits on the device: kernels by total time, and the GPU's idle gaps")
     parser.add_argument("--also-nondeterministic", action="store_true",
                         help="then the same requests' TTFT in an engine with deterministic=False (no profile)")
     args = parser.parse_args()
@@ -66,6 +68,7 @@ def main() -> None:
         one()
     plain = [one() * 1e3 for _ in range(args.requests)]
     timeline = moments(llm, one, args.requests) if args.timeline else ""
+    timeline += device_trace(one, args.requests) if args.device_trace else ""
     profile = cProfile.Profile()
     profile.enable()
     profiled = [one() * 1e3 for _ in range(args.requests)]
@@ -85,6 +88,23 @@ def main() -> None:
         llm.shutdown()
     Path(args.out).write_text(text.getvalue())
     print(text.getvalue()[:3000])
+
+
+def device_trace(one, requests: int) -> str:
+    """The hits' kernels under the profiler: total ms a request by name (largest first), and how long the GPU sat
+    idle between its first and last event (the host's launches and fetches then show as gaps)."""
+    import jax
+
+    from probe_layer_loop_gpu import gpu_idle, kernel_summary
+
+    trace = Path(tempfile.mkdtemp()) / "trace"
+    with jax.profiler.trace(str(trace)):
+        for _ in range(requests):
+            one()
+    lines = [f"device trace of {requests} hits: {gpu_idle(trace)}", "  ms a request, launches a request, kernel:"]
+    lines += [f"  {ms / requests:8.3f} {count / requests:6.1f}  {name[:110]}"
+              for name, ms, count in kernel_summary(trace)]
+    return "\n".join(lines) + "\n"
 
 
 def moments(llm, one, requests: int) -> str:
