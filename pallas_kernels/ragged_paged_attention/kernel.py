@@ -122,7 +122,7 @@ def _decode_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, q_ref, kv_r
         tok = jnp.where(valid, q_start + t, 0)
         head = jnp.where(valid, h * geo.group + g, 0)
         q = scores.operands(load_q(q_ref, tok, head, valid, geo.parts))
-        src = KVSource(kv_ref, bt_ref, b, layer_ref[0], h, hi, geo.block_size)
+        src = KVSource(kv_ref, bt_ref, b, layer_ref[0], h, hi, geo.block_size, cfg.prefetch_pages)
         k_scale, v_scale = head_scales(scales_ref, layer_ref[0], h, geo)
         acc, m, l = attend(q, first_pos + t, src, my_lo, my_hi, first_pos, last_pos, window,
                             block_n=cfg.block_n, scores=scores, k_scale=k_scale)
@@ -199,7 +199,7 @@ def _prefill_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, tile_seq_r
         tok = jnp.where(valid, q_start + q0 + t, 0)
         q = scores.operands(load_q(q_ref, tok, head, valid, geo.parts))
         lo, hi = visible_range(first_pos, last_pos, window, cfg.block_n)
-        src = KVSource(kv_ref, bt_ref, b, layer_ref[0], h, hi, geo.block_size)
+        src = KVSource(kv_ref, bt_ref, b, layer_ref[0], h, hi, geo.block_size, cfg.prefetch_pages)
         k_scale, v_scale = head_scales(scales_ref, layer_ref[0], h, geo)
         if segment:
             out = attend_in_segments(q, first_pos + t, src, lo, hi, first_pos, last_pos, window, block_n=cfg.block_n,

@@ -119,23 +119,34 @@ class KVSource:
     head: jax.Array
     kv_hi: jax.Array  # positions >= kv_hi are never loaded (the block table may end there)
     block_size: int
+    # `KernelConfig.prefetch_pages`: a KV step's page ids are read during the step before (`attend` carries them),
+    # so a step waits on one load's latency, its K/V, instead of two in a chain (page ids, then K/V)
+    prefetch: bool = False
 
-    def load(self, start, block_n: int, masked: bool, dtype):
+    def pages(self, start, block_n: int):
+        """The page of each position `start + arange(block_n)` (0 past `kv_hi`, where nothing is read)."""
+        pos = start + jnp.arange(block_n, dtype=jnp.int32)
+        page_idx = pos >> (self.block_size.bit_length() - 1)
+        return pltr.load(self.bt_ref.at[self.seq, page_idx], mask=pos < self.kv_hi, other=0)
+
+    def load(self, start, block_n: int, masked: bool, dtype, pages=None):
         """K and V for positions `start + arange(block_n)`, each a tuple of column parts `[block_n, head_dim //
-        parts]`: each row is found through the block table (page = position // block_size) and read at `[layer,
-        page, offset, 0|1, head, :]`. A float8 cache comes as uint16 byte pairs and is unpacked here."""
+        parts]`: each row is found through the block table (page = position // block_size; or `pages`, read
+        ahead by `pages()`) and read at `[layer, page, offset, 0|1, head, :]`. A float8 cache comes as uint16 byte
+        pairs and is unpacked here."""
         pos = start + jnp.arange(block_n, dtype=jnp.int32)
         shift = self.block_size.bit_length() - 1
         page_idx, offset = pos >> shift, (pos & (self.block_size - 1))[:, None]
         cols = column_index(self.kv_ref.shape[-1])
         if masked:
             ok = pos < self.kv_hi
-            page = pltr.load(self.bt_ref.at[self.seq, page_idx], mask=ok, other=0)[:, None]
+            page = (pltr.load(self.bt_ref.at[self.seq, page_idx], mask=ok, other=0) if pages is None else pages)
+            page = page[:, None]
             ok2 = jnp.broadcast_to(ok[:, None], (block_n, cols.shape[1]))
             k = pltr.load(self.kv_ref.at[self.layer, page, offset, 0, self.head, cols], mask=ok2, other=0)
             v = pltr.load(self.kv_ref.at[self.layer, page, offset, 1, self.head, cols], mask=ok2, other=0)
         else:
-            page = self.bt_ref[self.seq, page_idx][:, None]
+            page = (self.bt_ref[self.seq, page_idx] if pages is None else pages)[:, None]
             k = self.kv_ref[self.layer, page, offset, 0, self.head, cols]
             v = self.kv_ref[self.layer, page, offset, 1, self.head, cols]
         if self.kv_ref.dtype == jnp.uint16:
@@ -204,8 +215,10 @@ def attend(q, q_pos, src: KVSource, lo, hi, first_pos, last_pos, window, *, bloc
 
     def step(masked: bool):
         def body(j, carry):
-            acc, m, l = carry
-            pos, k, v = src.load(j * block_n, block_n, masked, q[0].dtype)
+            acc, m, l, *pages = carry
+            pos, k, v = src.load(j * block_n, block_n, masked, q[0].dtype, *pages)
+            if pages:
+                pages = [src.pages((j + 1) * block_n, block_n)]  # read while this step's K/V are on their way
             s = scores(q, k, k_scale)
             if masked:
                 visible = pos[None, :] <= q_pos[:, None]
@@ -221,13 +234,14 @@ def attend(q, q_pos, src: KVSource, lo, hi, first_pos, last_pos, window, *, bloc
                 l = l * alpha + jnp.sum(p, axis=1)
                 p = p.astype(v[0].dtype)
             acc = tuple(a * alpha[:, None] + pltr.dot(p, vp, precision=scores.precision) for a, vp in zip(acc, v))
-            return acc, m_new, l
+            return acc, m_new, l, *pages
 
         return body
 
-    carry = lax.fori_loop(t0, u0, step(True), empty_state(tuple(qp.shape for qp in q)))
+    first_pages = (src.pages(t0 * block_n, block_n),) if src.prefetch else ()
+    carry = lax.fori_loop(t0, u0, step(True), (*empty_state(tuple(qp.shape for qp in q)), *first_pages))
     carry = lax.fori_loop(u0, u1, step(False), carry)
-    return lax.fori_loop(u1, t1, step(True), carry)
+    return lax.fori_loop(u1, t1, step(True), carry)[:3]
 
 
 MMA_N = 16  # the narrowest product the tensor cores (and Triton's dot) take

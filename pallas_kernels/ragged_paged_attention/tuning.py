@@ -26,6 +26,7 @@ class KernelConfig:
     block_n: int  # KV positions per inner-loop step
     num_warps: int
     num_stages: int  # Triton software-pipelining depth of the KV loop
+    prefetch_pages: bool = False  # the loop reads the next KV step's page ids during this one (`tiles.KVSource`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,8 @@ class Tuning:
     # KV head); or segments of this many positions (a multiple of the prefill tile's KV width) decoded as splits
     # and merged, which the prefill kernel folds the same way for every row, so the rows stay bitwise the same
     invariant_segment: int | None = None
+    # The batch-invariant mode's prefill tiles for a short step (`batch_invariant`); None: the decode kernel's
+    short_prefill: KernelConfig | None = None
 
     def __post_init__(self):
         if self.fp8_operands not in ("bfloat16", "float16"):
@@ -65,12 +68,14 @@ class Tuning:
         requests × 4k, 228 against 250 at 256 × 576; 618 against 386 at 8 × 32k).
 
         A step whose requests have few new tokens (at most SMALL_STEP_ROWS query rows of one KV head) gives the
-        prefill kernel the same tiles, so a short chunk over a long context (a prefix-cache hit) spreads over many
-        programs instead of walking its context in two: a row's arithmetic does not depend on its tile's rows
-        here (checked on an H100 in `scripts/check_invariant_attention_gpu.py`), where the default's row sums
-        follow the tile's register layout, which a step's bucket would then choose. `table_positions` (the step's
+        prefill kernel the same tiles (or `short_prefill`'s), so a short chunk over a long context (a prefix-cache
+        hit) spreads over many programs instead of walking its context in two: a row's arithmetic does not depend
+        on its tile's rows here (checked on an H100 in `scripts/check_invariant_attention_gpu.py`), where the
+        default's row sums follow the tile's register layout, which a step's bucket would then choose. `table_positions` (the step's
         block-table width in positions) bounds the splits of `invariant_segment`."""
         decode = dataclasses.replace(self.decode, block_n=self.prefill.block_n)
+        small = decode if self.short_prefill is None else dataclasses.replace(self.short_prefill,
+                                                                               block_n=self.prefill.block_n)
         short = max_query_len * group_pad <= SMALL_STEP_ROWS
         split = SplitConfig(split_tokens=decode.block_n, max_splits=1)
         if self.invariant_segment:
@@ -78,7 +83,7 @@ class Tuning:
                 raise ValueError(f"invariant_segment={self.invariant_segment}: a multiple of {decode.block_n}")
             split = SplitConfig(split_tokens=self.invariant_segment, absolute=True,
                                 max_splits=-(-table_positions // self.invariant_segment))  # segments it can cross
-        return dataclasses.replace(self, decode=decode, prefill=decode if short else self.prefill, split=split)
+        return dataclasses.replace(self, decode=decode, prefill=small if short else self.prefill, split=split)
 
 
 def default_tuning(head_dim: int, group: int, quantized: bool = False) -> Tuning:

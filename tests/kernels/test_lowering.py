@@ -213,3 +213,29 @@ def test_segmented_invariant_attention_lowers_for_h200(tokens, seqs, max_query_l
         S((), i32), S((seqs + 1,), i32), S((seqs,), i32), S((seqs, 2048), i32),
     )
     assert text.count("__gpu$xla.gpu.triton") == launches
+
+
+@pytest.mark.parametrize("tokens,seqs,max_query_len,launches,fp8", [
+    (64, 64, 1, 2, False), (64, 1, 64, 3, False), (4096, 8, 4096, 3, False), (64, 64, 1, 2, True),
+    (4096, 8, 4096, 3, True)], ids=["decode", "short-step", "prefill", "fp8-decode", "fp8-prefill"])
+def test_prefetching_attention_lowers_for_h200(tokens, seqs, max_query_len, launches, fp8):
+    """`KernelConfig.prefetch_pages` (page ids carried a KV step ahead) in every kernel, the batch-invariant
+    mode's segments and a short step's 64-row tiles (`Tuning.short_prefill`) included; a float8 cache too."""
+    import dataclasses
+
+    from pallas_kernels.ragged_paged_attention.tuning import KernelConfig, default_tuning
+
+    base = default_tuning(128, 4, quantized=fp8)
+    ahead = functools.partial(dataclasses.replace, prefetch_pages=True)
+    tuning = dataclasses.replace(base, decode=ahead(base.decode), prefill=ahead(base.prefill), invariant_segment=2048,
+                                 short_prefill=KernelConfig(64, 128, 4, 2, prefetch_pages=True))
+    fn = functools.partial(attention.ragged_paged_attention_impl, scale=128 ** -0.5, sliding_window=0,
+                           soft_cap=None, max_query_len=max_query_len, interpret=False, tuning=tuning,
+                           single_path=not fp8)
+    text = lower_for_h200(
+        lambda q, kv, scales, layer, qsl, lens, bt: fn(q, kv, layer, qsl, lens, bt, kv_scales=scales if fp8 else None),
+        S((tokens, 32, 128), jnp.bfloat16),
+        S((32, 20000, 16, 2, 8, 128), jnp.float8_e4m3fn if fp8 else jnp.bfloat16),
+        S((32, 2, 8), jnp.float32), S((), i32), S((seqs + 1,), i32), S((seqs,), i32), S((seqs, 2048), i32),
+    )
+    assert text.count("__gpu$xla.gpu.triton") == launches

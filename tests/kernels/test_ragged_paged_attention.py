@@ -377,3 +377,61 @@ def test_invariant_segments_are_whole_kv_tiles():
     assert tuning.split.absolute and tuning.split.split_tokens == 256 and tuning.split.max_splits == 8
     with pytest.raises(ValueError, match="multiple of 128"):
         dataclasses.replace(base, invariant_segment=200).batch_invariant(1, 4, 2048)
+
+
+def _prefetching(tuning: Tuning) -> Tuning:
+    """`tuning` with both kernels (and the short step's tiles, where set) reading page ids a KV step ahead."""
+    ahead = functools.partial(dataclasses.replace, prefetch_pages=True)
+    short = None if tuning.short_prefill is None else ahead(tuning.short_prefill)
+    return dataclasses.replace(tuning, decode=ahead(tuning.decode), prefill=ahead(tuning.prefill), short_prefill=short)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "max_query_len", "tuning", "single_path", "segment"))
+def _tuned(q, kv, qsl, lens, bt, window, *, scale, max_query_len, tuning, single_path, segment=None):
+    return kernel.ragged_paged_attention_impl(
+        q, kv, LAYER, qsl, lens, bt, scale=scale, sliding_window=window, soft_cap=None, max_query_len=max_query_len,
+        interpret=True, tuning=tuning, single_path=single_path, invariant_segment=segment)
+
+
+def _bits(batch: Batch, bucket: Bucket, tuning: Tuning, max_query_len: int, window: int, **mode) -> np.ndarray:
+    out = _tuned(batch.q, batch.kv_kernel, batch.query_start_loc, batch.seq_lens, batch.block_tables,
+                 jnp.int32(window), scale=bucket.head_dim ** -0.5, max_query_len=max_query_len, tuning=tuning, **mode)
+    return np.asarray(out, np.float32)
+
+
+@pytest.mark.parametrize("mode", [dict(single_path=False), dict(single_path=True),
+                                  dict(single_path=True, segment=SEGMENT)], ids=["default", "invariant", "segments"])
+def test_page_ids_read_a_step_ahead_change_no_bit(mode):
+    """`KernelConfig.prefetch_pages` only moves the block-table reads a KV step earlier: production tiles over
+    contexts crossing several KV tiles (and segments), decodes beside chunks, with and without a sliding window,
+    give bitwise the rows of the plain loop, which match the dense reference."""
+    bucket = Bucket(q_heads=8, kv_heads=2, head_dim=128, width=24, dtype=jnp.bfloat16)
+    batch = build(bucket, [1, 40, 3, 1], [340, 200, 131, 17], seed=int(np.random.default_rng().integers(1 << 16)))
+    base = default_tuning(128, 4)
+    for window in (0, 50):
+        for max_query_len in (64, 256):
+            plain = _bits(batch, bucket, base, max_query_len, window, **mode)
+            ahead = _bits(batch, bucket, _prefetching(base), max_query_len, window, **mode)
+            np.testing.assert_array_equal(ahead.view(np.uint32), plain.view(np.uint32))
+        ref = reference.ragged_paged_attention(
+            batch.q, batch.kv_reference, LAYER, batch.query_start_loc, batch.seq_lens, batch.block_tables,
+            scale=bucket.head_dim ** -0.5, sliding_window=jnp.int32(window), max_query_len=256)
+        assert_close(ahead, np.asarray(ref, np.float32), batch, bucket.dtype)
+
+
+@pytest.mark.parametrize("rows,warps", [(32, 4), (64, 4), (64, 8)])
+def test_a_short_steps_tiles_change_no_bit(rows, warps):
+    """`Tuning.short_prefill`: a short step's prefill tiles of other rows and warps give the rows of the default
+    small tiles bit for bit (the batch-invariant mode's promise: a row's sums follow its KV tiles, not its tile's
+    rows), in segments too; the tiles keep the KV width of the prefill kernel."""
+    bucket = Bucket(q_heads=8, kv_heads=2, head_dim=128, width=24, dtype=jnp.bfloat16)
+    batch = build(bucket, [40, 1, 20], [340, 90, 150], seed=int(np.random.default_rng().integers(1 << 16)))
+    base = default_tuning(128, 4)
+    tiles = dataclasses.replace(base, short_prefill=KernelConfig(block_m=rows, block_n=64, num_warps=warps,
+                                                                 num_stages=2))
+    assert tiles.batch_invariant(64, 4, 384).prefill == dataclasses.replace(tiles.short_prefill,
+                                                                              block_n=base.prefill.block_n)
+    for segment in (None, SEGMENT):
+        plain = _bits(batch, bucket, base, 64, 0, single_path=True, segment=segment)
+        other = _bits(batch, bucket, tiles, 64, 0, single_path=True, segment=segment)
+        np.testing.assert_array_equal(other.view(np.uint32), plain.view(np.uint32))
