@@ -71,8 +71,8 @@ class Tuning:
         prefill kernel the same tiles (or `short_prefill`'s), so a short chunk over a long context (a prefix-cache
         hit) spreads over many programs instead of walking its context in two: a row's arithmetic does not depend
         on its tile's rows here (checked on an H100 in `scripts/check_invariant_attention_gpu.py`), where the
-        default's row sums follow the tile's register layout, which a step's bucket would then choose. `table_positions` (the step's
-        block-table width in positions) bounds the splits of `invariant_segment`."""
+        default's row sums follow the tile's register layout, which a step's bucket would then choose.
+        `table_positions` (the step's block-table width in positions) bounds the splits of `invariant_segment`."""
         decode = dataclasses.replace(self.decode, block_n=self.prefill.block_n)
         small = decode if self.short_prefill is None else dataclasses.replace(self.short_prefill,
                                                                                block_n=self.prefill.block_n)
