@@ -205,17 +205,34 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
     # a malformed generation_config.json fails before any weight is read, as a missing tokenizer does
     sampling_defaults = load_sampling_defaults(config.model.model, config.model.generation_config)
     # Loading the tokenizer imports transformers (and, the first time, torch where installed): seconds that overlap
-    # the weights'. The compilation cache also remembers the tokenizer's class, so restarts skip torch.
-    with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
+    # the weights' and the step programs'. The compilation cache also remembers the tokenizer's class, so restarts
+    # skip torch.
+    pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+    try:
         pending_tokenizer = pool.submit(Tokenizer.from_pretrained, tokenizer_dir, config.model.chat_template,
                                         config.runner.compilation_cache_dir)
-        spec, params, dtype = load_weights(config.model, layout)
-        log_weights(params, time.perf_counter() - started)
-        placed = time.perf_counter()
+        core, spec, marks = build_core(config, devices, layout, started)
+        built = time.perf_counter()
         tokenizer = pending_tokenizer.result()
+    finally:
+        pool.shutdown(wait=False)  # on an error the load runs out on its own
+    waited = time.perf_counter() - built
+    if waited > TOKENIZER_WAIT_LOGGED_S:
+        logger.info("start-up waited %.1f s for the tokenizer after the step programs", waited)
+    logger.info("engine built in %.1f s: %.1f s to the weights on the device, %.1f s planning, %.1f s for the KV "
+                "pool and the step programs", time.perf_counter() - started, *marks)
+    return EngineParts(core, tokenizer, spec, config, sampling_defaults)
+
+
+def build_core(config: EngineConfig, devices: Sequence[jax.Device], layout: ParallelLayout,
+               started: float) -> tuple[EngineCore, ModelSpec, tuple[float, float, float]]:
+    """The engine core on `devices`: weights loaded (and made batch-invariant where asked), the KV pool planned, the
+    step programs built. Returns it, the model's spec as the checkpoint gave it, and the seconds since `started` to
+    the weights on the device, then planning, then the runner."""
+    parallel = config.parallel
+    spec, params, dtype = load_weights(config.model, layout)
+    log_weights(params, time.perf_counter() - started)
     weights_at = time.perf_counter()
-    if weights_at - placed > TOKENIZER_WAIT_LOGGED_S:
-        logger.info("start-up waited %.1f s after the weights for the tokenizer", weights_at - placed)
     device = next(d for d in devices if d.process_index == jax.process_index())  # memory stats: local only
     deterministic = resolve_deterministic(config, spec, params, layout, dtype, device.platform)
     if deterministic:
@@ -252,10 +269,7 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
     core = EngineCore(config, runner, plan.num_blocks, adapters)
     for name, path in config.lora.lora_modules:  # --lora-modules: read and checked before serving starts
         core.add_lora(LoRARequest(name, index_of_lora(core), path))
-    logger.info("engine built in %.1f s: %.1f s to the weights on the device and the tokenizer loaded, %.1f s "
-                "planning, %.1f s for the KV pool and the step programs", time.perf_counter() - started,
-                weights_at - started, runner_at - weights_at, runner_s)
-    return EngineParts(core, tokenizer, spec, config, sampling_defaults)
+    return core, spec, (weights_at - started, runner_at - weights_at, runner_s)
 
 
 def build_model_proposer(config: EngineConfig, draft, head, plan, layout, platform: str) -> tuple:

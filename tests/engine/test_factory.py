@@ -1,9 +1,10 @@
-"""`build_engine`'s start-up order: the tokenizer loads beside the weights, yet a missing or broken tokenizer is
-still reported as such (a missing one before any weight is read)."""
+"""`build_engine`'s start-up order: the tokenizer loads beside the weights and the step programs, yet a missing or
+broken tokenizer is still reported as such (a missing one before any weight is read)."""
 
 from __future__ import annotations
 
 import shutil
+import threading
 
 import pytest
 from transformers import LlamaConfig
@@ -11,6 +12,7 @@ from transformers import LlamaConfig
 from jengine import LLM
 from jengine import factory
 from jengine.errors import CheckpointError
+from jengine.tokenizer import Tokenizer
 from jengine.tokenizer.tokenizer import TOKENIZER_FILES
 from tests.conftest import COMMON
 
@@ -42,6 +44,28 @@ def test_a_broken_tokenizer_is_reported_after_the_overlapped_load(model_dir, tmp
     (broken / "tokenizer.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="tokenizer"):
         LLM(str(broken), dtype="float32", max_model_len=64)
+
+
+def test_the_step_programs_are_built_while_the_tokenizer_loads(model_dir, monkeypatch):
+    """Start-up waits for the tokenizer only once the engine core is built (its step programs included)."""
+    runner_built = threading.Event()
+    build_runner = factory.ModelRunner
+
+    class LoadsOnceTheRunnerIsBuilt(Tokenizer):
+        @classmethod
+        def from_pretrained(cls, *args, **kwargs):
+            assert runner_built.wait(timeout=60), "start-up waited for the tokenizer before building the runner"
+            return Tokenizer.from_pretrained(*args, **kwargs)
+
+    def runner(*args, **kwargs):
+        built = build_runner(*args, **kwargs)
+        runner_built.set()
+        return built
+
+    monkeypatch.setattr(factory, "Tokenizer", LoadsOnceTheRunnerIsBuilt)
+    monkeypatch.setattr(factory, "ModelRunner", runner)
+    with LLM(str(model_dir), dtype="float32", max_model_len=64) as llm:
+        assert llm.get_tokenizer().decode(llm.get_tokenizer().encode("hi"), skip_special_tokens=True).strip() == "hi"
 
 
 def test_the_engine_has_the_model_directorys_tokenizer(model_dir):
