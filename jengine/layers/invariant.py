@@ -78,15 +78,10 @@ def _local_matmul(x, weight, w: InvariantWeight, precision, out_dtype):
     return kernel(x, weight, transposed=w.transposed, out_dtype=out_dtype, interpret=w.impl == "pallas_interpret")
 
 
-def _full_spec(w: InvariantWeight) -> tuple:
-    """The weight's PartitionSpec with an entry for each of its two axes (None: not split)."""
-    return tuple(w.spec) + (None,) * (2 - len(w.spec))
-
-
 def _sharded_matmul(x, w: InvariantWeight, precision, out_dtype):
     """Each device multiplies its slices; split inputs (row-parallel) leave float32 partials added in device
     order. The output is split as the weight's outputs are (column-parallel, the vocab-parallel LM head)."""
-    spec = _full_spec(w)
+    spec = tuple(w.spec) + (None,) * (2 - len(w.spec))
     k_axis, n_axis = (spec[1], spec[0]) if w.transposed else spec
 
     def local(x, weight):

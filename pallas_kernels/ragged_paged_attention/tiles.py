@@ -140,8 +140,7 @@ class KVSource:
         cols = column_index(self.kv_ref.shape[-1])
         if masked:
             ok = pos < self.kv_hi
-            page = (pltr.load(self.bt_ref.at[self.seq, page_idx], mask=ok, other=0) if pages is None else pages)
-            page = page[:, None]
+            page = (self.pages(start, block_n) if pages is None else pages)[:, None]
             ok2 = jnp.broadcast_to(ok[:, None], (block_n, cols.shape[1]))
             k = pltr.load(self.kv_ref.at[self.layer, page, offset, 0, self.head, cols], mask=ok2, other=0)
             v = pltr.load(self.kv_ref.at[self.layer, page, offset, 1, self.head, cols], mask=ok2, other=0)
