@@ -180,13 +180,37 @@ VARIANT_SHAPES = (*TIMED, (1, 576))
 CHAINED_CALLS = 16  # attention calls a timed program makes, each on the last one's output (as a step's layers do)
 
 
+def tuned_call(step: Step, tuning, *, single_path: bool, interpret: bool = False):
+    """The attention of `step` with `tuning` as a function of its queries."""
+    from pallas_kernels.ragged_paged_attention import kernel
+
+    def call(q):
+        return kernel.ragged_paged_attention_impl(
+            q, step.kv, 0, step.qsl, step.lens, step.tables, scale=HEAD_DIM ** -0.5, sliding_window=np.int32(0),
+            soft_cap=None, max_query_len=step.max_query_len, interpret=interpret, tuning=tuning,
+            single_path=single_path)
+
+    return call
+
+
+def chained_seconds(call, q, calls: int) -> float:
+    """Seconds a call of `call`, timed as `calls` dependent calls inside one program (each on the last one's
+    output, as a step's layers run): no host dispatch between them."""
+    import jax
+
+    @jax.jit
+    def chained(q):
+        for _ in range(calls):
+            q = call(q).astype(q.dtype)
+        return q
+
+    return timeit(chained, q) / calls
+
+
 def decode_variant_timings(bandwidth: float) -> dict[str, float]:
     """The invariant decode-only steps with other warps and stages for the decode kernel's 128-position tiles (its
     additions do not depend on either: checked here bit for bit against the shipped tile), µs a call and ÷ copy,
     timed as CHAINED_CALLS dependent calls inside one program (no host dispatch between them)."""
-    import jax
-
-    from pallas_kernels.ragged_paged_attention import kernel
     from pallas_kernels.ragged_paged_attention.tuning import default_tuning
 
     base = default_tuning(HEAD_DIM, Q_HEADS // KV_HEADS)
@@ -198,21 +222,10 @@ def decode_variant_timings(bandwidth: float) -> dict[str, float]:
         for warps, stages in DECODE_VARIANTS:
             tuning = dataclasses.replace(base, decode=dataclasses.replace(base.decode, num_warps=warps,
                                                                           num_stages=stages))
-
-            def call(q, s=step, t=tuning):
-                return kernel.ragged_paged_attention_impl(
-                    q, s.kv, 0, s.qsl, s.lens, s.tables, scale=HEAD_DIM ** -0.5, sliding_window=np.int32(0),
-                    soft_cap=None, max_query_len=s.max_query_len, interpret=False, tuning=t, single_path=True)
-
-            @jax.jit
-            def chained(q, call=call):
-                for _ in range(CHAINED_CALLS):
-                    q = call(q).astype(q.dtype)
-                return q
-
+            call = tuned_call(step, tuning, single_path=True)
             key = f"invariant_w{warps}_s{stages}_b{batch}_ctx{context}"
             out[f"{key}_same_bits"] = float(np.array_equal(bits(call(step.q)), shipped))
-            seconds = timeit(chained, step.q) / CHAINED_CALLS
+            seconds = chained_seconds(call, step.q, CHAINED_CALLS)
             out[f"{key}_us"] = seconds * 1e6
             out[f"{key}_bw_fraction"] = kv_bytes / seconds / bandwidth
         log(batch, context, {k: round(v, 3) for k, v in out.items() if f"_b{batch}_" in k})

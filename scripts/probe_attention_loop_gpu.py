@@ -31,8 +31,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from check_invariant_attention_gpu import HEAD_DIM, KV_HEADS, Q_HEADS, bits, make_step  # noqa: E402
-from gpu_bench_common import log, timeit  # noqa: E402
+from check_invariant_attention_gpu import (HEAD_DIM, KV_HEADS, Q_HEADS, bits, chained_seconds,  # noqa: E402
+                                           make_step, tuned_call)
+from gpu_bench_common import log  # noqa: E402
 
 CHAINED = 32  # calls a timed program makes, each on the last one's output (an 8B model's layers)
 SEGMENT = 2048  # the engine's `invariant_segment` at max_model_len 4096
@@ -66,18 +67,6 @@ def tunings(segment: int) -> dict[str, tuple[Any, bool]]:
     return out | {"fast_shipped": (fast, False), "fast_prefetch": (ahead(fast), False)}
 
 
-def caller(step, tuning, single_path: bool, interpret: bool):
-    from pallas_kernels.ragged_paged_attention import kernel
-
-    def call(q):
-        return kernel.ragged_paged_attention_impl(
-            q, step.kv, 0, step.qsl, step.lens, step.tables, scale=HEAD_DIM ** -0.5, sliding_window=np.int32(0),
-            soft_cap=None, max_query_len=step.max_query_len, interpret=interpret, tuning=tuning,
-            single_path=single_path)
-
-    return call
-
-
 def probe_shape(shape: tuple, ways: dict, smoke: bool) -> dict[str, float]:
     import jax
 
@@ -89,20 +78,12 @@ def probe_shape(shape: tuple, ways: dict, smoke: bool) -> dict[str, float]:
     for way, (tuning, single_path) in ways.items():
         if (not single_path and new > 1) or (way.startswith("short") and new == 1):
             continue  # the default mode's variants are decode-only; a decode-only step has no short prefill tiles
-        call = caller(step, tuning, single_path, smoke)
+        call = tuned_call(step, tuning, single_path=single_path, interpret=smoke)
         rows = bits(jax.jit(call)(step.q))
         shipped.setdefault(single_path, rows)
         out[f"{name}_{way}_same_bits"] = float(np.array_equal(rows, shipped[single_path]))
-        if smoke:
-            continue
-
-        @jax.jit
-        def chained(q, call=call):
-            for _ in range(CHAINED):
-                q = call(q).astype(q.dtype)
-            return q
-
-        out[f"{name}_{way}_us"] = timeit(chained, step.q) / CHAINED * 1e6
+        if not smoke:
+            out[f"{name}_{way}_us"] = chained_seconds(call, step.q, CHAINED) * 1e6
     log(name, {k.removeprefix(name + "_"): round(v, 2) for k, v in out.items()})
     return out
 

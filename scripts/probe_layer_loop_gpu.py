@@ -148,20 +148,26 @@ def kernel_totals(trace_dir: Path) -> dict[str, list[float]]:
     return totals
 
 
+def gpu_gaps(events: list[dict[str, Any]]) -> list[float]:
+    """µs the GPU sat idle between consecutive events (`gpu_events`, in start order), each gap once."""
+    gaps, end = [], None
+    for e in events:
+        if end is not None and e["ts"] > end:
+            gaps.append(e["ts"] - end)
+        end = e["ts"] + e["dur"] if end is None else max(end, e["ts"] + e["dur"])
+    return gaps
+
+
 def gpu_idle(trace_dir: Path, gap_us: float = 20.0) -> dict[str, float]:
     """How busy the GPU was from its first event to its last: the span, the time inside events, and the gaps
     between events longer than `gap_us` (a device waiting on the host shows as such gaps, once per step)."""
     events = gpu_events(trace_dir)
     if not events:
         return {}
-    end, busy, gaps = events[0]["ts"], 0.0, []
-    for e in events:
-        if e["ts"] - end > gap_us:
-            gaps.append(e["ts"] - end)
-        busy += e["dur"]
-        end = max(end, e["ts"] + e["dur"])
-    return {"span_ms": (end - events[0]["ts"]) / 1e3, "busy_ms": busy / 1e3, "long_gaps": len(gaps),
-            "long_gaps_ms": sum(gaps) / 1e3, "max_gap_ms": max(gaps, default=0.0) / 1e3}
+    gaps = [g for g in gpu_gaps(events) if g > gap_us]
+    end = max(e["ts"] + e["dur"] for e in events)
+    return {"span_ms": (end - events[0]["ts"]) / 1e3, "busy_ms": sum(e["dur"] for e in events) / 1e3,
+            "long_gaps": len(gaps), "long_gaps_ms": sum(gaps) / 1e3, "max_gap_ms": max(gaps, default=0.0) / 1e3}
 
 
 def kernel_summary(trace_dir: Path, top: int = 40, minus: Path | None = None) -> list[tuple[str, float, int]]:

@@ -95,27 +95,25 @@ def device_trace(one, requests: int) -> str:
     idle between its first and last event (the host's launches and fetches then show as gaps)."""
     import jax
 
-    from probe_layer_loop_gpu import gpu_events, gpu_idle, kernel_summary
+    from probe_layer_loop_gpu import gpu_events, gpu_gaps, gpu_idle, kernel_summary
 
     trace = Path(tempfile.mkdtemp()) / "trace"
     with jax.profiler.trace(str(trace)):
         for _ in range(requests):
             one()
-    lines = [f"device trace of {requests} hits: {gpu_idle(trace)}", step_gaps(gpu_events(trace), requests),
+    lines = [f"device trace of {requests} hits: {gpu_idle(trace)}", step_gaps(gpu_gaps(gpu_events(trace)), requests),
              "  ms a request, launches a request, kernel:"]
     lines += [f"  {ms / requests:8.3f} {count / requests:6.1f}  {name[:110]}"
               for name, ms, count in kernel_summary(trace)]
     return "\n".join(lines) + "\n"
 
 
-def step_gaps(events: list[dict], requests: int, between_us: float = 1000.0) -> str:
-    """The GPU's idle time inside the hits' steps (gaps shorter than `between_us`: the device waiting on the
-    host's launches within a request) apart from the gaps between requests (the host's work around a step)."""
-    inside, between, end = [], [], None
-    for e in events:
-        if end is not None and e["ts"] > end:
-            (inside if e["ts"] - end < between_us else between).append(e["ts"] - end)
-        end = e["ts"] + e["dur"] if end is None else max(end, e["ts"] + e["dur"])
+def step_gaps(gaps: list[float], requests: int, between_us: float = 1000.0) -> str:
+    """The GPU's idle time (`gpu_gaps`, µs) inside the hits' steps (gaps shorter than `between_us`: the device
+    waiting on the host's launches within a request) apart from the gaps between requests (the host's work around
+    a step)."""
+    inside = [g for g in gaps if g < between_us]
+    between = [g for g in gaps if g >= between_us]
     return (f"  gaps inside a request's steps: {sum(inside) / 1e3 / requests:.3f} ms a request ({len(inside)} gaps, "
             f"the longest {max(inside, default=0) / 1e3:.3f} ms); between requests: {sum(between) / 1e3:.3f} ms in "
             f"{len(between)} gaps")
