@@ -73,6 +73,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                        help="batch-invariant kernels: a request's output does not depend on its batch (default: on "
                             "for a dense float model on one NVIDIA GPU, about 6%% of throughput; off elsewhere)")
+    group.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                       help="launch a step's kernels one by one on an NVIDIA GPU; --no-enforce-eager: as XLA's "
+                            "command buffers (CUDA graphs); default: the mode measured faster")
     group.add_argument("--compilation-cache-dir", type=Path, default=None,
                        help="JAX persistent compilation cache (default: $JENGINE_COMPILATION_CACHE_DIR, else "
                             "$JAX_COMPILATION_CACHE_DIR, else ~/.cache/jengine/jax-cache)")
@@ -116,7 +119,7 @@ def _add_chat_parsing_args(parser: argparse.ArgumentParser) -> None:
 
 
 # vLLM flags accepted so its command lines run unchanged; the config refuses the values that would change something.
-_COMPAT_SWITCHES = ("--trust-remote-code", "--enforce-eager", "--disable-log-stats", "--disable-log-requests",
+_COMPAT_SWITCHES = ("--trust-remote-code", "--disable-log-stats", "--disable-log-requests",
                     "--enable-log-requests")
 _COMPAT_VALUES = {"--tokenizer-mode": None,
                   "--task": None, "--swap-space": float, "--uvicorn-log-level": None}
@@ -171,9 +174,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
              "max_num_queued_reqs", "block_size", "gpu_memory_utilization", "num_gpu_blocks_override",
              "enable_prefix_caching", "kv_cache_dtype", "tensor_parallel_size", "data_parallel_size",
              "enable_expert_parallel", "coordinator_address", "num_processes", "process_id", "chat_template",
-             "max_logprobs", "generation_config", "load_format", "compile_buckets", "async_scheduling", "deterministic", "quantization",
-             "lora_modules", "speculative_config", "reasoning_parser", "tool_call_parser", "enable_lora",
-             "enable_auto_tool_choice", "max_loras", "max_cpu_loras", "max_lora_rank")
+             "max_logprobs", "generation_config", "load_format", "compile_buckets", "async_scheduling",
+             "deterministic", "enforce_eager", "quantization", "lora_modules", "speculative_config",
+             "reasoning_parser", "tool_call_parser", "enable_lora", "enable_auto_tool_choice", "max_loras",
+             "max_cpu_loras", "max_lora_rank")
     kwargs = {name: getattr(args, name) for name in names}
     kwargs["lora_modules"] = [_lora_module_arg(m) for m in kwargs["lora_modules"] or ()]
     if args.compilation_cache_dir is not None:  # else the config's default

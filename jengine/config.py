@@ -29,7 +29,6 @@ def _one_of(*values: Any) -> Callable[[Any], bool]:
 _ANY_BOOL = _one_of(False, True)
 NO_EFFECT: dict[str, tuple[Callable[[Any], bool], str]] = {
     "trust_remote_code": (_ANY_BOOL, "jengine runs its own model code, for the supported architectures only"),
-    "enforce_eager": (_ANY_BOOL, "each shape is one compiled XLA program; there is no graph capture to skip"),
     "disable_log_stats": (_ANY_BOOL, "statistics go to /metrics"),
     "tokenizer_mode": (_one_of(None, "auto", "hf"), "the HF fast tokenizer is used"),
     "enable_chunked_prefill": (_one_of(None, True), "prefills are always chunked by max_num_batched_tokens"),
@@ -121,6 +120,9 @@ class RunnerConfig:
     # model on one NVIDIA GPU: 6 % of the mixed workload's throughput, benchmarks/README.md), off elsewhere
     # (`factory.py:resolve_deterministic` logs which and why); True or False as asked.
     deterministic: bool | None = None
+    # vLLM's: True launches a step's kernels one by one on an NVIDIA GPU, False as XLA's command buffers (CUDA
+    # graphs); None (the default): the mode measured faster (`runner/launch.py`)
+    enforce_eager: bool | None = None
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")

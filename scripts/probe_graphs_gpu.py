@@ -9,6 +9,7 @@ warm-up of its shapes, ÷ 64), the host time of the runner's dispatch per step, 
   graphs_off    no command buffers (`--xla_gpu_enable_command_buffer=`)
   graphs_all    every kind of kernel in command buffers, however short the run (min graph size 1)
   pdl           programmatic dependent launch (`--xla_gpu_enable_pdl=true`)
+  enforce_eager the engine's `enforce_eager=True`: the step programs compiled without command buffers
 
     PYTHONPATH=. python scripts/probe_graphs_gpu.py --out $OUT/graphs.json --git-sha <sha>
     PYTHONPATH=. python scripts/probe_graphs_gpu.py --out /tmp/graphs.json --tiny --variants default graphs_off
@@ -36,6 +37,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "graphs_all": ("--xla_gpu_graph_min_graph_size=1 "
                    "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN", {}),
     "pdl": ("--xla_gpu_enable_pdl=true", {}),
+    "enforce_eager": ("", {"enforce_eager": True}),
 }
 PROMPT_LEN, NEW_TOKENS = 256, 64
 

@@ -45,7 +45,8 @@ def test_features_not_built_are_refused_not_ignored(model_dir):
 
 
 def test_a_vllm_command_line_runs_as_it_is(model_dir, tmp_path):
-    """vLLM's aliases and flags that change nothing here (graph capture, remote code, swap space, log switches)."""
+    """vLLM's aliases, its graph-capture switch, and flags that change nothing here (remote code, swap space, log
+    switches)."""
     result = jengine("generate", "--model", str(model_dir), "--prompt", "Hello", "--max-tokens", "3", "--ignore-eos",
                      "--dtype", "half", "--max-model-len", "0.064k", "-tp", "1", "--trust-remote-code",
                      "--enforce-eager", "--disable-log-requests", "--disable-log-stats", "--swap-space", "4",

@@ -37,6 +37,27 @@ def test_all_buckets_compile_at_start_and_steady_state_compiles_nothing(model_di
         assert "compiled after warm-up" not in caplog.text
 
 
+def test_eager_launches_generate_the_same_tokens_and_compile_nothing_after_start(model_dir):
+    """`enforce_eager` picks the step jits that carry XLA's eager launch option, at start-up and for lazy shapes
+    alike; the tokens are the other mode's, and a warmed-up engine compiles nothing more in either."""
+    from jengine.runner.launch import resolve_eager
+    from jengine.runner.step import STEP_JITS
+
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 17, 40, 9)]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outputs = {}
+    for eager in (True, False):
+        with LLM(str(model_dir), dtype="float32", max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32,
+                 compile_buckets="all", enforce_eager=eager) as llm:
+            programs = llm._core.runner._programs
+            assert (programs._forward_jit, programs._sample_jit) == STEP_JITS[eager]
+            after_start = num_compiled_shapes()
+            outputs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+            assert num_compiled_shapes() == after_start
+    assert outputs[True] == outputs[False]
+    assert not resolve_eager("cpu", None) and resolve_eager("gpu", True) and not resolve_eager("gpu", False)
+
+
 def test_start_up_builds_each_step_program_once(model_dir, monkeypatch):
     """Start-up compiles its batches on threads, and the sampler's variants of a shape share one forward: a thread
     that meets a program another is building waits for it instead of compiling it again."""

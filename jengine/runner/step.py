@@ -36,6 +36,7 @@ from jengine.models.decoder import compute_logits, forward_capturing
 from jengine.models.spec import ModelSpec
 from jengine.runner.host_pack import Packed, pack, unpack
 from jengine.runner.input_batch import PENDING_BASE
+from jengine.runner.launch import EAGER_OPTIONS
 from jengine.runner.program_store import ProgramStore, device_assignment, program_key
 from jengine.sampling.metadata import SamplingMetadata
 from jengine.sampling.sampler import SamplerOutput, raw_logprobs, sample
@@ -104,12 +105,9 @@ def resolve_pending(ids: Int[Array, "*shape"], row_tokens: Int[Array, " rows"]) 
     return jnp.where(ids <= PENDING_BASE, row_tokens[rows], ids)
 
 
-# The whole state is donated: the cache is written in place, and `row_tokens` (read, not written, here) comes back
-# as the same buffer. The sampler does not donate it: the forward may still be reading it when the sampler is called.
-@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("state",))
-def forward_step(model: StepModel, params: dict, state: StepState, inputs: ModelInputs | Packed
-                 ) -> tuple[Float[Array, "seqs vocab"], SamplerOutput | None, StepState,
-                            Float[Array, "tokens features"] | None]:
+def _forward_step(model: StepModel, params: dict, state: StepState, inputs: ModelInputs | Packed
+                  ) -> tuple[Float[Array, "seqs vocab"], SamplerOutput | None, StepState,
+                             Float[Array, "tokens features"] | None]:
     """Model forward over the ragged batch; float32 logits at the sampling rows; prompt logprobs when asked; the
     hidden states `model.capture` names (None when it names none). With a token feed, pending placeholders take
     the rows' last sampled tokens. `inputs` may come packed (`host_pack.pack`: one host→device copy)."""
@@ -137,9 +135,8 @@ def sampler_inputs(batch: StepBatch) -> Packed:
     return pack((batch.sampling, batch.sample_rows, batch.token_mask))
 
 
-@jax.jit
-def sample_step(logits: Float[Array, "seqs vocab"], host: Packed, row_tokens: Int[Array, " rows"]
-                ) -> tuple[SamplerOutput, Int[Array, " rows"]]:
+def _sample_step(logits: Float[Array, "seqs vocab"], host: Packed, row_tokens: Int[Array, " rows"]
+                 ) -> tuple[SamplerOutput, Int[Array, " rows"]]:
     """Samples one token per row and records it as the last token of its persistent-batch row (`sample_rows`;
     out of range for rows whose sample does not count); pending ids in the penalties' histories are resolved.
     A token mask bans the tokens each constrained row's grammar does not allow, before anything else. `host`:
@@ -154,6 +151,17 @@ def sample_step(logits: Float[Array, "seqs vocab"], host: Packed, row_tokens: In
     return out, row_tokens.at[sample_rows].set(out.token_ids, mode="drop")
 
 
+# The step's two programs as jits, in two launch modes (`runner/launch.py`): XLA's command buffers, or every kernel
+# launched on its own (`EAGER_OPTIONS`). The whole state is donated: the cache is written in place, and `row_tokens`
+# (read, not written, here) comes back as the same buffer. The sampler does not donate it: the forward may still be
+# reading it when the sampler is called.
+_forward_jit = functools.partial(jax.jit, _forward_step, static_argnames=("model",), donate_argnames=("state",))
+STEP_JITS = {False: (_forward_jit(), jax.jit(_sample_step)),
+             True: (_forward_jit(compiler_options=EAGER_OPTIONS),
+                    jax.jit(_sample_step, compiler_options=EAGER_OPTIONS))}
+forward_step, sample_step = STEP_JITS[False]
+
+
 StepFn = Callable[[dict, StepState, StepBatch], tuple[StepState, StepOutput]]
 
 
@@ -162,8 +170,9 @@ class StepPrograms:
     shapes of the inputs that vary; the weights and state keep theirs). `compile` builds one batch's programs, or
     loads them from the `ProgramStore` without tracing; a shape never compiled goes through the jits."""
 
-    def __init__(self, model: StepModel, store: ProgramStore | None = None) -> None:
-        self.model, self.store = model, store
+    def __init__(self, model: StepModel, store: ProgramStore | None = None, eager: bool = False) -> None:
+        self.model, self.store, self.eager = model, store, eager
+        self._forward_jit, self._sample_jit = STEP_JITS[eager]
         self._forward: dict[Hashable, Any] = {}
         self._sample: dict[Hashable, Any] = {}
         self._building: dict[Hashable, threading.Lock] = {}  # one per program: start-up's threads build each once
@@ -171,13 +180,13 @@ class StepPrograms:
     def forward(self, params: dict, state: StepState, packed: Packed):
         program = self._forward.get(_shapes_of(packed))
         if program is None:
-            return forward_step(self.model, params, state, packed)
+            return self._forward_jit(self.model, params, state, packed)
         return program(params, state, packed)
 
     def sample(self, logits: Float[Array, "seqs vocab"], host: Packed, row_tokens: Int[Array, " rows"]):
         program = self._sample.get((logits.shape, _shapes_of(host)))
         if program is None:
-            return sample_step(logits, host, row_tokens)
+            return self._sample_jit(logits, host, row_tokens)
         return program(logits, host, row_tokens)
 
     def compile(self, params: dict, state: StepState, batch: StepBatch) -> tuple[float, float]:
@@ -185,12 +194,12 @@ class StepPrograms:
         written): start-up runs it from several threads. Returns the seconds spent (tracing and lowering, XLA
         compiling or loading)."""
         packed = pack(batch.model)
-        forward, lower_f, compile_f = self._build(self._forward, _shapes_of(packed), forward_step,
+        forward, lower_f, compile_f = self._build(self._forward, _shapes_of(packed), self._forward_jit,
                                                   (params, state, packed))
         logits = forward.out_info[0]
         logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=logits.sharding)
         host = sampler_inputs(batch)
-        _, lower_s, compile_s = self._build(self._sample, (logits.shape, _shapes_of(host)), sample_step,
+        _, lower_s, compile_s = self._build(self._sample, (logits.shape, _shapes_of(host)), self._sample_jit,
                                             (logits, host, state.row_tokens))
         return lower_f + lower_s, compile_f + compile_s
 
@@ -205,8 +214,9 @@ class StepPrograms:
 
     def _build_new(self, table: dict, shapes: Hashable, jitted, args: tuple):
         start = time.perf_counter()
-        static = (self.model,) if jitted is forward_step else ()
-        key = program_key(jitted.__name__, static, args) if self.store is not None else None
+        static = (self.model,) if jitted is self._forward_jit else ()
+        mode = "eager" if self.eager else "graphs"
+        key = program_key(f"{jitted.__name__}-{mode}", static, args) if self.store is not None else None
         compiled = self.store.load(key, device_assignment(args)) if key is not None else None
         if compiled is not None:
             table[shapes] = compiled
@@ -247,4 +257,4 @@ def sample_phase(logits: Float[Array, "seqs vocab"], prompt: SamplerOutput | Non
 
 def num_compiled_shapes() -> int:
     """How many step variants are compiled in this process (the recompilation guard watches it grow)."""
-    return forward_step._cache_size() + sample_step._cache_size()
+    return sum(jitted._cache_size() for jits in STEP_JITS.values() for jitted in jits)
