@@ -74,8 +74,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="batch-invariant kernels: a request's output does not depend on its batch (default: on "
                             "for a dense float model on one NVIDIA GPU, about 6%% of throughput; off elsewhere)")
     group.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
-                       help="launch a step's kernels one by one on an NVIDIA GPU; --no-enforce-eager: as XLA's "
-                            "command buffers (CUDA graphs); default: the mode measured faster")
+                       help="launch every step's kernels one by one on an NVIDIA GPU; --no-enforce-eager: every "
+                            "step's as XLA's command buffers (CUDA graphs); default: decode steps with command "
+                            "buffers, prompt chunks eagerly")
     group.add_argument("--compilation-cache-dir", type=Path, default=None,
                        help="JAX persistent compilation cache (default: $JENGINE_COMPILATION_CACHE_DIR, else "
                             "$JAX_COMPILATION_CACHE_DIR, else ~/.cache/jengine/jax-cache)")

@@ -120,8 +120,9 @@ class RunnerConfig:
     # model on one NVIDIA GPU: 6 % of the mixed workload's throughput, benchmarks/README.md), off elsewhere
     # (`factory.py:resolve_deterministic` logs which and why); True or False as asked.
     deterministic: bool | None = None
-    # vLLM's: True launches a step's kernels one by one on an NVIDIA GPU, False as XLA's command buffers (CUDA
-    # graphs); None (the default): the mode measured faster (`runner/launch.py`)
+    # vLLM's: True launches every step's kernels one by one on an NVIDIA GPU, False every step's as XLA's command
+    # buffers (CUDA graphs); None (the default): decode-sized steps with command buffers, prompt chunks eagerly
+    # (`runner/launch.py` says why)
     enforce_eager: bool | None = None
 
 

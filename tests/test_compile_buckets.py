@@ -37,25 +37,55 @@ def test_all_buckets_compile_at_start_and_steady_state_compiles_nothing(model_di
         assert "compiled after warm-up" not in caplog.text
 
 
-def test_eager_launches_generate_the_same_tokens_and_compile_nothing_after_start(model_dir):
-    """`enforce_eager` picks the step jits that carry XLA's eager launch option, at start-up and for lazy shapes
-    alike; the tokens are the other mode's, and a warmed-up engine compiles nothing more in either."""
-    from jengine.runner.launch import resolve_eager
-    from jengine.runner.step import STEP_JITS
+class _CountingJit:
+    """A step jit that counts its calls."""
 
-    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 17, 40, 9)]
+    def __init__(self, jitted):
+        self.jitted, self.calls = jitted, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.jitted(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.jitted, name)
+
+
+@pytest.mark.parametrize("eager_above", [None, 0, 4])
+def test_each_step_launches_in_its_policy_mode_with_the_same_tokens(model_dir, monkeypatch, eager_above):
+    """A launch policy sends each step to the jits of its mode by the step's `max_query_len` (here prompt chunks of
+    5 to 32 tokens and decodes of 1), and the tokens do not depend on the mode."""
+    from jengine.runner import runner as runner_module
+    from jengine.runner import step
+    from jengine.runner.launch import LaunchPolicy
+
+    jits = {eager: tuple(_CountingJit(j) for j in step.STEP_JITS[eager]) for eager in (False, True)}
+    for eager, pair in jits.items():
+        monkeypatch.setitem(step.STEP_JITS, eager, pair)
+    monkeypatch.setattr(runner_module, "launch_policy", lambda platform, enforce_eager: LaunchPolicy(eager_above))
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 17, 40, 9)]
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    outputs = {}
-    for eager in (True, False):
-        with LLM(str(model_dir), dtype="float32", max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32,
-                 compile_buckets="all", enforce_eager=eager) as llm:
-            programs = llm._core.runner._programs
-            assert (programs._forward_jit, programs._sample_jit) == STEP_JITS[eager]
-            after_start = num_compiled_shapes()
-            outputs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-            assert num_compiled_shapes() == after_start
-    assert outputs[True] == outputs[False]
-    assert not resolve_eager("cpu", None) and resolve_eager("gpu", True) and not resolve_eager("gpu", False)
+    with LLM(str(model_dir), dtype="float32", max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32,
+             compile_buckets="lazy") as llm:
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    forward_calls = {eager: pair[0].calls for eager, pair in jits.items()}
+    sampler_calls = {eager: pair[1].calls for eager, pair in jits.items()}
+    assert (forward_calls[True] > 0) == (eager_above is not None)  # prompt chunks: eager unless no step is
+    assert (forward_calls[False] > 0) == (eager_above != 0)  # decodes: command buffers unless every step is eager
+    assert (sampler_calls[True] > 0, sampler_calls[False] > 0) == (eager_above == 0, eager_above != 0)
+    with LLM(str(model_dir), dtype="float32", max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32,
+             compile_buckets="lazy", enforce_eager=False) as llm:  # the CPU's plain jits: the reference tokens
+        assert tokens == [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+
+
+def test_the_launch_policy_follows_enforce_eager_and_the_platform():
+    from jengine.runner.launch import GRAPH_MAX_QUERY_LEN, launch_policy
+
+    default_gpu = launch_policy("gpu", None)
+    assert not default_gpu.eager_for(1) and not default_gpu.eager_for(GRAPH_MAX_QUERY_LEN)
+    assert default_gpu.eager_for(GRAPH_MAX_QUERY_LEN + 1) and not default_gpu.eager_sampler
+    assert launch_policy("gpu", True).eager_for(1) and launch_policy("gpu", True).eager_sampler
+    assert not launch_policy("gpu", False).eager_for(4096) and not launch_policy("cpu", None).eager_for(4096)
 
 
 def test_start_up_builds_each_step_program_once(model_dir, monkeypatch):

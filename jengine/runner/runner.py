@@ -33,7 +33,7 @@ from jengine.runner.compile import RecompileGuard, StepShape, padding_inputs, pi
 from jengine.runner.host_pack import pack
 from jengine.runner.protocol import TokenMaskSource
 from jengine.runner.token_masks import WaitingSampler, padded_masks
-from jengine.runner.launch import resolve_eager
+from jengine.runner.launch import launch_policy
 from jengine.runner.program_store import ProgramStore
 from jengine.runner.step import (ModelInputs, StepBatch, StepModel, StepOutput, StepPrograms, StepState, build_step,
                                  sample_phase)
@@ -106,8 +106,8 @@ class ModelRunner:
         self._model = model
         self.mask_words = -(-spec.vocab_size // 32)  # the sampler's token mask covers the model's whole vocabulary
         store = ProgramStore.beside(config.runner.compilation_cache_dir, layout.mesh.devices.flat[0].platform)
-        eager = resolve_eager(layout.mesh.devices.flat[0].platform, config.runner.enforce_eager)
-        self._programs = StepPrograms(model, store, eager)
+        launch = launch_policy(layout.mesh.devices.flat[0].platform, config.runner.enforce_eager)
+        self._programs = StepPrograms(model, store, launch)
         self._step = build_step(self._programs)
         self._speculates = np.zeros(sched.max_num_seqs, bool)  # per row: its request may speculate
         self.recompile_guard = RecompileGuard()

@@ -36,7 +36,7 @@ from jengine.models.decoder import compute_logits, forward_capturing
 from jengine.models.spec import ModelSpec
 from jengine.runner.host_pack import Packed, pack, unpack
 from jengine.runner.input_batch import PENDING_BASE
-from jengine.runner.launch import EAGER_OPTIONS
+from jengine.runner.launch import EAGER_OPTIONS, LaunchPolicy
 from jengine.runner.program_store import ProgramStore, device_assignment, program_key
 from jengine.sampling.metadata import SamplingMetadata
 from jengine.sampling.sampler import SamplerOutput, raw_logprobs, sample
@@ -170,9 +170,9 @@ class StepPrograms:
     shapes of the inputs that vary; the weights and state keep theirs). `compile` builds one batch's programs, or
     loads them from the `ProgramStore` without tracing; a shape never compiled goes through the jits."""
 
-    def __init__(self, model: StepModel, store: ProgramStore | None = None, eager: bool = False) -> None:
-        self.model, self.store, self.eager = model, store, eager
-        self._forward_jit, self._sample_jit = STEP_JITS[eager]
+    def __init__(self, model: StepModel, store: ProgramStore | None = None,
+                 launch: LaunchPolicy = LaunchPolicy()) -> None:
+        self.model, self.store, self.launch = model, store, launch
         self._forward: dict[Hashable, Any] = {}
         self._sample: dict[Hashable, Any] = {}
         self._building: dict[Hashable, threading.Lock] = {}  # one per program: start-up's threads build each once
@@ -180,7 +180,7 @@ class StepPrograms:
     def forward(self, params: dict, state: StepState, packed: Packed):
         program = self._forward.get(_shapes_of(packed))
         if program is None:
-            return self._forward_jit(self.model, params, state, packed)
+            return self._forward_jit(packed)(self.model, params, state, packed)
         return program(params, state, packed)
 
     def sample(self, logits: Float[Array, "seqs vocab"], host: Packed, row_tokens: Int[Array, " rows"]):
@@ -194,7 +194,7 @@ class StepPrograms:
         written): start-up runs it from several threads. Returns the seconds spent (tracing and lowering, XLA
         compiling or loading)."""
         packed = pack(batch.model)
-        forward, lower_f, compile_f = self._build(self._forward, _shapes_of(packed), self._forward_jit,
+        forward, lower_f, compile_f = self._build(self._forward, _shapes_of(packed), self._forward_jit(packed),
                                                   (params, state, packed))
         logits = forward.out_info[0]
         logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=logits.sharding)
@@ -202,6 +202,15 @@ class StepPrograms:
         _, lower_s, compile_s = self._build(self._sample, (logits.shape, _shapes_of(host)), self._sample_jit,
                                             (logits, host, state.row_tokens))
         return lower_f + lower_s, compile_f + compile_s
+
+    def _forward_jit(self, packed: Packed):
+        """The forward jit of the launch mode of `packed`'s step (its static `max_query_len`)."""
+        inputs = jax.tree_util.tree_unflatten(packed.layout.treedef, [None] * packed.layout.treedef.num_leaves)
+        return STEP_JITS[self.launch.eager_for(inputs.attention.max_query_len)][0]
+
+    @property
+    def _sample_jit(self):
+        return STEP_JITS[self.launch.eager_sampler][1]
 
     def _build(self, table: dict, shapes: Hashable, jitted, args: tuple):
         """(program, seconds tracing and lowering, seconds compiling or loading), the program put in `table` (found
@@ -214,8 +223,8 @@ class StepPrograms:
 
     def _build_new(self, table: dict, shapes: Hashable, jitted, args: tuple):
         start = time.perf_counter()
-        static = (self.model,) if jitted is self._forward_jit else ()
-        mode = "eager" if self.eager else "graphs"
+        static = (self.model,) if jitted.__name__ == _forward_step.__name__ else ()
+        mode = "eager" if jitted in STEP_JITS[True] else "graphs"
         key = program_key(f"{jitted.__name__}-{mode}", static, args) if self.store is not None else None
         compiled = self.store.load(key, device_assignment(args)) if key is not None else None
         if compiled is not None:
