@@ -139,13 +139,17 @@ def test_decode_only_bucket_skips_prefill_launch():
 
 def test_the_batch_invariant_tuning_follows_the_step():
     """The batch-invariant mode's decode runs one split over prefill-wide KV tiles; a short step's prefill tiles
-    take the decode kernel's rows and warps; a long step keeps the prefill table's. The default is untouched."""
+    are `short_prefill`'s (the decode kernel's where it is unset); a long step keeps the prefill table's. The
+    default is untouched."""
     base = default_tuning(128, 4)
     long, short = base.batch_invariant(1024, 4, 2048), base.batch_invariant(64, 4, 2048)
     for tuning in (long, short):
         assert tuning.split.max_splits == 1 and tuning.decode.block_n == base.prefill.block_n
     assert long.prefill == base.prefill
     assert (short.prefill.block_m, short.prefill.block_n, short.prefill.num_warps) == (
+        base.short_prefill.block_m, base.prefill.block_n, base.short_prefill.num_warps)
+    unset = dataclasses.replace(base, short_prefill=None).batch_invariant(64, 4, 2048)
+    assert (unset.prefill.block_m, unset.prefill.block_n, unset.prefill.num_warps) == (
         base.decode.block_m, base.prefill.block_n, base.decode.num_warps)
     assert default_tuning(128, 4) == base
 
