@@ -31,9 +31,9 @@ from jengine.runner.kv_storage import KVPlan, allocate
 from jengine.runner import compile as compiling
 from jengine.runner.compile import RecompileGuard, StepShape, padding_inputs, pinned_shapes
 from jengine.runner.host_pack import pack
+from jengine.runner.launch import launch_policy
 from jengine.runner.protocol import TokenMaskSource
 from jengine.runner.token_masks import WaitingSampler, padded_masks
-from jengine.runner.launch import launch_policy
 from jengine.runner.program_store import ProgramStore
 from jengine.runner.step import (ModelInputs, StepBatch, StepModel, StepOutput, StepPrograms, StepState, build_step,
                                  sample_phase)

@@ -155,9 +155,9 @@ def _sample_step(logits: Float[Array, "seqs vocab"], host: Packed, row_tokens: I
 # launched on its own (`EAGER_OPTIONS`). The whole state is donated: the cache is written in place, and `row_tokens`
 # (read, not written, here) comes back as the same buffer. The sampler does not donate it: the forward may still be
 # reading it when the sampler is called.
-_forward_jit = functools.partial(jax.jit, _forward_step, static_argnames=("model",), donate_argnames=("state",))
-STEP_JITS = {False: (_forward_jit(), jax.jit(_sample_step)),
-             True: (_forward_jit(compiler_options=EAGER_OPTIONS),
+_jit_forward = functools.partial(jax.jit, _forward_step, static_argnames=("model",), donate_argnames=("state",))
+STEP_JITS = {False: (_jit_forward(), jax.jit(_sample_step)),
+             True: (_jit_forward(compiler_options=EAGER_OPTIONS),
                     jax.jit(_sample_step, compiler_options=EAGER_OPTIONS))}
 forward_step, sample_step = STEP_JITS[False]
 
