@@ -78,6 +78,31 @@ def test_each_step_launches_in_its_policy_mode_with_the_same_tokens(model_dir, m
         assert tokens == [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
 
 
+def test_speculative_verification_steps_launch_as_decodes(model_dir, monkeypatch):
+    """A verification step scores k + 1 rows a request (here 6, over the policy's bound of 4) but runs every decode
+    iteration: it takes the decode steps' mode, not the prompt chunks'."""
+    from jengine.runner import runner as runner_module
+    from jengine.runner import step
+    from jengine.runner.launch import LaunchPolicy
+
+    picked = []
+    real = step.StepPrograms._forward_jit
+
+    def spying(self, packed, verification=False):
+        jitted = real(self, packed, verification)
+        picked.append((verification, jitted is step.STEP_JITS[True][0]))
+        return jitted
+
+    monkeypatch.setattr(step.StepPrograms, "_forward_jit", spying)
+    monkeypatch.setattr(runner_module, "launch_policy", lambda platform, enforce_eager: LaunchPolicy(4))
+    prompt = {"prompt_token_ids": list(range(3, 13)) * 4}
+    with LLM(str(model_dir), dtype="float32", max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32,
+             compile_buckets="lazy", speculative_config={"method": "ngram", "num_speculative_tokens": 5}) as llm:
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert (True, False) in picked and (True, True) not in picked  # verification steps, none eager
+    assert (False, True) in picked  # the prompt's chunks were
+
+
 def test_the_launch_policy_follows_enforce_eager_and_the_platform():
     from jengine.runner.launch import GRAPH_MAX_QUERY_LEN, launch_policy
 

@@ -7,8 +7,9 @@ brought it up to date with the step's buffers, while kernels launched one by one
 run while the host enqueues the rest: a long step that runs once, a prompt chunk's, starts sooner that way (a
 prefix-cache hit's TTFT 10.4-10.6 ms eager against 11.3 ms with command buffers, same H100; an 8B decode step, bound
 by the device, 6.03 against 6.08 ms). So by default steps of up to GRAPH_MAX_QUERY_LEN new tokens a request
-(decodes, speculative verification) keep the command buffers and longer ones launch eagerly, as vLLM captures CUDA
-graphs for decode batches and runs prefills eagerly; `enforce_eager` (vLLM's name) asks for one mode everywhere.
+(decodes) and speculative verification steps (which run every decode iteration) keep the command buffers and
+prompt chunks launch eagerly, as vLLM captures CUDA graphs for decode batches and runs prefills eagerly;
+`enforce_eager` (vLLM's name) asks for one mode everywhere.
 Measured by `scripts/probe_graphs_gpu.py` and `scripts/probe_ttft_host_gpu.py` (benchmarks/README.md).
 
 The mode is a per-program XLA option (`compiler_options`), so it is part of each compiled program's identity: the

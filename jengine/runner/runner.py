@@ -216,7 +216,8 @@ class ModelRunner:
         model = ModelInputs(inputs.token_ids, inputs.metadata, plan.logits_rows, prompt_rows, prompt_targets,
                             prompt_k, self._lora_rows(self.batch.lora_slot[inputs.rows], inputs.num_scheduled,
                                                           len(inputs.token_ids)))
-        logits, prompt, self.state, hidden = self._programs.forward(self.step_params, self.state, pack(model))
+        logits, prompt, self.state, hidden = self._programs.forward(self.step_params, self.state, pack(model),
+                                                                    verification=True)
         masks = token_masks() if token_masks is not None else None
         mask = None if masks is None else padded_masks(plan.first_rows[masks[0]], masks[1], len(plan.draft_ids),
                                                        self.mask_words)

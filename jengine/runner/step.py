@@ -177,10 +177,12 @@ class StepPrograms:
         self._sample: dict[Hashable, Any] = {}
         self._building: dict[Hashable, threading.Lock] = {}  # one per program: start-up's threads build each once
 
-    def forward(self, params: dict, state: StepState, packed: Packed):
+    def forward(self, params: dict, state: StepState, packed: Packed, verification: bool = False):
+        """`verification`: a speculative step's (drafts scored at k + 1 rows a request), which runs every decode
+        iteration: launched as a decode step is, whatever its query bound."""
         program = self._forward.get(_shapes_of(packed))
         if program is None:
-            return self._forward_jit(packed)(self.model, params, state, packed)
+            return self._forward_jit(packed, verification)(self.model, params, state, packed)
         return program(params, state, packed)
 
     def sample(self, logits: Float[Array, "seqs vocab"], host: Packed, row_tokens: Int[Array, " rows"]):
@@ -203,10 +205,11 @@ class StepPrograms:
                                             (logits, host, state.row_tokens))
         return lower_f + lower_s, compile_f + compile_s
 
-    def _forward_jit(self, packed: Packed):
-        """The forward jit of the launch mode of `packed`'s step (its static `max_query_len`)."""
+    def _forward_jit(self, packed: Packed, verification: bool = False):
+        """The forward jit of the launch mode of `packed`'s step (by its static `max_query_len`; a verification
+        step's as a decode's)."""
         inputs = jax.tree_util.tree_unflatten(packed.layout.treedef, [None] * packed.layout.treedef.num_leaves)
-        return STEP_JITS[self.launch.eager_for(inputs.attention.max_query_len)][0]
+        return STEP_JITS[self.launch.eager_for(1 if verification else inputs.attention.max_query_len)][0]
 
     @property
     def _sample_jit(self):
