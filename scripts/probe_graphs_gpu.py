@@ -5,11 +5,12 @@ decode step's ms by difference (a 65-token and a 1-token greedy generation of th
 warm-up of its shapes, ÷ 64), the host time of the runner's dispatch per step, and a digest of the greedy tokens
 (the variants must generate the same ones). Variants (`--variants`):
 
-  default       XLA's own flags
+  default       XLA's own flags and the engine's default launch policy (`runner/launch.py`)
   graphs_off    no command buffers (`--xla_gpu_enable_command_buffer=`)
   graphs_all    every kind of kernel in command buffers, however short the run (min graph size 1)
   pdl           programmatic dependent launch (`--xla_gpu_enable_pdl=true`)
-  enforce_eager the engine's `enforce_eager=True`: the step programs compiled without command buffers
+  enforce_eager the engine's `enforce_eager=True`: every step program compiled without command buffers
+  all_graphs    the engine's `enforce_eager=False`: every step program with XLA's command buffers
 
     PYTHONPATH=. python scripts/probe_graphs_gpu.py --out $OUT/graphs.json --git-sha <sha>
     PYTHONPATH=. python scripts/probe_graphs_gpu.py --out /tmp/graphs.json --tiny --variants default graphs_off
@@ -38,6 +39,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                    "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN", {}),
     "pdl": ("--xla_gpu_enable_pdl=true", {}),
     "enforce_eager": ("", {"enforce_eager": True}),
+    "all_graphs": ("", {"enforce_eager": False}),
 }
 PROMPT_LEN, NEW_TOKENS = 256, 64
 
