@@ -1,13 +1,13 @@
 """How a step's kernels reach an NVIDIA GPU: XLA's command buffers (CUDA graphs), or each kernel launched on its own.
 
-XLA records runs of a program's kernels into command buffers by default and launches each run as one graph: the
-host enqueues one launch where it would enqueue dozens, which is what a short, host-bound step needs (an MoE
-decode step at batch 1, 24 layers of Qwen3-30B-A3B: 2.85 ms with them, 4.25 ms without, on one H100). A graph starts only once the host has
-brought it up to date with the step's buffers, while kernels launched one by one start as the first is enqueued and
-run while the host enqueues the rest: a long step that runs once, a prompt chunk's, starts sooner that way (a
-prefix-cache hit's TTFT 10.4-10.6 ms eager against 11.3 ms with command buffers, same H100; an 8B decode step, bound
-by the device, 6.03 against 6.08 ms). So by default steps of up to GRAPH_MAX_QUERY_LEN new tokens a request
-(decodes) and speculative verification steps (which run every decode iteration) keep the command buffers and
+XLA records runs of a program's kernels into command buffers by default and launches each run as one graph: the host
+enqueues one launch where it would enqueue dozens, which is what a short, host-bound step needs (an MoE decode step
+at batch 1, 24 layers of Qwen3-30B-A3B: 2.85 ms with them, 4.25 ms without, on one H100). A graph starts only once
+the host has brought it up to date with the step's buffers, while kernels launched one by one start as the first is
+enqueued and run while the host enqueues the rest: a long step that runs once, a prompt chunk's, starts sooner that
+way (a prefix-cache hit's TTFT 10.4-10.6 ms eager against 11.3 ms with command buffers, same H100; an 8B decode
+step, bound by the device, 6.03 against 6.08 ms). So by default steps of up to GRAPH_MAX_QUERY_LEN new tokens a
+request (decodes) and speculative verification steps (which run every decode iteration) keep the command buffers and
 prompt chunks launch eagerly, as vLLM captures CUDA graphs for decode batches and runs prefills eagerly;
 `enforce_eager` (vLLM's name) asks for one mode everywhere.
 Measured by `scripts/probe_graphs_gpu.py` and `scripts/probe_ttft_host_gpu.py` (benchmarks/README.md).

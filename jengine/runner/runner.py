@@ -30,7 +30,6 @@ from jengine.runner.input_batch import InputBatch, StepInputs
 from jengine.runner.kv_storage import KVPlan, allocate
 from jengine.runner import compile as compiling
 from jengine.runner.compile import RecompileGuard, StepShape, padding_inputs, pinned_shapes
-from jengine.runner.host_pack import pack
 from jengine.runner.launch import launch_policy
 from jengine.runner.protocol import TokenMaskSource
 from jengine.runner.token_masks import WaitingSampler, padded_masks
@@ -160,8 +159,7 @@ class ModelRunner:
             self.state, out = self._step(self.step_params, self.state, batch)
             _start_copy_to_host(out)
         else:  # the forward alone: its sampler waits for the masks, or it returns a proposer's hidden states
-            logits, prompt, self.state, hidden = self._programs.forward(self.step_params, self.state,
-                                                                        pack(batch.model))
+            logits, prompt, self.state, hidden = self._programs.forward(self.step_params, self.state, batch.model)
             if token_masks is None:
                 self.state, out = sample_phase(logits, prompt, self.state, batch, self._programs)
                 _start_copy_to_host(out)
@@ -216,7 +214,7 @@ class ModelRunner:
         model = ModelInputs(inputs.token_ids, inputs.metadata, plan.logits_rows, prompt_rows, prompt_targets,
                             prompt_k, self._lora_rows(self.batch.lora_slot[inputs.rows], inputs.num_scheduled,
                                                           len(inputs.token_ids)))
-        logits, prompt, self.state, hidden = self._programs.forward(self.step_params, self.state, pack(model),
+        logits, prompt, self.state, hidden = self._programs.forward(self.step_params, self.state, model,
                                                                     verification=True)
         masks = token_masks() if token_masks is not None else None
         mask = None if masks is None else padded_masks(plan.first_rows[masks[0]], masks[1], len(plan.draft_ids),

@@ -177,12 +177,14 @@ class StepPrograms:
         self._sample: dict[Hashable, Any] = {}
         self._building: dict[Hashable, threading.Lock] = {}  # one per program: start-up's threads build each once
 
-    def forward(self, params: dict, state: StepState, packed: Packed, verification: bool = False):
-        """`verification`: a speculative step's (drafts scored at k + 1 rows a request), which runs every decode
-        iteration: launched as a decode step is, whatever its query bound."""
+    def forward(self, params: dict, state: StepState, inputs: ModelInputs, verification: bool = False):
+        """The forward of a step of `inputs` (packed here: one host→device copy). `verification`: a speculative
+        step's (drafts scored at k + 1 rows a request), which runs every decode iteration: launched as a decode step
+        is, whatever its query bound."""
+        packed = pack(inputs)
         program = self._forward.get(_shapes_of(packed))
         if program is None:
-            return self._forward_jit(packed, verification)(self.model, params, state, packed)
+            return self._forward_jit(inputs, verification)(self.model, params, state, packed)
         return program(params, state, packed)
 
     def sample(self, logits: Float[Array, "seqs vocab"], host: Packed, row_tokens: Int[Array, " rows"]):
@@ -196,7 +198,7 @@ class StepPrograms:
         written): start-up runs it from several threads. Returns the seconds spent (tracing and lowering, XLA
         compiling or loading)."""
         packed = pack(batch.model)
-        forward, lower_f, compile_f = self._build(self._forward, _shapes_of(packed), self._forward_jit(packed),
+        forward, lower_f, compile_f = self._build(self._forward, _shapes_of(packed), self._forward_jit(batch.model),
                                                   (params, state, packed))
         logits = forward.out_info[0]
         logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=logits.sharding)
@@ -205,10 +207,9 @@ class StepPrograms:
                                             (logits, host, state.row_tokens))
         return lower_f + lower_s, compile_f + compile_s
 
-    def _forward_jit(self, packed: Packed, verification: bool = False):
-        """The forward jit of the launch mode of `packed`'s step (by its static `max_query_len`; a verification
+    def _forward_jit(self, inputs: ModelInputs, verification: bool = False):
+        """The forward jit of the launch mode of a step of `inputs` (by its static `max_query_len`; a verification
         step's as a decode's)."""
-        inputs = jax.tree_util.tree_unflatten(packed.layout.treedef, [None] * packed.layout.treedef.num_leaves)
         return STEP_JITS[self.launch.eager_for(1 if verification else inputs.attention.max_query_len)][0]
 
     @property
@@ -253,7 +254,7 @@ def build_step(programs: StepPrograms) -> StepFn:
     nothing waits for the device."""
 
     def step(params: dict, state: StepState, batch: StepBatch) -> tuple[StepState, StepOutput]:
-        logits, prompt, state, _ = programs.forward(params, state, pack(batch.model))
+        logits, prompt, state, _ = programs.forward(params, state, batch.model)
         return sample_phase(logits, prompt, state, batch, programs)
 
     return step
