@@ -1,0 +1,327 @@
+"""The prefill kernel on Hopper's tensor-core pipeline (Pallas, Mosaic GPU backend): wgmma over TMA-loaded pages.
+
+Same semantics as the Triton prefill kernel in `kernel.py` for the requests it serves: each new token attends
+causally over its request's cached positions, read page by page through the block table. It serves requests with
+at least `ROWS_PER_GROUP` new tokens in a 16-bit cache with no sliding window or soft cap; `kernel.py` routes the
+rest to its Triton kernels, which then write their rows into this kernel's output in place.
+
+A program (CUDA block) is one query head × one tile of up to `2 × ROWS_PER_GROUP` consecutive new tokens of one
+request, three warpgroups:
+  * a producer warpgroup walks the tile's visible KV in steps of `block_kv` positions, TMA-loading each step's K and
+    V pages (`block_kv / block_size` copies each, all counted on one barrier) into a ring of
+    `max_concurrent_steps` shared-memory slots;
+  * two compute warpgroups each own `ROWS_PER_GROUP` query rows: S = Q Kᵀ by wgmma, the online softmax in registers
+    (base 2), O += P V by wgmma with P from registers, then the rows normalised and TMA-stored. They take turns on
+    the tensor cores through a shared barrier (one's softmax overlaps the other's matmuls). Steps wholly below a
+    row group's first position are unmasked; the causal edge is masked by position.
+A tile's rows never cross its request's end: the last group of a request is shifted back to end on its last token,
+so it may recompute rows of the group before it (the same bits: a fully visible step gives the same numbers masked
+or not, a fully masked one leaves a row unchanged), and every TMA store lands inside its own request.
+
+Why a second backend: Triton's lowering caps the prefill at about 276 TFLOP/s on an H100 (4k causal), beside
+XLA's ~690 TFLOP/s matmuls; warp specialisation, TMA and wgmma with register-held P is how FA3-class kernels reach
+the tensor cores' rate. Not used in the batch-invariant mode, whose rows must match the Triton decode kernel's bits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxtyping import Array, Float, Int
+
+ROWS_PER_GROUP = 64  # one warpgroup's wgmma rows
+COMPUTE_GROUPS = 2
+ROWS_PER_TILE = ROWS_PER_GROUP * COMPUTE_GROUPS
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+LOG2E = math.log2(math.e)
+M_INIT = -1e30  # finite running max: a row's first steps may be wholly masked at no risk of inf - inf
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+    block_kv: int = 128  # KV positions a step (a multiple of 64 and of the cache's block size)
+    max_concurrent_steps: int = 2  # shared-memory ring depth of the K/V loads
+
+
+def supports(*, dtype, head_dim: int, block_size: int, sliding_window, soft_cap, quantized: bool,
+             max_query_len: int, config: MosaicConfig = MosaicConfig()) -> bool:
+    """Whether a step's long requests can take this kernel (static facts only)."""
+    return (jnp.dtype(dtype) in SUPPORTED_DTYPES and head_dim in (64, 128) and not quantized and not soft_cap
+            and isinstance(sliding_window, int) and sliding_window == 0 and max_query_len >= ROWS_PER_GROUP
+            and config.block_kv % max(block_size, 64) == 0)
+
+
+def tile_table(qsl: Int[Array, " seqs_plus_1"], num_tokens: int) -> tuple[int, Array, Array]:
+    """Static-length table of (request, first new-token index) per tile for the requests of at least
+    `ROWS_PER_GROUP` new tokens, a request's latest (heaviest) tile first; spare tiles get request `num_seqs`."""
+    num_seqs = qsl.shape[0] - 1
+    num_tiles = max(1, -(-num_tokens // ROWS_PER_TILE) + min(num_seqs, num_tokens // ROWS_PER_GROUP))
+    q_len = qsl[1:] - qsl[:-1]
+    tiles = jnp.where(q_len >= ROWS_PER_GROUP, (q_len + ROWS_PER_TILE - 1) // ROWS_PER_TILE, 0)
+    cum = jnp.cumsum(tiles)
+    i = jnp.arange(num_tiles, dtype=jnp.int32)
+    seq = jnp.searchsorted(cum, i, side="right").astype(jnp.int32)
+    sc = jnp.minimum(seq, num_seqs - 1)
+    k = i - (cum[sc] - tiles[sc])
+    q0 = jnp.where(seq < num_seqs, (tiles[sc] - 1 - k) * ROWS_PER_TILE, 0)
+    return num_tiles, seq, q0.astype(jnp.int32)
+
+
+def mosaic_prefill(
+    q: Float[Array, "tokens q_heads head_dim"],
+    kv_cache: Float[Array, "layers blocks block_size 2 kv_heads head_dim"],
+    layer: Int[Array, ""],
+    query_start_loc: Int[Array, " seqs_plus_1"],
+    seq_lens: Int[Array, " seqs"],
+    block_tables: Int[Array, "seqs blocks_per_seq"],
+    *,
+    scale: float,
+    config: MosaicConfig = MosaicConfig(),
+    interpret=None,
+) -> Float[Array, "tokens q_heads head_dim"]:
+    """The rows of the requests with at least `ROWS_PER_GROUP` new tokens; every other row is left unwritten (the
+    Triton kernels fill them in place)."""
+    num_tokens, q_heads, head_dim = q.shape
+    layers, blocks, block_size, _, kv_heads, _ = kv_cache.shape
+    num_seqs, table_width = block_tables.shape
+    group = q_heads // kv_heads
+    # [layer × block, position, K/V × KV head, dim]: a page's K (or V) of one head is one 2-D TMA box; a free reshape
+    pages = kv_cache.reshape(layers * blocks, block_size, 2 * kv_heads, head_dim)
+    num_tiles, tile_seq, tile_q0 = tile_table(query_start_loc, num_tokens)
+    scalars = jnp.stack([jnp.asarray(layer, jnp.int32) * blocks]).astype(jnp.int32)
+    geometry = _Geometry(num_seqs, table_width, block_size, kv_heads, group, head_dim, config.block_kv,
+                         config.max_concurrent_steps, float(scale) * LOG2E, q.dtype, interpret is not None)
+    kernel = plgpu.kernel(
+        functools.partial(_program, geo=geometry),
+        out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid=(q_heads, num_tiles),
+        grid_names=("head", "tile"),
+        num_threads=COMPUTE_GROUPS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )
+    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    return kernel(scalars, i32(query_start_loc), i32(seq_lens), i32(block_tables), tile_seq, tile_q0, q, pages)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geometry:
+    num_seqs: int
+    table_width: int
+    block_size: int
+    kv_heads: int
+    group: int
+    head_dim: int
+    block_kv: int
+    slots: int
+    scale_log2: float  # softmax scale × log2(e): scores go straight to base-2 exponents
+    dtype: jnp.dtype
+    # Mosaic GPU's interpreter takes wgmma operands from shared memory only and cannot seed an accumulator with a
+    # value: interpreted, P goes through shared memory and each step's P V lands in a fresh accumulator, then added
+    interpreted: bool
+
+    @property
+    def pages_per_step(self) -> int:
+        return self.block_kv // self.block_size
+
+
+def _program(scalars_ref, qsl_ref, lens_ref, bt_ref, tile_seq_ref, tile_q0_ref, q_ref, pages_ref, o_ref, *,
+             geo: _Geometry):
+    tiling = plgpu.TilingTransform((8, 64))
+    swizzle = plgpu.SwizzleTransform(128)
+    smem = functools.partial(plgpu.SMEM, dtype=geo.dtype, transforms=(tiling, swizzle))
+    buffers = [smem((COMPUTE_GROUPS, ROWS_PER_GROUP, geo.head_dim)),  # Q
+               smem((geo.slots, geo.block_kv, geo.head_dim)),  # K ring
+               smem((geo.slots, geo.block_kv, geo.head_dim))]  # V ring
+    if geo.interpreted:
+        buffers.append(smem((COMPUTE_GROUPS, ROWS_PER_GROUP, geo.block_kv)))  # P (see `_Geometry.interpreted`)
+
+    def scoped(*refs):
+        smem_refs, barriers = refs[:len(buffers)], refs[len(buffers):]
+        p_smem = smem_refs[3] if geo.interpreted else None
+        _tile(scalars_ref, qsl_ref, lens_ref, bt_ref, tile_seq_ref, tile_q0_ref, q_ref, pages_ref, o_ref,
+              *smem_refs[:3], p_smem, *barriers, geo=geo)
+
+    pl.run_scoped(
+        scoped,
+        *buffers,
+        plgpu.Barrier(num_arrivals=geo.pages_per_step, num_barriers=geo.slots),  # K step landed
+        plgpu.Barrier(num_arrivals=geo.pages_per_step, num_barriers=geo.slots),  # V step landed
+        plgpu.Barrier(num_arrivals=COMPUTE_GROUPS, num_barriers=geo.slots),  # K slot free
+        plgpu.Barrier(num_arrivals=COMPUTE_GROUPS, num_barriers=geo.slots),  # V slot free
+        plgpu.Barrier(num_arrivals=COMPUTE_GROUPS),  # tensor-core turn
+        collective_axes="wg",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    """One compute warpgroup's query rows: tokens `token0 …+63` of the flat batch at positions `pos0 …+63`."""
+
+    token0: jax.Array
+    pos0: jax.Array
+    steps: jax.Array  # KV steps its rows see (the last holds its last row's position)
+    unmasked: jax.Array  # leading steps every one of its rows sees whole
+
+
+def _rows(wg, q_start, q_len, seq_len, q0, block_kv) -> _Rows:
+    first = jnp.minimum(q0 + wg * ROWS_PER_GROUP, q_len - ROWS_PER_GROUP)  # shifted back at the request's end
+    pos0 = seq_len - q_len + first
+    last = pos0 + ROWS_PER_GROUP - 1
+    return _Rows(q_start + first, pos0, lax.div(last, block_kv) + 1, lax.div(pos0 + 1, block_kv))
+
+
+def _tile(scalars_ref, qsl_ref, lens_ref, bt_ref, tile_seq_ref, tile_q0_ref, q_ref, pages_ref, o_ref,
+          qo_smem, k_smem, v_smem, p_smem, k_ready, v_ready, k_free, v_free, turn, *, geo: _Geometry):
+    head, tile, wg = lax.axis_index("head"), lax.axis_index("tile"), lax.axis_index("wg")
+    seq = tile_seq_ref[tile]
+
+    @pl.when(seq < geo.num_seqs)
+    def _():
+        q_start = qsl_ref[seq]
+        q_len = qsl_ref[seq + 1] - q_start
+        seq_len = lens_ref[seq]
+        q0 = tile_q0_ref[tile]
+        rows = functools.partial(_rows, q_start=q_start, q_len=q_len, seq_len=seq_len, q0=q0, block_kv=geo.block_kv)
+        total_steps = rows(COMPUTE_GROUPS - 1).steps  # the last group's rows are the tile's latest
+
+        @pl.when(wg < COMPUTE_GROUPS)
+        def _():
+            plgpu.set_max_registers(232, action="increase")
+            own_p = None if p_smem is None else p_smem.at[wg]
+            _compute(q_ref, o_ref, qo_smem.at[wg], k_smem, v_smem, own_p, k_ready, v_ready, k_free, v_free, turn, head=head, wg=wg, rows=rows(wg), total_steps=total_steps, geo=geo)
+
+        @pl.when(wg == COMPUTE_GROUPS)
+        def _():
+            plgpu.set_max_registers(40, action="decrease")
+            _produce(scalars_ref, bt_ref, pages_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free, seq=seq,
+                     kv_head=lax.div(head, geo.group), total_steps=total_steps, geo=geo)
+
+
+def _produce(scalars_ref, bt_ref, pages_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free, *, seq, kv_head,
+             total_steps, geo: _Geometry):
+    """TMA-loads every KV step's pages into the ring, each slot once both compute groups have released it."""
+    page_base = scalars_ref[0]  # layer × blocks: the layer's first page in the flattened cache
+
+    def load(step, slot):
+        for j in range(geo.pages_per_step):
+            column = jnp.minimum(step * geo.pages_per_step + j, geo.table_width - 1)
+            page = page_base + jnp.maximum(bt_ref[seq, column], 0)
+            rows = pl.ds(j * geo.block_size, geo.block_size)
+            plgpu.copy_gmem_to_smem(pages_ref.at[page, :, kv_head], k_smem.at[slot, rows], k_ready.at[slot])
+            plgpu.copy_gmem_to_smem(pages_ref.at[page, :, geo.kv_heads + kv_head], v_smem.at[slot, rows],
+                                    v_ready.at[slot])
+
+    for slot in range(geo.slots):
+        @pl.when(slot < total_steps)
+        def _():
+            load(slot, slot)
+
+    @pl.loop(geo.slots, jnp.maximum(total_steps, geo.slots))
+    def _(step):
+        slot = lax.rem(step, geo.slots)
+        plgpu.barrier_wait(k_free.at[slot])
+        plgpu.barrier_wait(v_free.at[slot])
+        load(step, slot)
+
+    for slot in range(geo.slots):  # the last round's releases: every phase of a barrier is seen before it goes
+        @pl.when(slot < total_steps)
+        def _():
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+
+
+def _compute(q_ref, o_ref, qo_smem, k_smem, v_smem, p_smem, k_ready, v_ready, k_free, v_free, turn, *,
+             head, wg, rows: _Rows, total_steps, geo: _Geometry):
+    """One compute group's rows: the online softmax over its steps, then its output rows stored by TMA."""
+    def take_turn():
+        plgpu.barrier_arrive(turn)
+        plgpu.barrier_wait(turn)
+
+    # Q and O move through registers: a TMA box into swizzled shared memory must start on an 8-row tile, and a
+    # request's rows start anywhere in the flat batch
+    qo_smem[...] = plgpu.load(q_ref.at[pl.ds(rows.token0, ROWS_PER_GROUP), head], layout=plgpu.Layout.WGMMA,
+                              optimized=False)
+    plgpu.commit_smem()
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    m = plgpu.layout_cast(jnp.full((ROWS_PER_GROUP,), M_INIT, jnp.float32), row_layout)
+    l = plgpu.layout_cast(jnp.full((ROWS_PER_GROUP,), 0.0, jnp.float32), row_layout)
+    acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_GROUP, geo.head_dim), jnp.float32), plgpu.Layout.WGMMA)
+    plgpu.barrier_wait(k_ready.at[0])  # every tile sees step 0
+    pl.when(wg == 1)(take_turn)  # the second group starts half a step behind the first
+
+    def step_body(step, carry, masked: bool):
+        acc, m, l = carry
+        slot = lax.rem(step, geo.slots)
+
+        def scores(acc_ref):
+            plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+            take_turn()
+            return acc_ref[...]
+
+        s = pl.run_scoped(scores, plgpu.ACC((ROWS_PER_GROUP, geo.block_kv), jnp.float32))
+        plgpu.barrier_arrive(k_free.at[slot])
+        s = s * geo.scale_log2
+        if masked:
+            r = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+            c = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+            s = jnp.where(c - r <= rows.pos0 - step * geo.block_kv, s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        l = l * alpha + p.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        p = p.astype(geo.dtype)
+        acc, l, m_new, p = lax.optimization_barrier((acc, l, m_new, p))
+        plgpu.barrier_arrive(turn)  # softmax done: the other group may multiply
+        plgpu.barrier_wait(v_ready.at[slot])
+        plgpu.barrier_wait(turn)
+
+        def values(acc_ref, p_operand):
+            plgpu.wgmma(acc_ref, p_operand, v_smem.at[slot])
+            nxt = step + 1
+
+            @pl.when(nxt < rows.steps)
+            def _():
+                plgpu.barrier_wait(k_ready.at[lax.rem(nxt, geo.slots)])
+
+        if p_smem is None:  # P straight from registers, accumulated into the carried registers
+            acc = pl.run_state(lambda acc_ref: values(acc_ref, p))(plgpu.ACC.init(acc))
+        else:  # the interpreter's form (see `_Geometry.interpreted`)
+            p_smem[...] = p
+            plgpu.commit_smem()
+
+            def fresh(acc_ref):
+                values(acc_ref, p_smem)
+                return acc_ref[...]
+
+            acc = acc + pl.run_scoped(fresh, plgpu.ACC((ROWS_PER_GROUP, geo.head_dim), jnp.float32))
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m_new, l
+
+    def idle_step(step, _):
+        """Steps only the other group's rows see: follow the slot's phases, release it, and keep the turn-taking in
+        step."""
+        slot = lax.rem(step, geo.slots)
+        plgpu.barrier_wait(k_ready.at[slot])
+        plgpu.barrier_wait(v_ready.at[slot])
+        plgpu.barrier_arrive(k_free.at[slot])
+        plgpu.barrier_arrive(v_free.at[slot])
+        take_turn()
+        take_turn()
+
+    carry = lax.fori_loop(0, rows.unmasked, functools.partial(step_body, masked=False), (acc, m, l))
+    acc, m, l = lax.fori_loop(rows.unmasked, rows.steps, functools.partial(step_body, masked=True), carry)
+    lax.fori_loop(rows.steps, total_steps, idle_step, None)
+    pl.when(wg == 0)(take_turn)  # the first group's closing turn pairs the second's opening one
+
+    out = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
+    o_ref[pl.ds(rows.token0, ROWS_PER_GROUP), head] = out.astype(geo.dtype)
