@@ -12,6 +12,7 @@ chunk of a 32k prompt), `mixed` (requests of 3,000, 700, 100 and 65 new tokens o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import sys
@@ -28,17 +29,19 @@ import jax.numpy as jnp  # noqa: E402
 from gpu_bench_common import log, timeit  # noqa: E402
 from pallas_kernels.ragged_paged_attention import kernel as rpa  # noqa: E402
 from pallas_kernels.ragged_paged_attention import mosaic_prefill as mp  # noqa: E402
+from pallas_kernels.ragged_paged_attention.tuning import MosaicConfig, default_tuning  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 SCALE = HEAD_DIM ** -0.5
-# name: ([(new tokens, context)], padding tokens)
+# name: ([(new tokens, context)], padding tokens, sliding window)
 SHAPES = {
-    "prefill_4k": ([(4096, 4096)], 0),
-    "chunk_8k_ctx32k": ([(8192, 32768)], 0),
-    "mixed": ([(3000, 3000), (700, 2900), (100, 5000), (65, 65), (1, 900)], 19),
+    "prefill_4k": ([(4096, 4096)], 0, 0),
+    "chunk_8k_ctx32k": ([(8192, 32768)], 0, 0),
+    "mixed": ([(3000, 3000), (700, 2900), (100, 5000), (65, 65), (1, 900)], 19, 0),
+    "mixed_window1000": ([(3000, 3000), (700, 2900), (100, 5000), (65, 65), (1, 900)], 19, 1000),
 }
-SMOKE_SHAPES = {"mixed": ([(150, 250), (70, 70), (3, 8)], 5)}
-CONFIGS = {"kv128_s2": mp.MosaicConfig(128, 2), "kv64_s2": mp.MosaicConfig(64, 2), "kv64_s3": mp.MosaicConfig(64, 3)}
+SMOKE_SHAPES = {"mixed": ([(150, 250), (70, 70), (3, 8)], 5, 0), "window": ([(200, 330), (64, 64)], 3, 90)}
+CONFIGS = {"kv128_s2": MosaicConfig(128, 2), "kv64_s2": MosaicConfig(64, 2), "kv64_s3": MosaicConfig(64, 3)}
 
 
 def batch(requests, padding, rng, heads=(Q_HEADS, KV_HEADS, HEAD_DIM), block=BLOCK):
@@ -61,18 +64,17 @@ def batch(requests, padding, rng, heads=(Q_HEADS, KV_HEADS, HEAD_DIM), block=BLO
     return (q, kv, jnp.int32(1), jnp.asarray(qsl), jnp.asarray(lens, jnp.int32), jnp.asarray(bt)), q_lens, lens
 
 
-def sampled_reference(args, q_lens, lens, rng, per_request=96):
-    """float32 attention of sampled rows of every request of ≥ 64 new tokens: {token: [q_heads, dim]}."""
+def sampled_reference(args, q_lens, lens, window, rng, per_request=96):
+    """float32 attention of sampled rows of every request: {token: [q_heads, dim]}."""
     q, kv, layer, qsl, _, bt = args
     out = {}
     for r, (n, ctx) in enumerate(zip(q_lens, lens)):
-        if n < mp.ROWS_PER_GROUP:
-            continue
         pages = kv[1][bt[r]].reshape(-1, 2, KV_HEADS, HEAD_DIM)[:ctx].astype(jnp.float32)
         k, v = jnp.repeat(pages[:, 0], Q_HEADS // KV_HEADS, 1), jnp.repeat(pages[:, 1], Q_HEADS // KV_HEADS, 1)
         rows = np.unique(np.concatenate([[0, n - 1], rng.integers(0, n, per_request)]))
         tokens = int(qsl[r]) + rows
-        visible = jnp.arange(ctx)[None, :] <= jnp.asarray(ctx - n + rows)[:, None]
+        behind = jnp.asarray(ctx - n + rows)[:, None] - jnp.arange(ctx)[None, :]
+        visible = (behind >= 0) & ((window <= 0) | (behind < window))
         s = jnp.einsum("rhd,khd->rhk", q[tokens].astype(jnp.float32), k, precision="highest") * SCALE
         s = jnp.where(visible[:, None, :], s, -jnp.inf)
         o = jnp.einsum("rhk,khd->rhd", jax.nn.softmax(s, -1), v, precision="highest")
@@ -80,44 +82,51 @@ def sampled_reference(args, q_lens, lens, rng, per_request=96):
     return out
 
 
-def check(out, ref, long_rows) -> dict:
-    """Sampled rows against the reference; every row of the long requests finite (the Mosaic kernel leaves the
-    others to the Triton kernels)."""
+def check(out, ref, rows) -> dict:
+    """Sampled rows (of `rows`) against the reference, every one of `rows` finite."""
     out = np.asarray(out.astype(jnp.float32))
+    ref = {t: r for t, r in ref.items() if t in set(rows.tolist())}
     err = max(float(np.max(np.abs(out[t] - np.asarray(r)))) for t, r in ref.items())
     scale = max(float(np.max(np.abs(np.asarray(r)))) for r in ref.values())
-    finite = bool(np.isfinite(out[long_rows]).all())
+    finite = bool(np.isfinite(out[rows]).all())
     return {"rows": len(ref), "max_abs_err": err, "rel_err": err / scale, "finite": finite,
             "ok": finite and err / scale <= 2e-2}
 
 
-def flops(q_lens, lens) -> float:
+def flops(q_lens, lens, window) -> float:
     """QKᵀ and PV over each new token's visible positions, 2 flops a multiply-add, all query heads."""
-    return sum(4.0 * HEAD_DIM * Q_HEADS * sum(c - n + i + 1 for i in range(n)) for n, c in zip(q_lens, lens))
+    seen = (lambda pos: min(pos + 1, window)) if window > 0 else (lambda pos: pos + 1)
+    return sum(4.0 * HEAD_DIM * Q_HEADS * sum(seen(c - n + i) for i in range(n)) for n, c in zip(q_lens, lens))
 
 
 def run(shapes, configs, interpret) -> dict:
     rng = np.random.default_rng(0)
     results = {}
-    for name, (requests, padding) in shapes.items():
+    for name, (requests, padding, window) in shapes.items():
         args, q_lens, lens = batch(requests, padding, rng)
-        ref = sampled_reference(args, q_lens, lens, rng)
-        f = flops([n for n in q_lens if n >= mp.ROWS_PER_GROUP], [c for n, c in zip(q_lens, lens)
-                                                                 if n >= mp.ROWS_PER_GROUP])
-        entry = {"requests": requests, "flops_long_requests": f}
+        ref = sampled_reference(args, q_lens, lens, window, rng)
+        long = [(n, c) for n, c in zip(q_lens, lens) if n >= mp.ROWS_PER_GROUP]
+        f = flops([n for n, _ in long], [c for _, c in long], window)
+        entry = {"requests": requests, "window": window, "flops_long_requests": f}
         qsl = np.asarray(args[3])
         long_rows = np.concatenate([np.arange(qsl[i], qsl[i + 1]) for i, n in enumerate(q_lens)
                                     if n >= mp.ROWS_PER_GROUP])
-        jobs = {"triton": jax.jit(functools.partial(rpa.ragged_paged_attention_impl, scale=SCALE, sliding_window=0,
+        jobs = {"triton": jax.jit(functools.partial(rpa.ragged_paged_attention_impl, scale=SCALE, sliding_window=window,
                                                     soft_cap=None, max_query_len=max(q_lens), interpret=interpret))}
         for cname, cfg in configs.items():
             jobs[f"mosaic_{cname}"] = jax.jit(functools.partial(
-                mp.mosaic_prefill, scale=SCALE, config=cfg,
+                mp.mosaic_prefill, scale=SCALE, sliding_window=window, config=cfg,
                 interpret=None if not interpret else __import__("jax.experimental.pallas.mosaic_gpu",
                                                                 fromlist=["x"]).InterpretGPUParams()))
+        wired = dataclasses.replace(default_tuning(HEAD_DIM, Q_HEADS // KV_HEADS),
+                                    mosaic_prefill=next(iter(configs.values())))
+        jobs["wired"] = jax.jit(functools.partial(rpa.ragged_paged_attention_impl, scale=SCALE, sliding_window=window,
+                                                  soft_cap=None, max_query_len=max(q_lens), interpret=interpret,
+                                                  tuning=wired))
+        all_rows = np.arange(int(qsl[-1]) + padding)
         for jname, fn in jobs.items():
             try:
-                c = check(fn(*args), ref, long_rows)
+                c = check(fn(*args), ref, long_rows if jname.startswith("mosaic") else all_rows)
                 item = {"check": c}
                 if not interpret and c["ok"]:
                     t = timeit(fn, *args, runs=5)

@@ -45,11 +45,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as pltr
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.addressing import UnsupportedShapeError, as_byte_pairs
 from pallas_kernels.kv_quant import KVScales, check_kv_scales
+from pallas_kernels.ragged_paged_attention import mosaic_prefill
 from pallas_kernels.ragged_paged_attention.tiles import (
     Geometry,
     KVSource,
@@ -177,10 +179,12 @@ def _merge_kernel(window_ref, qsl_ref, lens_ref, o_part_ref, lse_part_ref, *out_
 
 
 def _prefill_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, tile_seq_ref, tile_q0_ref, q_ref, kv_ref,
-                    scales_ref, o_ref, *, geo: Geometry, cfg: KernelConfig, scores: Scores, segment: int | None):
+                    scales_ref, *out_refs, geo: Geometry, cfg: KernelConfig, scores: Scores, segment: int | None):
     """Program (query tile i, KV head h). Real tiles attend (`segment`: in the batch-invariant mode's absolute
     segments, folded as a decode's splits are merged); spare tiles (tile_seq == num_seqs) zero the rows of padding
-    tokens, so the output holds no uninitialised memory."""
+    tokens, so the output holds no uninitialised memory. `out_refs`: the output (after the aliased input it
+    updates in place, if any)."""
+    o_ref = out_refs[-1]
     i, h = pl.program_id(0), pl.program_id(1)
     b, q0 = tile_seq_ref[i], tile_q0_ref[i]
     t, g = query_rows(cfg.block_m, geo.group, geo.group_pad)
@@ -271,15 +275,16 @@ def _merge_call(q, out, partials, layer_window, qsl, lens, geo, tuning, interpre
     )(layer_window[1], qsl, lens, *partials, *into)
 
 
-def _prefill_tiles(qsl, geo: Geometry, tuning: Tuning):
+def _prefill_tiles(qsl, geo: Geometry, tuning: Tuning, below: int | None = None):
     """Static-length table of query tiles: (request, first new-token index) per tile, heaviest (latest) tile of a
     request first; the spare tiles at the end get (num_seqs, first padding token to zero). Requests that fit the
-    decode kernel get none."""
+    decode kernel get none, nor (`below`) those of at least that many new tokens."""
     tpt_dec = tokens_per_tile(geo, tuning.decode)
     tpt = tokens_per_tile(geo, tuning.prefill)
     num_tiles = cdiv(geo.num_tokens, tpt) + min(geo.num_seqs, geo.num_tokens // (tpt_dec + 1))
     q_len = qsl[1:] - qsl[:-1]
-    tiles = jnp.where(q_len > tpt_dec, cdiv(q_len, tpt), 0)
+    served = (q_len > tpt_dec) if below is None else (q_len > tpt_dec) & (q_len < below)
+    tiles = jnp.where(served, cdiv(q_len, tpt), 0)
     cum = jnp.cumsum(tiles)
     i = jnp.arange(num_tiles, dtype=jnp.int32)
     seq = jnp.searchsorted(cum, i, side="right").astype(jnp.int32)
@@ -290,20 +295,37 @@ def _prefill_tiles(qsl, geo: Geometry, tuning: Tuning):
     return num_tiles, seq, q0.astype(jnp.int32)
 
 
-def _prefill_call(q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning, scores, interpret):
+def _prefill_call(q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning, scores, interpret, *, into=None,
+                  below: int | None = None):
+    """The Triton prefill kernel's rows and the padding's zeros: into a fresh output, or into `into` in place (the
+    Mosaic kernel's output, whose requests of at least `below` new tokens it leaves alone)."""
     cfg = tuning.prefill
-    num_tiles, tile_seq, tile_q0 = _prefill_tiles(qsl, geo, tuning)
+    num_tiles, tile_seq, tile_q0 = _prefill_tiles(qsl, geo, tuning, below)
+    into = () if into is None else (into,)
     segment = tuning.split.split_tokens if tuning.split.absolute else None
     kernel = functools.partial(_prefill_kernel, geo=geo, cfg=cfg, scores=scores, segment=segment)
     return pl.pallas_call(
         kernel,
         grid=(num_tiles, geo.kv_heads),
-        in_specs=[pl.no_block_spec] * 10,
+        in_specs=[pl.no_block_spec] * (10 + len(into)),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        input_output_aliases={10: 0} if into else {},
         compiler_params=pltr.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name="ragged_paged_attention_prefill",
-    )(*layer_window, qsl, lens, bt, tile_seq, tile_q0, q, kv_cache, scales)
+    )(*layer_window, qsl, lens, bt, tile_seq, tile_q0, q, kv_cache, scales, *into)
+
+
+def _prefill(q, kv_cache, layer, scale, args, *, mosaic: bool, interpret):
+    """The prefill launches of a step: the Triton kernel alone, or the Mosaic kernel for the requests of at least
+    `mosaic_prefill.ROWS_PER_GROUP` new tokens and the Triton kernel into its output for the others."""
+    if not mosaic:
+        return _prefill_call(*args)
+    _, _, _, layer_window, qsl, lens, bt, _, tuning, _, _ = args
+    out = mosaic_prefill.mosaic_prefill(
+        q, kv_cache, layer, qsl, lens, bt, scale=scale, sliding_window=layer_window[1][0],
+        config=tuning.mosaic_prefill, interpret=plgpu.InterpretGPUParams() if interpret else None)
+    return _prefill_call(*args, into=out, below=mosaic_prefill.ROWS_PER_GROUP)
 
 
 def merge_free(table_positions: int, split: SplitConfig) -> bool:
@@ -349,7 +371,11 @@ def ragged_paged_attention_impl(
     direct = merge_free(bt.shape[1] * block_size, tuning.split)
     partials = None if direct else _decode_call(*args)
     decode_only = max_query_len <= tokens_per_tile(geo, tuning.decode)  # no prefill launch
-    out = decode_only_start(q) if decode_only else _prefill_call(*args)
+    mosaic = (tuning.mosaic_prefill is not None and not single_path and mosaic_prefill.supports(
+        dtype=q.dtype, head_dim=head_dim, block_size=block_size, soft_cap=soft_cap, quantized=quantized,
+        max_query_len=max_query_len, config=tuning.mosaic_prefill))
+    out = decode_only_start(q) if decode_only else _prefill(q, kv_cache, layer, scale, args, mosaic=mosaic,
+                                                            interpret=interpret)
     if direct:
         return _decode_call(*args, direct=True, out=out)
     return _merge_call(q, out, partials, layer_window, qsl, lens, geo, tuning, interpret)

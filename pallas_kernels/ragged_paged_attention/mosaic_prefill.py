@@ -36,6 +36,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.ragged_paged_attention.tuning import MosaicConfig
+
 ROWS_PER_GROUP = 64  # one warpgroup's wgmma rows
 COMPUTE_GROUPS = 2
 ROWS_PER_TILE = ROWS_PER_GROUP * COMPUTE_GROUPS
@@ -44,18 +46,11 @@ LOG2E = math.log2(math.e)
 M_INIT = -1e30  # finite running max: a row's first steps may be wholly masked at no risk of inf - inf
 
 
-@dataclasses.dataclass(frozen=True)
-class MosaicConfig:
-    block_kv: int = 128  # KV positions a step (a multiple of 64 and of the cache's block size)
-    max_concurrent_steps: int = 2  # shared-memory ring depth of the K/V loads
-
-
-def supports(*, dtype, head_dim: int, block_size: int, sliding_window, soft_cap, quantized: bool,
-             max_query_len: int, config: MosaicConfig = MosaicConfig()) -> bool:
+def supports(*, dtype, head_dim: int, block_size: int, soft_cap, quantized: bool, max_query_len: int,
+             config: MosaicConfig = MosaicConfig()) -> bool:
     """Whether a step's long requests can take this kernel (static facts only)."""
     return (jnp.dtype(dtype) in SUPPORTED_DTYPES and head_dim in (64, 128) and not quantized and not soft_cap
-            and isinstance(sliding_window, int) and sliding_window == 0 and max_query_len >= ROWS_PER_GROUP
-            and config.block_kv % max(block_size, 64) == 0)
+            and max_query_len >= ROWS_PER_GROUP and config.block_kv % max(block_size, 64) == 0)
 
 
 def tile_table(qsl: Int[Array, " seqs_plus_1"], num_tokens: int) -> tuple[int, Array, Array]:
@@ -83,11 +78,13 @@ def mosaic_prefill(
     block_tables: Int[Array, "seqs blocks_per_seq"],
     *,
     scale: float,
+    sliding_window: Int[Array, ""] | int = 0,
     config: MosaicConfig = MosaicConfig(),
     interpret=None,
 ) -> Float[Array, "tokens q_heads head_dim"]:
     """The rows of the requests with at least `ROWS_PER_GROUP` new tokens; every other row is left unwritten (the
-    Triton kernels fill them in place)."""
+    Triton kernels fill them in place). `sliding_window` > 0 keeps each row's last that many positions (traced).
+    `interpret`: Mosaic GPU's interpreter parameters (`plgpu.InterpretGPUParams`), for the CPU."""
     num_tokens, q_heads, head_dim = q.shape
     layers, blocks, block_size, _, kv_heads, _ = kv_cache.shape
     num_seqs, table_width = block_tables.shape
@@ -95,7 +92,7 @@ def mosaic_prefill(
     # [layer × block, position, K/V × KV head, dim]: a page's K (or V) of one head is one 2-D TMA box; a free reshape
     pages = kv_cache.reshape(layers * blocks, block_size, 2 * kv_heads, head_dim)
     num_tiles, tile_seq, tile_q0 = tile_table(query_start_loc, num_tokens)
-    scalars = jnp.stack([jnp.asarray(layer, jnp.int32) * blocks]).astype(jnp.int32)
+    scalars = jnp.stack([jnp.asarray(layer, jnp.int32) * blocks, jnp.asarray(sliding_window, jnp.int32)])
     geometry = _Geometry(num_seqs, table_width, block_size, kv_heads, group, head_dim, config.block_kv,
                          config.max_concurrent_steps, float(scale) * LOG2E, q.dtype, interpret is not None)
     kernel = plgpu.kernel(
@@ -164,19 +161,29 @@ def _program(scalars_ref, qsl_ref, lens_ref, bt_ref, tile_seq_ref, tile_q0_ref, 
 
 @dataclasses.dataclass(frozen=True)
 class _Rows:
-    """One compute warpgroup's query rows: tokens `token0 …+63` of the flat batch at positions `pos0 …+63`."""
+    """One compute warpgroup's query rows, tokens `token0 …+63` of the flat batch at positions `pos0 …+63`, and the
+    KV steps they see: masked steps `[first, whole_from)`, whole steps `[whole_from, whole_to)`, masked steps
+    `[whole_to, end)` (a window's lower edge, then the causal edge)."""
 
     token0: jax.Array
     pos0: jax.Array
-    steps: jax.Array  # KV steps its rows see (the last holds its last row's position)
-    unmasked: jax.Array  # leading steps every one of its rows sees whole
+    first: jax.Array
+    whole_from: jax.Array
+    whole_to: jax.Array
+    end: jax.Array
 
 
-def _rows(wg, q_start, q_len, seq_len, q0, block_kv) -> _Rows:
-    first = jnp.minimum(q0 + wg * ROWS_PER_GROUP, q_len - ROWS_PER_GROUP)  # shifted back at the request's end
-    pos0 = seq_len - q_len + first
+def _rows(wg, q_start, q_len, seq_len, q0, window, block_kv) -> _Rows:
+    row0 = jnp.minimum(q0 + wg * ROWS_PER_GROUP, q_len - ROWS_PER_GROUP)  # shifted back at the request's end
+    pos0 = seq_len - q_len + row0
     last = pos0 + ROWS_PER_GROUP - 1
-    return _Rows(q_start + first, pos0, lax.div(last, block_kv) + 1, lax.div(pos0 + 1, block_kv))
+    windowed = window > 0
+    first = jnp.where(windowed, lax.div(jnp.maximum(pos0 - window + 1, 0), block_kv), 0)
+    end = lax.div(last, block_kv) + 1
+    # whole for every row: at or past the last row's window start, and wholly at or before the first row
+    whole_from = jnp.clip(jnp.where(windowed, lax.div(jnp.maximum(last - window + block_kv, 0), block_kv), 0), first, end)
+    whole_to = jnp.clip(lax.div(pos0 + 1, block_kv), whole_from, end)
+    return _Rows(q_start + row0, pos0, first, whole_from, whole_to, end)
 
 
 def _tile(scalars_ref, qsl_ref, lens_ref, bt_ref, tile_seq_ref, tile_q0_ref, q_ref, pages_ref, o_ref,
@@ -190,25 +197,29 @@ def _tile(scalars_ref, qsl_ref, lens_ref, bt_ref, tile_seq_ref, tile_q0_ref, q_r
         q_len = qsl_ref[seq + 1] - q_start
         seq_len = lens_ref[seq]
         q0 = tile_q0_ref[tile]
-        rows = functools.partial(_rows, q_start=q_start, q_len=q_len, seq_len=seq_len, q0=q0, block_kv=geo.block_kv)
-        total_steps = rows(COMPUTE_GROUPS - 1).steps  # the last group's rows are the tile's latest
+        rows = functools.partial(_rows, q_start=q_start, q_len=q_len, seq_len=seq_len, q0=q0,
+                                 window=scalars_ref[1], block_kv=geo.block_kv)
+        # the first group's rows are the tile's earliest, the last group's its latest
+        steps = (rows(0).first, rows(COMPUTE_GROUPS - 1).end)
 
         @pl.when(wg < COMPUTE_GROUPS)
         def _():
             plgpu.set_max_registers(232, action="increase")
             own_p = None if p_smem is None else p_smem.at[wg]
-            _compute(q_ref, o_ref, qo_smem.at[wg], k_smem, v_smem, own_p, k_ready, v_ready, k_free, v_free, turn, head=head, wg=wg, rows=rows(wg), total_steps=total_steps, geo=geo)
+            _compute(q_ref, o_ref, qo_smem.at[wg], k_smem, v_smem, own_p, k_ready, v_ready, k_free, v_free, turn,
+                     head=head, wg=wg, window=scalars_ref[1], rows=rows(wg), steps=steps, geo=geo)
 
         @pl.when(wg == COMPUTE_GROUPS)
         def _():
             plgpu.set_max_registers(40, action="decrease")
             _produce(scalars_ref, bt_ref, pages_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free, seq=seq,
-                     kv_head=lax.div(head, geo.group), total_steps=total_steps, geo=geo)
+                     kv_head=lax.div(head, geo.group), steps=steps, geo=geo)
 
 
 def _produce(scalars_ref, bt_ref, pages_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free, *, seq, kv_head,
-             total_steps, geo: _Geometry):
-    """TMA-loads every KV step's pages into the ring, each slot once both compute groups have released it."""
+             steps, geo: _Geometry):
+    """TMA-loads the pages of KV steps `[steps[0], steps[1])` into the ring (step `s` into slot `s % slots`), each
+    slot once both compute groups have released it."""
     page_base = scalars_ref[0]  # layer × blocks: the layer's first page in the flattened cache
 
     def load(step, slot):
@@ -220,28 +231,30 @@ def _produce(scalars_ref, bt_ref, pages_ref, k_smem, v_smem, k_ready, v_ready, k
             plgpu.copy_gmem_to_smem(pages_ref.at[page, :, geo.kv_heads + kv_head], v_smem.at[slot, rows],
                                     v_ready.at[slot])
 
-    for slot in range(geo.slots):
-        @pl.when(slot < total_steps)
+    begin, end = steps
+    for i in range(geo.slots):
+        @pl.when(begin + i < end)
         def _():
-            load(slot, slot)
+            load(begin + i, lax.rem(begin + i, geo.slots))
 
-    @pl.loop(geo.slots, jnp.maximum(total_steps, geo.slots))
+    @pl.loop(begin + geo.slots, jnp.maximum(end, begin + geo.slots))
     def _(step):
         slot = lax.rem(step, geo.slots)
         plgpu.barrier_wait(k_free.at[slot])
         plgpu.barrier_wait(v_free.at[slot])
         load(step, slot)
 
-    for slot in range(geo.slots):  # the last round's releases: every phase of a barrier is seen before it goes
-        @pl.when(slot < total_steps)
+    for i in range(geo.slots):  # the last round's releases: every phase of a barrier is seen before it goes
+        @pl.when(begin + i < end)
         def _():
+            slot = lax.rem(begin + i, geo.slots)
             plgpu.barrier_wait(k_free.at[slot])
             plgpu.barrier_wait(v_free.at[slot])
 
 
 def _compute(q_ref, o_ref, qo_smem, k_smem, v_smem, p_smem, k_ready, v_ready, k_free, v_free, turn, *,
-             head, wg, rows: _Rows, total_steps, geo: _Geometry):
-    """One compute group's rows: the online softmax over its steps, then its output rows stored by TMA."""
+             head, wg, window, rows: _Rows, steps, geo: _Geometry):
+    """One compute group's rows: the online softmax over its steps, then its output rows stored."""
     def take_turn():
         plgpu.barrier_arrive(turn)
         plgpu.barrier_wait(turn)
@@ -255,12 +268,12 @@ def _compute(q_ref, o_ref, qo_smem, k_smem, v_smem, p_smem, k_ready, v_ready, k_
     m = plgpu.layout_cast(jnp.full((ROWS_PER_GROUP,), M_INIT, jnp.float32), row_layout)
     l = plgpu.layout_cast(jnp.full((ROWS_PER_GROUP,), 0.0, jnp.float32), row_layout)
     acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_GROUP, geo.head_dim), jnp.float32), plgpu.Layout.WGMMA)
-    plgpu.barrier_wait(k_ready.at[0])  # every tile sees step 0
     pl.when(wg == 1)(take_turn)  # the second group starts half a step behind the first
 
     def step_body(step, carry, masked: bool):
         acc, m, l = carry
         slot = lax.rem(step, geo.slots)
+        plgpu.barrier_wait(k_ready.at[slot])
 
         def scores(acc_ref):
             plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
@@ -273,7 +286,8 @@ def _compute(q_ref, o_ref, qo_smem, k_smem, v_smem, p_smem, k_ready, v_ready, k_
         if masked:
             r = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
             c = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-            s = jnp.where(c - r <= rows.pos0 - step * geo.block_kv, s, -jnp.inf)
+            behind = rows.pos0 - step * geo.block_kv + r - c  # how far the row's position is past the column's
+            s = jnp.where((behind >= 0) & ((window <= 0) | (behind < window)), s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -287,11 +301,6 @@ def _compute(q_ref, o_ref, qo_smem, k_smem, v_smem, p_smem, k_ready, v_ready, k_
 
         def values(acc_ref, p_operand):
             plgpu.wgmma(acc_ref, p_operand, v_smem.at[slot])
-            nxt = step + 1
-
-            @pl.when(nxt < rows.steps)
-            def _():
-                plgpu.barrier_wait(k_ready.at[lax.rem(nxt, geo.slots)])
 
         if p_smem is None:  # P straight from registers, accumulated into the carried registers
             acc = pl.run_state(lambda acc_ref: values(acc_ref, p))(plgpu.ACC.init(acc))
@@ -318,9 +327,11 @@ def _compute(q_ref, o_ref, qo_smem, k_smem, v_smem, p_smem, k_ready, v_ready, k_
         take_turn()
         take_turn()
 
-    carry = lax.fori_loop(0, rows.unmasked, functools.partial(step_body, masked=False), (acc, m, l))
-    acc, m, l = lax.fori_loop(rows.unmasked, rows.steps, functools.partial(step_body, masked=True), carry)
-    lax.fori_loop(rows.steps, total_steps, idle_step, None)
+    lax.fori_loop(steps[0], rows.first, idle_step, None)
+    carry = lax.fori_loop(rows.first, rows.whole_from, functools.partial(step_body, masked=True), (acc, m, l))
+    carry = lax.fori_loop(rows.whole_from, rows.whole_to, functools.partial(step_body, masked=False), carry)
+    acc, m, l = lax.fori_loop(rows.whole_to, rows.end, functools.partial(step_body, masked=True), carry)
+    lax.fori_loop(rows.end, steps[1], idle_step, None)
     pl.when(wg == 0)(take_turn)  # the first group's closing turn pairs the second's opening one
 
     out = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])

@@ -35,6 +35,14 @@ class KernelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+    """Launch parameters of the Mosaic GPU prefill kernel (`mosaic_prefill.py`)."""
+
+    block_kv: int = 128  # KV positions a step (a multiple of 64 and of the cache's block size)
+    max_concurrent_steps: int = 2  # shared-memory ring depth of the K/V loads
+
+
+@dataclasses.dataclass(frozen=True)
 class SplitConfig:
     """Split-K of the decode kernel. A request's split count depends on its own visible length only
     (`clamp(ceil(len / split_tokens), 1, max_splits)`), never on the rest of the batch, so its reduction order
@@ -60,6 +68,9 @@ class Tuning:
     invariant_segment: int | None = None
     # The batch-invariant mode's prefill tiles for a short step (`batch_invariant`); None: the decode kernel's
     short_prefill: KernelConfig | None = None
+    # The requests with at least 64 new tokens on the Mosaic GPU prefill kernel (`mosaic_prefill.py`) outside the
+    # batch-invariant mode; None: the Triton prefill kernel serves every prefill row
+    mosaic_prefill: MosaicConfig | None = None
 
     def __post_init__(self):
         if self.fp8_operands not in ("bfloat16", "float16"):
