@@ -207,7 +207,7 @@ def _tile(scalars_ref, qsl_ref, lens_ref, bt_ref, tile_seq_ref, tile_q0_ref, q_r
             plgpu.set_max_registers(232, action="increase")
             own_p = None if p_smem is None else p_smem.at[wg]
             _compute(q_ref, o_ref, qo_smem.at[wg], k_smem, v_smem, own_p, k_ready, v_ready, k_free, v_free, turn,
-                     head=head, wg=wg, window=scalars_ref[1], rows=rows(wg), steps=steps, geo=geo)
+                     head=head, wg=wg, window=scalars_ref[1], seq_len=seq_len, rows=rows(wg), steps=steps, geo=geo)
 
         @pl.when(wg == COMPUTE_GROUPS)
         def _():
@@ -253,7 +253,7 @@ def _produce(scalars_ref, bt_ref, pages_ref, k_smem, v_smem, k_ready, v_ready, k
 
 
 def _compute(q_ref, o_ref, qo_smem, k_smem, v_smem, p_smem, k_ready, v_ready, k_free, v_free, turn, *,
-             head, wg, window, rows: _Rows, steps, geo: _Geometry):
+             head, wg, window, seq_len, rows: _Rows, steps, geo: _Geometry):
     """One compute group's rows: the online softmax over its steps, then its output rows stored."""
     def take_turn():
         plgpu.barrier_arrive(turn)
@@ -297,6 +297,8 @@ def _compute(q_ref, o_ref, qo_smem, k_smem, v_smem, p_smem, k_ready, v_ready, k_
         acc, l, m_new, p = lax.optimization_barrier((acc, l, m_new, p))
         plgpu.barrier_arrive(turn)  # softmax done: the other group may multiply
         plgpu.barrier_wait(v_ready.at[slot])
+        if masked:
+            _zero_unowned_values(v_smem.at[slot], seq_len - step * geo.block_kv)
         plgpu.barrier_wait(turn)
 
         def values(acc_ref, p_operand):
@@ -336,3 +338,16 @@ def _compute(q_ref, o_ref, qo_smem, k_smem, v_smem, p_smem, k_ready, v_ready, k_
 
     out = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
     o_ref[pl.ds(rows.token0, ROWS_PER_GROUP), head] = out.astype(geo.dtype)
+
+
+def _zero_unowned_values(v_tile, owned):
+    """Zeros the V rows from `owned` on, where the request's last step runs past its length: those slots hold
+    whatever an earlier owner of the page left there, NaN included, and a masked score's zero weight times NaN is
+    NaN. Both groups may zero the same rows of a shared slot; each does before its own P V, and zeros over zeros
+    change nothing."""
+    @pl.when(owned < v_tile.shape[0])
+    def _():
+        v = plgpu.load(v_tile, layout=plgpu.Layout.WGMMA)
+        row = plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=plgpu.Layout.WGMMA)
+        v_tile[...] = jnp.where(row < owned, v, jnp.zeros_like(v))
+        plgpu.commit_smem()
