@@ -181,7 +181,8 @@ def _rows(wg, q_start, q_len, seq_len, q0, window, block_kv) -> _Rows:
     first = jnp.where(windowed, lax.div(jnp.maximum(pos0 - window + 1, 0), block_kv), 0)
     end = lax.div(last, block_kv) + 1
     # whole for every row: at or past the last row's window start, and wholly at or before the first row
-    whole_from = jnp.clip(jnp.where(windowed, lax.div(jnp.maximum(last - window + block_kv, 0), block_kv), 0), first, end)
+    last_window_start = jnp.where(windowed, jnp.maximum(last - window + 1, 0), 0)
+    whole_from = jnp.clip(lax.div(last_window_start + block_kv - 1, block_kv), first, end)
     whole_to = jnp.clip(lax.div(pos0 + 1, block_kv), whole_from, end)
     return _Rows(q_start + row0, pos0, first, whole_from, whole_to, end)
 
