@@ -99,7 +99,8 @@ def flops(q_lens, lens, window) -> float:
     return sum(4.0 * HEAD_DIM * Q_HEADS * sum(seen(c - n + i) for i in range(n)) for n, c in zip(q_lens, lens))
 
 
-def run(shapes, configs, interpret) -> dict:
+def run(shapes, configs, interpret, save) -> dict:
+    """Every shape's entry; `save(results)` after each, so a cut-short run keeps what it measured."""
     rng = np.random.default_rng(0)
     results = {}
     for name, (requests, padding, window) in shapes.items():
@@ -136,6 +137,7 @@ def run(shapes, configs, interpret) -> dict:
             entry[jname] = item
             log(name, jname, json.dumps(item))
         results[name] = entry
+        save(results)
     return results
 
 
@@ -147,10 +149,12 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     args = parser.parse_args()
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    results = run(shapes, {k: CONFIGS[k] for k in args.configs}, interpret=args.smoke)
-    record = {"benchmark": "mosaic_prefill", "git_sha": args.git_sha, "device": jax.devices()[0].device_kind,
-              "command": " ".join(sys.argv), "results": results}
-    Path(args.out).write_text(json.dumps(record, indent=1))
+    def save(results):
+        record = {"benchmark": "mosaic_prefill", "git_sha": args.git_sha, "device": jax.devices()[0].device_kind,
+                  "command": " ".join(sys.argv), "results": results}
+        Path(args.out).write_text(json.dumps(record, indent=1))
+
+    run(shapes, {k: CONFIGS[k] for k in args.configs}, interpret=args.smoke, save=save)
     log("written:", args.out)
 
 
