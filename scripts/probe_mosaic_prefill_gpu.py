@@ -147,8 +147,9 @@ def main() -> None:
     parser.add_argument("--git-sha", default="unknown")
     parser.add_argument("--smoke", action="store_true", help="interpret mode on the CPU, one small shape")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     args = parser.parse_args()
-    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    shapes = SMOKE_SHAPES if args.smoke else {k: SHAPES[k] for k in args.shapes}
     def save(results):
         record = {"benchmark": "mosaic_prefill", "git_sha": args.git_sha, "device": jax.devices()[0].device_kind,
                   "command": " ".join(sys.argv), "results": results}
