@@ -19,6 +19,8 @@ Ratios (names from the issue):
   prefill_4k_vs_mgpu_f16         bundled Mosaic GPU attention (f16, contiguous) time / our paged bf16 prefill time,
                                  4096-token causal; higher is better
   prefill_4k_vs_matmul_rate      our causal prefill TFLOP/s / the measured bf16 matmul TFLOP/s (8192³)
+  prefill_4k_mosaic_vs_triton    the Triton prefill's time / the Mosaic GPU prefill kernel's (`Tuning.mosaic_prefill`,
+                                 checked against the reference first; metric mosaic_prefill_4k_causal_tflops)
 Metric prefill_4k_causal_tflops: 2·S²·d·q_heads (causal half of 4·S²·d per head) / time; target >= 450.
   kv_write_t64_vs_scatter        XLA scatter time / jengine's K/V write (attention.pallas.write_kv) at 64 tokens,
                                  32 layers; higher is better, target >= 1.0 (also _t128 ... _t2048, and
@@ -42,6 +44,7 @@ to check the script on a CPU (the GPU-only peers then show up as errors).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import statistics
@@ -63,7 +66,8 @@ from pallas_kernels.kv_write import kernel as kv_write_kernel
 from pallas_kernels.kv_write import reference as kv_write_reference
 from pallas_kernels.ragged_paged_attention import kernel as rpa
 from pallas_kernels.ragged_paged_attention import reference as rpa_reference
-from pallas_kernels.ragged_paged_attention.tuning import KernelConfig, SplitConfig, Tuning, default_tuning
+from pallas_kernels.ragged_paged_attention.tuning import (KernelConfig, MosaicConfig, SplitConfig, Tuning,
+                                                         default_tuning)
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 LAYERS, LAYER = 4, 3  # > 4 GiB of cache: the kernels take their 64-bit-offset path, as in serving
@@ -663,6 +667,13 @@ def prefill_anchors(bench: Bench, kv, bs: dict[str, Batch]) -> None:
     if hasattr(bench, "chosen"):
         tuning = with_prefill(decode_tuning(bench.chosen["decode"]), bench.chosen["prefill"])
     jobs = {"ours/prefill_4k": (ours(b, tuning=tuning), b.args(kv))}
+    mosaic = ours(b, tuning=dataclasses.replace(tuning or default_tuning(HEAD_DIM, Q_HEADS // KV_HEADS),
+                                                mosaic_prefill=MosaicConfig()))
+    try:
+        bench.check("mosaic_prefill_4k_vs_reference", mosaic(*b.args(kv)), reference(b)(*b.args(kv)), 2e-2)
+        jobs["ours_mosaic/prefill_4k"] = (mosaic, b.args(kv))
+    except Exception as e:  # noqa: BLE001 - recorded; the Triton side still runs
+        bench.peer_error("mosaic prefill", e)
     for name, causal in (("prefill_4k", True), ("prefill_4k_noncausal", False)):  # the second: its mask's cost
         try:
             job, mgpu_reference = peers.mgpu_prefill(PREFILL, Q_HEADS, KV_HEADS, HEAD_DIM, causal=causal)
@@ -676,6 +687,9 @@ def prefill_anchors(bench: Bench, kv, bs: dict[str, Batch]) -> None:
     bench.metric("prefill_4k_beside_mgpu_us", t["ours/prefill_4k"] * 1e6)
     bench.metric("prefill_4k_beside_mgpu_tflops", tflops / 1e12)
     bench.ratios["prefill_4k_vs_matmul_rate"] = tflops / rate
+    if "ours_mosaic/prefill_4k" in t:  # the Mosaic GPU prefill kernel (`Tuning.mosaic_prefill`)
+        bench.metric("mosaic_prefill_4k_causal_tflops", prefill_flops() / t["ours_mosaic/prefill_4k"] / 1e12)
+        bench.ratios["prefill_4k_mosaic_vs_triton"] = t["ours/prefill_4k"] / t["ours_mosaic/prefill_4k"]
     if "mgpu/prefill_4k" in t:
         bench.metric("mgpu_prefill_4k_causal_f16_tflops", prefill_flops() / t["mgpu/prefill_4k"] / 1e12)
         bench.ratios["prefill_4k_vs_mgpu_f16"] = t["mgpu/prefill_4k"] / t["ours/prefill_4k"]
