@@ -1,9 +1,10 @@
 """The prefill kernel on Hopper's tensor-core pipeline (Pallas, Mosaic GPU backend): wgmma over TMA-loaded pages.
 
 Same semantics as the Triton prefill kernel in `kernel.py` for the requests it serves: each new token attends
-causally over its request's cached positions, read page by page through the block table. It serves requests with
-at least `ROWS_PER_GROUP` new tokens in a 16-bit cache with no sliding window or soft cap; `kernel.py` routes the
-rest to its Triton kernels, which then write their rows into this kernel's output in place.
+causally over its request's cached positions (optionally only the last `sliding_window`), read page by page through
+the block table. It serves requests with at least `ROWS_PER_GROUP` new tokens in a 16-bit cache without a logit
+soft cap; `kernel.py` routes the rest to its Triton kernels, which then write their rows into this kernel's output
+in place.
 
 A program (CUDA block) is one query head × one tile of up to `2 × ROWS_PER_GROUP` consecutive new tokens of one
 request, three warpgroups:
@@ -11,12 +12,12 @@ request, three warpgroups:
     V pages (`block_kv / block_size` copies each, all counted on one barrier) into a ring of
     `max_concurrent_steps` shared-memory slots;
   * two compute warpgroups each own `ROWS_PER_GROUP` query rows: S = Q Kᵀ by wgmma, the online softmax in registers
-    (base 2), O += P V by wgmma with P from registers, then the rows normalised and TMA-stored. They take turns on
-    the tensor cores through a shared barrier (one's softmax overlaps the other's matmuls). Steps wholly below a
-    row group's first position are unmasked; the causal edge is masked by position.
+    (base 2), O += P V by wgmma with P from registers, then the rows normalised and stored. They take turns on
+    the tensor cores through a shared barrier (one's softmax overlaps the other's matmuls). Steps every row of a
+    group sees whole run unmasked; the causal edge (and a window's lower edge) are masked by position.
 A tile's rows never cross its request's end: the last group of a request is shifted back to end on its last token,
 so it may recompute rows of the group before it (the same bits: a fully visible step gives the same numbers masked
-or not, a fully masked one leaves a row unchanged), and every TMA store lands inside its own request.
+or not, a fully masked one leaves a row unchanged), and every store lands inside its own request.
 
 Why a second backend: Triton's lowering caps the prefill at about 276 TFLOP/s on an H100 (4k causal), beside
 XLA's ~690 TFLOP/s matmuls; warp specialisation, TMA and wgmma with register-held P is how FA3-class kernels reach
