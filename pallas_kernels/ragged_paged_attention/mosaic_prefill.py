@@ -2,8 +2,8 @@
 
 Same semantics as the Triton prefill kernel in `kernel.py` for the requests it serves: each new token attends
 causally over its request's cached positions (optionally only the last `sliding_window`), read page by page through
-the block table. It serves requests with at least `ROWS_PER_GROUP` new tokens in a 16-bit cache without a logit
-soft cap; `kernel.py` routes the rest to its Triton kernels, which then write their rows into this kernel's output
+the block table, with an optional logit soft cap. It serves requests with at least `ROWS_PER_GROUP` new tokens in a
+16-bit cache; `kernel.py` routes the rest to its Triton kernels, which then write their rows into this kernel's output
 in place.
 
 A program (CUDA block) is one query head × one tile of up to `2 × ROWS_PER_GROUP` consecutive new tokens of one
@@ -47,10 +47,10 @@ LOG2E = math.log2(math.e)
 M_INIT = -1e30  # finite running max: a row's first steps may be wholly masked at no risk of inf - inf
 
 
-def supports(*, dtype, head_dim: int, block_size: int, soft_cap, quantized: bool, max_query_len: int,
+def supports(*, dtype, head_dim: int, block_size: int, quantized: bool, max_query_len: int,
              config: MosaicConfig = MosaicConfig()) -> bool:
     """Whether a step's long requests can take this kernel (static facts only)."""
-    return (jnp.dtype(dtype) in SUPPORTED_DTYPES and head_dim in (64, 128) and not quantized and not soft_cap
+    return (jnp.dtype(dtype) in SUPPORTED_DTYPES and head_dim in (64, 128) and not quantized
             and max_query_len >= ROWS_PER_GROUP and config.block_kv % max(block_size, 64) == 0)
 
 
@@ -80,11 +80,13 @@ def mosaic_prefill(
     *,
     scale: float,
     sliding_window: Int[Array, ""] | int = 0,
+    soft_cap: float | None = None,
     config: MosaicConfig = MosaicConfig(),
     interpret=None,
 ) -> Float[Array, "tokens q_heads head_dim"]:
     """The rows of the requests with at least `ROWS_PER_GROUP` new tokens; every other row is left unwritten (the
-    Triton kernels fill them in place). `sliding_window` > 0 keeps each row's last that many positions (traced).
+    Triton kernels fill them in place). `sliding_window` > 0 keeps each row's last that many positions (traced);
+    `soft_cap` applies `cap · tanh(s / cap)` to the scaled logits.
     `interpret`: Mosaic GPU's interpreter parameters (`plgpu.InterpretGPUParams`), for the CPU."""
     num_tokens, q_heads, head_dim = q.shape
     layers, blocks, block_size, _, kv_heads, _ = kv_cache.shape
@@ -95,7 +97,8 @@ def mosaic_prefill(
     num_tiles, tile_seq, tile_q0 = tile_table(query_start_loc, num_tokens)
     scalars = jnp.stack([jnp.asarray(layer, jnp.int32) * blocks, jnp.asarray(sliding_window, jnp.int32)])
     geometry = _Geometry(num_seqs, table_width, block_size, kv_heads, group, head_dim, config.block_kv,
-                         config.max_concurrent_steps, float(scale) * LOG2E, q.dtype, interpret is not None)
+                         config.max_concurrent_steps, float(scale), float(soft_cap) if soft_cap else None, q.dtype,
+                         interpret is not None)
     kernel = plgpu.kernel(
         functools.partial(_program, geo=geometry),
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -120,11 +123,18 @@ class _Geometry:
     head_dim: int
     block_kv: int
     slots: int
-    scale_log2: float  # softmax scale × log2(e): scores go straight to base-2 exponents
+    scale: float
+    soft_cap: float | None
     dtype: jnp.dtype
     # Mosaic GPU's interpreter takes wgmma operands from shared memory only and cannot seed an accumulator with a
     # value: interpreted, P goes through shared memory and each step's P V lands in a fresh accumulator, then added
     interpreted: bool
+
+    def base2_logits(self, s):
+        """Scaled (and soft-capped) logits times log2(e): the online softmax runs on exp2."""
+        if self.soft_cap is None:
+            return s * (self.scale * LOG2E)
+        return jnp.tanh(s * (self.scale / self.soft_cap)) * (self.soft_cap * LOG2E)
 
     @property
     def pages_per_step(self) -> int:
@@ -284,7 +294,7 @@ def _compute(q_ref, o_ref, qo_smem, k_smem, v_smem, p_smem, k_ready, v_ready, k_
 
         s = pl.run_scoped(scores, plgpu.ACC((ROWS_PER_GROUP, geo.block_kv), jnp.float32))
         plgpu.barrier_arrive(k_free.at[slot])
-        s = s * geo.scale_log2
+        s = geo.base2_logits(s)
         if masked:
             r = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
             c = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)

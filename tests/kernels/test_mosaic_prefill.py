@@ -29,20 +29,20 @@ TUNING = dataclasses.replace(default_tuning(64, 2), mosaic_prefill=MosaicConfig(
 Q_LENS, SEQ_LENS = [150, 70, 64, 20, 1], [180, 70, 130, 20, 99]
 
 
-@functools.partial(jax.jit, static_argnames=("max_query_len", "single_path"))
-def _attend(q, kv, qsl, lens, bt, window, *, max_query_len, single_path=False):
+@functools.partial(jax.jit, static_argnames=("max_query_len", "soft_cap", "single_path"))
+def _attend(q, kv, qsl, lens, bt, window, *, max_query_len, soft_cap=None, single_path=False):
     return kernel.ragged_paged_attention_impl(
-        q, kv, LAYER, qsl, lens, bt, scale=BUCKET.head_dim ** -0.5, sliding_window=window, soft_cap=None,
+        q, kv, LAYER, qsl, lens, bt, scale=BUCKET.head_dim ** -0.5, sliding_window=window, soft_cap=soft_cap,
         max_query_len=max_query_len, interpret=True, tuning=TUNING, single_path=single_path)
 
 
-@pytest.mark.parametrize("window", [0, 50])
-def test_mosaic_and_triton_rows_together_match_the_reference(window):
+@pytest.mark.parametrize("window,soft_cap", [(0, None), (50, 2.0)])
+def test_mosaic_and_triton_rows_together_match_the_reference(window, soft_cap):
     batch = build(BUCKET, Q_LENS, SEQ_LENS, seed=window)
     args = (batch.query_start_loc, batch.seq_lens, batch.block_tables)
-    out = _attend(batch.q, batch.kv_kernel, *args, jnp.int32(window), max_query_len=max(Q_LENS))
+    out = _attend(batch.q, batch.kv_kernel, *args, jnp.int32(window), max_query_len=max(Q_LENS), soft_cap=soft_cap)
     ref = reference.ragged_paged_attention(batch.q, batch.kv_reference, LAYER, *args,
-                                           scale=BUCKET.head_dim ** -0.5, sliding_window=window,
+                                           scale=BUCKET.head_dim ** -0.5, sliding_window=window, soft_cap=soft_cap,
                                            max_query_len=max(Q_LENS))
     assert_close(np.asarray(out, np.float32), np.asarray(ref, np.float32), batch, BUCKET.dtype)
 
@@ -55,8 +55,8 @@ def test_tile_table_covers_each_long_request_latest_tile_first():
     assert num_tiles >= real.sum()
 
 
-def _lowered(single_path: bool, **shapes) -> str:
-    fn = functools.partial(kernel.ragged_paged_attention_impl, scale=0.088, soft_cap=None, max_query_len=4096,
+def _lowered(single_path: bool) -> str:
+    fn = functools.partial(kernel.ragged_paged_attention_impl, scale=0.088, soft_cap=30.0, max_query_len=4096,
                            interpret=False, tuning=dataclasses.replace(default_tuning(128, 4),
                                                                        mosaic_prefill=MosaicConfig()),
                            single_path=single_path)
