@@ -98,7 +98,7 @@ def mosaic_prefill(
     scalars = jnp.stack([jnp.asarray(layer, jnp.int32) * blocks, jnp.asarray(sliding_window, jnp.int32)])
     geometry = _Geometry(num_seqs, table_width, block_size, kv_heads, group, head_dim, config.block_kv,
                          config.max_concurrent_steps, float(scale), float(soft_cap) if soft_cap else None, q.dtype,
-                         interpret is not None)
+                         interpret is not None or config.staged_pv)
     kernel = plgpu.kernel(
         functools.partial(_program, geo=geometry),
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -126,9 +126,10 @@ class _Geometry:
     scale: float
     soft_cap: float | None
     dtype: jnp.dtype
-    # Mosaic GPU's interpreter takes wgmma operands from shared memory only and cannot seed an accumulator with a
-    # value: interpreted, P goes through shared memory and each step's P V lands in a fresh accumulator, then added
-    interpreted: bool
+    # P through shared memory and each step's P V into a fresh accumulator, then added in registers: the form Mosaic
+    # GPU's interpreter runs (its wgmma takes operands from shared memory only and cannot seed an accumulator), and
+    # `MosaicConfig.staged_pv` on the GPU
+    staged_pv: bool
 
     def base2_logits(self, s):
         """Scaled (and soft-capped) logits times log2(e): the online softmax runs on exp2."""
@@ -149,12 +150,12 @@ def _program(scalars_ref, qsl_ref, lens_ref, bt_ref, tile_seq_ref, tile_q0_ref, 
     buffers = [smem((COMPUTE_GROUPS, ROWS_PER_GROUP, geo.head_dim)),  # Q
                smem((geo.slots, geo.block_kv, geo.head_dim)),  # K ring
                smem((geo.slots, geo.block_kv, geo.head_dim))]  # V ring
-    if geo.interpreted:
-        buffers.append(smem((COMPUTE_GROUPS, ROWS_PER_GROUP, geo.block_kv)))  # P (see `_Geometry.interpreted`)
+    if geo.staged_pv:
+        buffers.append(smem((COMPUTE_GROUPS, ROWS_PER_GROUP, geo.block_kv)))  # P (see `_Geometry.staged_pv`)
 
     def scoped(*refs):
         smem_refs, barriers = refs[:len(buffers)], refs[len(buffers):]
-        p_smem = smem_refs[3] if geo.interpreted else None
+        p_smem = smem_refs[3] if geo.staged_pv else None
         _tile(scalars_ref, qsl_ref, lens_ref, bt_ref, tile_seq_ref, tile_q0_ref, q_ref, pages_ref, o_ref,
               *smem_refs[:3], p_smem, *barriers, geo=geo)
 
@@ -318,7 +319,7 @@ def _compute(q_ref, o_ref, qo_smem, k_smem, v_smem, p_smem, k_ready, v_ready, k_
 
         if p_smem is None:  # P straight from registers, accumulated into the carried registers
             acc = pl.run_state(lambda acc_ref: values(acc_ref, p))(plgpu.ACC.init(acc))
-        else:  # the interpreter's form (see `_Geometry.interpreted`)
+        else:  # staged (see `_Geometry.staged_pv`)
             p_smem[...] = p
             plgpu.commit_smem()
 

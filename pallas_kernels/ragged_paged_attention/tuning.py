@@ -40,6 +40,7 @@ class MosaicConfig:
 
     block_kv: int = 128  # KV positions a step (a multiple of 64 and of the cache's block size)
     max_concurrent_steps: int = 2  # shared-memory ring depth of the K/V loads
+    staged_pv: bool = False  # P V from P in shared memory into a fresh accumulator (the interpreter's form)
 
 
 @dataclasses.dataclass(frozen=True)
