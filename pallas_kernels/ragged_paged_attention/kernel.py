@@ -63,6 +63,7 @@ from pallas_kernels.ragged_paged_attention.tiles import (
     empty_state,
     finish,
     head_scales,
+    latest_first,
     load_q,
     merge_partial,
     merged_rows,
@@ -284,14 +285,8 @@ def _prefill_tiles(qsl, geo: Geometry, tuning: Tuning, below: int | None = None)
     num_tiles = cdiv(geo.num_tokens, tpt) + min(geo.num_seqs, geo.num_tokens // (tpt_dec + 1))
     q_len = qsl[1:] - qsl[:-1]
     served = (q_len > tpt_dec) if below is None else (q_len > tpt_dec) & (q_len < below)
-    tiles = jnp.where(served, cdiv(q_len, tpt), 0)
-    cum = jnp.cumsum(tiles)
-    i = jnp.arange(num_tiles, dtype=jnp.int32)
-    seq = jnp.searchsorted(cum, i, side="right").astype(jnp.int32)
-    real = seq < geo.num_seqs
-    sc = jnp.minimum(seq, geo.num_seqs - 1)
-    k = i - (cum[sc] - tiles[sc])
-    q0 = jnp.where(real, (tiles[sc] - 1 - k) * tpt, qsl[-1] + (i - cum[-1]) * tpt)
+    seq, from_last, spare = latest_first(jnp.where(served, cdiv(q_len, tpt), 0), num_tiles)
+    q0 = jnp.where(seq < geo.num_seqs, from_last * tpt, qsl[-1] + spare * tpt)
     return num_tiles, seq, q0.astype(jnp.int32)
 
 

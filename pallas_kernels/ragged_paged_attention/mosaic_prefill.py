@@ -37,6 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.ragged_paged_attention.tiles import cdiv, latest_first
 from pallas_kernels.ragged_paged_attention.tuning import MosaicConfig
 
 ROWS_PER_GROUP = 64  # one warpgroup's wgmma rows
@@ -58,15 +59,10 @@ def tile_table(qsl: Int[Array, " seqs_plus_1"], num_tokens: int) -> tuple[int, A
     """Static-length table of (request, first new-token index) per tile for the requests of at least
     `ROWS_PER_GROUP` new tokens, a request's latest (heaviest) tile first; spare tiles get request `num_seqs`."""
     num_seqs = qsl.shape[0] - 1
-    num_tiles = max(1, -(-num_tokens // ROWS_PER_TILE) + min(num_seqs, num_tokens // ROWS_PER_GROUP))
+    num_tiles = max(1, cdiv(num_tokens, ROWS_PER_TILE) + min(num_seqs, num_tokens // ROWS_PER_GROUP))
     q_len = qsl[1:] - qsl[:-1]
-    tiles = jnp.where(q_len >= ROWS_PER_GROUP, (q_len + ROWS_PER_TILE - 1) // ROWS_PER_TILE, 0)
-    cum = jnp.cumsum(tiles)
-    i = jnp.arange(num_tiles, dtype=jnp.int32)
-    seq = jnp.searchsorted(cum, i, side="right").astype(jnp.int32)
-    sc = jnp.minimum(seq, num_seqs - 1)
-    k = i - (cum[sc] - tiles[sc])
-    q0 = jnp.where(seq < num_seqs, (tiles[sc] - 1 - k) * ROWS_PER_TILE, 0)
+    seq, from_last, _ = latest_first(jnp.where(q_len >= ROWS_PER_GROUP, cdiv(q_len, ROWS_PER_TILE), 0), num_tiles)
+    q0 = jnp.where(seq < num_seqs, from_last * ROWS_PER_TILE, 0)
     return num_tiles, seq, q0.astype(jnp.int32)
 
 

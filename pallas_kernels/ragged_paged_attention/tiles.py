@@ -57,6 +57,19 @@ def cdiv(a, b):
     return (a + b - 1) // b
 
 
+def latest_first(tiles: jax.Array, num_tiles: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A static-length tile table (host-side XLA, for either prefill kernel) from each request's tile count: per
+    slot, its request (`len(tiles)` for the spare slots after the last real tile), the tile's index counted back
+    from its request's last tile (the heaviest runs first), and the slot's index among the spare ones."""
+    num_seqs = tiles.shape[0]
+    cum = jnp.cumsum(tiles)
+    i = jnp.arange(num_tiles, dtype=jnp.int32)
+    seq = jnp.searchsorted(cum, i, side="right").astype(jnp.int32)
+    sc = jnp.minimum(seq, num_seqs - 1)
+    from_last = tiles[sc] - 1 - (i - (cum[sc] - tiles[sc]))
+    return seq, from_last, i - cum[-1]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Shared device code: visible range, split rule, the online-softmax loop.
 
