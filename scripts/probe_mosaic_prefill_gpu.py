@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
 from gpu_bench_common import log, timeit  # noqa: E402
 from pallas_kernels.ragged_paged_attention import kernel as rpa  # noqa: E402
@@ -118,8 +119,7 @@ def run(shapes, configs, interpret, save) -> dict:
         for cname, cfg in configs.items():
             jobs[f"mosaic_{cname}"] = jax.jit(functools.partial(
                 mp.mosaic_prefill, scale=SCALE, sliding_window=window, config=cfg,
-                interpret=None if not interpret else __import__("jax.experimental.pallas.mosaic_gpu",
-                                                                fromlist=["x"]).InterpretGPUParams()))
+                interpret=plgpu.InterpretGPUParams() if interpret else None))
         wired = dataclasses.replace(default_tuning(HEAD_DIM, Q_HEADS // KV_HEADS),
                                     mosaic_prefill=next(iter(configs.values())))
         jobs["wired"] = jax.jit(functools.partial(rpa.ragged_paged_attention_impl, scale=SCALE, sliding_window=window,
@@ -146,11 +146,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--git-sha", default="unknown")
-    parser.add_argument("--smoke", action="store_true", help="interpret mode on the CPU, one small shape")
+    parser.add_argument("--smoke", action="store_true", help="interpret mode on the CPU, two small shapes")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     args = parser.parse_args()
     shapes = SMOKE_SHAPES if args.smoke else {k: SHAPES[k] for k in args.shapes}
+
     def save(results):
         record = {"benchmark": "mosaic_prefill", "git_sha": args.git_sha, "device": jax.devices()[0].device_kind,
                   "command": " ".join(sys.argv), "results": results}

@@ -311,14 +311,14 @@ def _prefill_call(q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning,
     )(*layer_window, qsl, lens, bt, tile_seq, tile_q0, q, kv_cache, scales, *into)
 
 
-def _prefill(q, kv_cache, layer, scale, soft_cap, args, *, mosaic: bool, interpret):
+def _prefill(args, *, mosaic: bool):
     """The prefill launches of a step: the Triton kernel alone, or the Mosaic kernel for the requests of at least
     `mosaic_prefill.ROWS_PER_GROUP` new tokens and the Triton kernel into its output for the others."""
     if not mosaic:
         return _prefill_call(*args)
-    _, _, _, layer_window, qsl, lens, bt, _, tuning, _, _ = args
+    q, kv_cache, _, (layer, window), qsl, lens, bt, _, tuning, scores, interpret = args
     out = mosaic_prefill.mosaic_prefill(
-        q, kv_cache, layer, qsl, lens, bt, scale=scale, sliding_window=layer_window[1][0], soft_cap=soft_cap,
+        q, kv_cache, layer[0], qsl, lens, bt, scale=scores.scale, sliding_window=window[0], soft_cap=scores.soft_cap,
         config=tuning.mosaic_prefill, interpret=plgpu.InterpretGPUParams() if interpret else None)
     return _prefill_call(*args, into=out, below=mosaic_prefill.ROWS_PER_GROUP)
 
@@ -369,8 +369,7 @@ def ragged_paged_attention_impl(
     mosaic = (tuning.mosaic_prefill is not None and not single_path and mosaic_prefill.supports(
         dtype=q.dtype, head_dim=head_dim, block_size=block_size, quantized=quantized, max_query_len=max_query_len,
         config=tuning.mosaic_prefill))
-    out = decode_only_start(q) if decode_only else _prefill(q, kv_cache, layer, scale, soft_cap, args,
-                                                            mosaic=mosaic, interpret=interpret)
+    out = decode_only_start(q) if decode_only else _prefill(args, mosaic=mosaic)
     if direct:
         return _decode_call(*args, direct=True, out=out)
     return _merge_call(q, out, partials, layer_window, qsl, lens, geo, tuning, interpret)
