@@ -114,14 +114,15 @@ def run(shapes, configs, interpret, save) -> dict:
         qsl = np.asarray(args[3])
         long_rows = np.concatenate([np.arange(qsl[i], qsl[i + 1]) for i, n in enumerate(q_lens)
                                     if n >= mp.ROWS_PER_GROUP])
+        triton_only = default_tuning(HEAD_DIM, Q_HEADS // KV_HEADS, hopper=False)
         jobs = {"triton": jax.jit(functools.partial(rpa.ragged_paged_attention_impl, scale=SCALE, sliding_window=window,
-                                                    soft_cap=None, max_query_len=max(q_lens), interpret=interpret))}
+                                                    soft_cap=None, max_query_len=max(q_lens), interpret=interpret,
+                                                    tuning=triton_only))}
         for cname, cfg in configs.items():
             jobs[f"mosaic_{cname}"] = jax.jit(functools.partial(
                 mp.mosaic_prefill, scale=SCALE, sliding_window=window, config=cfg,
                 interpret=plgpu.InterpretGPUParams() if interpret else None))
-        wired = dataclasses.replace(default_tuning(HEAD_DIM, Q_HEADS // KV_HEADS),
-                                    mosaic_prefill=next(iter(configs.values())))
+        wired = dataclasses.replace(triton_only, mosaic_prefill=next(iter(configs.values())))
         jobs["wired"] = jax.jit(functools.partial(rpa.ragged_paged_attention_impl, scale=SCALE, sliding_window=window,
                                                   soft_cap=None, max_query_len=max(q_lens), interpret=interpret,
                                                   tuning=wired))

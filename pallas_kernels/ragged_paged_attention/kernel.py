@@ -351,7 +351,8 @@ def ragged_paged_attention_impl(
         kv_cache = as_byte_pairs(kv_cache)  # 2-byte elements: addressable at any size (addressing.py)
     scales = kv_scales.astype(jnp.float32).reshape(-1) if quantized else jnp.ones((1,), jnp.float32)
     geo = Geometry(num_tokens, seq_lens.shape[0], q_heads, kv_heads, head_dim, block_size, quantized)
-    tuning = tuning or default_tuning(head_dim, geo.group, quantized)
+    if tuning is None:
+        tuning = default_tuning(head_dim, geo.group, quantized, hopper=not interpret and mosaic_prefill.on_hopper())
     if invariant_segment:
         tuning = dataclasses.replace(tuning, invariant_segment=invariant_segment)
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None

@@ -55,6 +55,11 @@ def supports(*, dtype, head_dim: int, block_size: int, quantized: bool, max_quer
             and max_query_len >= ROWS_PER_GROUP and config.block_kv % max(block_size, 64) == 0)
 
 
+def on_hopper() -> bool:
+    """Whether the default device is a Hopper GPU (sm_90: wgmma; Blackwell's tensor cores take other instructions)."""
+    return getattr(jax.devices()[0], "compute_capability", None) == "9.0"
+
+
 def tile_table(qsl: Int[Array, " seqs_plus_1"], num_tokens: int) -> tuple[int, Array, Array]:
     """Static-length table of (request, first new-token index) per tile for the requests of at least
     `ROWS_PER_GROUP` new tokens, a request's latest (heaviest) tile first; spare tiles get request `num_seqs`."""
@@ -96,7 +101,7 @@ def mosaic_prefill(
                          config.max_concurrent_steps, float(scale), float(soft_cap) if soft_cap else None, q.dtype,
                          interpret is not None or config.staged_pv)
     kernel = plgpu.kernel(
-        functools.partial(_program, geo=geometry),
+        functools.partial(_program, geo=geometry, num_tiles=num_tiles),
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid=(q_heads, num_tiles),
         grid_names=("head", "tile"),
@@ -105,8 +110,11 @@ def mosaic_prefill(
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
     )
-    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
-    return kernel(scalars, i32(query_start_loc), i32(seq_lens), i32(block_tables), tile_seq, tile_q0, q, pages)
+    # The integer inputs as one fresh buffer: Mosaic GPU takes only 256-byte-aligned operands, and XLA may hand a
+    # kernel a slice of a packed step input (`runner/host_pack.py`) in place, at any offset
+    meta = jnp.concatenate([jnp.asarray(x, jnp.int32).reshape(-1) for x in
+                            (scalars, query_start_loc, seq_lens, block_tables, tile_seq, tile_q0)])
+    return kernel(meta, q, pages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,8 +146,40 @@ class _Geometry:
         return self.block_kv // self.block_size
 
 
-def _program(scalars_ref, qsl_ref, lens_ref, bt_ref, tile_seq_ref, tile_q0_ref, q_ref, pages_ref, o_ref, *,
-             geo: _Geometry):
+@dataclasses.dataclass(frozen=True)
+class _Meta:
+    """Reads of the packed integer operand: [page base, window, query_start_loc, seq_lens, block table (row-major),
+    tile_seq, tile_q0]."""
+
+    ref: object
+    num_seqs: int
+    table_width: int
+    num_tiles: int
+
+    def _at(self, segment: int) -> int:
+        sizes = (2, self.num_seqs + 1, self.num_seqs, self.num_seqs * self.table_width)
+        return sum(sizes[:segment])
+
+    page_base = property(lambda self: self.ref[0])  # layer × blocks: the layer's first page in the flat cache
+    window = property(lambda self: self.ref[1])
+
+    def query_start(self, seq):
+        return self.ref[self._at(1) + seq]
+
+    def seq_len(self, seq):
+        return self.ref[self._at(2) + seq]
+
+    def block(self, seq, column):
+        return self.ref[self._at(3) + seq * self.table_width + column]
+
+    def tile_seq(self, tile):
+        return self.ref[self._at(4) + tile]
+
+    def tile_q0(self, tile):
+        return self.ref[self._at(4) + self.num_tiles + tile]
+
+
+def _program(meta_ref, q_ref, pages_ref, o_ref, *, geo: _Geometry, num_tiles: int):
     tiling = plgpu.TilingTransform((8, 64))
     swizzle = plgpu.SwizzleTransform(128)
     smem = functools.partial(plgpu.SMEM, dtype=geo.dtype, transforms=(tiling, swizzle))
@@ -152,7 +192,7 @@ def _program(scalars_ref, qsl_ref, lens_ref, bt_ref, tile_seq_ref, tile_q0_ref, 
     def scoped(*refs):
         smem_refs, barriers = refs[:len(buffers)], refs[len(buffers):]
         p_smem = smem_refs[3] if geo.staged_pv else None
-        _tile(scalars_ref, qsl_ref, lens_ref, bt_ref, tile_seq_ref, tile_q0_ref, q_ref, pages_ref, o_ref,
+        _tile(_Meta(meta_ref, geo.num_seqs, geo.table_width, num_tiles), q_ref, pages_ref, o_ref,
               *smem_refs[:3], p_smem, *barriers, geo=geo)
 
     pl.run_scoped(
@@ -195,19 +235,19 @@ def _rows(wg, q_start, q_len, seq_len, q0, window, block_kv) -> _Rows:
     return _Rows(q_start + row0, pos0, first, whole_from, whole_to, end)
 
 
-def _tile(scalars_ref, qsl_ref, lens_ref, bt_ref, tile_seq_ref, tile_q0_ref, q_ref, pages_ref, o_ref,
-          qo_smem, k_smem, v_smem, p_smem, k_ready, v_ready, k_free, v_free, turn, *, geo: _Geometry):
+def _tile(meta: _Meta, q_ref, pages_ref, o_ref, qo_smem, k_smem, v_smem, p_smem, k_ready, v_ready, k_free, v_free,
+          turn, *, geo: _Geometry):
     head, tile, wg = lax.axis_index("head"), lax.axis_index("tile"), lax.axis_index("wg")
-    seq = tile_seq_ref[tile]
+    seq = meta.tile_seq(tile)
 
     @pl.when(seq < geo.num_seqs)
     def _():
-        q_start = qsl_ref[seq]
-        q_len = qsl_ref[seq + 1] - q_start
-        seq_len = lens_ref[seq]
-        q0 = tile_q0_ref[tile]
+        q_start = meta.query_start(seq)
+        q_len = meta.query_start(seq + 1) - q_start
+        seq_len = meta.seq_len(seq)
+        q0 = meta.tile_q0(tile)
         rows = functools.partial(_rows, q_start=q_start, q_len=q_len, seq_len=seq_len, q0=q0,
-                                 window=scalars_ref[1], block_kv=geo.block_kv)
+                                 window=meta.window, block_kv=geo.block_kv)
         # the first group's rows are the tile's earliest, the last group's its latest
         steps = (rows(0).first, rows(COMPUTE_GROUPS - 1).end)
 
@@ -216,25 +256,25 @@ def _tile(scalars_ref, qsl_ref, lens_ref, bt_ref, tile_seq_ref, tile_q0_ref, q_r
             plgpu.set_max_registers(232, action="increase")
             own_p = None if p_smem is None else p_smem.at[wg]
             _compute(q_ref, o_ref, qo_smem.at[wg], k_smem, v_smem, own_p, k_ready, v_ready, k_free, v_free, turn,
-                     head=head, wg=wg, window=scalars_ref[1], seq_len=seq_len, rows=rows(wg), steps=steps, geo=geo)
+                     head=head, wg=wg, window=meta.window, seq_len=seq_len, rows=rows(wg), steps=steps, geo=geo)
 
         @pl.when(wg == COMPUTE_GROUPS)
         def _():
             plgpu.set_max_registers(40, action="decrease")
-            _produce(scalars_ref, bt_ref, pages_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free, seq=seq,
+            _produce(meta, pages_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free, seq=seq,
                      kv_head=lax.div(head, geo.group), steps=steps, geo=geo)
 
 
-def _produce(scalars_ref, bt_ref, pages_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free, *, seq, kv_head,
+def _produce(meta: _Meta, pages_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free, *, seq, kv_head,
              steps, geo: _Geometry):
     """TMA-loads the pages of KV steps `[steps[0], steps[1])` into the ring (step `s` into slot `s % slots`), each
     slot once both compute groups have released it."""
-    page_base = scalars_ref[0]  # layer × blocks: the layer's first page in the flattened cache
+    page_base = meta.page_base
 
     def load(step, slot):
         for j in range(geo.pages_per_step):
             column = jnp.minimum(step * geo.pages_per_step + j, geo.table_width - 1)
-            page = page_base + jnp.maximum(bt_ref[seq, column], 0)
+            page = page_base + jnp.maximum(meta.block(seq, column), 0)
             rows = pl.ds(j * geo.block_size, geo.block_size)
             plgpu.copy_gmem_to_smem(pages_ref.at[page, :, kv_head], k_smem.at[slot, rows], k_ready.at[slot])
             plgpu.copy_gmem_to_smem(pages_ref.at[page, :, geo.kv_heads + kv_head], v_smem.at[slot, rows],

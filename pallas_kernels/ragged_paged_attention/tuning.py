@@ -103,11 +103,12 @@ class Tuning:
         return dataclasses.replace(self, decode=decode, prefill=small if short else self.prefill, split=split)
 
 
-def default_tuning(head_dim: int, group: int, quantized: bool = False) -> Tuning:
+def default_tuning(head_dim: int, group: int, quantized: bool = False, hopper: bool = False) -> Tuning:
     """The table: chosen on an H200 for Llama-3-8B-like shapes (32 q / 8 kv heads, d=128, bf16) by
     `scripts/bench_kernels.py` (sweeps in `h200_sweep.json` and benchmarks/results/2026-12-01-decode_probes.json);
     other shapes inherit it. `group` (query heads per KV
-    head) sets the query rows: a decode tile packs all heads of one KV head; `quantized`: a float8 cache.
+    head) sets the query rows: a decode tile packs all heads of one KV head; `quantized`: a float8 cache; `hopper`:
+    the device has wgmma (sm_90), so a 16-bit cache's long prefill rows take the Mosaic GPU kernel.
 
     Why these (H200, 2026-12-01, benchmarks/results/2026-12-01-kernels.json): decode is bound by the latency of
     its block-table-addressed loads (page order made no difference; Triton's pipeliner waits for every copy at the
@@ -116,7 +117,10 @@ def default_tuning(head_dim: int, group: int, quantized: bool = False) -> Tuning
     (230 / 238 µs, against 249 / 242 µs). Prefill wants the biggest tiles Triton keeps in registers (128 × 128,
     8 warps; 3 stages 3 % faster than 2). A float8 cache's tensor cores take float16 operands (e4m3 converts to
     float16 in one instruction a byte pair; an H100, 2d9a43c: 208.8 against 232.5 µs at batch 64 × 4k, 199.3
-    against 234.9 at 8 × 32k, `benchmarks/results/2026-12-06-kernels-fp8-sweep-2d9a43c.json`).
+    against 234.9 at 8 × 32k, `benchmarks/results/2026-12-06-kernels-fp8-sweep-2d9a43c.json`). The Mosaic GPU
+    prefill with 128-position KV steps and two slots beat 64-position steps, three slots and P staged through shared
+    memory on every shape, and the Triton prefill by 1.37-1.65× (an H100, 9c2baf2,
+    `benchmarks/results/2026-12-07-mosaic-prefill-9c2baf2.json`).
     """
     group_pad = next_pow2(group)
     decode_m = max(16, group_pad)
@@ -131,4 +135,5 @@ def default_tuning(head_dim: int, group: int, quantized: bool = False) -> Tuning
         split=SplitConfig(split_tokens=DECODE_SPLIT_TOKENS, max_splits=16),
         short_prefill=KernelConfig(block_m=max(SHORT_PREFILL_ROWS, group_pad), block_n=prefill.block_n,
                                    num_warps=4, num_stages=2),
+        mosaic_prefill=MosaicConfig() if hopper else None,
     )
