@@ -93,7 +93,8 @@ def apply_smoke() -> None:
     FP8_CANDIDATES = [(32, 2, 3, 128, 4), (32, 2, 3, 128, 4, "float16")]
     DECODE_SWEEP, PREFILL_SWEEP, MIN_CALLS = DECODE_SWEEP[:1], PREFILL_SWEEP[:1], 1
     global DECODE_CANDIDATES, PREFILL_CANDIDATES
-    DECODE_CANDIDATES, PREFILL_CANDIDATES = [(16, 2, 4, 64, 4), (32, 2, 3, 128, 4)], [(64, 32, 4, 2)]
+    DECODE_CANDIDATES = [(16, 2, 4, 64, 4), (32, 2, 3, 128, 4)]
+    PREFILL_CANDIDATES = [(64, 32, 4, 2), ("mosaic", 64, 2)]
 
 
 def timeit(fn, *args, runs: int = 5) -> float:
@@ -315,7 +316,9 @@ PREFILL_SWEEP = [  # (block_m, block_n, num_warps, num_stages)
 # The final run picks the shipped defaults among these (each checked against the reference in the same run):
 # decode (block_n, num_warps, num_stages, split_tokens, max_splits), prefill (block_m, block_n, num_warps, num_stages).
 DECODE_CANDIDATES = [(64, 4, 2, 512, 16), (64, 2, 3, 256, 32), (64, 4, 3, 512, 16)]
-PREFILL_CANDIDATES = [(128, 128, 8, 2), (128, 128, 8, 3)]
+# Triton (block_m, block_n, num_warps, num_stages), or ("mosaic", block_kv, max_concurrent_steps): the Mosaic GPU
+# prefill for the long requests beside the default Triton prefill (Hopper only; elsewhere it fails its check)
+PREFILL_CANDIDATES = [(128, 128, 8, 2), (128, 128, 8, 3), ("mosaic", 128, 2)]
 
 
 def decode_tuning(c) -> Tuning:
@@ -326,6 +329,8 @@ def decode_tuning(c) -> Tuning:
 
 
 def with_prefill(tuning: Tuning, c) -> Tuning:
+    if c[0] == "mosaic":
+        return Tuning(tuning.decode, tuning.prefill, tuning.split, mosaic_prefill=MosaicConfig(*c[1:]))
     return Tuning(tuning.decode, KernelConfig(*c), tuning.split)
 
 
@@ -666,7 +671,7 @@ def prefill_anchors(bench: Bench, kv, bs: dict[str, Batch]) -> None:
     tuning = None
     if hasattr(bench, "chosen"):
         tuning = with_prefill(decode_tuning(bench.chosen["decode"]), bench.chosen["prefill"])
-    triton = tuning or default_tuning(HEAD_DIM, Q_HEADS // KV_HEADS, hopper=False)
+    triton = dataclasses.replace(tuning or default_tuning(HEAD_DIM, Q_HEADS // KV_HEADS), mosaic_prefill=None)
     jobs = {"ours/prefill_4k": (ours(b, tuning=tuning), b.args(kv)),  # as shipped: Mosaic GPU on a Hopper GPU
             "ours_triton/prefill_4k": (ours(b, tuning=triton), b.args(kv))}
     mosaic = ours(b, tuning=dataclasses.replace(triton, mosaic_prefill=MosaicConfig()))
