@@ -118,9 +118,9 @@ def default_tuning(head_dim: int, group: int, quantized: bool = False, hopper: b
     8 warps; 3 stages 3 % faster than 2). A float8 cache's tensor cores take float16 operands (e4m3 converts to
     float16 in one instruction a byte pair; an H100, 2d9a43c: 208.8 against 232.5 µs at batch 64 × 4k, 199.3
     against 234.9 at 8 × 32k, `benchmarks/results/2026-12-06-kernels-fp8-sweep-2d9a43c.json`). The Mosaic GPU
-    prefill with 128-position KV steps and two slots beat 64-position steps, three slots and P staged through shared
-    memory on every shape, and the Triton prefill by 1.37-1.65× (an H100, 9c2baf2,
-    `benchmarks/results/2026-12-07-mosaic-prefill-9c2baf2.json`).
+    prefill wants 128-position KV steps in a ring of three slots (4k causal: 322 µs = 427 TFLOP/s, against 355 µs
+    with two slots, 389 with 64-position steps, 401 with P staged through shared memory, 510 for the Triton prefill;
+    an H100, `benchmarks/results/2026-12-07-mosaic-prefill-8839aef.json` and `-9c2baf2.json`).
     """
     group_pad = next_pow2(group)
     decode_m = max(16, group_pad)
@@ -135,5 +135,5 @@ def default_tuning(head_dim: int, group: int, quantized: bool = False, hopper: b
         split=SplitConfig(split_tokens=DECODE_SPLIT_TOKENS, max_splits=16),
         short_prefill=KernelConfig(block_m=max(SHORT_PREFILL_ROWS, group_pad), block_n=prefill.block_n,
                                    num_warps=4, num_stages=2),
-        mosaic_prefill=MosaicConfig() if hopper else None,
+        mosaic_prefill=MosaicConfig(block_kv=128, max_concurrent_steps=3) if hopper else None,
     )
