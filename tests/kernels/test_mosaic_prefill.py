@@ -57,9 +57,7 @@ def test_tile_table_covers_each_long_request_latest_tile_first():
 
 def _lowered(single_path: bool) -> str:
     fn = functools.partial(kernel.ragged_paged_attention_impl, scale=0.088, soft_cap=30.0, max_query_len=4096,
-                           interpret=False, tuning=dataclasses.replace(default_tuning(128, 4),
-                                                                       mosaic_prefill=MosaicConfig()),
-                           single_path=single_path)
+                           interpret=False, tuning=default_tuning(128, 4, hopper=True), single_path=single_path)
     return lower_for_h200(
         lambda q, kv, layer, qsl, lens, bt, window: fn(q, kv, layer, qsl, lens, bt, sliding_window=window),
         S((4096, 32, 128), jnp.bfloat16), S((32, 20000, 16, 2, 8, 128), jnp.bfloat16), S((), i32),
@@ -67,6 +65,7 @@ def _lowered(single_path: bool) -> str:
 
 
 def test_prefill_steps_lower_to_the_mosaic_kernel_and_the_deterministic_mode_keeps_triton():
+    assert default_tuning(128, 4).mosaic_prefill is None  # not Hopper: the Triton prefill alone
     text = _lowered(single_path=False)
     assert "mosaic_gpu" in text and "__gpu$xla.gpu.triton" in text  # long requests; short ones, decodes, merge
     assert "mosaic_gpu" not in _lowered(single_path=True)
