@@ -94,7 +94,7 @@ def apply_smoke() -> None:
     DECODE_SWEEP, PREFILL_SWEEP, MIN_CALLS = DECODE_SWEEP[:1], PREFILL_SWEEP[:1], 1
     global DECODE_CANDIDATES, PREFILL_CANDIDATES
     DECODE_CANDIDATES = [(16, 2, 4, 64, 4), (32, 2, 3, 128, 4)]
-    PREFILL_CANDIDATES = [(64, 32, 4, 2), ("mosaic", 64, 2)]
+    PREFILL_CANDIDATES = [(64, 32, 4, 2), ("mosaic", 64, 2), ("mosaic", 64, 2, False, True)]
 
 
 def timeit(fn, *args, runs: int = 5) -> float:
@@ -316,9 +316,9 @@ PREFILL_SWEEP = [  # (block_m, block_n, num_warps, num_stages)
 # The final run picks the shipped defaults among these (each checked against the reference in the same run):
 # decode (block_n, num_warps, num_stages, split_tokens, max_splits), prefill (block_m, block_n, num_warps, num_stages).
 DECODE_CANDIDATES = [(64, 4, 2, 512, 16), (64, 2, 3, 256, 32), (64, 4, 3, 512, 16)]
-# Triton (block_m, block_n, num_warps, num_stages), or ("mosaic", block_kv, max_concurrent_steps): the Mosaic GPU
+# Triton (block_m, block_n, num_warps, num_stages), or ("mosaic", `MosaicConfig` fields...): the Mosaic GPU
 # prefill for the long requests beside the default Triton prefill (Hopper only; elsewhere it fails its check)
-PREFILL_CANDIDATES = [(128, 128, 8, 2), (128, 128, 8, 3), ("mosaic", 128, 2)]
+PREFILL_CANDIDATES = [(128, 128, 8, 2), (128, 128, 8, 3), ("mosaic", 128, 3), ("mosaic", 128, 3, False, True)]
 
 
 def decode_tuning(c) -> Tuning:
@@ -674,7 +674,8 @@ def prefill_anchors(bench: Bench, kv, bs: dict[str, Batch]) -> None:
     triton = dataclasses.replace(tuning or default_tuning(HEAD_DIM, Q_HEADS // KV_HEADS), mosaic_prefill=None)
     jobs = {"ours/prefill_4k": (ours(b, tuning=tuning), b.args(kv)),  # as shipped: Mosaic GPU on a Hopper GPU
             "ours_triton/prefill_4k": (ours(b, tuning=triton), b.args(kv))}
-    mosaic = ours(b, tuning=dataclasses.replace(triton, mosaic_prefill=MosaicConfig()))
+    shipped = default_tuning(HEAD_DIM, Q_HEADS // KV_HEADS, hopper=True).mosaic_prefill
+    mosaic = ours(b, tuning=dataclasses.replace(triton, mosaic_prefill=shipped))
     try:
         bench.check("mosaic_prefill_4k_vs_reference", mosaic(*b.args(kv)), reference(b)(*b.args(kv)), 2e-2)
         jobs["ours_mosaic/prefill_4k"] = (mosaic, b.args(kv))

@@ -42,7 +42,8 @@ SHAPES = {
     "mixed_window1000": ([(3000, 3000), (700, 2900), (100, 5000), (65, 65), (1, 900)], 19, 1000),
 }
 SMOKE_SHAPES = {"mixed": ([(150, 250), (70, 70), (3, 8)], 5, 0), "window": ([(200, 330), (64, 64)], 3, 90)}
-CONFIGS = {"kv128_s2": MosaicConfig(128, 2), "kv128_s3": MosaicConfig(128, 3), "kv64_s2": MosaicConfig(64, 2),
+CONFIGS = {"kv128_s2": MosaicConfig(128, 2), "kv128_s3": MosaicConfig(128, 3),
+           "kv128_s3_persistent": MosaicConfig(128, 3, persistent=True), "kv64_s2": MosaicConfig(64, 2),
            "kv64_s3": MosaicConfig(64, 3),
            "kv128_s2_staged": MosaicConfig(128, 2, staged_pv=True)}
 

@@ -46,6 +46,7 @@ ROWS_PER_TILE = ROWS_PER_GROUP * COMPUTE_GROUPS
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 LOG2E = math.log2(math.e)
 M_INIT = -1e30  # finite running max: a row's first steps may be wholly masked at no risk of inf - inf
+INTERPRET_PROGRAMS = 3  # persistent programs in the interpreter: several items each
 
 
 def supports(*, dtype, head_dim: int, block_size: int, quantized: bool, max_query_len: int,
@@ -100,11 +101,17 @@ def mosaic_prefill(
     geometry = _Geometry(num_seqs, table_width, block_size, kv_heads, group, head_dim, config.block_kv,
                          config.max_concurrent_steps, float(scale), float(soft_cap) if soft_cap else None, q.dtype,
                          interpret is not None or config.staged_pv)
+    work = q_heads * num_tiles
+    if config.persistent:
+        programs = min(work, INTERPRET_PROGRAMS if interpret is not None else jax.devices()[0].core_count)
+    else:
+        programs = work
+    plan = _Plan(q_heads, num_tiles, programs)
     kernel = plgpu.kernel(
-        functools.partial(_program, geo=geometry, num_tiles=num_tiles),
+        functools.partial(_program, geo=geometry, plan=plan),
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        grid=(q_heads, num_tiles),
-        grid_names=("head", "tile"),
+        grid=(programs,),
+        grid_names=("program",),
         num_threads=COMPUTE_GROUPS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -147,6 +154,28 @@ class _Geometry:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Which (head, tile) items each program takes: item w is tile w // q_heads of head w % q_heads (a tile's heads
+    side by side, the tile table's heaviest tiles first). Program p takes one item a round, rounds in alternating
+    directions (p, then programs - 1 - p, ...), so the heavy and the light items even out across programs."""
+
+    q_heads: int
+    num_tiles: int
+    programs: int
+
+    @property
+    def rounds(self) -> int:
+        return cdiv(self.q_heads * self.num_tiles, self.programs)
+
+    def item(self, program, r):
+        """(valid, head, tile) of program `program`'s round `r`."""
+        lane = jnp.where(lax.rem(r, 2) == 0, program, self.programs - 1 - program)
+        w = r * self.programs + lane
+        valid = w < self.q_heads * self.num_tiles
+        return valid, lax.rem(w, self.q_heads), jnp.minimum(lax.div(w, self.q_heads), self.num_tiles - 1)
+
+
+@dataclasses.dataclass(frozen=True)
 class _Meta:
     """Reads of the packed integer operand: [page base, window, query_start_loc, seq_lens, block table (row-major),
     tile_seq, tile_q0]."""
@@ -179,7 +208,7 @@ class _Meta:
         return self.ref[self._at(4) + self.num_tiles + tile]
 
 
-def _program(meta_ref, q_ref, pages_ref, o_ref, *, geo: _Geometry, num_tiles: int):
+def _program(meta_ref, q_ref, pages_ref, o_ref, *, geo: _Geometry, plan: _Plan):
     tiling = plgpu.TilingTransform((8, 64))
     swizzle = plgpu.SwizzleTransform(128)
     smem = functools.partial(plgpu.SMEM, dtype=geo.dtype, transforms=(tiling, swizzle))
@@ -192,8 +221,8 @@ def _program(meta_ref, q_ref, pages_ref, o_ref, *, geo: _Geometry, num_tiles: in
     def scoped(*refs):
         smem_refs, barriers = refs[:len(buffers)], refs[len(buffers):]
         p_smem = smem_refs[3] if geo.staged_pv else None
-        _tile(_Meta(meta_ref, geo.num_seqs, geo.table_width, num_tiles), q_ref, pages_ref, o_ref,
-              *smem_refs[:3], p_smem, *barriers, geo=geo)
+        _worker(_Meta(meta_ref, geo.num_seqs, geo.table_width, plan.num_tiles), q_ref, pages_ref, o_ref,
+                *smem_refs[:3], p_smem, *barriers, geo=geo, plan=plan)
 
     pl.run_scoped(
         scoped,
@@ -235,43 +264,75 @@ def _rows(wg, q_start, q_len, seq_len, q0, window, block_kv) -> _Rows:
     return _Rows(q_start + row0, pos0, first, whole_from, whole_to, end)
 
 
-def _tile(meta: _Meta, q_ref, pages_ref, o_ref, qo_smem, k_smem, v_smem, p_smem, k_ready, v_ready, k_free, v_free,
-          turn, *, geo: _Geometry):
-    head, tile, wg = lax.axis_index("head"), lax.axis_index("tile"), lax.axis_index("wg")
-    seq = meta.tile_seq(tile)
+def _worker(meta: _Meta, q_ref, pages_ref, o_ref, qo_smem, k_smem, v_smem, p_smem, k_ready, v_ready, k_free,
+            v_free, turn, *, geo: _Geometry, plan: _Plan):
+    """One warpgroup's part of its program's items. Every warpgroup walks the same items and counts the KV steps
+    loaded so far (`base`), which fixes each step's ring slot: the producer may run into an item's steps while the
+    compute groups finish the one before."""
+    program, wg = lax.axis_index("program"), lax.axis_index("wg")
 
-    @pl.when(seq < geo.num_seqs)
-    def _():
+    def item(r):
+        valid, head, tile = plan.item(program, r)
+        seq = jnp.where(valid, meta.tile_seq(tile), geo.num_seqs)
+        real = seq < geo.num_seqs  # spare tiles and the last round's missing items have no work
+        seq = jnp.minimum(seq, geo.num_seqs - 1)
         q_start = meta.query_start(seq)
         q_len = meta.query_start(seq + 1) - q_start
         seq_len = meta.seq_len(seq)
-        q0 = meta.tile_q0(tile)
-        rows = functools.partial(_rows, q_start=q_start, q_len=q_len, seq_len=seq_len, q0=q0,
+        rows = functools.partial(_rows, q_start=q_start, q_len=q_len, seq_len=seq_len, q0=meta.tile_q0(tile),
                                  window=meta.window, block_kv=geo.block_kv)
         # the first group's rows are the tile's earliest, the last group's its latest
         steps = (rows(0).first, rows(COMPUTE_GROUPS - 1).end)
+        return real, head, seq, seq_len, rows, steps
 
-        @pl.when(wg < COMPUTE_GROUPS)
-        def _():
-            plgpu.set_max_registers(232, action="increase")
-            own_p = None if p_smem is None else p_smem.at[wg]
-            _compute(q_ref, o_ref, qo_smem.at[wg], k_smem, v_smem, own_p, k_ready, v_ready, k_free, v_free, turn,
-                     head=head, wg=wg, window=meta.window, seq_len=seq_len, rows=rows(wg), steps=steps, geo=geo)
+    def walk(work):
+        """`work(head, seq, seq_len, rows, steps, base)` for each real item; returns the steps loaded in all."""
+        def one(r, base):
+            real, head, seq, seq_len, rows, steps = item(r)
+            pl.when(real)(lambda: work(head, seq, seq_len, rows, steps, base))
+            return base + jnp.where(real, steps[1] - steps[0], 0)
 
-        @pl.when(wg == COMPUTE_GROUPS)
-        def _():
-            plgpu.set_max_registers(40, action="decrease")
-            _produce(meta, pages_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free, seq=seq,
-                     kv_head=lax.div(head, geo.group), steps=steps, geo=geo)
+        return pl.loop(0, plan.rounds, init_carry=jnp.int32(0))(one)
+
+    @pl.when(wg < COMPUTE_GROUPS)
+    def _():
+        plgpu.set_max_registers(232, action="increase")
+        own_p = None if p_smem is None else p_smem.at[wg]
+        walk(lambda head, seq, seq_len, rows, steps, base: _compute(
+            q_ref, o_ref, qo_smem.at[wg], k_smem, v_smem, own_p, k_ready, v_ready, k_free, v_free, turn, head=head,
+            wg=wg, window=meta.window, seq_len=seq_len, rows=rows(wg), steps=steps, base=base, geo=geo))
+
+    @pl.when(wg == COMPUTE_GROUPS)
+    def _():
+        plgpu.set_max_registers(40, action="decrease")
+        loaded = walk(lambda head, seq, seq_len, rows, steps, base: _produce(
+            meta, pages_ref, k_smem, v_smem, k_ready, k_free, v_ready, v_free, seq=seq,
+            kv_head=lax.div(head, geo.group), steps=steps, base=base, geo=geo))
+        for i in range(geo.slots):  # the last round's releases: every phase of a barrier is seen before it goes
+            @pl.when(loaded - geo.slots + i >= 0)
+            def _():
+                slot = lax.rem(loaded - geo.slots + i, geo.slots)
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
 
 
-def _produce(meta: _Meta, pages_ref, k_smem, v_smem, k_ready, v_ready, k_free, v_free, *, seq, kv_head,
-             steps, geo: _Geometry):
-    """TMA-loads the pages of KV steps `[steps[0], steps[1])` into the ring (step `s` into slot `s % slots`), each
-    slot once both compute groups have released it."""
+def _produce(meta: _Meta, pages_ref, k_smem, v_smem, k_ready, k_free, v_ready, v_free, *, seq, kv_head, steps, base,
+             geo: _Geometry):
+    """TMA-loads the pages of KV steps `[steps[0], steps[1])` into the ring, the program's `base + i`-th load into
+    slot `(base + i) % slots`, each slot once both compute groups have released its previous load."""
     page_base = meta.page_base
+    begin, end = steps
 
-    def load(step, slot):
+    @pl.loop(begin, end)
+    def _(step):
+        loaded = base + step - begin
+        slot = lax.rem(loaded, geo.slots)
+
+        @pl.when(loaded >= geo.slots)
+        def _():
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+
         for j in range(geo.pages_per_step):
             column = jnp.minimum(step * geo.pages_per_step + j, geo.table_width - 1)
             page = page_base + jnp.maximum(meta.block(seq, column), 0)
@@ -280,33 +341,17 @@ def _produce(meta: _Meta, pages_ref, k_smem, v_smem, k_ready, v_ready, k_free, v
             plgpu.copy_gmem_to_smem(pages_ref.at[page, :, geo.kv_heads + kv_head], v_smem.at[slot, rows],
                                     v_ready.at[slot])
 
-    begin, end = steps
-    for i in range(geo.slots):
-        @pl.when(begin + i < end)
-        def _():
-            load(begin + i, lax.rem(begin + i, geo.slots))
-
-    @pl.loop(begin + geo.slots, jnp.maximum(end, begin + geo.slots))
-    def _(step):
-        slot = lax.rem(step, geo.slots)
-        plgpu.barrier_wait(k_free.at[slot])
-        plgpu.barrier_wait(v_free.at[slot])
-        load(step, slot)
-
-    for i in range(geo.slots):  # the last round's releases: every phase of a barrier is seen before it goes
-        @pl.when(begin + i < end)
-        def _():
-            slot = lax.rem(begin + i, geo.slots)
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
-
 
 def _compute(q_ref, o_ref, qo_smem, k_smem, v_smem, p_smem, k_ready, v_ready, k_free, v_free, turn, *,
-             head, wg, window, seq_len, rows: _Rows, steps, geo: _Geometry):
-    """One compute group's rows: the online softmax over its steps, then its output rows stored."""
+             head, wg, window, seq_len, rows: _Rows, steps, base, geo: _Geometry):
+    """One compute group's rows: the online softmax over its steps, then its output rows stored. Step `s` sits in
+    ring slot `(base + s - steps[0]) % slots` (`_worker`)."""
     def take_turn():
         plgpu.barrier_arrive(turn)
         plgpu.barrier_wait(turn)
+
+    def slot_of(step):
+        return lax.rem(base + step - steps[0], geo.slots)
 
     # Q and O move through registers: a TMA box into swizzled shared memory must start on an 8-row tile, and a
     # request's rows start anywhere in the flat batch
@@ -321,7 +366,7 @@ def _compute(q_ref, o_ref, qo_smem, k_smem, v_smem, p_smem, k_ready, v_ready, k_
 
     def step_body(step, carry, masked: bool):
         acc, m, l = carry
-        slot = lax.rem(step, geo.slots)
+        slot = slot_of(step)
         plgpu.barrier_wait(k_ready.at[slot])
 
         def scores(acc_ref):
@@ -370,7 +415,7 @@ def _compute(q_ref, o_ref, qo_smem, k_smem, v_smem, p_smem, k_ready, v_ready, k_
     def idle_step(step, _):
         """Steps only the other group's rows see: follow the slot's phases, release it, and keep the turn-taking in
         step."""
-        slot = lax.rem(step, geo.slots)
+        slot = slot_of(step)
         plgpu.barrier_wait(k_ready.at[slot])
         plgpu.barrier_wait(v_ready.at[slot])
         plgpu.barrier_arrive(k_free.at[slot])

@@ -41,6 +41,9 @@ class MosaicConfig:
     block_kv: int = 128  # KV positions a step (a multiple of 64 and of the cache's block size)
     max_concurrent_steps: int = 2  # shared-memory ring depth of the K/V loads
     staged_pv: bool = False  # P V from P in shared memory into a fresh accumulator (the interpreter's form)
+    # One program per SM taking (head, tile) items in turn, its producer loading the next item's first steps while
+    # the compute groups finish the last one; False: one program per item
+    persistent: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

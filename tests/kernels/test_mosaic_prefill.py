@@ -25,22 +25,27 @@ LAYER = 1
 # GQA 2, d=64, 16-position pages; 64-wide KV steps, so a 180-position context crosses three of them
 BUCKET = Bucket(num_tokens=320, num_seqs=5, width=12, q_heads=4, kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
 TUNING = dataclasses.replace(default_tuning(64, 2), mosaic_prefill=MosaicConfig(block_kv=64))
+# persistent: three programs taking every (head, tile) item in turn (`mosaic_prefill.INTERPRET_PROGRAMS`)
+PERSISTENT = dataclasses.replace(TUNING, mosaic_prefill=MosaicConfig(block_kv=64, persistent=True))
 # a long prompt over a cached prefix, one just over a compute group, one of exactly a group, a short chunk, a decode
 Q_LENS, SEQ_LENS = [150, 70, 64, 20, 1], [180, 70, 130, 20, 99]
 
 
-@functools.partial(jax.jit, static_argnames=("max_query_len", "soft_cap", "single_path"))
-def _attend(q, kv, qsl, lens, bt, window, *, max_query_len, soft_cap=None, single_path=False):
+@functools.partial(jax.jit, static_argnames=("max_query_len", "soft_cap", "single_path", "tuning"))
+def _attend(q, kv, qsl, lens, bt, window, *, max_query_len, soft_cap=None, single_path=False, tuning=TUNING):
     return kernel.ragged_paged_attention_impl(
         q, kv, LAYER, qsl, lens, bt, scale=BUCKET.head_dim ** -0.5, sliding_window=window, soft_cap=soft_cap,
-        max_query_len=max_query_len, interpret=True, tuning=TUNING, single_path=single_path)
+        max_query_len=max_query_len, interpret=True, tuning=tuning, single_path=single_path)
 
 
-@pytest.mark.parametrize("window,soft_cap", [(0, None), (50, 2.0)])
-def test_mosaic_and_triton_rows_together_match_the_reference(window, soft_cap):
-    batch = build(BUCKET, Q_LENS, SEQ_LENS, seed=window)
+@pytest.mark.parametrize("window,soft_cap,tuning", [(0, None, TUNING), (50, 2.0, TUNING), (0, None, PERSISTENT),
+                                                    (50, 2.0, PERSISTENT)], ids=["plain", "window_cap",
+                                                                                 "persistent", "persistent_window_cap"])
+def test_mosaic_and_triton_rows_together_match_the_reference(window, soft_cap, tuning):
+    batch = build(BUCKET, Q_LENS, SEQ_LENS, seed=window + tuning.mosaic_prefill.persistent)
     args = (batch.query_start_loc, batch.seq_lens, batch.block_tables)
-    out = _attend(batch.q, batch.kv_kernel, *args, jnp.int32(window), max_query_len=max(Q_LENS), soft_cap=soft_cap)
+    out = _attend(batch.q, batch.kv_kernel, *args, jnp.int32(window), max_query_len=max(Q_LENS), soft_cap=soft_cap,
+                  tuning=tuning)
     ref = reference.ragged_paged_attention(batch.q, batch.kv_reference, LAYER, *args,
                                            scale=BUCKET.head_dim ** -0.5, sliding_window=window, soft_cap=soft_cap,
                                            max_query_len=max(Q_LENS))
