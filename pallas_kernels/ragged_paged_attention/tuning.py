@@ -123,7 +123,8 @@ def default_tuning(head_dim: int, group: int, quantized: bool = False, hopper: b
     against 234.9 at 8 × 32k, `benchmarks/results/2026-12-06-kernels-fp8-sweep-2d9a43c.json`). The Mosaic GPU
     prefill wants 128-position KV steps in a ring of three slots (4k causal: 322 µs = 427 TFLOP/s, against 355 µs
     with two slots, 389 with 64-position steps, 401 with P staged through shared memory, 510 for the Triton prefill;
-    an H100, `benchmarks/results/2026-12-07-mosaic-prefill-8839aef.json` and `-9c2baf2.json`).
+    an H100, `benchmarks/results/2026-12-07-mosaic-prefill-8839aef.json` and `-9c2baf2.json`); persistent programs
+    gained nothing (`-d741449.json`).
     """
     group_pad = next_pow2(group)
     decode_m = max(16, group_pad)
