@@ -142,11 +142,22 @@ class _Geometry:
     # `MosaicConfig.staged_pv` on the GPU
     staged_pv: bool
 
-    def base2_logits(self, s):
-        """Scaled (and soft-capped) logits times log2(e): the online softmax runs on exp2."""
+    def logits(self, s):
+        """The scores the running max is kept in: raw (the scale folds into `exponents`), or soft-capped, scaled and
+        times log2(e)."""
         if self.soft_cap is None:
-            return s * (self.scale * LOG2E)
+            return s
         return jnp.tanh(s * (self.scale / self.soft_cap)) * (self.soft_cap * LOG2E)
+
+    def exponents(self, s, m):
+        """One online-softmax step in base 2 over `logits`: the new running max, the factor the old sums scale by,
+        and P. Raw logits take their scale times log2(e) in one multiply-add a score with the max."""
+        m_new = jnp.maximum(m, s.max(axis=1))
+        if self.soft_cap is not None:  # already in base 2
+            return m_new, jnp.exp2(m - m_new), jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        c = self.scale * LOG2E
+        p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new * c, s.shape, [0]))
+        return m_new, jnp.exp2((m - m_new) * c), p
 
     @property
     def pages_per_step(self) -> int:
@@ -376,15 +387,13 @@ def _compute(q_ref, o_ref, qo_smem, k_smem, v_smem, p_smem, k_ready, v_ready, k_
 
         s = pl.run_scoped(scores, plgpu.ACC((ROWS_PER_GROUP, geo.block_kv), jnp.float32))
         plgpu.barrier_arrive(k_free.at[slot])
-        s = geo.base2_logits(s)
+        s = geo.logits(s)
         if masked:
             r = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
             c = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
             behind = rows.pos0 - step * geo.block_kv + r - c  # how far the row's position is past the column's
             s = jnp.where((behind >= 0) & ((window <= 0) | (behind < window)), s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        m_new, alpha, p = geo.exponents(s, m)
         l = l * alpha + p.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         p = p.astype(geo.dtype)
