@@ -6,8 +6,9 @@ the block table, with an optional logit soft cap. It serves requests with at lea
 16-bit cache; `kernel.py` routes the rest to its Triton kernels, which then write their rows into this kernel's output
 in place.
 
-A program (CUDA block) is one query head × one tile of up to `2 × ROWS_PER_GROUP` consecutive new tokens of one
-request, three warpgroups:
+A work item is one query head × one tile of up to `2 × ROWS_PER_GROUP` consecutive new tokens of one request; a
+program (CUDA block) takes one item, or (`MosaicConfig.persistent`) one program an SM takes items in turn. Three
+warpgroups:
   * a producer warpgroup walks the tile's visible KV in steps of `block_kv` positions, TMA-loading each step's K and
     V pages (`block_kv / block_size` copies each, all counted on one barrier) into a ring of
     `max_concurrent_steps` shared-memory slots;
@@ -21,7 +22,7 @@ or not, a fully masked one leaves a row unchanged), and every store lands inside
 
 Why a second backend: Triton's lowering caps the prefill at about 276 TFLOP/s on an H100 (4k causal), beside
 XLA's ~690 TFLOP/s matmuls; warp specialisation, TMA and wgmma with register-held P is how FA3-class kernels reach
-the tensor cores' rate. Not used in the batch-invariant mode, whose rows must match the Triton decode kernel's bits.
+the tensor cores' rate (this one: 447-453 TFLOP/s on an H100, `benchmarks/README.md`). Not used in the batch-invariant mode, whose rows must match the Triton decode kernel's bits.
 """
 
 from __future__ import annotations
@@ -200,8 +201,13 @@ class _Meta:
         sizes = (2, self.num_seqs + 1, self.num_seqs, self.num_seqs * self.table_width)
         return sum(sizes[:segment])
 
-    page_base = property(lambda self: self.ref[0])  # layer × blocks: the layer's first page in the flat cache
-    window = property(lambda self: self.ref[1])
+    @property
+    def page_base(self):
+        return self.ref[0]  # layer × blocks: the layer's first page in the flat cache
+
+    @property
+    def window(self):
+        return self.ref[1]
 
     def query_start(self, seq):
         return self.ref[self._at(1) + seq]
