@@ -22,7 +22,8 @@ or not, a fully masked one leaves a row unchanged), and every store lands inside
 
 Why a second backend: Triton's lowering caps the prefill at about 276 TFLOP/s on an H100 (4k causal), beside
 XLA's ~690 TFLOP/s matmuls; warp specialisation, TMA and wgmma with register-held P is how FA3-class kernels reach
-the tensor cores' rate (this one: 447-453 TFLOP/s on an H100, `benchmarks/README.md`). Not used in the batch-invariant mode, whose rows must match the Triton decode kernel's bits.
+the tensor cores' rate (this one: 447-453 TFLOP/s on an H100, `benchmarks/README.md`). Not used in the
+batch-invariant mode, whose rows must match the Triton decode kernel's bits.
 """
 
 from __future__ import annotations
@@ -98,7 +99,6 @@ def mosaic_prefill(
     # [layer × block, position, K/V × KV head, dim]: a page's K (or V) of one head is one 2-D TMA box; a free reshape
     pages = kv_cache.reshape(layers * blocks, block_size, 2 * kv_heads, head_dim)
     num_tiles, tile_seq, tile_q0 = tile_table(query_start_loc, num_tokens)
-    scalars = jnp.stack([jnp.asarray(layer, jnp.int32) * blocks, jnp.asarray(sliding_window, jnp.int32)])
     geometry = _Geometry(num_seqs, table_width, block_size, kv_heads, group, head_dim, config.block_kv,
                          config.max_concurrent_steps, float(scale), float(soft_cap) if soft_cap else None, q.dtype,
                          interpret is not None or config.staged_pv)
@@ -118,10 +118,8 @@ def mosaic_prefill(
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
     )
-    # The integer inputs as one fresh buffer: Mosaic GPU takes only 256-byte-aligned operands, and XLA may hand a
-    # kernel a slice of a packed step input (`runner/host_pack.py`) in place, at any offset
-    meta = jnp.concatenate([jnp.asarray(x, jnp.int32).reshape(-1) for x in
-                            (scalars, query_start_loc, seq_lens, block_tables, tile_seq, tile_q0)])
+    meta = _Meta.pack(jnp.asarray(layer, jnp.int32) * blocks, sliding_window, query_start_loc, seq_lens, block_tables,
+                      tile_seq, tile_q0)
     return kernel(meta, q, pages)
 
 
@@ -189,13 +187,20 @@ class _Plan:
 
 @dataclasses.dataclass(frozen=True)
 class _Meta:
-    """Reads of the packed integer operand: [page base, window, query_start_loc, seq_lens, block table (row-major),
-    tile_seq, tile_q0]."""
+    """The kernel's integer inputs as one operand, and its reads: [page base, window, query_start_loc, seq_lens,
+    block table (row-major), tile_seq, tile_q0]."""
 
     ref: object
     num_seqs: int
     table_width: int
     num_tiles: int
+
+    @staticmethod
+    def pack(page_base, window, query_start_loc, seq_lens, block_tables, tile_seq, tile_q0) -> Int[Array, " n"]:
+        """One fresh buffer: Mosaic GPU takes only 256-byte-aligned operands, and XLA may hand a kernel a slice of a
+        packed step input (`runner/host_pack.py`) in place, at any offset."""
+        parts = (page_base, window, query_start_loc, seq_lens, block_tables, tile_seq, tile_q0)
+        return jnp.concatenate([jnp.asarray(x, jnp.int32).reshape(-1) for x in parts])
 
     def _at(self, segment: int) -> int:
         sizes = (2, self.num_seqs + 1, self.num_seqs, self.num_seqs * self.table_width)
