@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -40,7 +41,11 @@ from jengine.progress import progress_bar
 
 logger = logging.getLogger(__name__)
 
-LOAD_THREADS = 4  # leaves read, transposed and placed at once (each holds its host copy until placed)
+# Leaves read, transposed and placed at once (each holds its host copy, if any, until placed): one per core, 4 to 16.
+# Reading the page cache is bound by each thread's page faults (an H100 host, 16 cores, 2026-12-07: 3.3 GB/s on one
+# thread, 31 GB/s on 16), the transfer to the device by the bus (33 GB/s from one thread on;
+# benchmarks/results/2026-12-07-weight-transfer.json)
+LOAD_THREADS = max(4, min(16, os.cpu_count() or 4))
 
 DTYPE_NAMES = {
     "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
@@ -306,9 +311,13 @@ def _place_leaf(reader: CheckpointReader, leaf: Source, dtype: jnp.dtype, shardi
     def in_our_layout(name: str) -> np.ndarray:
         return leaf.from_checkpoint(reader.read(name))
 
-    def owned_block(index: tuple[slice, ...]) -> np.ndarray:  # never a view of the mapped checkpoint
+    # On the CPU an array may be a view of the host memory it was made from: never of the mapped checkpoint. Other
+    # devices copy it in, so a view (no host copy) is what they are given.
+    on_cpu = any(device.platform == "cpu" for device in sharding.device_set)
+
+    def owned_block(index: tuple[slice, ...]) -> np.ndarray:
         block = stacked_block(leaf, index, dtype, in_our_layout)
-        return block.copy() if leaf.names.ndim == 0 else block  # a stacked block is a fresh array already
+        return block.copy() if leaf.names.ndim == 0 and on_cpu else block  # a stacked block is a fresh array
 
     return jax.make_array_from_callback(leaf.shape, sharding, owned_block)
 
