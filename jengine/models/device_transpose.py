@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jengine.models.checkpoint import CheckpointReader
+from jengine.models.page_in import paged_in
 from jengine.models.weights import FusedSource, Source, stacked_block
 
 
@@ -38,14 +39,14 @@ class DeviceTranspose:
         raw_shape = leaf.shape[:-2] + (leaf.shape[-1], leaf.shape[-2])
         if isinstance(leaf, FusedSource) and leaf.shards == 1 and len(sharding.device_set) == 1:
             (device,) = sharding.device_set
-            parts = [jax.device_put(reader.read(str(part.names)), device) for part in leaf.parts]
+            parts = [jax.device_put(paged_in(reader.read(str(part.names))), device) for part in leaf.parts]
             return self._fuse_and_swap(sharding, dtype, len(parts))(*parts)
         if isinstance(leaf, FusedSource):  # the parts' rows grouped per shard: a contiguous concatenation
             rows = leaf.fuse([np.asarray(reader.read(str(part.names)), dtype=dtype) for part in leaf.parts], axis=0)
             raw = jax.make_array_from_callback(raw_shape, flipped, lambda index: rows[index])
         else:  # each device's block as the checkpoint holds it, read from the mapped file
-            raw = jax.make_array_from_callback(raw_shape, flipped,
-                                               lambda index: stacked_block(leaf, index, dtype, reader.read))
+            raw = jax.make_array_from_callback(
+                raw_shape, flipped, lambda index: paged_in(stacked_block(leaf, index, dtype, reader.read)))
         return self._swap(sharding)(raw)
 
     def _swap(self, sharding: jax.sharding.Sharding) -> jax.stages.Wrapped:

@@ -27,6 +27,7 @@ from jengine.models.device_transpose import DeviceTranspose
 from jengine.models.formats import open_checkpoint, read_model_config, unpacked_at_open
 from jengine.models.gguf.reader import GGUFCheckpoint
 from jengine.models.gptq8 import int8_plans, read_gptq8
+from jengine.models.page_in import paged_in
 from jengine.models.quant4_load import Quant4Reader
 from jengine.models.quant4_place import int4_plans, place_int4, place_int4_experts, read_int4, read_int4_experts
 from jengine.models.quant_config import QuantConfig, read_quant_config
@@ -317,7 +318,9 @@ def _place_leaf(reader: CheckpointReader, leaf: Source, dtype: jnp.dtype, shardi
 
     def owned_block(index: tuple[slice, ...]) -> np.ndarray:
         block = stacked_block(leaf, index, dtype, in_our_layout)
-        return block.copy() if leaf.names.ndim == 0 and on_cpu else block  # a stacked block is a fresh array
+        if on_cpu:
+            return block.copy() if leaf.names.ndim == 0 else block  # a stacked block is a fresh array
+        return paged_in(block)
 
     return jax.make_array_from_callback(leaf.shape, sharding, owned_block)
 
