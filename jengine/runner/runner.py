@@ -274,15 +274,26 @@ class ModelRunner:
     def warm_up(self, shapes: list[StepShape], progress: bool = True) -> int:
         """Compiles the step for `shapes` (greedy and sampling variants of the sampler) by running padding-only
         steps; returns the compile count."""
-        batches = [self.padding_batch(shape, sampled, masked)
-                   for masked in (False, True) for shape in shapes for sampled in (0, 1)]
+        variants = [(shape, self.padding_batch(shape, sampled, masked))
+                    for shape in shapes for masked in (False, True) for sampled in (0, 1)]
+        shape_of = {id(batch): shape for shape, batch in variants}
+        last_forward: dict[StepShape, tuple] = {}  # the current shape's logits: its sampler variants share them
 
         def compile_one(batch: StepBatch) -> tuple[float, float]:
             return self._programs.compile(self.step_params, self.state, batch)
 
         def run_one(batch: StepBatch) -> StepState:
-            self.state, _ = self._step(self.step_params, self.state, batch)
+            # A shape's four variants differ in the sampler only: its forward (a whole padding step of the
+            # bucket's rows on the device) runs once, and each variant's sampler on its logits.
+            shape = shape_of[id(batch)]
+            if shape not in last_forward:
+                logits, prompt, self.state, _ = self._programs.forward(self.step_params, self.state, batch.model)
+                last_forward.clear()
+                last_forward[shape] = (logits, prompt)
+            self.state, _ = sample_phase(*last_forward[shape], self.state, batch, self._programs)
             return self.state
+
+        batches = [batch for _, batch in variants]
 
         return compiling.warm_up(compile_one, run_one, batches, len(shapes), progress)
 
