@@ -4,8 +4,7 @@ HF stores a projection as [out, in]; the model multiplies by [in, out]. A transp
 stride and runs at a few GB/s: 5.7 s of an 8B model's 16 GB on a GPU host, most of a warm start's weight time. On an
 accelerator each such leaf instead travels as the checkpoint holds it (contiguous rows of the mapped file), in the
 wanted sharding with its last two axes swapped, and one small jitted swap turns it into place. Only bytes move, so
-the result is the host path's bit for bit. On one device a fused leaf's parts also travel apart, each straight from
-the mapped file, and are joined in the same jitted program: no host copy of the fused rows at all.
+the result is the host path's bit for bit.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jengine.models.checkpoint import CheckpointReader
-from jengine.models.page_in import paged_in
 from jengine.models.weights import FusedSource, Source, stacked_block
 
 
@@ -26,7 +24,7 @@ class DeviceTranspose:
     """Places transposed leaves by a swap on the device; one jitted swap per target sharding, kept for one load."""
 
     def __init__(self) -> None:
-        self._swaps: dict[tuple, jax.stages.Wrapped] = {}
+        self._swaps: dict[jax.sharding.Sharding, jax.stages.Wrapped] = {}
         self._lock = threading.Lock()  # the loader's threads share the swaps
 
     def place(self, reader: CheckpointReader, leaf: Source, dtype: jnp.dtype,
@@ -37,34 +35,19 @@ class DeviceTranspose:
         if flipped is None or not _applies(leaf):
             return None
         raw_shape = leaf.shape[:-2] + (leaf.shape[-1], leaf.shape[-2])
-        if isinstance(leaf, FusedSource) and leaf.shards == 1 and len(sharding.device_set) == 1:
-            (device,) = sharding.device_set
-            parts = [jax.device_put(paged_in(reader.read(str(part.names))), device) for part in leaf.parts]
-            return self._fuse_and_swap(sharding, dtype, len(parts))(*parts)
         if isinstance(leaf, FusedSource):  # the parts' rows grouped per shard: a contiguous concatenation
             rows = leaf.fuse([np.asarray(reader.read(str(part.names)), dtype=dtype) for part in leaf.parts], axis=0)
             raw = jax.make_array_from_callback(raw_shape, flipped, lambda index: rows[index])
         else:  # each device's block as the checkpoint holds it, read from the mapped file
-            raw = jax.make_array_from_callback(
-                raw_shape, flipped, lambda index: paged_in(stacked_block(leaf, index, dtype, reader.read)))
+            raw = jax.make_array_from_callback(raw_shape, flipped,
+                                               lambda index: stacked_block(leaf, index, dtype, reader.read))
         return self._swap(sharding)(raw)
 
     def _swap(self, sharding: jax.sharding.Sharding) -> jax.stages.Wrapped:
-        return self._jitted((sharding,), lambda x: jnp.swapaxes(x, -1, -2), sharding)
-
-    def _fuse_and_swap(self, sharding: jax.sharding.Sharding, dtype: jnp.dtype, parts: int) -> jax.stages.Wrapped:
-        """The parts as the checkpoint holds them ([out_i, in], any float dtype) → the fused `[in, sum(out_i)]` in
-        `dtype` (one shard: the parts' rows one after another, as `FusedSource.fuse` groups them)."""
-        def fuse(*raw):
-            return jnp.swapaxes(jnp.concatenate([part.astype(dtype) for part in raw], axis=-2), -1, -2)
-
-        return self._jitted((sharding, jnp.dtype(dtype), parts), fuse, sharding)
-
-    def _jitted(self, key: tuple, fn, sharding: jax.sharding.Sharding) -> jax.stages.Wrapped:
         with self._lock:
-            if key not in self._swaps:
-                self._swaps[key] = jax.jit(fn, out_shardings=sharding)
-            return self._swaps[key]
+            if sharding not in self._swaps:
+                self._swaps[sharding] = jax.jit(lambda x: jnp.swapaxes(x, -1, -2), out_shardings=sharding)
+            return self._swaps[sharding]
 
 
 def _applies(leaf: Source) -> bool:

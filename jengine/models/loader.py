@@ -11,7 +11,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,7 +26,6 @@ from jengine.models.device_transpose import DeviceTranspose
 from jengine.models.formats import open_checkpoint, read_model_config, unpacked_at_open
 from jengine.models.gguf.reader import GGUFCheckpoint
 from jengine.models.gptq8 import int8_plans, read_gptq8
-from jengine.models.page_in import paged_in
 from jengine.models.quant4_load import Quant4Reader
 from jengine.models.quant4_place import int4_plans, place_int4, place_int4_experts, read_int4, read_int4_experts
 from jengine.models.quant_config import QuantConfig, read_quant_config
@@ -42,11 +40,7 @@ from jengine.progress import progress_bar
 
 logger = logging.getLogger(__name__)
 
-# Leaves read, transposed and placed at once (each holds its host copy, if any, until placed): one per core, 4 to 16.
-# Reading the page cache is bound by each thread's page faults (an H100 host, 16 cores, 2026-12-07: 3.3 GB/s on one
-# thread, 31 GB/s on 16), the transfer to the device by the bus (33 GB/s from one thread on;
-# benchmarks/results/2026-12-07-weight-transfer.json)
-LOAD_THREADS = max(4, min(16, os.cpu_count() or 4))
+LOAD_THREADS = 4  # leaves read, transposed and placed at once (each holds its host copy until placed)
 
 DTYPE_NAMES = {
     "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
@@ -312,15 +306,9 @@ def _place_leaf(reader: CheckpointReader, leaf: Source, dtype: jnp.dtype, shardi
     def in_our_layout(name: str) -> np.ndarray:
         return leaf.from_checkpoint(reader.read(name))
 
-    # On the CPU an array may be a view of the host memory it was made from: never of the mapped checkpoint. Other
-    # devices copy it in, so a view (no host copy) is what they are given.
-    on_cpu = any(device.platform == "cpu" for device in sharding.device_set)
-
-    def owned_block(index: tuple[slice, ...]) -> np.ndarray:
+    def owned_block(index: tuple[slice, ...]) -> np.ndarray:  # never a view of the mapped checkpoint
         block = stacked_block(leaf, index, dtype, in_our_layout)
-        if on_cpu:
-            return block.copy() if leaf.names.ndim == 0 else block  # a stacked block is a fresh array
-        return paged_in(block)
+        return block.copy() if leaf.names.ndim == 0 else block  # a stacked block is a fresh array already
 
     return jax.make_array_from_callback(leaf.shape, sharding, owned_block)
 
