@@ -5,8 +5,7 @@ at 1 to 16 threads over the same bytes of one file in the page cache.
     leaf's host copy does;
   * `preadv`: reading the file with `os.preadv` into fresh host arrays (no faults on the file's side);
   * `put_owned`: `jax.device_put` of host arrays that are already resident, to the device, done when ready;
-  * `put_mapped`: `jax.device_put` straight from views of the mapping, as a single tensor's leaf does;
-  * `put_pinned`: host arrays to `pinned_host` memory, then to the device.
+  * `put_mapped`: `jax.device_put` straight from views of the mapping, as a single tensor's leaf does.
 
   PYTHONPATH=. python scripts/probe_weight_transfer_gpu.py --gib 4 --out $OUT/weight-transfer.json
 """
@@ -68,17 +67,12 @@ def main() -> None:
         os.preadv(fd, [memoryview(out)], offset)
         return out
 
-    def pinned(chunk: np.ndarray):
-        sharding = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-        return jax.device_put(jax.device_put(chunk, sharding), device)
-
     cases = {
         "mmap_copy": ([lambda o=o: np.array(view[o:o + CHUNK]) for o in offsets], lambda r: None),
         "preadv": ([lambda o=o: read_into(o) for o in offsets], lambda r: None),
         "put_owned": ([lambda c=c: jax.device_put(c, device) for c in owned], jax.block_until_ready),
         "put_mapped": ([lambda o=o: jax.device_put(view[o:o + CHUNK], device) for o in offsets],
                        jax.block_until_ready),
-        "put_pinned": ([lambda c=c: pinned(c) for c in owned], jax.block_until_ready),
     }
     results: dict[str, dict[str, float]] = {}
     for name, (tasks, finish) in cases.items():
