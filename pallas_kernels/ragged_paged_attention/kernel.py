@@ -18,7 +18,9 @@ serve both: a 128-row query tile wastes 97 % of its tensor-core work on a decode
     query heads of one KV head, the loop over its visible KV split into masked edges and an unmasked middle.
 The prefill launch is skipped when `max_query_len` (static) shows that every request fits the decode kernel, and
 the merge when the block table's width (static) shows that every context fits one split: the decode kernel then
-writes its rows into the output itself, the bits the merge of one split would write.
+writes its rows into the output itself, the bits the merge of one split would write. In the batch-invariant mode's
+long-context segments a short step's prefill may also split (`Tuning.segments_apart`): grid
+`(query_tiles, kv_heads, segments)`, then a merge launch that folds each tile's segments in order.
 
 float8 cache (`kv_scales` given, see `pallas_kernels.kv_quant`): the cache is read through its uint16 byte-pair view
 (`addressing.as_byte_pairs`: addressable at any size, where single bytes overflow the lowering's 32-bit offsets in
@@ -179,6 +181,30 @@ def _merge_kernel(window_ref, qsl_ref, lens_ref, o_part_ref, lse_part_ref, *out_
         store_rows(out_ref, tok, head, valid, (out,))
 
 
+def _tile_rows(qsl_ref, lens_ref, window_ref, b, q0, geo: Geometry, cfg: KernelConfig):
+    """A real prefill tile (request b, from its new token q0): its first and last positions, which of its rows are
+    real, their tokens in the flat batch, and the KV range `[lo, hi)` its rows can see."""
+    t, g = query_rows(cfg.block_m, geo.group, geo.group_pad)
+    q_start = qsl_ref[b]
+    q_len = qsl_ref[b + 1] - q_start
+    n_tok = jnp.minimum(tokens_per_tile(geo, cfg), q_len - q0)
+    first_pos = lens_ref[b] - q_len + q0
+    last_pos = first_pos + n_tok - 1
+    valid = (t < n_tok) & (g < geo.group)
+    tok = jnp.where(valid, q_start + q0 + t, 0)
+    lo, hi = visible_range(first_pos, last_pos, window_ref[0], cfg.block_n)
+    return first_pos, last_pos, valid, tok, lo, hi
+
+
+def _zero_spare_tile(o_ref, q0, h, geo: Geometry, cfg: KernelConfig):
+    """A spare tile (past the last request's) writes zeros into the padding tokens' rows from token q0."""
+    t, g = query_rows(cfg.block_m, geo.group, geo.group_pad)
+    tok = q0 + t
+    valid = (tok < geo.num_tokens) & (g < geo.group)
+    store_rows(o_ref, tok, jnp.where(g < geo.group, h * geo.group + g, 0), valid,
+               (jnp.zeros((cfg.block_m, geo.head_dim), o_ref.dtype),))
+
+
 def _prefill_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, tile_seq_ref, tile_q0_ref, q_ref, kv_ref,
                     scales_ref, *out_refs, geo: Geometry, cfg: KernelConfig, scores: Scores, segment: int | None):
     """Program (query tile i, KV head h). Real tiles attend (`segment`: in the batch-invariant mode's absolute
@@ -193,17 +219,9 @@ def _prefill_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, tile_seq_r
 
     @pl.when(b < geo.num_seqs)
     def _():
-        q_start = qsl_ref[b]
-        q_len = qsl_ref[b + 1] - q_start
-        seq_len = lens_ref[b]
         window = window_ref[0]
-        n_tok = jnp.minimum(tokens_per_tile(geo, cfg), q_len - q0)
-        first_pos = seq_len - q_len + q0
-        last_pos = first_pos + n_tok - 1
-        valid = (t < n_tok) & (g < geo.group)
-        tok = jnp.where(valid, q_start + q0 + t, 0)
+        first_pos, last_pos, valid, tok, lo, hi = _tile_rows(qsl_ref, lens_ref, window_ref, b, q0, geo, cfg)
         q = scores.operands(load_q(q_ref, tok, head, valid, geo.parts))
-        lo, hi = visible_range(first_pos, last_pos, window, cfg.block_n)
         src = KVSource(kv_ref, bt_ref, b, layer_ref[0], h, hi, geo.block_size, cfg.prefetch_pages)
         k_scale, v_scale = head_scales(scales_ref, layer_ref[0], h, geo)
         if segment:
@@ -215,11 +233,68 @@ def _prefill_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, tile_seq_r
             out, _ = finish(acc, m, l, v_scale)
         store_rows(o_ref, tok, head, valid, tuple(0.0 + part for part in out))  # as the decode kernel's (-0.0 → 0.0)
 
-    @pl.when(b >= geo.num_seqs)
+    pl.when(b >= geo.num_seqs)(lambda: _zero_spare_tile(o_ref, q0, h, geo, cfg))
+
+
+def _prefill_segment_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, tile_seq_ref, tile_q0_ref, q_ref, kv_ref,
+                            scales_ref, o_ref, lse_ref, *, geo: Geometry, cfg: KernelConfig, split: SplitConfig,
+                            scores: Scores):
+    """Program (query tile i, KV head h, segment s): the tile's rows over the s-th absolute segment they can see,
+    normalised, with their base-2 LSE (`_prefill_merge_kernel` folds them). The rows `attend_in_segments` would
+    compute for that segment in one program walking them all: a short step's tiles over a long context spread
+    over the segments instead of walking them in turn."""
+    i, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b = tile_seq_ref[i]
+    t, g = query_rows(cfg.block_m, geo.group, geo.group_pad)
+
+    @pl.when(b < geo.num_seqs)
     def _():
-        tok = q0 + t
-        valid = (tok < geo.num_tokens) & (g < geo.group)
-        store_rows(o_ref, tok, head, valid, (jnp.zeros((cfg.block_m, geo.head_dim), o_ref.dtype),))
+        first_pos, last_pos, valid, tok, lo, hi = _tile_rows(qsl_ref, lens_ref, window_ref, b, tile_q0_ref[i], geo,
+                                                             cfg)
+
+        @pl.when(s < num_splits(lo, hi, split))
+        def _():
+            head = jnp.where(valid, h * geo.group + g, 0)
+            q = scores.operands(load_q(q_ref, tok, head, valid, geo.parts))
+            src = KVSource(kv_ref, bt_ref, b, layer_ref[0], h, hi, geo.block_size, cfg.prefetch_pages)
+            k_scale, v_scale = head_scales(scales_ref, layer_ref[0], h, geo)
+            seg_lo, seg_hi = split_range(lo, hi, s, split, cfg.block_n)
+            acc, m, l = attend(q, first_pos + t, src, seg_lo, seg_hi, first_pos, last_pos, window_ref[0],
+                               block_n=cfg.block_n, scores=scores, k_scale=k_scale)
+            out, lse = finish(acc, m, l, v_scale)
+            rows = jnp.where(valid, jnp.arange(cfg.block_m, dtype=jnp.int32), cfg.block_m)[:, None]
+            for part_index, part in enumerate(out):
+                cols = column_index(geo.head_dim, geo.parts, part_index)
+                pltr.store(o_ref.at[i, h, s, rows, cols], part, mask=jnp.broadcast_to(valid[:, None], part.shape))
+            pltr.store(lse_ref.at[i, h, s, rows[:, 0]], lse, mask=valid)
+
+
+def _prefill_merge_kernel(window_ref, qsl_ref, lens_ref, tile_seq_ref, tile_q0_ref, o_part_ref, lse_part_ref, o_ref, *,
+                          geo: Geometry, cfg: KernelConfig, split: SplitConfig):
+    """Program (query tile i, KV head h): the tile's segments folded in order, as `attend_in_segments` folds them
+    (and the decode merge its splits), the rows stored; spare tiles zero the padding tokens' rows."""
+    i, h = pl.program_id(0), pl.program_id(1)
+    b, q0 = tile_seq_ref[i], tile_q0_ref[i]
+    _, g = query_rows(cfg.block_m, geo.group, geo.group_pad)
+
+    @pl.when(b < geo.num_seqs)
+    def _():
+        _, _, valid, tok, lo, hi = _tile_rows(qsl_ref, lens_ref, window_ref, b, q0, geo, cfg)
+        rows = jnp.where(valid, jnp.arange(cfg.block_m, dtype=jnp.int32), 0)
+        cols = column_index(geo.head_dim)
+        mask2 = jnp.broadcast_to(valid[:, None], (cfg.block_m, geo.head_dim))
+
+        def body(s, carry):
+            lse = pltr.load(lse_part_ref.at[i, h, s, rows], mask=valid, other=-jnp.inf)
+            o = pltr.load(o_part_ref.at[i, h, s, rows[:, None], cols], mask=mask2, other=0.0)
+            return merge_partial(carry, (o,), lse)
+
+        acc, _, den = lax.fori_loop(0, num_splits(lo, hi, split), body, empty_state(((cfg.block_m, geo.head_dim),)))
+        (out,) = merged_rows(acc, den)
+        head = jnp.where(valid, h * geo.group + g, 0)
+        store_rows(o_ref, tok, head, valid, (0.0 + out,))  # as the other kernels' stores (-0.0 → 0.0)
+
+    pl.when(b >= geo.num_seqs)(lambda: _zero_spare_tile(o_ref, q0, h, geo, cfg))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -296,6 +371,11 @@ def _prefill_call(q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning,
     Mosaic kernel's output, whose requests of at least `below` new tokens it leaves alone)."""
     cfg = tuning.prefill
     num_tiles, tile_seq, tile_q0 = _prefill_tiles(qsl, geo, tuning, below)
+    if tuning.split.absolute and tuning.segments_apart:
+        if into is not None:
+            raise ValueError("the segment-parallel prefill writes a fresh output")
+        return _prefill_segments_call(q, kv_cache, scales, layer_window, qsl, lens, bt, (num_tiles, tile_seq, tile_q0),
+                                      geo, tuning, scores, interpret)
     into = () if into is None else (into,)
     segment = tuning.split.split_tokens if tuning.split.absolute else None
     kernel = functools.partial(_prefill_kernel, geo=geo, cfg=cfg, scores=scores, segment=segment)
@@ -309,6 +389,36 @@ def _prefill_call(q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning,
         interpret=interpret,
         name="ragged_paged_attention_prefill",
     )(*layer_window, qsl, lens, bt, tile_seq, tile_q0, q, kv_cache, scales, *into)
+
+
+def _prefill_segments_call(q, kv_cache, scales, layer_window, qsl, lens, bt, tiles, geo, tuning, scores, interpret):
+    """The batch-invariant prefill with a program per (tile, KV head, segment), then the fold of the segments
+    (`Tuning.segments_apart`): the rows of the one-program walk (`_prefill_kernel` with a segment), bit for bit."""
+    cfg, split = tuning.prefill, tuning.split
+    num_tiles, tile_seq, tile_q0 = tiles
+    part_shape = (num_tiles, geo.kv_heads, split.max_splits, cfg.block_m)
+    params = pltr.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    partials = pl.pallas_call(
+        functools.partial(_prefill_segment_kernel, geo=geo, cfg=cfg, split=split, scores=scores),
+        grid=(num_tiles, geo.kv_heads, split.max_splits),
+        in_specs=[pl.no_block_spec] * 10,
+        out_specs=[pl.no_block_spec] * 2,
+        out_shape=[jax.ShapeDtypeStruct((*part_shape, geo.head_dim), jnp.float32),
+                   jax.ShapeDtypeStruct(part_shape, jnp.float32)],
+        compiler_params=params,
+        interpret=interpret,
+        name="ragged_paged_attention_prefill_segments",
+    )(*layer_window, qsl, lens, bt, tile_seq, tile_q0, q, kv_cache, scales)
+    return pl.pallas_call(
+        functools.partial(_prefill_merge_kernel, geo=geo, cfg=cfg, split=split),
+        grid=(num_tiles, geo.kv_heads),
+        in_specs=[pl.no_block_spec] * 7,
+        out_specs=pl.no_block_spec,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="ragged_paged_attention_prefill_merge",
+    )(layer_window[1], qsl, lens, tile_seq, tile_q0, *partials)
 
 
 def _prefill(args, *, mosaic: bool):

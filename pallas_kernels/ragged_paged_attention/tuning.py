@@ -72,6 +72,10 @@ class Tuning:
     invariant_segment: int | None = None
     # The batch-invariant mode's prefill tiles for a short step (`batch_invariant`); None: the decode kernel's
     short_prefill: KernelConfig | None = None
+    # The prefill kernel's segments (`invariant_segment`) on programs of their own, then folded by a merge launch
+    # (`kernel._prefill_segments_call`): set by `batch_invariant` for a short step whose table spans several segments,
+    # so a few new tokens over a long cached context (a prefix-cache hit) walk one segment a program, not all of them
+    segments_apart: bool = False
     # The requests with at least 64 new tokens on the Mosaic GPU prefill kernel (`mosaic_prefill.py`) outside the
     # batch-invariant mode; None: the Triton prefill kernel serves every prefill row
     mosaic_prefill: MosaicConfig | None = None
@@ -92,7 +96,8 @@ class Tuning:
         hit) spreads over many programs instead of walking its context in two: a row's arithmetic does not depend
         on its tile's rows here (checked on an H100 in `scripts/check_invariant_attention_gpu.py`), where the
         default's row sums follow the tile's register layout, which a step's bucket would then choose.
-        `table_positions` (the step's block-table width in positions) bounds the splits of `invariant_segment`."""
+        `table_positions` (the step's block-table width in positions) bounds the splits of `invariant_segment`;
+        a short step whose table spans several of them walks them apart (`segments_apart`)."""
         decode = dataclasses.replace(self.decode, block_n=self.prefill.block_n)
         small = decode if self.short_prefill is None else dataclasses.replace(self.short_prefill,
                                                                                block_n=self.prefill.block_n)
@@ -103,7 +108,8 @@ class Tuning:
                 raise ValueError(f"invariant_segment={self.invariant_segment}: a multiple of {decode.block_n}")
             split = SplitConfig(split_tokens=self.invariant_segment, absolute=True,
                                 max_splits=-(-table_positions // self.invariant_segment))  # segments it can cross
-        return dataclasses.replace(self, decode=decode, prefill=small if short else self.prefill, split=split)
+        return dataclasses.replace(self, decode=decode, prefill=small if short else self.prefill, split=split,
+                                   segments_apart=short and split.absolute and split.max_splits > 1)
 
 
 def default_tuning(head_dim: int, group: int, quantized: bool = False, hopper: bool = False) -> Tuning:

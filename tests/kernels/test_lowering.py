@@ -216,11 +216,12 @@ def test_segmented_invariant_attention_lowers_for_h200(tokens, seqs, max_query_l
 
 
 @pytest.mark.parametrize("tokens,seqs,max_query_len,launches,fp8", [
-    (64, 64, 1, 2, False), (64, 1, 64, 3, False), (4096, 8, 4096, 3, False), (64, 64, 1, 2, True),
+    (64, 64, 1, 2, False), (64, 1, 64, 4, False), (4096, 8, 4096, 3, False), (64, 64, 1, 2, True),
     (4096, 8, 4096, 3, True)], ids=["decode", "short-step", "prefill", "fp8-decode", "fp8-prefill"])
 def test_prefetching_attention_lowers_for_h200(tokens, seqs, max_query_len, launches, fp8):
     """`KernelConfig.prefetch_pages` (page ids carried a KV step ahead) in every kernel, the batch-invariant
-    mode's segments and a short step's 64-row tiles (`Tuning.short_prefill`) included; a float8 cache too."""
+    mode's segments and a short step's 64-row tiles (`Tuning.short_prefill`) included; a float8 cache too. The
+    short step's table spans 16 segments: its prefill runs a program per segment and their merge (4 launches)."""
     import dataclasses
 
     from pallas_kernels.ragged_paged_attention.tuning import KernelConfig, default_tuning

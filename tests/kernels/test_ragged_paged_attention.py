@@ -439,3 +439,29 @@ def test_a_short_steps_tiles_change_no_bit(rows, warps):
         plain = _bits(batch, bucket, base, 64, 0, single_path=True, segment=segment)
         other = _bits(batch, bucket, tiles, 64, 0, single_path=True, segment=segment)
         np.testing.assert_array_equal(other.view(np.uint32), plain.view(np.uint32))
+
+
+def test_a_short_step_over_several_segments_takes_a_program_per_segment():
+    """A short chunk over a context of several segments (a prefix-cache hit's step) runs its segments on programs
+    of their own and folds them in a merge launch, bitwise the rows of the one-program walk of a long step's tiles
+    and of the decode kernel's splits; a step whose table spans one segment keeps the single launch."""
+    from tests.kernels.test_lowering import lower_for_h200
+
+    bucket = Bucket(q_heads=8, kv_heads=2, head_dim=128, width=24, dtype=jnp.bfloat16)
+    seed = int(np.random.default_rng().integers(1 << 16))
+    chunk = build(bucket, [24, 1, 5], [340, 300, 133], seed=seed)
+    short = _segmented(chunk, bucket, 32)
+    np.testing.assert_array_equal(short.view(np.uint32), _segmented(chunk, bucket, 256).view(np.uint32))
+    alone = build(bucket, [24], [340], seed=seed)
+    last = _segmented(_last_rows_as_own_chunk(alone, 1), bucket, 1)[:1]
+    np.testing.assert_array_equal(last.view(np.uint32), _segmented(alone, bucket, 32)[23:24].view(np.uint32))
+
+    def kernels(b: Batch) -> str:
+        specs = (b.q, b.kv_kernel, LAYER, b.query_start_loc, b.seq_lens, b.block_tables)
+        fn = functools.partial(kernel.ragged_paged_attention, scale=0.125, max_query_len=32, single_path=True,
+                               invariant_segment=SEGMENT)
+        return lower_for_h200(fn, *(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in specs))
+
+    assert "prefill_segments" in kernels(chunk)
+    narrow = build(dataclasses.replace(bucket, width=SEGMENT // bucket.block_size), [24, 1], [100, 33], seed=3)
+    assert "prefill_segments" not in kernels(narrow)
