@@ -18,7 +18,6 @@ from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
 from jengine.errors import CheckpointError
 
@@ -29,6 +28,14 @@ METADATA_FILE = "jengine_metadata.json"
 # Bump when the on-disk layout changes; older conversions then read as absent and are redone.
 FORMAT_VERSION = 1
 _MAX_LISTED = 5
+
+
+def _checkpointer():
+    """orbax's StandardCheckpointer, imported here: orbax takes about half a second to import, and only engines that
+    save or restore a conversion need it (not every start-up)."""
+    import orbax.checkpoint as ocp
+
+    return ocp.StandardCheckpointer()
 
 
 def _params_dir(path: str | Path) -> Path:
@@ -53,7 +60,7 @@ def save_converted(path: str | Path, params: Any, metadata: dict[str, Any]) -> N
     try:
         root.mkdir(parents=True, exist_ok=True)
         (root / METADATA_FILE).unlink(missing_ok=True)
-        with ocp.StandardCheckpointer() as checkpointer:
+        with _checkpointer() as checkpointer:
             checkpointer.save(root / PARAMS_DIR, params, force=True)
             checkpointer.wait_until_finished()
         _write_metadata(root, metadata)
@@ -113,7 +120,7 @@ def restore_converted(path: str | Path, target: Any) -> Any:
     if not params_dir.is_dir():
         raise CheckpointError(f"no converted checkpoint at {Path(path)} (missing {PARAMS_DIR}/)")
     try:
-        with ocp.StandardCheckpointer() as checkpointer:
+        with _checkpointer() as checkpointer:
             stored = checkpointer.metadata(params_dir).item_metadata.tree
             _check_matches(params_dir, stored, target)
             params = checkpointer.restore(params_dir, target)
