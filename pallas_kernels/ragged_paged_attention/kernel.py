@@ -80,6 +80,9 @@ from pallas_kernels.ragged_paged_attention.tiles import (
 from pallas_kernels.ragged_paged_attention.tuning import KernelConfig, SplitConfig, Tuning, default_tuning
 
 SUPPORTED_HEAD_DIMS = (64, 128)
+# The segment-parallel prefill's partial rows at most (`Tuning.segments_apart`): a short step of many requests over a
+# wide table keeps the one-program walk, whose programs are then many already, rather than this much scratch
+MAX_SEGMENT_PARTIAL_BYTES = 64 << 20
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
 
 KVCache = Float[Array, "layers blocks block_size 2 kv_heads head_dim"]
@@ -371,7 +374,8 @@ def _prefill_call(q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning,
     Mosaic kernel's output, whose requests of at least `below` new tokens it leaves alone)."""
     cfg = tuning.prefill
     num_tiles, tile_seq, tile_q0 = _prefill_tiles(qsl, geo, tuning, below)
-    if tuning.split.absolute and tuning.segments_apart:
+    if tuning.split.absolute and tuning.segments_apart and _segment_partial_bytes(num_tiles, geo, tuning) <= (
+            MAX_SEGMENT_PARTIAL_BYTES):
         if into is not None:
             raise ValueError("the segment-parallel prefill writes a fresh output")
         return _prefill_segments_call(q, kv_cache, scales, layer_window, qsl, lens, bt, (num_tiles, tile_seq, tile_q0),
@@ -389,6 +393,11 @@ def _prefill_call(q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning,
         interpret=interpret,
         name="ragged_paged_attention_prefill",
     )(*layer_window, qsl, lens, bt, tile_seq, tile_q0, q, kv_cache, scales, *into)
+
+
+def _segment_partial_bytes(num_tiles: int, geo: Geometry, tuning: Tuning) -> int:
+    """The float32 partial rows (and LSEs) a segment-parallel prefill writes for a step's static shapes."""
+    return num_tiles * geo.kv_heads * tuning.split.max_splits * tuning.prefill.block_m * (geo.head_dim + 1) * 4
 
 
 def _prefill_segments_call(q, kv_cache, scales, layer_window, qsl, lens, bt, tiles, geo, tuning, scores, interpret):

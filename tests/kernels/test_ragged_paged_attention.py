@@ -465,3 +465,29 @@ def test_a_short_step_over_several_segments_takes_a_program_per_segment():
     assert "prefill_segments" in kernels(chunk)
     narrow = build(dataclasses.replace(bucket, width=SEGMENT // bucket.block_size), [24, 1], [100, 33], seed=3)
     assert "prefill_segments" not in kernels(narrow)
+
+
+def test_a_short_step_of_many_tiles_keeps_the_one_program_walk(monkeypatch):
+    """The segment-parallel prefill's scratch is bounded: past `MAX_SEGMENT_PARTIAL_BYTES` of partial rows a short
+    step walks its segments in one program, with the same bits."""
+    from tests.kernels.test_lowering import lower_for_h200
+
+    bucket = Bucket(q_heads=8, kv_heads=2, head_dim=128, width=24, dtype=jnp.bfloat16)
+    batch = build(bucket, [24, 1, 5], [340, 300, 133], seed=5)
+    args = (batch.q, batch.kv_kernel, LAYER, batch.query_start_loc, batch.seq_lens, batch.block_tables)
+
+    def attention(interpret: bool):  # traced afresh: the bound is read at trace time
+        return functools.partial(kernel.ragged_paged_attention_impl, scale=bucket.head_dim ** -0.5,
+                                 sliding_window=jnp.int32(0), soft_cap=None, max_query_len=32, interpret=interpret,
+                                 single_path=True, invariant_segment=SEGMENT)
+
+    def lowered() -> str:
+        return lower_for_h200(attention(False), *(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+                                                  for x in args))
+
+    assert "prefill_segments" in lowered()
+    apart = np.asarray(jax.jit(attention(True))(*args), np.float32)
+    monkeypatch.setattr(kernel, "MAX_SEGMENT_PARTIAL_BYTES", 0)
+    assert "prefill_segments" not in lowered()
+    walked = np.asarray(jax.jit(attention(True))(*args), np.float32)
+    np.testing.assert_array_equal(walked.view(np.uint32), apart.view(np.uint32))
