@@ -148,6 +148,23 @@ def _decode_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, q_ref, kv_r
         pltr.store(lse_ref.at[b, h, s, rows[:, 0]], lse, mask=valid)
 
 
+def _fold_splits(o_part_ref, lse_part_ref, lead: tuple, valid, count, geo: Geometry, cfg: KernelConfig):
+    """The first `count` splits' normalised rows at `[*lead, split]` of the partial buffers, folded in split order
+    by their base-2 LSE (`merge_partial`; fixed, so the numbers do not depend on the batch): the merged rows."""
+    rows = jnp.where(valid, jnp.arange(cfg.block_m, dtype=jnp.int32), 0)
+    cols = column_index(geo.head_dim)
+    mask2 = jnp.broadcast_to(valid[:, None], (cfg.block_m, geo.head_dim))
+
+    def body(s, carry):
+        lse = pltr.load(lse_part_ref.at[(*lead, s, rows)], mask=valid, other=-jnp.inf)
+        o = pltr.load(o_part_ref.at[(*lead, s, rows[:, None], cols)], mask=mask2, other=0.0)
+        return merge_partial(carry, (o,), lse)
+
+    acc, _, den = lax.fori_loop(0, count, body, empty_state(((cfg.block_m, geo.head_dim),)))
+    (out,) = merged_rows(acc, den)
+    return out
+
+
 def _merge_kernel(window_ref, qsl_ref, lens_ref, o_part_ref, lse_part_ref, *out_refs,
                   geo: Geometry, cfg: KernelConfig, split: SplitConfig, fresh: bool):
     """Program (request b, KV head h): combines b's used splits by their base-2 LSE, in split order (fixed, so the
@@ -167,18 +184,7 @@ def _merge_kernel(window_ref, qsl_ref, lens_ref, o_part_ref, lse_part_ref, *out_
     def _():
         t, g = query_rows(cfg.block_m, geo.group, geo.group_pad)
         valid = (t < q_len) & (g < geo.group)
-        rows = jnp.where(valid, jnp.arange(cfg.block_m, dtype=jnp.int32), 0)
-        cols = column_index(geo.head_dim)
-        mask2 = jnp.broadcast_to(valid[:, None], (cfg.block_m, geo.head_dim))
-
-        def body(s, carry):
-            lse = pltr.load(lse_part_ref.at[b, h, s, rows], mask=valid, other=-jnp.inf)
-            o = pltr.load(o_part_ref.at[b, h, s, rows[:, None], cols], mask=mask2, other=0.0)
-            return merge_partial(carry, (o,), lse)
-
-        init = empty_state(((cfg.block_m, geo.head_dim),))
-        acc, _, den = lax.fori_loop(0, num_splits(lo, hi, split), body, init)
-        (out,) = merged_rows(acc, den)
+        out = _fold_splits(o_part_ref, lse_part_ref, (b, h), valid, num_splits(lo, hi, split), geo, cfg)
         tok = q_start + t
         head = jnp.where(valid, h * geo.group + g, 0)
         store_rows(out_ref, tok, head, valid, (out,))
@@ -283,17 +289,7 @@ def _prefill_merge_kernel(window_ref, qsl_ref, lens_ref, tile_seq_ref, tile_q0_r
     @pl.when(b < geo.num_seqs)
     def _():
         _, _, valid, tok, lo, hi = _tile_rows(qsl_ref, lens_ref, window_ref, b, q0, geo, cfg)
-        rows = jnp.where(valid, jnp.arange(cfg.block_m, dtype=jnp.int32), 0)
-        cols = column_index(geo.head_dim)
-        mask2 = jnp.broadcast_to(valid[:, None], (cfg.block_m, geo.head_dim))
-
-        def body(s, carry):
-            lse = pltr.load(lse_part_ref.at[i, h, s, rows], mask=valid, other=-jnp.inf)
-            o = pltr.load(o_part_ref.at[i, h, s, rows[:, None], cols], mask=mask2, other=0.0)
-            return merge_partial(carry, (o,), lse)
-
-        acc, _, den = lax.fori_loop(0, num_splits(lo, hi, split), body, empty_state(((cfg.block_m, geo.head_dim),)))
-        (out,) = merged_rows(acc, den)
+        out = _fold_splits(o_part_ref, lse_part_ref, (i, h), valid, num_splits(lo, hi, split), geo, cfg)
         head = jnp.where(valid, h * geo.group + g, 0)
         store_rows(o_ref, tok, head, valid, (0.0 + out,))  # as the other kernels' stores (-0.0 → 0.0)
 
