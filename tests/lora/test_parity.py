@@ -33,20 +33,23 @@ def adapters(make_adapter):
             make_adapter(2, modules=("gate_proj", "up_proj", "down_proj"), seed=4)]
 
 
-def _chosen_logprobs(model, prompt: list[int], generated: list[int]) -> tuple[np.ndarray, list[int]]:
-    """The reference's logprobs of `generated` (teacher-forced) and its own greedy choice at each position."""
+def _chosen_logprobs(model, prompt: list[int], generated: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The reference's logprobs of `generated` (teacher-forced) and its best logprob at each position."""
     with torch.no_grad():
         logits = model(torch.tensor([prompt + generated[:-1]])).logits[0].double()
-    rows = logits[len(prompt) - 1:]
-    logprobs = torch.log_softmax(rows, -1)
-    return logprobs[torch.arange(len(generated)), torch.tensor(generated)].numpy(), rows.argmax(-1).tolist()
+    logprobs = torch.log_softmax(logits[len(prompt) - 1:], -1)
+    return logprobs[torch.arange(len(generated)), torch.tensor(generated)].numpy(), logprobs.max(-1).values.numpy()
 
 
 def _check_against(reference, prompt: list[int], output) -> None:
+    """Each generated token is the reference's greedy choice given the same prefix (teacher-forced, so a position
+    is judged on its own), or within LOGPROB_TOL of it: two tokens that close are a tie that float32 rounding may
+    break either way. The chosen tokens' logprobs agree within LOGPROB_TOL."""
     tokens = list(output.token_ids)
-    ref_logprobs, ref_greedy = _chosen_logprobs(reference, prompt, tokens)
+    ref_logprobs, ref_best = _chosen_logprobs(reference, prompt, tokens)
     ours = np.array([entry[token].logprob for entry, token in zip(output.logprobs, tokens)])
-    assert tokens == ref_greedy, f"seed {SEED}: greedy tokens differ from the merged model's"
+    behind = ref_best - ref_logprobs
+    assert behind.max() <= LOGPROB_TOL, f"seed {SEED}: a token the merged model ranks {behind.max():.2e} below its best"
     assert np.abs(ours - ref_logprobs).max() <= LOGPROB_TOL, f"seed {SEED}"
 
 
