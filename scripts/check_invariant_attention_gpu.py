@@ -13,7 +13,8 @@ with the step's KV bytes ÷ the copy bandwidth measured in the same process. The
 of their bucket against its 128-row tiles, and the default mode's beside. `--decode-variants`: the invariant
 decode-only steps with other warps and stages for its tile, batch 1 at 576 positions too (bits checked against the
 shipped one; each timed as 16 dependent calls inside one program, so a batch-1 call's few µs are not the host's). `--segment S`:
-every bit check again with long contexts in S-position segments (`Tuning.invariant_segment`), and its decode times.
+every bit check again with long contexts in S-position segments (`Tuning.invariant_segment`; `--split C`: C positions
+a decode program, `Tuning.invariant_split`), its decode times and the short chunks in those segments.
 
     PYTHONPATH=. python scripts/check_invariant_attention_gpu.py --out $OUT/invariant-attention.json --git-sha <sha>
     PYTHONPATH=. python scripts/check_invariant_attention_gpu.py --smoke --out /tmp/inv.json   # CPU: paths only
@@ -74,13 +75,14 @@ def make_step(q_lens: list[int], contexts: list[int], *, seed: int, num_tokens: 
 
 
 def _attention(step: Step, *, single_path: bool, window: int = 0, interpret: bool = False,
-               segment: int | None = None):
+               segment: int | None = None, split: int | None = None):
     from pallas_kernels.ragged_paged_attention import kernel
 
     return kernel.ragged_paged_attention(step.q, step.kv, 0, step.qsl, step.lens, step.tables,
                                          scale=HEAD_DIM ** -0.5, sliding_window=np.int32(window),
                                          max_query_len=step.max_query_len, interpret=interpret,
-                                         single_path=single_path, invariant_segment=segment)
+                                         single_path=single_path, invariant_segment=segment,
+                                         invariant_split=split)
 
 
 @functools.cache
@@ -109,11 +111,11 @@ def bits(x) -> np.ndarray:
     return np.asarray(x).view(np.uint16)
 
 
-def chunk_checks(interpret: bool, segment: int | None = None) -> dict[str, bool]:
+def chunk_checks(interpret: bool, segment: int | None = None, split: int | None = None) -> dict[str, bool]:
     """The last `count` rows of a 40-token chunk against the same rows as their own (decode-kernel) chunk."""
     import jax.numpy as jnp
 
-    attention = functools.partial(_attention, segment=segment)
+    attention = functools.partial(_attention, segment=segment, split=split)
     out = {}
     for context in (180, 1000, *((5000,) if segment else ())):  # segments: a context crossing two boundaries
         whole = make_step([40], [context], seed=context)
@@ -131,11 +133,12 @@ def chunk_checks(interpret: bool, segment: int | None = None) -> dict[str, bool]
     return out
 
 
-def batch_checks(interpret: bool, batch: int = 64, segment: int | None = None) -> dict[str, bool]:
+def batch_checks(interpret: bool, batch: int = 64, segment: int | None = None,
+                 split: int | None = None) -> dict[str, bool]:
     """One request's decode row alone, at the top of a decode-only batch, and beside a prefill."""
     import jax.numpy as jnp
 
-    attention = functools.partial(_attention, segment=segment)
+    attention = functools.partial(_attention, segment=segment, split=split)
     contexts = [3000 if segment else 700] + [300 + 37 * i for i in range(batch - 1)]  # segments: the row crosses one
     full = make_step([1] * batch, contexts, seed=3)
     alone = dataclasses.replace(full, q=full.q[:1], qsl=full.qsl[:2], lens=full.lens[:1], tables=full.tables[:1])
@@ -155,7 +158,7 @@ def decode_kv_bytes(batch: int, context: int) -> int:
     return batch * context * KV_HEADS * HEAD_DIM * 2 * 2
 
 
-def timings(bandwidth: float, segment: int | None = None) -> dict[str, float]:
+def timings(bandwidth: float, segment: int | None = None, split: int | None = None) -> dict[str, float]:
     out: dict[str, float] = {}
     for batch, context in TIMED:
         step = make_step([1] * batch, [context] * batch, seed=batch)
@@ -164,7 +167,7 @@ def timings(bandwidth: float, segment: int | None = None) -> dict[str, float]:
                 "prefill_only": lambda s=step: prefill_only(False)(s.q, s.kv, s.qsl, s.lens, s.tables),
                 "default": lambda s=step: _attention(s, single_path=False)}
         if segment:
-            ways["invariant_segmented"] = lambda s=step: _attention(s, single_path=True, segment=segment)
+            ways["invariant_segmented"] = lambda s=step: _attention(s, single_path=True, segment=segment, split=split)
         for name, fn in ways.items():
             seconds = timeit(fn)
             out[f"{name}_b{batch}_ctx{context}_us"] = seconds * 1e6
@@ -235,16 +238,21 @@ def decode_variant_timings(bandwidth: float) -> dict[str, float]:
 SHORT_CHUNKS = ((1, 64, 2112), (8, 32, 4096), (1, 128, 8192))  # (requests, new tokens each, context)
 
 
-def short_chunk_timings() -> dict[str, float]:
+def short_chunk_timings(segment: int | None = None, split: int | None = None) -> dict[str, float]:
     """Short chunks over long contexts (a prefix-cache hit's suffix), batch-invariant mode: the step's tiles for its
-    bucket (small) against the 128-row prefill tiles a large bucket takes; the default mode's (128-row) beside."""
+    bucket (small) against the 128-row prefill tiles a large bucket takes; the default mode's (128-row) beside; with
+    `segment`, the small tiles in those segments too (each segment a program: `Tuning.segments_apart`)."""
     out: dict[str, float] = {}
     for requests, tokens, context in SHORT_CHUNKS:
         step = make_step([tokens] * requests, [context] * requests, seed=tokens)
         wide = dataclasses.replace(step, max_query_len=1024)
-        ways = {"invariant_small": (step, True), "invariant_wide": (wide, True), "default": (step, False)}
-        for name, (s, invariant) in ways.items():
-            seconds = timeit(lambda s=s, inv=invariant: _attention(s, single_path=inv))
+        ways = {"invariant_small": (step, True, None), "invariant_wide": (wide, True, None),
+                "default": (step, False, None)}
+        if segment:
+            ways["invariant_segmented_small"] = (step, True, segment)
+        for name, (s, invariant, seg) in ways.items():
+            seconds = timeit(lambda s=s, inv=invariant, seg=seg: _attention(s, single_path=inv, segment=seg,
+                                                                             split=split if seg else None))
             out[f"{name}_tiles_r{requests}_q{tokens}_ctx{context}_us"] = seconds * 1e6
         log(requests, tokens, context, {k: round(v, 1) for k, v in out.items() if f"_q{tokens}_" in k})
     return out
@@ -257,6 +265,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="interpret mode on the CPU, no timings")
     parser.add_argument("--segment", type=int, default=None,
                         help="also the bits and decode times with Tuning.invariant_segment (e.g. 256)")
+    parser.add_argument("--split", type=int, default=None,
+                        help="with --segment: the positions one decode program walks (Tuning.invariant_split)")
     parser.add_argument("--decode-variants", action="store_true",
                         help="also the invariant decode tile with other warps and stages (DECODE_VARIANTS)")
     args = parser.parse_args()
@@ -265,13 +275,14 @@ def main() -> None:
     record: dict[str, Any] = {"git_sha": args.git_sha, "device": jax.devices()[0].device_kind}
     record["bitwise"] = {**chunk_checks(args.smoke), **batch_checks(args.smoke, 4 if args.smoke else 64)}
     if args.segment:
-        record["bitwise_segmented"] = {**chunk_checks(args.smoke, args.segment),
-                                       **batch_checks(args.smoke, 4 if args.smoke else 64, args.segment)}
+        record["bitwise_segmented"] = {**chunk_checks(args.smoke, args.segment, args.split),
+                                       **batch_checks(args.smoke, 4 if args.smoke else 64, args.segment, args.split)}
     log(record["bitwise"], record.get("bitwise_segmented"))
     if not args.smoke:
         _, bandwidth = copy_bandwidth()
         record["copy_tb_per_s"] = bandwidth / 1e12
-        record["metrics"] = {**timings(bandwidth, args.segment), **short_chunk_timings()}
+        record["metrics"] = {**timings(bandwidth, args.segment, args.split),
+                             **short_chunk_timings(args.segment, args.split)}
         if args.decode_variants:
             record["metrics"].update(decode_variant_timings(bandwidth))
     Path(args.out).write_text(json.dumps(record, indent=1))

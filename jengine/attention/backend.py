@@ -123,6 +123,10 @@ def has_invariant_path(backend: AttentionBackend) -> bool:
 # (benchmarks/results/2026-12-06-*-segment2048-b9302db.json).
 INVARIANT_SEGMENT: int | None = 2048
 MAX_INVARIANT_SEGMENTS = 16
+# The positions one batch-invariant decode program walks (`Tuning.invariant_split`): whole segments, at least one.
+# Segments finer than this spread a short step's prefill (a prefix-cache hit) over more programs while decode steps
+# keep their launches: a table of at most this many positions still decodes in one kernel, no merge.
+INVARIANT_SPLIT = 2048
 
 
 def invariant_segment_for(max_model_len: int | None) -> int | None:
@@ -137,12 +141,20 @@ def invariant_segment_for(max_model_len: int | None) -> int | None:
     return segment
 
 
+def invariant_split_for(segment: int | None) -> int | None:
+    """A decode program's chunk for `segment`: INVARIANT_SPLIT rounded up to whole segments, at least one."""
+    if not segment:
+        return None
+    return max(segment, -(-INVARIANT_SPLIT // segment) * segment)
+
+
 def _deterministic(backend: AttentionBackend, platform: str, max_model_len: int | None = None) -> AttentionBackend:
     """The backend in its batch-invariant mode. The reference attention keeps a row's result on the CPU
     whatever the batch (the engine's tests hold it); on a GPU its XLA reductions follow the shape, so it is refused
     rather than served as deterministic."""
     if has_invariant_path(backend):
-        segment = ({"invariant_segment": invariant_segment_for(max_model_len)}
+        fold = invariant_segment_for(max_model_len)
+        segment = ({"invariant_segment": fold, "invariant_split": invariant_split_for(fold)}
                    if hasattr(backend, "invariant_segment") else {})
         return dataclasses.replace(backend, invariant=True, **segment)
     if platform != "cpu":

@@ -68,10 +68,12 @@ class PallasGpuBackend:
     # device on its own query heads and the KV heads they use (the cache is split by KV head).
     mesh: Mesh | None = None
     # Batch-invariant mode (`--deterministic`): a row's attention adds up the same way in either kernel
-    # (`single_path`); `invariant_segment`: its long contexts in splits of that many positions
-    # (`Tuning.invariant_segment`; None: one split)
+    # (`single_path`); `invariant_segment`: its long contexts cut into segments of that many positions
+    # (`Tuning.invariant_segment`; None: one split), `invariant_split` of them a decode program
+    # (`Tuning.invariant_split`; None: one segment)
     invariant: bool = False
     invariant_segment: int | None = None
+    invariant_split: int | None = None
 
     @property
     def experts(self):
@@ -81,11 +83,11 @@ class PallasGpuBackend:
         return PallasExperts(interpret=self.interpret, mesh=self.mesh)
 
     def one_split_positions(self, quantized: bool) -> int | None:
-        """`merge_free`'s width: the deterministic mode's long-context segment (None: it never splits), else the
-        fast decode's split. A decode step given a table this narrow launches one attention kernel a layer, where a
+        """`merge_free`'s width: the positions one deterministic decode program walks (None: it never splits),
+        else the fast decode's split. A decode step given a table this narrow launches one attention kernel a layer, where a
         wider one adds the merge (as the engine's pinned full-width tables did at every context length)."""
         if self.invariant:
-            return self.invariant_segment
+            return self.invariant_split or self.invariant_segment
         return FP8_DECODE_SPLIT_TOKENS if quantized else DECODE_SPLIT_TOKENS
 
     def __call__(self, q, k, v, kv_cache, layer, md, *, scale, sliding_window, soft_cap):
@@ -114,6 +116,7 @@ class PallasGpuBackend:
             sliding_window=sliding_window, soft_cap=float(soft_cap) if soft_cap else None,
             max_query_len=md.max_query_len, interpret=self.interpret, single_path=self.invariant,
             invariant_segment=self.invariant_segment if self.invariant else None,
+            invariant_split=self.invariant_split if self.invariant else None,
         )
         return out, kv_cache
 

@@ -69,8 +69,11 @@ from pallas_kernels.ragged_paged_attention.tiles import (
     load_q,
     merge_partial,
     merged_rows,
+    num_partials,
+    num_segments,
     num_splits,
     query_rows,
+    segment_rows,
     split_range,
     store_rows,
     tokens_per_tile,
@@ -82,7 +85,7 @@ from pallas_kernels.ragged_paged_attention.tuning import KernelConfig, SplitConf
 SUPPORTED_HEAD_DIMS = (64, 128)
 # The segment-parallel prefill's partial rows at most (`Tuning.segments_apart`): a short step of many requests over a
 # wide table keeps the one-program walk, whose programs are then many already, rather than this much scratch
-MAX_SEGMENT_PARTIAL_BYTES = 64 << 20
+MAX_SEGMENT_PARTIAL_BYTES = 128 << 20
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
 
 KVCache = Float[Array, "layers blocks block_size 2 kv_heads head_dim"]
@@ -132,6 +135,23 @@ def _decode_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, q_ref, kv_r
         q = scores.operands(load_q(q_ref, tok, head, valid, geo.parts))
         src = KVSource(kv_ref, bt_ref, b, layer_ref[0], h, hi, geo.block_size, cfg.prefetch_pages)
         k_scale, v_scale = head_scales(scales_ref, layer_ref[0], h, geo)
+        if split.absolute and split.fold < split.split_tokens:  # several segments a chunk: each its own partial
+            segment_of = functools.partial(segment_rows, q, first_pos + t, src, lo, hi, first_pos=first_pos,
+                                           last_pos=last_pos, window=window, block_n=cfg.block_n, scores=scores,
+                                           segment=split.fold, k_scale=k_scale, v_scale=v_scale)
+            if direct:  # the one chunk's segments folded here, as the merge and the prefill kernel fold them
+                out = attend_in_segments(q, first_pos + t, src, lo, hi, first_pos, last_pos, window,
+                                         block_n=cfg.block_n, scores=scores, segment=split.fold, k_scale=k_scale,
+                                         v_scale=v_scale)
+                store_rows(out_refs[-1], tok, head, valid, tuple(0.0 + part for part in out))
+                return
+            first = num_segments(lo, my_lo + 1, split.fold) - 1  # the chunk's first segment, counted from lo's
+
+            def one_segment(j, _):
+                _store_partial(out_refs, (b, h, first + j), valid, *segment_of(first + j), geo, cfg)
+
+            lax.fori_loop(0, num_segments(my_lo, my_hi, split.fold), one_segment, None)
+            return
         acc, m, l = attend(q, first_pos + t, src, my_lo, my_hi, first_pos, last_pos, window,
                             block_n=cfg.block_n, scores=scores, k_scale=k_scale)
         out, lse = finish(acc, m, l, v_scale)
@@ -140,12 +160,17 @@ def _decode_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, q_ref, kv_r
             # so a request's rows do not depend on whether its step's block table was narrow enough for this path.
             store_rows(out_refs[-1], tok, head, valid, tuple(0.0 + part for part in out))
             return
-        o_ref, lse_ref = out_refs
-        rows = jnp.where(valid, jnp.arange(cfg.block_m, dtype=jnp.int32), cfg.block_m)[:, None]
-        for i, part in enumerate(out):
-            cols = column_index(geo.head_dim, geo.parts, i)
-            pltr.store(o_ref.at[b, h, s, rows, cols], part, mask=jnp.broadcast_to(valid[:, None], part.shape))
-        pltr.store(lse_ref.at[b, h, s, rows[:, 0]], lse, mask=valid)
+        _store_partial(out_refs, (b, h, s), valid, out, lse, geo, cfg)
+
+
+def _store_partial(out_refs, at: tuple, valid, out, lse, geo: Geometry, cfg: KernelConfig):
+    """One partial result's real rows (column parts) and LSEs into the partial buffers at `[*at]`."""
+    o_ref, lse_ref = out_refs
+    rows = jnp.where(valid, jnp.arange(cfg.block_m, dtype=jnp.int32), cfg.block_m)[:, None]
+    for i, part in enumerate(out):
+        cols = column_index(geo.head_dim, geo.parts, i)
+        pltr.store(o_ref.at[(*at, rows, cols)], part, mask=jnp.broadcast_to(valid[:, None], part.shape))
+    pltr.store(lse_ref.at[(*at, rows[:, 0])], lse, mask=valid)
 
 
 def _fold_splits(o_part_ref, lse_part_ref, lead: tuple, valid, count, geo: Geometry, cfg: KernelConfig):
@@ -184,7 +209,7 @@ def _merge_kernel(window_ref, qsl_ref, lens_ref, o_part_ref, lse_part_ref, *out_
     def _():
         t, g = query_rows(cfg.block_m, geo.group, geo.group_pad)
         valid = (t < q_len) & (g < geo.group)
-        out = _fold_splits(o_part_ref, lse_part_ref, (b, h), valid, num_splits(lo, hi, split), geo, cfg)
+        out = _fold_splits(o_part_ref, lse_part_ref, (b, h), valid, num_partials(lo, hi, split), geo, cfg)
         tok = q_start + t
         head = jnp.where(valid, h * geo.group + g, 0)
         store_rows(out_ref, tok, head, valid, (out,))
@@ -261,21 +286,16 @@ def _prefill_segment_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, ti
         first_pos, last_pos, valid, tok, lo, hi = _tile_rows(qsl_ref, lens_ref, window_ref, b, tile_q0_ref[i], geo,
                                                              cfg)
 
-        @pl.when(s < num_splits(lo, hi, split))
+        @pl.when(s < num_segments(lo, hi, split.fold))
         def _():
             head = jnp.where(valid, h * geo.group + g, 0)
             q = scores.operands(load_q(q_ref, tok, head, valid, geo.parts))
             src = KVSource(kv_ref, bt_ref, b, layer_ref[0], h, hi, geo.block_size, cfg.prefetch_pages)
             k_scale, v_scale = head_scales(scales_ref, layer_ref[0], h, geo)
-            seg_lo, seg_hi = split_range(lo, hi, s, split, cfg.block_n)
-            acc, m, l = attend(q, first_pos + t, src, seg_lo, seg_hi, first_pos, last_pos, window_ref[0],
-                               block_n=cfg.block_n, scores=scores, k_scale=k_scale)
-            out, lse = finish(acc, m, l, v_scale)
-            rows = jnp.where(valid, jnp.arange(cfg.block_m, dtype=jnp.int32), cfg.block_m)[:, None]
-            for part_index, part in enumerate(out):
-                cols = column_index(geo.head_dim, geo.parts, part_index)
-                pltr.store(o_ref.at[i, h, s, rows, cols], part, mask=jnp.broadcast_to(valid[:, None], part.shape))
-            pltr.store(lse_ref.at[i, h, s, rows[:, 0]], lse, mask=valid)
+            out, lse = segment_rows(q, first_pos + t, src, lo, hi, s, first_pos, last_pos, window_ref[0],
+                                    block_n=cfg.block_n, scores=scores, segment=split.fold, k_scale=k_scale,
+                                    v_scale=v_scale)
+            _store_partial((o_ref, lse_ref), (i, h, s), valid, out, lse, geo, cfg)
 
 
 def _prefill_merge_kernel(window_ref, qsl_ref, lens_ref, tile_seq_ref, tile_q0_ref, o_part_ref, lse_part_ref, o_ref, *,
@@ -289,7 +309,7 @@ def _prefill_merge_kernel(window_ref, qsl_ref, lens_ref, tile_seq_ref, tile_q0_r
     @pl.when(b < geo.num_seqs)
     def _():
         _, _, valid, tok, lo, hi = _tile_rows(qsl_ref, lens_ref, window_ref, b, q0, geo, cfg)
-        out = _fold_splits(o_part_ref, lse_part_ref, (i, h), valid, num_splits(lo, hi, split), geo, cfg)
+        out = _fold_splits(o_part_ref, lse_part_ref, (i, h), valid, num_segments(lo, hi, split.fold), geo, cfg)
         head = jnp.where(valid, h * geo.group + g, 0)
         store_rows(o_ref, tok, head, valid, (0.0 + out,))  # as the other kernels' stores (-0.0 → 0.0)
 
@@ -310,7 +330,7 @@ def _decode_call(q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning, 
     (every request's context fits one split), the rows themselves, no merge needed: into `out` in place (a
     prefill's output), or into a fresh output with the padding tokens' zeros (`out` None: a decode-only step)."""
     cfg, split = tuning.decode, tuning.split
-    part_shape = (geo.num_seqs, geo.kv_heads, split.max_splits, cfg.block_m)
+    part_shape = (geo.num_seqs, geo.kv_heads, split.slots, cfg.block_m)
     if direct:
         out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
     else:
@@ -377,7 +397,7 @@ def _prefill_call(q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning,
         return _prefill_segments_call(q, kv_cache, scales, layer_window, qsl, lens, bt, (num_tiles, tile_seq, tile_q0),
                                       geo, tuning, scores, interpret)
     into = () if into is None else (into,)
-    segment = tuning.split.split_tokens if tuning.split.absolute else None
+    segment = tuning.split.fold if tuning.split.absolute else None
     kernel = functools.partial(_prefill_kernel, geo=geo, cfg=cfg, scores=scores, segment=segment)
     return pl.pallas_call(
         kernel,
@@ -393,7 +413,7 @@ def _prefill_call(q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning,
 
 def _segment_partial_bytes(num_tiles: int, geo: Geometry, tuning: Tuning) -> int:
     """The float32 partial rows (and LSEs) a segment-parallel prefill writes for a step's static shapes."""
-    return num_tiles * geo.kv_heads * tuning.split.max_splits * tuning.prefill.block_m * (geo.head_dim + 1) * 4
+    return num_tiles * geo.kv_heads * tuning.split.slots * tuning.prefill.block_m * (geo.head_dim + 1) * 4
 
 
 def _prefill_segments_call(q, kv_cache, scales, layer_window, qsl, lens, bt, tiles, geo, tuning, scores, interpret):
@@ -401,11 +421,11 @@ def _prefill_segments_call(q, kv_cache, scales, layer_window, qsl, lens, bt, til
     (`Tuning.segments_apart`): the rows of the one-program walk (`_prefill_kernel` with a segment), bit for bit."""
     cfg, split = tuning.prefill, tuning.split
     num_tiles, tile_seq, tile_q0 = tiles
-    part_shape = (num_tiles, geo.kv_heads, split.max_splits, cfg.block_m)
+    part_shape = (num_tiles, geo.kv_heads, split.slots, cfg.block_m)
     params = pltr.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     partials = pl.pallas_call(
         functools.partial(_prefill_segment_kernel, geo=geo, cfg=cfg, split=split, scores=scores),
-        grid=(num_tiles, geo.kv_heads, split.max_splits),
+        grid=(num_tiles, geo.kv_heads, split.slots),
         in_specs=[pl.no_block_spec] * 10,
         out_specs=[pl.no_block_spec] * 2,
         out_shape=[jax.ShapeDtypeStruct((*part_shape, geo.head_dim), jnp.float32),
@@ -454,7 +474,7 @@ def decode_only_start(q: Array) -> Array | None:
 def ragged_paged_attention_impl(
     q, kv_cache, layer, query_start_loc, seq_lens, block_tables, *, scale, sliding_window, soft_cap, max_query_len,
     interpret, tuning: Tuning | None = None, kv_scales: KVScales | None = None, single_path: bool = False,
-    invariant_segment: int | None = None,
+    invariant_segment: int | None = None, invariant_split: int | None = None,
 ):
     """The body of `ragged_paged_attention` with the block sizes as an argument (benchmarks sweep them)."""
     num_tokens, q_heads, head_dim = q.shape
@@ -469,7 +489,7 @@ def ragged_paged_attention_impl(
     if tuning is None:
         tuning = default_tuning(head_dim, geo.group, quantized, hopper=not interpret and mosaic_prefill.on_hopper())
     if invariant_segment:
-        tuning = dataclasses.replace(tuning, invariant_segment=invariant_segment)
+        tuning = dataclasses.replace(tuning, invariant_segment=invariant_segment, invariant_split=invariant_split)
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     scores = Scores(float(scale), float(soft_cap) if soft_cap else None, precision,  # float32 queries stay float32
                     float16_operands=quantized and tuning.fp8_operands == "float16" and q.dtype != jnp.float32)
@@ -492,7 +512,7 @@ def ragged_paged_attention_impl(
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "max_query_len", "interpret", "single_path",
-                                             "invariant_segment"))
+                                             "invariant_segment", "invariant_split"))
 def ragged_paged_attention(
     q: Float[Array, "tokens q_heads head_dim"],
     kv_cache: KVCache,
@@ -509,6 +529,7 @@ def ragged_paged_attention(
     interpret: bool = False,
     single_path: bool = False,
     invariant_segment: int | None = None,
+    invariant_split: int | None = None,
 ) -> Float[Array, "tokens q_heads head_dim"]:
     """Attention of every new token over its own request's cached positions (this step's K/V already written).
 
@@ -524,11 +545,12 @@ def ragged_paged_attention(
     as the same prompt in one piece does (`Tuning.batch_invariant`: the decode kernel in one split, over tiles as
     wide as the prefill kernel's, row sums on the tensor cores in both; small prefill tiles for a short step). By
     default a request with a few new tokens goes to the split-K decode kernel, whose splits follow its own length.
-    `invariant_segment` (with `single_path`; `Tuning.invariant_segment`): long contexts decoded in splits at the
-    multiples of this many positions and merged, the prefill kernel folding its rows' segments alike.
+    `invariant_segment` (with `single_path`; `Tuning.invariant_segment`): long contexts cut at the multiples of
+    this many positions, each segment's rows a partial result folded in order by every kernel alike;
+    `invariant_split` (a multiple of it; default the segment): the positions one decode program walks.
     """
     return ragged_paged_attention_impl(
         q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale=scale, sliding_window=sliding_window,
         soft_cap=soft_cap, max_query_len=max_query_len, interpret=interpret, kv_scales=kv_scales,
-        single_path=single_path, invariant_segment=invariant_segment,
+        single_path=single_path, invariant_segment=invariant_segment, invariant_split=invariant_split,
     )

@@ -81,18 +81,34 @@ def visible_range(first_pos, last_pos, window, block_n: int):
     return (lo // block_n) * block_n, last_pos + 1
 
 
+def num_segments(lo, hi, segment: int):
+    """How many of the absolute segments `[j·segment, (j+1)·segment)` the range `[lo, hi)` crosses."""
+    return (hi - 1) // segment - lo // segment + 1
+
+
+def segment_range(lo, hi, j, segment: int):
+    """The part of `[lo, hi)` in its `j`-th segment (absolute segment `lo // segment + j`)."""
+    start = (lo // segment + j) * segment
+    return jnp.maximum(lo, start), jnp.minimum(hi, start + segment)
+
+
 def num_splits(lo, hi, split: SplitConfig):
     """How many chunks a decode request's context is cut into: a function of its own visible range only."""
     if split.absolute:
-        return (hi - 1) // split.split_tokens - lo // split.split_tokens + 1
+        return num_segments(lo, hi, split.split_tokens)
     return jnp.clip(cdiv(hi - lo, split.split_tokens), 1, split.max_splits)
+
+
+def num_partials(lo, hi, split: SplitConfig):
+    """How many partial results a decode request's context leaves for the merge: one a segment in the absolute
+    mode (a split may walk several), else one a split."""
+    return num_segments(lo, hi, split.fold) if split.absolute else num_splits(lo, hi, split)
 
 
 def split_range(lo, hi, s, split: SplitConfig, block_n: int):
     """Chunk `s` of `[lo, hi)`: chunks are multiples of `block_n`, so no KV tile straddles two of them."""
-    if split.absolute:  # segment lo // split_tokens + s of the positions from 0
-        start = (lo // split.split_tokens + s) * split.split_tokens
-        return jnp.maximum(lo, start), jnp.minimum(hi, start + split.split_tokens)
+    if split.absolute:  # chunk lo // split_tokens + s of the positions from 0
+        return segment_range(lo, hi, s, split.split_tokens)
     nsplit = num_splits(lo, hi, split)
     chunk = cdiv(cdiv(hi - lo, nsplit), block_n) * block_n
     my_lo = lo + s * chunk
@@ -272,13 +288,22 @@ def attend_in_segments(q, q_pos, src: KVSource, lo, hi, first_pos, last_pos, win
     their LSE in order (`merge_partial`): a row gets the bits a decode's absolute splits and their merge give it,
     whatever its tile (a segment a row cannot see folds in as nothing). Returns the merged rows."""
     def body(j, carry):
-        seg_lo, seg_hi = jnp.maximum(lo, j * segment), jnp.minimum(hi, (j + 1) * segment)
-        acc, m, l = attend(q, q_pos, src, seg_lo, seg_hi, first_pos, last_pos, window, block_n=block_n,
-                           scores=scores, k_scale=k_scale)
-        return merge_partial(carry, *finish(acc, m, l, v_scale))
+        return merge_partial(carry, *segment_rows(q, q_pos, src, lo, hi, j, first_pos, last_pos, window,
+                                                  block_n=block_n, scores=scores, segment=segment, k_scale=k_scale,
+                                                  v_scale=v_scale))
 
-    acc, _, den = lax.fori_loop(lo // segment, cdiv(hi, segment), body, empty_state(tuple(qp.shape for qp in q)))
+    acc, _, den = lax.fori_loop(0, num_segments(lo, hi, segment), body, empty_state(tuple(qp.shape for qp in q)))
     return merged_rows(acc, den)
+
+
+def segment_rows(q, q_pos, src: KVSource, lo, hi, j, first_pos, last_pos, window, *, block_n: int, scores: Scores,
+                 segment: int, k_scale=1.0, v_scale=1.0):
+    """The rows over the `j`-th segment of `[lo, hi)`, normalised, and their base-2 LSE (`finish`): one partial
+    result of `attend_in_segments`, which a program may also store for a merge to fold."""
+    seg_lo, seg_hi = segment_range(lo, hi, j, segment)
+    acc, m, l = attend(q, q_pos, src, seg_lo, seg_hi, first_pos, last_pos, window, block_n=block_n, scores=scores,
+                       k_scale=k_scale)
+    return finish(acc, m, l, v_scale)
 
 
 def finish(acc, m, l, v_scale=1.0):

@@ -54,10 +54,23 @@ class SplitConfig:
 
     split_tokens: int  # target KV positions per split (a multiple of the decode block_n)
     max_splits: int  # grid size along the split axis
-    # `absolute`: the splits are the segments [j·split_tokens, (j+1)·split_tokens) of the positions from 0, as many as
+    # `absolute`: the splits are the chunks [j·split_tokens, (j+1)·split_tokens) of the positions from 0, as many as
     # a context crosses (`max_splits` then bounds them for the step's block table): the batch-invariant mode's
     # long-context split, which the prefill kernel reproduces row by row (`Tuning.invariant_segment`)
     absolute: bool = False
+    # With `absolute`: the positions folded as one partial result (`tiles.attend_in_segments`), a divisor of
+    # `split_tokens` (0: `split_tokens`); a split program walks its chunk's segments one after another
+    segment: int = 0
+
+    @property
+    def fold(self) -> int:
+        """The absolute mode's segment: what a row's arithmetic is cut at, whichever program walks it."""
+        return self.segment or self.split_tokens
+
+    @property
+    def slots(self) -> int:
+        """Partial results a request's context may leave: one a segment in the absolute mode, else one a split."""
+        return self.max_splits * (self.split_tokens // self.fold) if self.absolute else self.max_splits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +80,12 @@ class Tuning:
     split: SplitConfig
     fp8_operands: str = "bfloat16"  # a float8 cache's tensor-core operands: "bfloat16" or "float16" (`Scores`)
     # The batch-invariant mode's long contexts: None, one split (a batch-1 32k context then walks on one program a
-    # KV head); or segments of this many positions (a multiple of the prefill tile's KV width) decoded as splits
-    # and merged, which the prefill kernel folds the same way for every row, so the rows stay bitwise the same
+    # KV head); or segments of this many positions (a multiple of the prefill tile's KV width) whose partial
+    # results are folded in order by every kernel alike, so the rows stay bitwise the same
     invariant_segment: int | None = None
+    # The positions one decode program walks in that mode (a multiple of `invariant_segment`; None: one segment):
+    # fine segments for the arithmetic, chunks of several for the decode's launches
+    invariant_split: int | None = None
     # The batch-invariant mode's prefill tiles for a short step (`batch_invariant`); None: the decode kernel's
     short_prefill: KernelConfig | None = None
     # The prefill kernel's segments (`invariant_segment`) on programs of their own, then folded by a merge launch
@@ -104,12 +120,15 @@ class Tuning:
         short = max_query_len * group_pad <= SMALL_STEP_ROWS
         split = SplitConfig(split_tokens=decode.block_n, max_splits=1)
         if self.invariant_segment:
-            if self.invariant_segment % decode.block_n:
-                raise ValueError(f"invariant_segment={self.invariant_segment}: a multiple of {decode.block_n}")
-            split = SplitConfig(split_tokens=self.invariant_segment, absolute=True,
-                                max_splits=-(-table_positions // self.invariant_segment))  # segments it can cross
+            segment, chunk = self.invariant_segment, self.invariant_split or self.invariant_segment
+            if segment % decode.block_n:
+                raise ValueError(f"invariant_segment={segment}: a multiple of {decode.block_n}")
+            if chunk % segment:
+                raise ValueError(f"invariant_split={chunk}: a multiple of invariant_segment={segment}")
+            split = SplitConfig(split_tokens=chunk, absolute=True, segment=segment,
+                                max_splits=-(-table_positions // chunk))  # chunks it can cross
         return dataclasses.replace(self, decode=decode, prefill=small if short else self.prefill, split=split,
-                                   segments_apart=short and split.absolute and split.max_splits > 1)
+                                   segments_apart=short and split.absolute and -(-table_positions // split.fold) > 1)
 
 
 def default_tuning(head_dim: int, group: int, quantized: bool = False, hopper: bool = False) -> Tuning:

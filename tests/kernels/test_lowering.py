@@ -201,16 +201,21 @@ def test_rms_norm_pair_lowers_for_h200():
     assert text.count("__gpu$xla.gpu.triton") == 1
 
 
-@pytest.mark.parametrize("tokens,seqs,max_query_len,launches", [(64, 64, 1, 2), (4096, 8, 4096, 3)])
-def test_segmented_invariant_attention_lowers_for_h200(tokens, seqs, max_query_len, launches):
+@pytest.mark.parametrize("tokens,seqs,max_query_len,split,width,launches", [
+    (64, 64, 1, None, 2048, 2), (4096, 8, 4096, None, 2048, 3), (64, 64, 1, 2048, 2048, 2),
+    (64, 64, 1, 2048, 128, 1), (64, 1, 64, 2048, 2048, 4)],
+    ids=["decode", "prefill", "decode-chunks", "decode-one-chunk", "short-step-chunks"])
+def test_segmented_invariant_attention_lowers_for_h200(tokens, seqs, max_query_len, split, width, launches):
     """The batch-invariant mode with 2,048-position segments over 32k tables: decode splits and the merge, and the
-    prefill kernel folding its rows' segments."""
+    prefill kernel folding its rows' segments; with 512-position segments walked four a decode program
+    (`invariant_split`): over 32k tables, and over a 2k table (one chunk: the program folds them, no merge)."""
+    segment = 2048 if split is None else 512
     fn = functools.partial(attention.ragged_paged_attention, scale=128 ** -0.5, max_query_len=max_query_len,
-                           single_path=True, invariant_segment=2048)
+                           single_path=True, invariant_segment=segment, invariant_split=split)
     text = lower_for_h200(
         lambda q, kv, layer, qsl, lens, bt: fn(q, kv, layer, qsl, lens, bt),
         S((tokens, 32, 128), jnp.bfloat16), S((32, 20000, 16, 2, 8, 128), jnp.bfloat16),
-        S((), i32), S((seqs + 1,), i32), S((seqs,), i32), S((seqs, 2048), i32),
+        S((), i32), S((seqs + 1,), i32), S((seqs,), i32), S((seqs, width), i32),
     )
     assert text.count("__gpu$xla.gpu.triton") == launches
 

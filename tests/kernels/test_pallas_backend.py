@@ -164,18 +164,23 @@ def test_the_invariant_segment_reaches_the_kernels_only_in_the_invariant_mode(mo
     128-position segments."""
     from jengine.attention import backend as backend_module
 
-    assert select_backend("gpu", deterministic=True).invariant_segment == 2048
+    assert (select_backend("gpu", deterministic=True).invariant_segment,
+            select_backend("gpu", deterministic=True).invariant_split) == (2048, 2048)
     # at most 16 segments over max_model_len: the decode grid's split axis and partial outputs stay bounded
-    assert select_backend("gpu", deterministic=True, max_model_len=131072).invariant_segment == 8192
+    long_context = select_backend("gpu", deterministic=True, max_model_len=131072)
+    assert (long_context.invariant_segment, long_context.invariant_split) == (8192, 8192)
     assert [backend_module.invariant_segment_for(n) for n in (None, 2048, 32768, 33024)] == [2048, 2048, 2048, 4096]
     monkeypatch.setattr(backend_module, "INVARIANT_SEGMENT", None)
     assert select_backend("gpu", deterministic=True).invariant_segment is None
     monkeypatch.setattr(backend_module, "INVARIANT_SEGMENT", 128)
-    assert select_backend("gpu", deterministic=True).invariant_segment == 128
+    fine = select_backend("gpu", deterministic=True)  # finer segments, decode programs as wide as before
+    assert (fine.invariant_segment, fine.invariant_split, fine.one_split_positions(False)) == (128, 2048, 2048)
     assert select_backend("gpu").invariant_segment is None
     q, k, v, kv, md, n = step_inputs(BUCKET, [1, 20, 1, 9], [40, 20, 160, 150])
     kw = dict(scale=BUCKET.head_dim ** -0.5, sliding_window=jnp.int32(0), soft_cap=None)
-    segmented = pallas.PallasGpuBackend(interpret=True, invariant=True, invariant_segment=128)
-    out, _ = segmented(q, k, v, jnp.array(kv), 1, md, **kw)
     ref_out, _ = ReferenceBackend()(q, k, v, jnp.array(kv), 1, md, **kw)
-    np.testing.assert_allclose(np.asarray(out[:n]), np.asarray(ref_out[:n]), atol=2e-5, rtol=2e-5)
+    for split in (None, 256):
+        segmented = pallas.PallasGpuBackend(interpret=True, invariant=True, invariant_segment=128,
+                                            invariant_split=split)
+        out, _ = segmented(q, k, v, jnp.array(kv), 1, md, **kw)
+        np.testing.assert_allclose(np.asarray(out[:n]), np.asarray(ref_out[:n]), atol=2e-5, rtol=2e-5)

@@ -491,3 +491,37 @@ def test_a_short_step_of_many_tiles_keeps_the_one_program_walk(monkeypatch):
     assert "prefill_segments" not in lowered()
     walked = np.asarray(jax.jit(attention(True))(*args), np.float32)
     np.testing.assert_array_equal(walked.view(np.uint32), apart.view(np.uint32))
+
+
+@pytest.mark.parametrize("max_query_len,q_lens", [(1, [1] * 4), (32, [1, 24, 3, 1]), (256, [1, 40, 3, 1])],
+                         ids=["decodes", "short-step", "long-step"])
+def test_a_decode_program_walking_several_segments_changes_no_bit(max_query_len, q_lens):
+    """`invariant_split`: a decode program may walk several segments (each its own partial result, folded by the
+    merge, or in the program itself when the table is one chunk): the rows are bitwise those of a program a
+    segment, beside prefill rows (short steps' segments apart, long steps' walked), with and without a window."""
+    bucket = Bucket(q_heads=8, kv_heads=2, head_dim=128, width=24, dtype=jnp.bfloat16)
+    batch = build(bucket, q_lens, [340, 200, 131, 383], seed=int(np.random.default_rng().integers(1 << 16)))
+    args = (batch.q, batch.kv_kernel, LAYER, batch.query_start_loc, batch.seq_lens, batch.block_tables)
+
+    def rows(split: int | None, window: int) -> np.ndarray:
+        return np.asarray(kernel.ragged_paged_attention(
+            *args, scale=bucket.head_dim ** -0.5, sliding_window=jnp.int32(window), max_query_len=max_query_len,
+            interpret=True, single_path=True, invariant_segment=SEGMENT, invariant_split=split), np.float32)
+
+    for window in (0, 150):
+        one_a_program = rows(None, window)
+        for split in (2 * SEGMENT, 3 * SEGMENT):  # two programs (one walks two segments), or the table in one
+            np.testing.assert_array_equal(rows(split, window).view(np.uint32), one_a_program.view(np.uint32))
+        ref = reference.ragged_paged_attention(
+            batch.q, batch.kv_reference, LAYER, batch.query_start_loc, batch.seq_lens, batch.block_tables,
+            scale=bucket.head_dim ** -0.5, sliding_window=jnp.int32(window), max_query_len=max_query_len)
+        assert_close(one_a_program, np.asarray(ref, np.float32), batch, bucket.dtype)
+
+
+def test_a_split_must_hold_whole_segments():
+    base = dataclasses.replace(default_tuning(128, 4), invariant_segment=256, invariant_split=640)
+    with pytest.raises(ValueError, match="multiple of invariant_segment"):
+        base.batch_invariant(1, 4, 2048)
+    tuning = dataclasses.replace(base, invariant_split=1024).batch_invariant(1, 4, 2048)
+    assert (tuning.split.split_tokens, tuning.split.fold, tuning.split.max_splits, tuning.split.slots) == (
+        1024, 256, 2, 8)
