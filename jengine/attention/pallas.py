@@ -84,8 +84,9 @@ class PallasGpuBackend:
 
     def one_split_positions(self, quantized: bool) -> int | None:
         """`merge_free`'s width: the positions one deterministic decode program walks (None: it never splits),
-        else the fast decode's split. A decode step given a table this narrow launches one attention kernel a layer, where a
-        wider one adds the merge (as the engine's pinned full-width tables did at every context length)."""
+        else the fast decode's split. A decode step given a table this narrow launches one attention kernel a
+        layer, where a wider one adds the merge (as the engine's pinned full-width tables did at every context
+        length)."""
         if self.invariant:
             return self.invariant_split or self.invariant_segment
         return FP8_DECODE_SPLIT_TOKENS if quantized else DECODE_SPLIT_TOKENS

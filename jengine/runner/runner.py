@@ -276,6 +276,7 @@ class ModelRunner:
         steps; returns the compile count."""
         variants = [(shape, self.padding_batch(shape, sampled, masked))
                     for shape in shapes for masked in (False, True) for sampled in (0, 1)]
+        batches = [batch for _, batch in variants]
         shape_of = {id(batch): shape for shape, batch in variants}
         last_forward: dict[StepShape, tuple] = {}  # the current shape's logits: its sampler variants share them
 
@@ -292,8 +293,6 @@ class ModelRunner:
                 last_forward[shape] = (logits, prompt)
             self.state, _ = sample_phase(*last_forward[shape], self.state, batch, self._programs)
             return self.state
-
-        batches = [batch for _, batch in variants]
 
         return compiling.warm_up(compile_one, run_one, batches, len(shapes), progress)
 

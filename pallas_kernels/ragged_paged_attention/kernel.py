@@ -136,15 +136,15 @@ def _decode_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, q_ref, kv_r
         src = KVSource(kv_ref, bt_ref, b, layer_ref[0], h, hi, geo.block_size, cfg.prefetch_pages)
         k_scale, v_scale = head_scales(scales_ref, layer_ref[0], h, geo)
         if split.absolute and split.fold < split.split_tokens:  # several segments a chunk: each its own partial
-            segment_of = functools.partial(segment_rows, q, first_pos + t, src, lo, hi, first_pos=first_pos,
-                                           last_pos=last_pos, window=window, block_n=cfg.block_n, scores=scores,
-                                           segment=split.fold, k_scale=k_scale, v_scale=v_scale)
             if direct:  # the one chunk's segments folded here, as the merge and the prefill kernel fold them
                 out = attend_in_segments(q, first_pos + t, src, lo, hi, first_pos, last_pos, window,
                                          block_n=cfg.block_n, scores=scores, segment=split.fold, k_scale=k_scale,
                                          v_scale=v_scale)
                 store_rows(out_refs[-1], tok, head, valid, tuple(0.0 + part for part in out))
                 return
+            segment_of = functools.partial(segment_rows, q, first_pos + t, src, lo, hi, first_pos=first_pos,
+                                           last_pos=last_pos, window=window, block_n=cfg.block_n, scores=scores,
+                                           segment=split.fold, k_scale=k_scale, v_scale=v_scale)
             first = num_segments(lo, my_lo + 1, split.fold) - 1  # the chunk's first segment, counted from lo's
 
             def one_segment(j, _):
