@@ -223,3 +223,27 @@ def test_scales_are_required_for_fp8_and_refused_otherwise():
     kv = jnp.zeros((1, 2, 64))
     with pytest.raises(ValueError, match="needs kv_scales"):
         write_kernel.write_kv(fp8, 0, jnp.zeros(1, jnp.int32), kv, kv, interpret=True)
+
+
+def test_a_float8_caches_segments_fold_alike_whichever_program_walks_them():
+    """The batch-invariant mode over a float8 cache (two column parts a tile): a short step's segments on programs
+    of their own, a decode program walking two segments and a long step's one-program walk give the rows of one
+    program a segment bit for bit, within the float64 reference's tolerance of the dequantized cache."""
+    bucket = Bucket(q_heads=8, kv_heads=2, head_dim=128, width=24, dtype=jnp.bfloat16)
+    batch = build(bucket, [1, 24, 3, 1], [340, 200, 131, 383], seed=SEED)
+    cache, scales, deq = to_fp8(batch)
+    args = (batch.q, cache, LAYER, batch.query_start_loc, batch.seq_lens, batch.block_tables)
+
+    def rows(max_query_len: int, split: int | None) -> np.ndarray:
+        return np.asarray(kernel.ragged_paged_attention(
+            *args, kv_scales=scales, scale=bucket.head_dim ** -0.5, max_query_len=max_query_len, interpret=True,
+            single_path=True, invariant_segment=128, invariant_split=split), np.float32)
+
+    base = rows(32, None)
+    for max_query_len, split in ((32, 256), (256, None), (256, 384)):
+        np.testing.assert_array_equal(rows(max_query_len, split).view(np.uint32), base.view(np.uint32),
+                                      err_msg=f"seed {SEED}")
+    ref = attention_f64(np.asarray(batch.q, np.float32), deq, LAYER, batch.query_start_loc, batch.seq_lens,
+                        batch.block_tables, scale=bucket.head_dim ** -0.5)
+    n = batch.num_real_tokens
+    np.testing.assert_allclose(base[:n], ref[:n], atol=2e-2, rtol=2e-2, err_msg=f"seed {SEED}")
