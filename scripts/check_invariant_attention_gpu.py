@@ -75,14 +75,17 @@ def make_step(q_lens: list[int], contexts: list[int], *, seed: int, num_tokens: 
 
 
 def _attention(step: Step, *, single_path: bool, window: int = 0, interpret: bool = False,
-               segment: int | None = None, split: int | None = None):
+               segment: int | None = None, split: int | None = None, apart: bool | None = None):
+    """One attention call; in segments (`segment`, `split`), a short step's segments on programs of their own
+    unless `apart` is False."""
     from pallas_kernels.ragged_paged_attention import kernel
 
     return kernel.ragged_paged_attention(step.q, step.kv, 0, step.qsl, step.lens, step.tables,
                                          scale=HEAD_DIM ** -0.5, sliding_window=np.int32(window),
                                          max_query_len=step.max_query_len, interpret=interpret,
                                          single_path=single_path, invariant_segment=segment,
-                                         invariant_split=split)
+                                         invariant_split=split,
+                                         parallel_short_segments=bool(segment) if apart is None else apart)
 
 
 @functools.cache
@@ -241,7 +244,7 @@ SHORT_CHUNKS = ((1, 64, 2112), (8, 32, 4096), (1, 128, 8192))  # (requests, new 
 def short_chunk_timings(segment: int | None = None, split: int | None = None) -> dict[str, float]:
     """Short chunks over long contexts (a prefix-cache hit's suffix), batch-invariant mode: the step's tiles for its
     bucket (small) against the 128-row prefill tiles a large bucket takes; the default mode's (128-row) beside; with
-    `segment`, the small tiles in those segments too (each segment a program: `Tuning.segments_apart`)."""
+    `segment`, the small tiles in those segments too, each segment a program (`Tuning.segments_apart`) and walked."""
     out: dict[str, float] = {}
     for requests, tokens, context in SHORT_CHUNKS:
         step = make_step([tokens] * requests, [context] * requests, seed=tokens)
@@ -250,9 +253,11 @@ def short_chunk_timings(segment: int | None = None, split: int | None = None) ->
                 "default": (step, False, None)}
         if segment:
             ways["invariant_segmented_small"] = (step, True, segment)
+            ways["invariant_segmented_walk_small"] = (step, True, -segment)  # the same segments, walked
         for name, (s, invariant, seg) in ways.items():
-            seconds = timeit(lambda s=s, inv=invariant, seg=seg: _attention(s, single_path=inv, segment=seg,
-                                                                             split=split if seg else None))
+            seconds = timeit(lambda s=s, inv=invariant, seg=seg: _attention(
+                s, single_path=inv, segment=abs(seg) if seg else None, split=split if seg else None,
+                apart=seg is not None and seg > 0))
             out[f"{name}_tiles_r{requests}_q{tokens}_ctx{context}_us"] = seconds * 1e6
         log(requests, tokens, context, {k: round(v, 1) for k, v in out.items() if f"_q{tokens}_" in k})
     return out

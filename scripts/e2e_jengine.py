@@ -114,10 +114,12 @@ def engine_kwargs(task: dict[str, Any], prefix_caching: bool = True) -> dict[str
 def build_llm(task: dict[str, Any], prefix_caching: bool = True) -> Any:
     from jengine import LLM
 
-    if task.get("invariant_segment") is not None:
-        from jengine.attention import backend
+    from jengine.attention import backend
 
+    if task.get("invariant_segment") is not None:
         backend.INVARIANT_SEGMENT = task["invariant_segment"] or None  # static in the backend: programs key on it
+    if task.get("segments_apart"):
+        backend.SHORT_STEP_SEGMENTS_APART = True  # likewise
     return LLM(task["model_dir"], **engine_kwargs(task, prefix_caching))
 
 

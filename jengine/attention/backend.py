@@ -127,6 +127,9 @@ MAX_INVARIANT_SEGMENTS = 16
 # Segments finer than this spread a short step's prefill (a prefix-cache hit) over more programs while decode steps
 # keep their launches: a table of at most this many positions still decodes in one kernel, no merge.
 INVARIANT_SPLIT = 2048
+# A short step's segments on programs of their own and a merge launch (`Tuning.parallel_short_segments`): bitwise the
+# rows of the one-program walk in interpret mode, lowered for an H200; off until timed on a GPU
+SHORT_STEP_SEGMENTS_APART = False
 
 
 def invariant_segment_for(max_model_len: int | None) -> int | None:
@@ -154,7 +157,8 @@ def _deterministic(backend: AttentionBackend, platform: str, max_model_len: int 
     rather than served as deterministic."""
     if has_invariant_path(backend):
         fold = invariant_segment_for(max_model_len)
-        segment = ({"invariant_segment": fold, "invariant_split": invariant_split_for(fold)}
+        segment = ({"invariant_segment": fold, "invariant_split": invariant_split_for(fold),
+                    "parallel_short_segments": SHORT_STEP_SEGMENTS_APART}
                    if hasattr(backend, "invariant_segment") else {})
         return dataclasses.replace(backend, invariant=True, **segment)
     if platform != "cpu":

@@ -70,10 +70,12 @@ class PallasGpuBackend:
     # Batch-invariant mode (`--deterministic`): a row's attention adds up the same way in either kernel
     # (`single_path`); `invariant_segment`: its long contexts cut into segments of that many positions
     # (`Tuning.invariant_segment`; None: one split), `invariant_split` of them a decode program
-    # (`Tuning.invariant_split`; None: one segment)
+    # (`Tuning.invariant_split`; None: one segment); `parallel_short_segments`: a short step's segments on programs
+    # of their own (`Tuning.parallel_short_segments`)
     invariant: bool = False
     invariant_segment: int | None = None
     invariant_split: int | None = None
+    parallel_short_segments: bool = False
 
     @property
     def experts(self):
@@ -118,6 +120,7 @@ class PallasGpuBackend:
             max_query_len=md.max_query_len, interpret=self.interpret, single_path=self.invariant,
             invariant_segment=self.invariant_segment if self.invariant else None,
             invariant_split=self.invariant_split if self.invariant else None,
+            parallel_short_segments=self.invariant and self.parallel_short_segments,
         )
         return out, kv_cache
 

@@ -474,7 +474,7 @@ def decode_only_start(q: Array) -> Array | None:
 def ragged_paged_attention_impl(
     q, kv_cache, layer, query_start_loc, seq_lens, block_tables, *, scale, sliding_window, soft_cap, max_query_len,
     interpret, tuning: Tuning | None = None, kv_scales: KVScales | None = None, single_path: bool = False,
-    invariant_segment: int | None = None, invariant_split: int | None = None,
+    invariant_segment: int | None = None, invariant_split: int | None = None, parallel_short_segments: bool = False,
 ):
     """The body of `ragged_paged_attention` with the block sizes as an argument (benchmarks sweep them)."""
     num_tokens, q_heads, head_dim = q.shape
@@ -490,6 +490,8 @@ def ragged_paged_attention_impl(
         tuning = default_tuning(head_dim, geo.group, quantized, hopper=not interpret and mosaic_prefill.on_hopper())
     if invariant_segment:
         tuning = dataclasses.replace(tuning, invariant_segment=invariant_segment, invariant_split=invariant_split)
+    if parallel_short_segments:
+        tuning = dataclasses.replace(tuning, parallel_short_segments=True)
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     scores = Scores(float(scale), float(soft_cap) if soft_cap else None, precision,  # float32 queries stay float32
                     float16_operands=quantized and tuning.fp8_operands == "float16" and q.dtype != jnp.float32)
@@ -512,7 +514,7 @@ def ragged_paged_attention_impl(
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "max_query_len", "interpret", "single_path",
-                                             "invariant_segment", "invariant_split"))
+                                             "invariant_segment", "invariant_split", "parallel_short_segments"))
 def ragged_paged_attention(
     q: Float[Array, "tokens q_heads head_dim"],
     kv_cache: KVCache,
@@ -530,6 +532,7 @@ def ragged_paged_attention(
     single_path: bool = False,
     invariant_segment: int | None = None,
     invariant_split: int | None = None,
+    parallel_short_segments: bool = False,
 ) -> Float[Array, "tokens q_heads head_dim"]:
     """Attention of every new token over its own request's cached positions (this step's K/V already written).
 
@@ -547,10 +550,12 @@ def ragged_paged_attention(
     default a request with a few new tokens goes to the split-K decode kernel, whose splits follow its own length.
     `invariant_segment` (with `single_path`; `Tuning.invariant_segment`): long contexts cut at the multiples of
     this many positions, each segment's rows a partial result folded in order by every kernel alike;
-    `invariant_split` (a multiple of it; default the segment): the positions one decode program walks.
+    `invariant_split` (a multiple of it; default the segment): the positions one decode program walks;
+    `parallel_short_segments`: a short step's segments on programs of their own (`Tuning.segments_apart`).
     """
     return ragged_paged_attention_impl(
         q, kv_cache, layer, query_start_loc, seq_lens, block_tables, scale=scale, sliding_window=sliding_window,
         soft_cap=soft_cap, max_query_len=max_query_len, interpret=interpret, kv_scales=kv_scales,
         single_path=single_path, invariant_segment=invariant_segment, invariant_split=invariant_split,
+        parallel_short_segments=parallel_short_segments,
     )

@@ -90,8 +90,10 @@ class Tuning:
     short_prefill: KernelConfig | None = None
     # The prefill kernel's segments (`invariant_segment`) on programs of their own, then folded by a merge launch
     # (`kernel._prefill_segments_call`): set by `batch_invariant` for a short step whose table spans several segments,
-    # so a few new tokens over a long cached context (a prefix-cache hit) walk one segment a program, not all of them
+    # where `parallel_short_segments` allows it, so a few new tokens over a long cached context (a prefix-cache hit)
+    # walk one segment a program, not all of them
     segments_apart: bool = False
+    parallel_short_segments: bool = False
     # The requests with at least 64 new tokens on the Mosaic GPU prefill kernel (`mosaic_prefill.py`) outside the
     # batch-invariant mode; None: the Triton prefill kernel serves every prefill row
     mosaic_prefill: MosaicConfig | None = None
@@ -113,7 +115,8 @@ class Tuning:
         on its tile's rows here (checked on an H100 in `scripts/check_invariant_attention_gpu.py`), where the
         default's row sums follow the tile's register layout, which a step's bucket would then choose.
         `table_positions` (the step's block-table width in positions) bounds the splits of `invariant_segment`;
-        a short step whose table spans several of them walks them apart (`segments_apart`)."""
+        a short step whose table spans several of them walks them apart (`segments_apart`) where
+        `parallel_short_segments` allows it."""
         decode = dataclasses.replace(self.decode, block_n=self.prefill.block_n)
         small = decode if self.short_prefill is None else dataclasses.replace(self.short_prefill,
                                                                                block_n=self.prefill.block_n)
@@ -127,8 +130,9 @@ class Tuning:
                 raise ValueError(f"invariant_split={chunk}: a multiple of invariant_segment={segment}")
             split = SplitConfig(split_tokens=chunk, absolute=True, segment=segment,
                                 max_splits=-(-table_positions // chunk))  # chunks it can cross
+        apart = self.parallel_short_segments and short and split.absolute and -(-table_positions // split.fold) > 1
         return dataclasses.replace(self, decode=decode, prefill=small if short else self.prefill, split=split,
-                                   segments_apart=short and split.absolute and -(-table_positions // split.fold) > 1)
+                                   segments_apart=apart)
 
 
 def default_tuning(head_dim: int, group: int, quantized: bool = False, hopper: bool = False) -> Tuning:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -234,14 +235,17 @@ def test_a_float8_caches_segments_fold_alike_whichever_program_walks_them():
     cache, scales, deq = to_fp8(batch)
     args = (batch.q, cache, LAYER, batch.query_start_loc, batch.seq_lens, batch.block_tables)
 
-    def rows(max_query_len: int, split: int | None) -> np.ndarray:
-        return np.asarray(kernel.ragged_paged_attention(
-            *args, kv_scales=scales, scale=bucket.head_dim ** -0.5, max_query_len=max_query_len, interpret=True,
-            single_path=True, invariant_segment=128, invariant_split=split), np.float32)
+    apart = dataclasses.replace(default_tuning(128, 4, quantized=True), parallel_short_segments=True)
+
+    def rows(max_query_len: int, split: int | None, tuning: Tuning | None = None) -> np.ndarray:
+        fn = functools.partial(kernel.ragged_paged_attention_impl, kv_scales=scales, scale=bucket.head_dim ** -0.5,
+                               sliding_window=0, soft_cap=None, max_query_len=max_query_len, interpret=True,
+                               tuning=tuning, single_path=True, invariant_segment=128, invariant_split=split)
+        return np.asarray(jax.jit(fn)(*args), np.float32)
 
     base = rows(32, None)
-    for max_query_len, split in ((32, 256), (256, None), (256, 384)):
-        np.testing.assert_array_equal(rows(max_query_len, split).view(np.uint32), base.view(np.uint32),
+    for max_query_len, split, tuning in ((32, None, apart), (32, 256, apart), (256, None, None), (256, 384, None)):
+        np.testing.assert_array_equal(rows(max_query_len, split, tuning).view(np.uint32), base.view(np.uint32),
                                       err_msg=f"seed {SEED}")
     ref = attention_f64(np.asarray(batch.q, np.float32), deq, LAYER, batch.query_start_loc, batch.seq_lens,
                         batch.block_tables, scale=bucket.head_dim ** -0.5)

@@ -203,12 +203,13 @@ def test_rms_norm_pair_lowers_for_h200():
 
 @pytest.mark.parametrize("tokens,seqs,max_query_len,split,width,launches", [
     (64, 64, 1, None, 2048, 2), (4096, 8, 4096, None, 2048, 3), (64, 64, 1, 2048, 2048, 2),
-    (64, 64, 1, 2048, 128, 1), (64, 1, 64, 2048, 2048, 4)],
+    (64, 64, 1, 2048, 128, 1), (64, 1, 64, 2048, 2048, 3)],
     ids=["decode", "prefill", "decode-chunks", "decode-one-chunk", "short-step-chunks"])
 def test_segmented_invariant_attention_lowers_for_h200(tokens, seqs, max_query_len, split, width, launches):
     """The batch-invariant mode with 2,048-position segments over 32k tables: decode splits and the merge, and the
     prefill kernel folding its rows' segments; with 512-position segments walked four a decode program
-    (`invariant_split`): over 32k tables, and over a 2k table (one chunk: the program folds them, no merge)."""
+    (`invariant_split`): over 32k tables, and over a 2k table (one chunk: the program folds them, no merge); a short
+    step's segments walked in one program (the shipped default)."""
     segment = 2048 if split is None else 512
     fn = functools.partial(attention.ragged_paged_attention, scale=128 ** -0.5, max_query_len=max_query_len,
                            single_path=True, invariant_segment=segment, invariant_split=split)
@@ -226,7 +227,8 @@ def test_segmented_invariant_attention_lowers_for_h200(tokens, seqs, max_query_l
 def test_prefetching_attention_lowers_for_h200(tokens, seqs, max_query_len, launches, fp8):
     """`KernelConfig.prefetch_pages` (page ids carried a KV step ahead) in every kernel, the batch-invariant
     mode's segments and a short step's 64-row tiles (`Tuning.short_prefill`) included; a float8 cache too. The
-    short step's table spans 16 segments: its prefill runs a program per segment and their merge (4 launches)."""
+    short step's table spans 16 segments: with `parallel_short_segments` its prefill runs a program per segment and
+    their merge (4 launches)."""
     import dataclasses
 
     from pallas_kernels.ragged_paged_attention.tuning import KernelConfig, default_tuning
@@ -234,7 +236,8 @@ def test_prefetching_attention_lowers_for_h200(tokens, seqs, max_query_len, laun
     base = default_tuning(128, 4, quantized=fp8)
     ahead = functools.partial(dataclasses.replace, prefetch_pages=True)
     tuning = dataclasses.replace(base, decode=ahead(base.decode), prefill=ahead(base.prefill), invariant_segment=2048,
-                                 short_prefill=KernelConfig(64, 128, 4, 2, prefetch_pages=True))
+                                 short_prefill=KernelConfig(64, 128, 4, 2, prefetch_pages=True),
+                                 parallel_short_segments=True)
     fn = functools.partial(attention.ragged_paged_attention_impl, scale=128 ** -0.5, sliding_window=0,
                            soft_cap=None, max_query_len=max_query_len, interpret=False, tuning=tuning,
                            single_path=not fp8)

@@ -164,8 +164,10 @@ def test_the_invariant_segment_reaches_the_kernels_only_in_the_invariant_mode(mo
     128-position segments."""
     from jengine.attention import backend as backend_module
 
-    assert (select_backend("gpu", deterministic=True).invariant_segment,
-            select_backend("gpu", deterministic=True).invariant_split) == (2048, 2048)
+    shipped = select_backend("gpu", deterministic=True)
+    assert (shipped.invariant_segment, shipped.invariant_split, shipped.parallel_short_segments) == (2048, 2048, False)
+    monkeypatch.setattr(backend_module, "SHORT_STEP_SEGMENTS_APART", True)
+    assert select_backend("gpu", deterministic=True).parallel_short_segments
     # at most 16 segments over max_model_len: the decode grid's split axis and partial outputs stay bounded
     long_context = select_backend("gpu", deterministic=True, max_model_len=131072)
     assert (long_context.invariant_segment, long_context.invariant_split) == (8192, 8192)

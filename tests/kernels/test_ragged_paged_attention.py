@@ -441,55 +441,63 @@ def test_a_short_steps_tiles_change_no_bit(rows, warps):
         np.testing.assert_array_equal(other.view(np.uint32), plain.view(np.uint32))
 
 
-def test_a_short_step_over_several_segments_takes_a_program_per_segment():
-    """A short chunk over a context of several segments (a prefix-cache hit's step) runs its segments on programs
-    of their own and folds them in a merge launch, bitwise the rows of the one-program walk of a long step's tiles
-    and of the decode kernel's splits; a step whose table spans one segment keeps the single launch."""
+def _apart(tuning: Tuning | None = None) -> Tuning:
+    """`tuning` (default: the shipped one) with a short step's segments allowed on programs of their own."""
+    return dataclasses.replace(tuning or default_tuning(128, 4), parallel_short_segments=True)
+
+
+def _invariant_rows(batch: Batch, bucket: Bucket, max_query_len: int, *, window: int = 0, split: int | None = None,
+                    tuning: Tuning | None = None) -> np.ndarray:
+    """The batch-invariant rows in SEGMENT-position segments under `tuning`, traced afresh."""
+    fn = functools.partial(kernel.ragged_paged_attention_impl, scale=bucket.head_dim ** -0.5,
+                           sliding_window=jnp.int32(window), soft_cap=None, max_query_len=max_query_len,
+                           interpret=True, tuning=tuning, single_path=True, invariant_segment=SEGMENT,
+                           invariant_split=split)
+    args = (batch.q, batch.kv_kernel, LAYER, batch.query_start_loc, batch.seq_lens, batch.block_tables)
+    return np.asarray(jax.jit(fn)(*args), np.float32)
+
+
+def _lowered_invariant(batch: Batch, max_query_len: int, tuning: Tuning) -> str:
     from tests.kernels.test_lowering import lower_for_h200
 
+    specs = (batch.q, batch.kv_kernel, LAYER, batch.query_start_loc, batch.seq_lens, batch.block_tables)
+    fn = functools.partial(kernel.ragged_paged_attention_impl, scale=0.125, sliding_window=0, soft_cap=None,
+                           max_query_len=max_query_len, interpret=False, tuning=tuning, single_path=True,
+                           invariant_segment=SEGMENT)
+    return lower_for_h200(fn, *(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in specs))
+
+
+def test_a_short_step_over_several_segments_takes_a_program_per_segment():
+    """`Tuning.parallel_short_segments`: a short chunk over a context of several segments (a prefix-cache hit's
+    step) runs its segments on programs of their own and folds them in a merge launch, bitwise the rows of the
+    one-program walk (the shipped default, and a long step's tiles) and of the decode kernel's splits; a step whose
+    table spans one segment keeps the single launch."""
     bucket = Bucket(q_heads=8, kv_heads=2, head_dim=128, width=24, dtype=jnp.bfloat16)
     seed = int(np.random.default_rng().integers(1 << 16))
     chunk = build(bucket, [24, 1, 5], [340, 300, 133], seed=seed)
-    short = _segmented(chunk, bucket, 32)
-    np.testing.assert_array_equal(short.view(np.uint32), _segmented(chunk, bucket, 256).view(np.uint32))
+    short = _invariant_rows(chunk, bucket, 32, tuning=_apart())
+    np.testing.assert_array_equal(short.view(np.uint32), _invariant_rows(chunk, bucket, 32).view(np.uint32))
+    np.testing.assert_array_equal(short.view(np.uint32), _invariant_rows(chunk, bucket, 256).view(np.uint32))
     alone = build(bucket, [24], [340], seed=seed)
-    last = _segmented(_last_rows_as_own_chunk(alone, 1), bucket, 1)[:1]
-    np.testing.assert_array_equal(last.view(np.uint32), _segmented(alone, bucket, 32)[23:24].view(np.uint32))
-
-    def kernels(b: Batch) -> str:
-        specs = (b.q, b.kv_kernel, LAYER, b.query_start_loc, b.seq_lens, b.block_tables)
-        fn = functools.partial(kernel.ragged_paged_attention, scale=0.125, max_query_len=32, single_path=True,
-                               invariant_segment=SEGMENT)
-        return lower_for_h200(fn, *(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in specs))
-
-    assert "prefill_segments" in kernels(chunk)
+    last = _invariant_rows(_last_rows_as_own_chunk(alone, 1), bucket, 1)[:1]
+    np.testing.assert_array_equal(last.view(np.uint32),
+                                  _invariant_rows(alone, bucket, 32, tuning=_apart())[23:24].view(np.uint32))
+    assert "prefill_segments" in _lowered_invariant(chunk, 32, _apart())
+    assert "prefill_segments" not in _lowered_invariant(chunk, 32, default_tuning(128, 4))
     narrow = build(dataclasses.replace(bucket, width=SEGMENT // bucket.block_size), [24, 1], [100, 33], seed=3)
-    assert "prefill_segments" not in kernels(narrow)
+    assert "prefill_segments" not in _lowered_invariant(narrow, 32, _apart())
 
 
 def test_a_short_step_of_many_tiles_keeps_the_one_program_walk(monkeypatch):
     """The segment-parallel prefill's scratch is bounded: past `MAX_SEGMENT_PARTIAL_BYTES` of partial rows a short
     step walks its segments in one program, with the same bits."""
-    from tests.kernels.test_lowering import lower_for_h200
-
     bucket = Bucket(q_heads=8, kv_heads=2, head_dim=128, width=24, dtype=jnp.bfloat16)
     batch = build(bucket, [24, 1, 5], [340, 300, 133], seed=5)
-    args = (batch.q, batch.kv_kernel, LAYER, batch.query_start_loc, batch.seq_lens, batch.block_tables)
-
-    def attention(interpret: bool):  # traced afresh: the bound is read at trace time
-        return functools.partial(kernel.ragged_paged_attention_impl, scale=bucket.head_dim ** -0.5,
-                                 sliding_window=jnp.int32(0), soft_cap=None, max_query_len=32, interpret=interpret,
-                                 single_path=True, invariant_segment=SEGMENT)
-
-    def lowered() -> str:
-        return lower_for_h200(attention(False), *(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
-                                                  for x in args))
-
-    assert "prefill_segments" in lowered()
-    apart = np.asarray(jax.jit(attention(True))(*args), np.float32)
+    assert "prefill_segments" in _lowered_invariant(batch, 32, _apart())
+    apart = _invariant_rows(batch, bucket, 32, tuning=_apart())
     monkeypatch.setattr(kernel, "MAX_SEGMENT_PARTIAL_BYTES", 0)
-    assert "prefill_segments" not in lowered()
-    walked = np.asarray(jax.jit(attention(True))(*args), np.float32)
+    assert "prefill_segments" not in _lowered_invariant(batch, 32, _apart())
+    walked = _invariant_rows(batch, bucket, 32, tuning=_apart())
     np.testing.assert_array_equal(walked.view(np.uint32), apart.view(np.uint32))
 
 
@@ -501,17 +509,13 @@ def test_a_decode_program_walking_several_segments_changes_no_bit(max_query_len,
     segment, beside prefill rows (short steps' segments apart, long steps' walked), with and without a window."""
     bucket = Bucket(q_heads=8, kv_heads=2, head_dim=128, width=24, dtype=jnp.bfloat16)
     batch = build(bucket, q_lens, [340, 200, 131, 383], seed=int(np.random.default_rng().integers(1 << 16)))
-    args = (batch.q, batch.kv_kernel, LAYER, batch.query_start_loc, batch.seq_lens, batch.block_tables)
-
-    def rows(split: int | None, window: int) -> np.ndarray:
-        return np.asarray(kernel.ragged_paged_attention(
-            *args, scale=bucket.head_dim ** -0.5, sliding_window=jnp.int32(window), max_query_len=max_query_len,
-            interpret=True, single_path=True, invariant_segment=SEGMENT, invariant_split=split), np.float32)
 
     for window in (0, 150):
-        one_a_program = rows(None, window)
+        one_a_program = _invariant_rows(batch, bucket, max_query_len, window=window)
         for split in (2 * SEGMENT, 3 * SEGMENT):  # two programs (one walks two segments), or the table in one
-            np.testing.assert_array_equal(rows(split, window).view(np.uint32), one_a_program.view(np.uint32))
+            for tuning in (None, _apart()):  # a short step's segments walked, or apart
+                rows = _invariant_rows(batch, bucket, max_query_len, window=window, split=split, tuning=tuning)
+                np.testing.assert_array_equal(rows.view(np.uint32), one_a_program.view(np.uint32))
         ref = reference.ragged_paged_attention(
             batch.q, batch.kv_reference, LAYER, batch.query_start_loc, batch.seq_lens, batch.block_tables,
             scale=bucket.head_dim ** -0.5, sliding_window=jnp.int32(window), max_query_len=max_query_len)
