@@ -249,15 +249,13 @@ def short_chunk_timings(segment: int | None = None, split: int | None = None) ->
     for requests, tokens, context in SHORT_CHUNKS:
         step = make_step([tokens] * requests, [context] * requests, seed=tokens)
         wide = dataclasses.replace(step, max_query_len=1024)
-        ways = {"invariant_small": (step, True, None), "invariant_wide": (wide, True, None),
-                "default": (step, False, None)}
+        ways = {"invariant_small": (step, True, {}), "invariant_wide": (wide, True, {}), "default": (step, False, {})}
         if segment:
-            ways["invariant_segmented_small"] = (step, True, segment)
-            ways["invariant_segmented_walk_small"] = (step, True, -segment)  # the same segments, walked
-        for name, (s, invariant, seg) in ways.items():
-            seconds = timeit(lambda s=s, inv=invariant, seg=seg: _attention(
-                s, single_path=inv, segment=abs(seg) if seg else None, split=split if seg else None,
-                apart=seg is not None and seg > 0))
+            segmented = dict(segment=segment, split=split)
+            ways["invariant_segmented_small"] = (step, True, {**segmented, "apart": True})
+            ways["invariant_segmented_walk_small"] = (step, True, {**segmented, "apart": False})
+        for name, (s, invariant, how) in ways.items():
+            seconds = timeit(lambda s=s, inv=invariant, how=how: _attention(s, single_path=inv, **how))
             out[f"{name}_tiles_r{requests}_q{tokens}_ctx{context}_us"] = seconds * 1e6
         log(requests, tokens, context, {k: round(v, 1) for k, v in out.items() if f"_q{tokens}_" in k})
     return out

@@ -145,7 +145,7 @@ def _decode_kernel(layer_ref, window_ref, qsl_ref, lens_ref, bt_ref, q_ref, kv_r
             segment_of = functools.partial(segment_rows, q, first_pos + t, src, lo, hi, first_pos=first_pos,
                                            last_pos=last_pos, window=window, block_n=cfg.block_n, scores=scores,
                                            segment=split.fold, k_scale=k_scale, v_scale=v_scale)
-            first = num_segments(lo, my_lo + 1, split.fold) - 1  # the chunk's first segment, counted from lo's
+            first = my_lo // split.fold - lo // split.fold  # the chunk's first segment, counted from lo's
 
             def one_segment(j, _):
                 _store_partial(out_refs, (b, h, first + j), valid, *segment_of(first + j), geo, cfg)
@@ -390,8 +390,7 @@ def _prefill_call(q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning,
     Mosaic kernel's output, whose requests of at least `below` new tokens it leaves alone)."""
     cfg = tuning.prefill
     num_tiles, tile_seq, tile_q0 = _prefill_tiles(qsl, geo, tuning, below)
-    if tuning.split.absolute and tuning.segments_apart and _segment_partial_bytes(num_tiles, geo, tuning) <= (
-            MAX_SEGMENT_PARTIAL_BYTES):
+    if tuning.segments_apart and _segment_partial_bytes(num_tiles, geo, tuning) <= MAX_SEGMENT_PARTIAL_BYTES:
         if into is not None:
             raise ValueError("the segment-parallel prefill writes a fresh output")
         return _prefill_segments_call(q, kv_cache, scales, layer_window, qsl, lens, bt, (num_tiles, tile_seq, tile_q0),
