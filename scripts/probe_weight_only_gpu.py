@@ -1,0 +1,182 @@
+"""The Mosaic GPU weight-only kernel (`pallas_kernels/weight_only`) against the paths it would replace, on the GPU.
+
+8 Llama-3.1-8B-shaped layers' projections (qkv 4096→6144, o 4096→4096, gate/up 4096→28672, down 14336→4096) in
+one jit, so the weights stream from HBM (no L2 reuse): int4 with group-128 scales and int8 per-channel, at 1, 16
+and 64 rows. Each candidate is checked against a float32 dequantized reference on every projection before it is
+timed; beside it, in the same process: the bfloat16 XLA dot, the Triton W4A16 kernel (int4) and the Triton
+few-token kernel and XLA's upcast-in-the-dot (int8), and the device-to-device copy rate for the bytes floor.
+
+    PYTHONPATH=. python scripts/probe_weight_only_gpu.py --out $OUT/weight_only.json --git-sha <sha>
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import gpu_bench_common as common
+import jax
+import jax.numpy as jnp
+import numpy as np
+from gpu_bench_common import log
+
+from pallas_kernels.weight_only.kernel import WeightOnlyConfig, weight_only_matmul
+
+SHAPES = ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096))  # (K, N) of qkv, o, gate/up, down
+GROUP = 128
+MAX_REL_ERROR = 2e-2
+
+
+def make_layers(layers: int, dtype, seed: int):
+    """Per layer and projection: (q [N, K] signed ints, scales [G, N] float32)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(layers):
+        projections = []
+        for k, n in SHAPES:
+            if dtype == jnp.int4:
+                q = rng.integers(-8, 8, (n, k), dtype=np.int8)
+                scales = rng.uniform(0.5, 1.5, (k // GROUP, n)).astype(np.float32) * 0.02
+            else:
+                q = rng.integers(-127, 128, (n, k), dtype=np.int8)
+                scales = rng.uniform(0.5, 1.5, (1, n)).astype(np.float32) * 2e-3
+            projections.append((jnp.asarray(q).astype(dtype), jnp.asarray(scales)))
+        out.append(projections)
+    return out
+
+
+def dequantized(q, scales):
+    n, k = q.shape
+    g = scales.shape[0]
+    w = q.astype(jnp.float32).reshape(n, g, k // g) * scales.T[:, :, None]
+    return w.reshape(n, k)
+
+
+def chain(matmul):
+    """All layers' projections in one program: each projection's output summed into a scalar per layer, so nothing
+    is dead and the weights are the bytes that move."""
+    @jax.jit
+    def run(xs, layers):
+        total = jnp.float32(0)
+        for projections in layers:
+            for x, weight in zip(xs, projections):
+                total = total + jnp.sum(matmul(x, weight).astype(jnp.float32))
+        return total
+    return run
+
+
+def check(matmul, xs, layers) -> float:
+    worst = 0.0
+    for x, weight in zip(xs, layers[0]):
+        got = np.asarray(jax.jit(matmul)(x, weight), np.float32)
+        ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantized(*weight).T,
+                                 precision=jax.lax.Precision.HIGHEST))
+        worst = max(worst, float(np.abs(got - ref).max() / (np.abs(ref).max() + 1e-30)))
+    return worst
+
+
+def w4a16_peer():
+    from pallas_kernels.w4a16 import w4a16_matmul
+
+    def prepare(q, scales):
+        u = (np.asarray(q.astype(jnp.int8), np.int64) + 8).T  # [K, N] unsigned nibbles
+        k, n = u.shape
+        words = np.zeros((k // 8, n), np.uint32)
+        for j in range(8):
+            words |= (u[j::8].astype(np.uint32) << (4 * j))
+        zeros = np.full(scales.shape, 8.0, np.float32)
+        return jnp.asarray(words.view(np.int32)), jnp.asarray(zeros, jnp.bfloat16), scales.astype(jnp.bfloat16)
+
+    def matmul(x, weight):
+        packed, zeros, scales = weight
+        return w4a16_matmul(x, packed, zeros, scales, group=GROUP)
+    return prepare, matmul
+
+
+def time_side(name, matmul, xs, layers, record, rows, floor_bytes, copy_rate, bf16_s=None):
+    try:
+        t0 = time.perf_counter()
+        err = check(matmul, xs, layers)
+        if not err < MAX_REL_ERROR:
+            raise AssertionError(f"max relative error {err:.3g}")
+        seconds = common.timeit(chain(matmul), xs, layers, runs=5)
+        entry = dict(seconds=seconds, max_rel_error=err, vs_floor=seconds / (floor_bytes / copy_rate),
+                     bytes_per_s=floor_bytes / seconds, compile_and_check_s=time.perf_counter() - t0)
+        if bf16_s:
+            entry["bf16_over_this"] = bf16_s / seconds
+    except Exception as e:  # a failing candidate is reported, the others go on
+        entry = dict(error=f"{type(e).__name__}: {str(e)[:800]}")
+    record.setdefault(str(rows), {})[name] = entry
+    log(rows, name, {k: (round(v, 6) if isinstance(v, float) else v) for k, v in entry.items()})
+    return entry.get("seconds")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--git-sha", default="")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--rows", default="1,16,64")
+    ap.add_argument("--deadline-s", type=float, default=300)
+    args = ap.parse_args()
+    start = time.perf_counter()
+    _, copy_rate = common.copy_bandwidth()
+    log("copy", copy_rate / 1e12, "TB/s")
+    result = dict(device=common.jax_device_name(), git_sha=args.git_sha, copy_bytes_per_s=copy_rate, int4={},
+                  int8={}, bf16={})
+    rng = np.random.default_rng(1)
+    bf16_layers = [[jnp.asarray(rng.standard_normal((k, n)) * 0.02, jnp.bfloat16) for k, n in SHAPES]
+                   for _ in range(args.layers)]
+    bf16_bytes = sum(w.nbytes for p in bf16_layers for w in p)
+    int4 = make_layers(args.layers, jnp.int4, 2)
+    int8 = make_layers(args.layers, jnp.int8, 3)
+    nbytes = lambda layers, bits: sum(q.size * bits // 8 + s.nbytes for p in layers for q, s in p)
+    int4_bytes, int8_bytes = nbytes(int4, 4), nbytes(int8, 8)
+    prepare4, w4a16 = w4a16_peer()
+    int4_triton = [[prepare4(*w) for w in p] for p in int4]
+    from pallas_kernels.quant_matmul import FewTokenConfig, few_token_matmul
+
+    for rows in [int(r) for r in args.rows.split(",")]:
+        xs = [jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16) for k, _ in SHAPES]
+        bf16_s = None
+        try:
+            bf16_s = common.timeit(chain(lambda x, w: x @ w), xs, bf16_layers, runs=5)
+            result["bf16"][str(rows)] = dict(seconds=bf16_s, vs_floor=bf16_s / (bf16_bytes / copy_rate))
+            log(rows, "bf16", result["bf16"][str(rows)])
+        except Exception as e:
+            log(rows, "bf16 failed", e)
+        configs = [WeightOnlyConfig(block_k=128, max_concurrent_steps=c, min_programs=p)
+                   for c in (4, 8) for p in (132, 264, 528)]
+        if rows > 1:
+            configs = [WeightOnlyConfig(block_k=128, max_concurrent_steps=c, min_programs=p)
+                       for c, p in ((4, 264), (8, 264), (8, 528))]
+        for cfg in configs + [WeightOnlyConfig(staged=True)]:
+            if time.perf_counter() - start > args.deadline_s:
+                break
+            label = f"ours k{cfg.block_k} c{cfg.max_concurrent_steps} p{cfg.min_programs}" + (
+                " staged" if cfg.staged else "")
+            time_side(label, lambda x, w, cfg=cfg: weight_only_matmul(x, *w, config=cfg), xs, int4,
+                      result["int4"], rows, int4_bytes, copy_rate, bf16_s)
+        time_side("triton w4a16", w4a16, xs, int4_triton, result["int4"], rows, int4_bytes, copy_rate, bf16_s)
+        for cfg in [WeightOnlyConfig(block_k=bk, max_concurrent_steps=c, min_programs=p)
+                    for bk, c, p in ((128, 4, 264), (128, 8, 264), (256, 4, 264), (256, 8, 528))]:
+            if time.perf_counter() - start > args.deadline_s:
+                break
+            label = f"ours k{cfg.block_k} c{cfg.max_concurrent_steps} p{cfg.min_programs}"
+            time_side(label, lambda x, w, cfg=cfg: weight_only_matmul(x, *w, config=cfg), xs, int8,
+                      result["int8"], rows, int8_bytes, copy_rate, bf16_s)
+        time_side("xla upcast dot", lambda x, w: (jnp.dot(x, w[0].astype(x.dtype).T,
+                                                          preferred_element_type=jnp.float32) * w[1][0]).astype(
+            x.dtype), xs, int8, result["int8"], rows, int8_bytes, copy_rate, bf16_s)
+        if rows <= 16:
+            time_side("triton few-token", lambda x, w: few_token_matmul(
+                x, w[0], w[1][0], **FewTokenConfig().kernel_args(*w[0].shape)), xs, int8, result["int8"], rows,
+                int8_bytes, copy_rate, bf16_s)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    log("done in", time.perf_counter() - start)
+
+
+if __name__ == "__main__":
+    main()
