@@ -46,10 +46,13 @@ def make_layers(layers: int, dtype, seed: int):
     return out
 
 
-def dequantized(q, scales):
+def dequantized(q, scales, zeros=None):
     n, k = q.shape
     g = scales.shape[0]
-    w = q.astype(jnp.float32).reshape(n, g, k // g) * scales.T[:, :, None]
+    w = q.astype(jnp.float32).reshape(n, g, k // g)
+    if zeros is not None:
+        w = w - zeros.astype(jnp.float32).T[:, :, None]
+    w = w * scales.T[:, :, None]
     return w.reshape(n, k)
 
 
@@ -135,6 +138,8 @@ def main():
     int4_bytes, int8_bytes = nbytes(int4, 4), nbytes(int8, 8)
     prepare4, w4a16 = w4a16_peer()
     int4_triton = [[prepare4(*w) for w in p] for p in int4]
+    zrng = np.random.default_rng(4)
+    int4z = [[(q, s, jnp.asarray(zrng.integers(-8, 8, s.shape), jnp.bfloat16)) for q, s in p] for p in int4]
     from pallas_kernels.quant_matmul import FewTokenConfig, few_token_matmul
 
     for rows in [int(r) for r in args.rows.split(",")]:
@@ -158,6 +163,9 @@ def main():
                 " staged" if cfg.staged else "")
             time_side(label, lambda x, w, cfg=cfg: weight_only_matmul(x, *w, config=cfg), xs, int4,
                       result["int4"], rows, int4_bytes, copy_rate, bf16_s)
+        cfg = WeightOnlyConfig(max_concurrent_steps=4, min_programs=264)
+        time_side("ours k128 c4 p264 zero points", lambda x, w: weight_only_matmul(x, *w, config=cfg), xs, int4z,
+                  result["int4"], rows, int4_bytes, copy_rate, bf16_s)
         time_side("triton w4a16", w4a16, xs, int4_triton, result["int4"], rows, int4_bytes, copy_rate, bf16_s)
         for cfg in [WeightOnlyConfig(block_k=bk, max_concurrent_steps=c, min_programs=p)
                     for bk, c, p in ((128, 4, 264), (128, 8, 264), (256, 4, 264), (256, 8, 528))]:

@@ -1,7 +1,9 @@
-"""Few-row matmul with integer weights on Hopper's tensor cores (Pallas, Mosaic GPU backend): `x @ (q · s)ᵀ`.
+"""Few-row matmul with integer weights on Hopper's tensor cores (Pallas, Mosaic GPU backend): `x @ ((q − z) · s)ᵀ`.
 
 `q [n, k]` holds signed 4- or 8-bit integers (output feature n's input weights contiguous, as checkpoints store
-them), `s [g, n]` one scale per group of `k / g` inputs and output feature. Decode multiplies few rows by a large
+them), `s [g, n]` one scale per group of `k / g` inputs and output feature, `z [g, n]` optional zero points (whole
+numbers, in q's signed units: an AWQ zero point z' of unsigned nibbles is z' − 8), subtracted from the upcast
+weights in registers (exact in bfloat16: |q − z| ≤ 15 for int4). Decode multiplies few rows by a large
 weight, so the weight's bytes set the time: the kernel streams each weight tile once through TMA into shared
 memory, upcasts it in registers (Mosaic's int4 → bf16 path: a few bit operations per pair of weights), and runs
 `wgmma` with the *weight* as the 64-row left operand and the activation rows as the 8-to-256-column right one, so
@@ -73,11 +75,11 @@ def check(m: int, k: int, n: int, groups: int, dtype, block_k: int) -> None:
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def weight_only_matmul(
-    x: Float[Array, "m k"], q: Integer[Array, "n k"], scales: Float[Array, "g n"], *,
-    config: WeightOnlyConfig = WeightOnlyConfig(), interpret=None,
+    x: Float[Array, "m k"], q: Integer[Array, "n k"], scales: Float[Array, "g n"],
+    zeros: Float[Array, "g n"] | None = None, *, config: WeightOnlyConfig = WeightOnlyConfig(), interpret=None,
 ) -> Float[Array, "m n"]:
-    """`x @ (q · scales[group])ᵀ` in x's dtype (float32 accumulation). `interpret`: Mosaic GPU's interpreter
-    parameters (`plgpu.InterpretGPUParams`), for the CPU (needs `config.staged`)."""
+    """`x @ ((q − zeros[group]) · scales[group])ᵀ` in x's dtype (float32 accumulation). `interpret`: Mosaic GPU's
+    interpreter parameters (`plgpu.InterpretGPUParams`), for the CPU (needs `config.staged`)."""
     m, k = x.shape
     n = q.shape[0]
     groups = scales.shape[0]
@@ -88,14 +90,16 @@ def weight_only_matmul(
     split = splits_for(k // block_k, tiles, config.min_programs)
     xp = jnp.pad(x.astype(jnp.bfloat16), ((0, rows - m), (0, 0)))
     kernel = plgpu.kernel(
-        functools.partial(_program, block_k=block_k, steps=k // block_k // split, group=k // groups, config=config),
+        functools.partial(_program, block_k=block_k, steps=k // block_k // split, group=k // groups,
+                          zero_points=zeros is not None, config=config),
         out_type=jax.ShapeDtypeStruct((split, n, rows), jnp.float32),
         grid=(tiles, split),
         grid_names=("tile", "split"),
         scratch_types=_scratch(rows, block_k, config),
         interpret=interpret,
     )
-    parts = kernel(q, xp, scales.astype(jnp.float32))
+    operands = (q, xp, scales.astype(jnp.float32)) + (() if zeros is None else (zeros.astype(jnp.bfloat16),))
+    parts = kernel(*operands)
     return jnp.sum(parts, axis=0)[:, :m].T.astype(x.dtype)
 
 
@@ -106,8 +110,10 @@ def _scratch(rows: int, block_k: int, config: WeightOnlyConfig) -> list:
     return out
 
 
-def _program(q_ref, x_ref, s_ref, out_ref, out_smem, *staged, block_k: int, steps: int, group: int,
+def _program(q_ref, x_ref, s_ref, *refs, block_k: int, steps: int, group: int, zero_points: bool,
              config: WeightOnlyConfig):
+    z_ref = refs[0] if zero_points else None
+    out_ref, out_smem, *staged = refs[1:] if zero_points else refs
     tile, split = lax.axis_index("tile"), lax.axis_index("split")
     n0 = pl.multiple_of(tile * TILE_N, TILE_N)
     rows = x_ref.shape[0]
@@ -118,6 +124,9 @@ def _program(q_ref, x_ref, s_ref, out_ref, out_smem, *staged, block_k: int, step
         g = (split * steps + i) // (group // block_k)
         scale = plgpu.load(s_ref.at[g, pl.ds(n0, TILE_N)], layout=row_layout, optimized=False)
         w = _upcast(q_smem)
+        if z_ref is not None:
+            zero = plgpu.load(z_ref.at[g, pl.ds(n0, TILE_N)], layout=row_layout, optimized=False)
+            w = w - lax.broadcast_in_dim(zero, w.shape, [0])
 
         def product(acc_ref):
             if staged:

@@ -18,10 +18,13 @@ INTERPRET = plgpu.InterpretGPUParams()
 RANGES = {"int4": (-8, 8), "int8": (-128, 128)}
 
 
-def _reference(x, q, scales) -> np.ndarray:
+def _reference(x, q, scales, zeros=None) -> np.ndarray:
     n, k = q.shape
     groups = scales.shape[0]
-    w = q.astype(np.float64).reshape(n, groups, k // groups) * scales.astype(np.float64).T[:, :, None]
+    q = q.astype(np.float64).reshape(n, groups, k // groups)
+    if zeros is not None:
+        q = q - zeros.astype(np.float64).T[:, :, None]
+    w = q * scales.astype(np.float64).T[:, :, None]
     return x.astype(np.float64) @ w.reshape(n, k).T
 
 
@@ -34,9 +37,10 @@ def _case(rng, m, k, n, groups, dtype):
     return x, q, scales
 
 
-def _run(x, q, scales, dtype, config):
+def _run(x, q, scales, dtype, config, zeros=None):
+    zeros = None if zeros is None else jnp.asarray(zeros)
     return np.asarray(weight_only_matmul(jnp.asarray(x, jnp.bfloat16), jnp.asarray(q, getattr(jnp, dtype)),
-                                         jnp.asarray(scales), config=config, interpret=INTERPRET), np.float64)
+                                         jnp.asarray(scales), zeros, config=config, interpret=INTERPRET), np.float64)
 
 
 @pytest.mark.parametrize("dtype,m,k,n,groups,block_k,min_programs", [
@@ -51,6 +55,18 @@ def test_matches_float64_reference(dtype, m, k, n, groups, block_k, min_programs
     cfg = WeightOnlyConfig(block_k=block_k, min_programs=min_programs, max_concurrent_steps=2, staged=True)
     got, ref = _run(x, q, scales, dtype, cfg), _reference(x, q, scales)
     # bfloat16 output: half an ulp of rounding, plus float32 accumulation in another order
+    np.testing.assert_allclose(got, ref, rtol=2 ** -8, atol=1e-3 * np.abs(ref).max())
+
+
+def test_zero_points_shift_each_groups_weights():
+    """AWQ's asymmetric groups: unsigned nibbles u with zero points z' become q = u − 8, z = z' − 8."""
+    rng = np.random.default_rng()
+    m, k, n, groups = 3, 512, 128, 4
+    x, _, scales = _case(rng, m, k, n, groups, "int4")
+    u, z_unsigned = rng.integers(0, 16, (n, k)), rng.integers(0, 16, (groups, n))
+    cfg = WeightOnlyConfig(min_programs=4, staged=True)
+    got = _run(x, u - 8, scales, "int4", cfg, zeros=(z_unsigned - 8).astype(np.float32))
+    ref = _reference(x, u, scales, zeros=z_unsigned)
     np.testing.assert_allclose(got, ref, rtol=2 ** -8, atol=1e-3 * np.abs(ref).max())
 
 
@@ -74,8 +90,10 @@ def test_rejects_shapes_it_cannot_tile(m, k, n, groups):
                            jnp.ones((groups, n), jnp.float32), interpret=INTERPRET)
 
 
-@pytest.mark.parametrize("dtype,m,groups", [(jnp.int4, 1, 32), (jnp.int4, 64, 32), (jnp.int8, 16, 1)])
-def test_register_operand_form_lowers_for_h200(dtype, m, groups):
+@pytest.mark.parametrize("dtype,m,groups,zeros", [(jnp.int4, 1, 32, False), (jnp.int4, 64, 32, True),
+                                                  (jnp.int8, 16, 1, False)])
+def test_register_operand_form_lowers_for_h200(dtype, m, groups, zeros):
     fn = functools.partial(weight_only_matmul, config=WeightOnlyConfig())
-    text = lower_for_h200(fn, S((m, 4096), jnp.bfloat16), S((6144, 4096), dtype), S((groups, 6144), jnp.float32))
+    specs = [S((m, 4096), jnp.bfloat16), S((6144, 4096), dtype), S((groups, 6144), jnp.float32)]
+    text = lower_for_h200(fn, *specs, *([S((groups, 6144), jnp.bfloat16)] if zeros else []))
     assert "mosaic_gpu" in text
