@@ -11,6 +11,12 @@ GPUs: the Triton kernels, a CUDA-core split-K kernel for decode rows, tensor-cor
 cuBLAS for prefill chunks; `pallas_kernels/w4a16/config.py`) and `pallas_interpret` (the kernels in interpret mode,
 for CPU tests). `configs` overrides the kernel configuration by row count (benchmarks pass their sweep's best).
 
+`mosaic` (Hopper GPUs; `mosaic_interpret` in CPU tests) keeps another layout, the one `pallas_kernels/weight_only`
+streams through TMA: `packed [N, K]` jnp.int4 holding the signed nibbles q − 8 (output feature n's inputs
+contiguous), `zeros` in the same signed units (z − 8), `scales` as above; up to `MOSAIC_MAX_ROWS` rows run that
+kernel (the weight upcast in registers, wgmma with the weight as the 64-row operand), more rows dequantize in one
+XLA fusion and multiply by cuBLAS. `to_mosaic` converts a placed `pallas` weight on its devices.
+
 Tensor parallelism: a kernel is per-device code, so a weight split over a mesh (`split`, set by the loader from
 where it placed the leaves) runs it under `shard_map`: column-parallel projections (q/k/v, gate/up) on each device's
 output columns, row-parallel ones (o, down) on each device's whole groups of input rows, their partial products
@@ -24,11 +30,13 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 PACK = 8  # 4-bit values per int32 word
-Impl4 = Literal["reference", "pallas", "pallas_interpret"]
+Impl4 = Literal["reference", "pallas", "pallas_interpret", "mosaic", "mosaic_interpret"]
+MOSAIC_MAX_ROWS = 64  # rows the Mosaic weight-only kernel takes; beyond, dequantize + cuBLAS
+NIBBLE_MIDDLE = 8  # unsigned nibble u is the signed int4 u − 8
 KernelConfigs = tuple[tuple[int, object], ...]  # ((up to this many rows, W4A16Config), …), ascending
 
 
@@ -48,7 +56,14 @@ class Int4Weight:
     split: Literal["columns", "rows"] | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
+    def nk(self) -> bool:
+        """Whether `packed` is the Mosaic kernel's `[N, K]` int4 layout (see the module docstring)."""
+        return self.impl.startswith("mosaic")
+
+    @property
     def shape(self) -> tuple[int, int]:
+        if self.nk:
+            return (self.packed.shape[1], self.packed.shape[0])
         return (self.packed.shape[0] * PACK, self.packed.shape[1])
 
     @property
@@ -96,6 +111,40 @@ def fits_kernel(n: int) -> bool:
     return n % 16 == 0
 
 
+def fits_mosaic(k: int, n: int, group: int, shards: int = 1, split: str | None = None) -> bool:
+    """Whether each device's share of a `[k, n]` weight fits the Mosaic kernel's tiles (64 output features, groups
+    of whole 128-input steps)."""
+    from pallas_kernels.weight_only.kernel import TILE_N
+
+    local_n = n // shards if split == "columns" else n
+    local_k = k // shards if split == "rows" else k
+    return local_n % TILE_N == 0 and group % 128 == 0 and local_k % group == 0
+
+
+def to_mosaic(w: Int4Weight, interpret: bool = False) -> Int4Weight:
+    """A placed `pallas`-layout weight in the Mosaic kernel's layout, converted where it lies (each device its
+    part); the words are freed once the caller drops `w`."""
+    spec = _packed_spec(w.mesh.axis_names[0] if w.mesh is not None else None, w.split, nk=True)
+    convert = jax.jit(_words_to_nk, out_shardings=NamedSharding(w.mesh, spec) if w.mesh is not None else None)
+    return dataclasses.replace(w, packed=convert(w.packed), zeros=(w.zeros.astype(jnp.float32) - NIBBLE_MIDDLE).astype(
+        w.zeros.dtype), impl="mosaic_interpret" if interpret else "mosaic")
+
+
+def _words_to_nk(packed: Int[Array, "k8 n"]) -> Array:
+    from pallas_kernels.w4a16 import unpack
+
+    return (unpack(packed) - NIBBLE_MIDDLE).astype(jnp.int8).T.astype(jnp.int4)
+
+
+def _packed_spec(axis, split, *, nk: bool) -> P:
+    """Where a split weight's `packed` lies: the words `[K / 8, N]`, or the Mosaic layout `[N, K]`."""
+    if split == "columns":
+        return P(axis, None) if nk else P(None, axis)
+    if split == "rows":
+        return P(None, axis) if nk else P(axis, None)
+    return P()
+
+
 def kernel_config(w: Int4Weight, rows: int):
     """The first of the weight's `configs` covering `rows`, else the kernels' default for `rows`."""
     from pallas_kernels.w4a16 import default_config
@@ -110,13 +159,14 @@ def int4_matmul(x: Float[Array, "tokens k"], w: Int4Weight) -> Float[Array, "tok
     if w.split is None or w.mesh is None or w.mesh.size == 1:
         return _local_matmul(x, w.packed, w.zeros, w.scales, w=w)
     axis = w.mesh.axis_names[0]
+    packed = _packed_spec(axis, w.split, nk=w.nk)
     if w.split == "columns":
         cols = P(None, axis)
-        return jax.shard_map(lambda *a: _local_matmul(*a, w=w), mesh=w.mesh, in_specs=(P(), cols, cols, cols),
+        return jax.shard_map(lambda *a: _local_matmul(*a, w=w), mesh=w.mesh, in_specs=(P(), packed, cols, cols),
                              out_specs=cols, check_vma=False)(x, w.packed, w.zeros, w.scales)
     rows = P(axis, None)
     return jax.shard_map(lambda *a: jax.lax.psum(_local_matmul(*a, w=w), axis), mesh=w.mesh,
-                         in_specs=(P(None, axis), rows, rows, rows), out_specs=P(), check_vma=False)(
+                         in_specs=(P(None, axis), packed, rows, rows), out_specs=P(), check_vma=False)(
         x, w.packed, w.zeros, w.scales)
 
 
@@ -124,10 +174,36 @@ def _local_matmul(x, packed, zeros, scales, *, w: Int4Weight):
     """One device's product (its x columns are the stored rows it holds: `perm` is applied before)."""
     from pallas_kernels.w4a16 import w4a16_matmul, w4a16_matmul_reference  # Pallas imported only where used
 
+    if w.nk:
+        return _mosaic_matmul(x, packed, zeros, scales, interpret=w.impl == "mosaic_interpret")
     if w.impl == "reference":
         return w4a16_matmul_reference(x, packed, zeros, scales, group=w.group)
     return w4a16_matmul(x, packed, zeros, scales, group=w.group, config=kernel_config(w, x.shape[0]),
                         interpret=w.impl == "pallas_interpret")
+
+
+def _mosaic_matmul(x, q, zeros, scales, *, interpret: bool):
+    """Decode-sized bfloat16 rows through the Mosaic kernel (its wgmma multiplies bfloat16); more rows, or another
+    dtype, through a dequantized weight and cuBLAS."""
+    if x.shape[0] > MOSAIC_MAX_ROWS or x.dtype != jnp.bfloat16:
+        w = _dequantized_nk(q, zeros, scales, x.dtype)
+        return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32).astype(x.dtype)
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.weight_only.kernel import WeightOnlyConfig, weight_only_matmul
+
+    if interpret:
+        return weight_only_matmul(x, q, scales, zeros, config=WeightOnlyConfig(staged=True, min_programs=0),
+                                  interpret=plgpu.InterpretGPUParams())
+    return weight_only_matmul(x, q, scales, zeros)
+
+
+def _dequantized_nk(q: Array, zeros: Float[Array, "g n"], scales: Float[Array, "g n"], dtype) -> Float[Array, "n k"]:
+    """`(q − zeros) · scales` of the Mosaic layout, `[N, K]` (stored input order)."""
+    n, k = q.shape
+    groups = scales.shape[0]
+    grouped = q.astype(jnp.float32).reshape(n, groups, k // groups) - zeros.astype(jnp.float32).T[:, :, None]
+    return (grouped * scales.astype(jnp.float32).T[:, :, None]).reshape(n, k).astype(dtype)
 
 
 def dequantize4(w: Int4Weight | Int4Experts, dtype=jnp.float32) -> Float[Array, "... k n"]:
@@ -141,6 +217,9 @@ def dequantize4(w: Int4Weight | Int4Experts, dtype=jnp.float32) -> Float[Array, 
         if w.perm is not None:  # stored row k is feature perm[e, k]: back to the features' order
             stored = jnp.take_along_axis(stored, jnp.argsort(w.perm, axis=1)[:, :, None], axis=1)
         return stored.astype(dtype)
+    if w.nk:
+        stored = _dequantized_nk(w.packed, w.zeros, w.scales, jnp.float32).T
+        return (stored if w.perm is None else stored[jnp.argsort(w.perm)]).astype(dtype)
     q = unpack(w.packed).astype(jnp.float32)
     rows = jnp.arange(q.shape[0]) // w.group
     stored = (q - w.zeros[rows].astype(jnp.float32)) * w.scales[rows].astype(jnp.float32)

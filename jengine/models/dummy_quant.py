@@ -29,8 +29,8 @@ from jengine.layers.quant import FP8, FP8_MAX, INT8_MAX, QuantizedWeight, QuantS
 from jengine.layers.quant4 import PACK, Int4Experts, Int4Weight
 from jengine.models.quant4_load import Quant4Config, read_quant4_config
 from jengine.models.quant4_place import (
-    EXPERT_LEAVES, PACKED_LEAVES, expert_shape_reason, int4_impl, kernel_group, leaf_modules, rows_per_device,
-    shape_reason, split_of)
+    EXPERT_LEAVES, PACKED_LEAVES, expert_shape_reason, in_kernel_layout, int4_impl, kernel_group, leaf_modules,
+    rows_per_device, shape_reason, split_of, words_impl)
 from jengine.models.quant_config import read_quant_config
 from jengine.models.quant_load import QUANTIZED_LEAVES, quant8_impl
 from jengine.models.weights import Source, leaf_name
@@ -162,7 +162,9 @@ def _int4_leaf(key, *, path: str, shape, group: int, sharding_for, impl: str, st
     k, n = shape
     sharding, packed, zeros, scales = _int4_parts(key, path, (k // PACK, n), (k // group, n), sharding_for, std)
     mesh, split = split_of(sharding)
-    return Int4Weight(packed, zeros, scales, None, group, impl, mesh=mesh if split else None, split=split)
+    weight = Int4Weight(packed, zeros, scales, None, group, words_impl(impl), mesh=mesh if split else None,
+                        split=split)
+    return in_kernel_layout(weight, impl)
 
 
 def _int4_experts(key, *, path: str, shape, group: int, sharding_for, std: float) -> Int4Experts:

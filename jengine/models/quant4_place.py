@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jengine.layers.quant4 import PACK, Int4Experts, Int4Weight, fits_kernel
+from jengine.layers.quant4 import PACK, Int4Experts, Int4Weight, fits_kernel, fits_mosaic, to_mosaic
 from jengine.models.quant4 import Unpacked
 from jengine.models.quant4_load import Quant4Reader
 from jengine.models.weights import FusedSource, LeafSource, Source, leaf_name
@@ -259,11 +259,27 @@ def place_int4(host: HostInt4, path: str, sharding_for, impl: str) -> Int4Weight
     (the activations are gathered by it before any split)."""
     packed_sharding = sharding_for(path + ".packed", host.packed.shape)
     mesh, split = split_of(packed_sharding)
-    return Int4Weight(_put(host.packed, packed_sharding),
-                      _put(host.zeros, sharding_for(path + ".zeros", host.zeros.shape)),
-                      _put(host.scales, sharding_for(path + ".scales", host.scales.shape)),
-                      _put(host.perm, NamedSharding(mesh, P()) if mesh else packed_sharding), host.group, impl,
-                      mesh=mesh if split else None, split=split)
+    weight = Int4Weight(_put(host.packed, packed_sharding),
+                        _put(host.zeros, sharding_for(path + ".zeros", host.zeros.shape)),
+                        _put(host.scales, sharding_for(path + ".scales", host.scales.shape)),
+                        _put(host.perm, NamedSharding(mesh, P()) if mesh else packed_sharding), host.group,
+                        words_impl(impl), mesh=mesh if split else None, split=split)
+    return in_kernel_layout(weight, impl)
+
+
+def words_impl(impl: str) -> str:
+    """The implementation a weight is placed with: the Triton kernels' words layout, converted later for Mosaic."""
+    return {"mosaic": "pallas", "mosaic_interpret": "pallas_interpret"}.get(impl, impl)
+
+
+def in_kernel_layout(weight: Int4Weight, impl: str) -> Int4Weight:
+    """`weight` (words layout) in the layout of `impl`'s kernel: the Mosaic one where its tiles fit each device's
+    share, else it stays with the Triton kernels."""
+    k, n = weight.shape
+    shards = weight.mesh.size if weight.mesh is not None else 1
+    if impl.startswith("mosaic") and fits_mosaic(k, n, weight.group, shards, weight.split):
+        return to_mosaic(weight, interpret=impl == "mosaic_interpret")
+    return weight
 
 
 def _put(array: np.ndarray | None, sharding) -> jax.Array | None:
