@@ -116,6 +116,9 @@ def parse_args():
     parser.add_argument("--no-model", action="store_true", help="projection level only")
     parser.add_argument("--group", type=int, default=GROUP, help="the model level's group size (32, 64: GPTQ's "
                         "small groups; keys then carry _g<group>)")
+    parser.add_argument("--kernel", choices=("pallas", "mosaic", "both"), default="pallas",
+                        help="the model level's 4-bit kernels: the Triton ones, the Mosaic weight-only one (keys "
+                             "carry _mosaic), or both in turn")
     parser.add_argument("--sweep", action="store_true", help="the full configuration sweep (quant4_sweep.py)")
     parser.add_argument("--sweep-budget", type=float, default=200.0, help="seconds; later candidates are skipped")
     parser.add_argument("--configs", default=None, help="an earlier --sweep's JSON: its winners join the candidates")
@@ -145,12 +148,15 @@ def main() -> None:
         from bench_quant8 import LLAMA_31_8B as MODEL_8B, TINY as MODEL_TINY
         from quant4_model_bench import model_level
 
-        model_metrics, model_ratios = model_level(MODEL_TINY if args.tiny else MODEL_8B, args.tiny,
-                                                  32 if args.tiny else args.context,
-                                                  64 if args.tiny else args.prefill, metrics["copy_bytes_per_s"],
-                                                  configs=configs, group=args.group)
-        metrics.update(model_metrics)
-        ratios.update(model_ratios)
+        kernels = ("pallas", "mosaic") if args.kernel == "both" else (args.kernel,)
+        for kernel in kernels:
+            model_metrics, model_ratios = model_level(MODEL_TINY if args.tiny else MODEL_8B, args.tiny,
+                                                      32 if args.tiny else args.context,
+                                                      64 if args.tiny else args.prefill, metrics["copy_bytes_per_s"],
+                                                      configs=configs, group=args.group, kernel=kernel)
+            metrics.update(model_metrics)
+            ratios.update(model_ratios)
+            common.write_record(args.out, record())
     metrics["gguf_q4k_load_seconds"] = gguf_seconds  # None unless --gguf
     common.write_record(args.out, record())
     common.print_tables({**record(), "metrics": {k: v for k, v in metrics.items() if k != "sweep"}})

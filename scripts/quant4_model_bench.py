@@ -53,9 +53,15 @@ def int4_params(params: dict, impl: str, configs: tuple | None = None, group: in
 
 
 def with_impl(params: dict, impl: str) -> dict:
+    """The words-layout weights of `params` with implementation `impl`; `mosaic`/`mosaic_interpret` convert them
+    to that kernel's layout (`models/quant4_place.py:in_kernel_layout`)."""
     from jengine.layers.quant4 import Int4Weight
+    from jengine.models.quant4_place import in_kernel_layout, words_impl
 
-    layers = tuple({k: (dataclasses.replace(v, impl=impl) if isinstance(v, Int4Weight) else v)
+    def swap(v):
+        return in_kernel_layout(dataclasses.replace(v, impl=words_impl(impl)), impl)
+
+    layers = tuple({k: (swap(v) if isinstance(v, Int4Weight) else v)
                     for k, v in layer.items()} for layer in params["layers"])
     return {**params, "layers": layers}
 
@@ -123,17 +129,21 @@ def check_logits(spec, name: str, w4: dict, ours, case: tuple, known_noise: floa
 
 
 def model_level(shape: dict, tiny: bool, context: int, prefill: int, copy_rate: float, runs: int = 5,
-                calls: int = 20, configs: tuple | None = None, group: int = GROUP) -> tuple[dict, dict]:
+                calls: int = 20, configs: tuple | None = None, group: int = GROUP,
+                kernel: str = "pallas") -> tuple[dict, dict]:
     """(metrics, ratios) of the model step: bf16 and W4A16 (groups of `group` rows) at decode batch 1 and 64 and one
     prefill chunk, the kernels at `configs` (`Int4Weight.configs`; None: their defaults). Keys of a group other than
-    128 carry it (`w4a16_g32_decode_b1_vs_bf16`)."""
+    128 carry it (`w4a16_g32_decode_b1_vs_bf16`). `kernel`: `pallas` (the Triton kernels) or `mosaic` (the
+    weight-only Mosaic kernel; its keys carry `_mosaic`)."""
     import jax
     import jax.numpy as jnp
 
     spec = model_spec(shape)
     impl = "pallas" if jax.devices()[0].platform == "gpu" and not tiny else "pallas_interpret"
     base = random_params(spec)
-    w4 = int4_params(base, impl, configs, group)
+    w4 = words = int4_params(base, impl, configs, group)  # `words`: the reference path's input
+    if kernel == "mosaic":
+        w4 = with_impl(w4, "mosaic" if impl == "pallas" else "mosaic_interpret")
     cases = {"decode_b1": (1, 1, context), "decode_b64": (4 if tiny else 64, 1, context),
              "prefill": (1, prefill, prefill)}
     metrics: dict = {"model_layers": spec.num_layers, "model_context_tokens": context,
@@ -143,7 +153,7 @@ def model_level(shape: dict, tiny: bool, context: int, prefill: int, copy_rate: 
         step, md, tokens, fresh_kv = make_batch_case(spec, batch, query, ctx, jnp.bfloat16)
         start = time.perf_counter()
         noise = max((v for k, v in metrics.items() if k.endswith("reference_bf16_rel_err_vs_f32")), default=None)
-        metrics.update(check_logits(spec, name, w4, step(w4, fresh_kv(), tokens, md)[0], (batch, query, ctx),
+        metrics.update(check_logits(spec, name, words, step(w4, fresh_kv(), tokens, md)[0], (batch, query, ctx),
                                     None if query == 1 else noise))  # a float32 prefill chunk: minutes of the run
         err = metrics[f"model_{name}_logits_max_rel_err"]
         for side, params in (("bf16", base), ("w4a16", w4)):
@@ -157,8 +167,8 @@ def model_level(shape: dict, tiny: bool, context: int, prefill: int, copy_rate: 
     ratios = {f"w4a16_{name}_vs_bf16": metrics[f"model_{name}_bf16_s"] / metrics[f"model_{name}_w4a16_s"]
               for name in cases}
     ratios["w4a16_decode_b1_vs_floor"] = metrics["model_decode_b1_w4a16_s"] / floor
-    if group != GROUP:
-        tag = f"_g{group}"
+    if group != GROUP or kernel != "pallas":
+        tag = (f"_g{group}" if group != GROUP else "") + ("_mosaic" if kernel != "pallas" else "")
         metrics = {k.replace("model_", f"model{tag}_", 1): v for k, v in metrics.items()}
         ratios = {k.replace("w4a16_", f"w4a16{tag}_", 1): v for k, v in ratios.items()}
     return metrics, ratios
