@@ -50,6 +50,8 @@ VARIANTS: dict[str, tuple | None] = {
     # decode through the Pallas kernel (pallas_kernels/quant_matmul), prefill as above
     "fp8_channel_pallas": ("fp8", "fp8", 0, 1, 0, "pallas"),
     "int8_w8a16_pallas": ("int8", None, 0, 1, 0, "pallas"),
+    # decode through the Mosaic GPU weight-only kernel (pallas_kernels/weight_only), prefill as above
+    "int8_w8a16_mosaic": ("int8", None, 0, 1, 0, "mosaic"),
 }
 # Max rel. error vs the `emulated` math (the same 8-bit rounding of the activations, float32 accumulation). One
 # projection on the same inputs differs by the accumulation alone: the tight check that catches a wrong scale or
@@ -101,8 +103,8 @@ def quantize(w, variant: tuple, impl: str = "xla"):
 
     kind, acts, block_k, block_n, group = variant[:5]
     impl = variant[5] if len(variant) > 5 else impl
-    if impl == "pallas" and jax.devices()[0].platform == "cpu":
-        impl = "pallas_interpret"
+    if impl in ("pallas", "mosaic") and jax.devices()[0].platform == "cpu":
+        impl += "_interpret"
     scheme = QuantScheme(kind, acts, block_k, block_n, group, impl)
     k, n = w.shape
     wf = jnp.abs(w.astype(jnp.float32))
@@ -298,6 +300,7 @@ def ratios(metrics: dict, floor_s: float | None) -> dict[str, float]:
     if "fp8_channel_pallas_decode_b1_s" in m and floor_s:
         r["fp8_pallas_decode_b1_vs_floor"] = m["fp8_channel_pallas_decode_b1_s"] / floor_s
     ratio("int8_w8a16_pallas_decode_b1_vs_bf16", "bf16_decode_b1_s", "int8_w8a16_pallas_decode_b1_s")
+    ratio("int8_w8a16_mosaic_decode_b1_vs_bf16", "bf16_decode_b1_s", "int8_w8a16_mosaic_decode_b1_s")
     ratio("fp8_w8a16_decode_b1_vs_bf16", "bf16_decode_b1_s", "fp8_w8a16_decode_b1_s")
     return r
 

@@ -34,6 +34,10 @@ Implementations, chosen once at load (`QuantScheme.impl`):
   that reads each 8-bit weight tile once and upcasts it in registers, activations unquantized
   (`pallas_kernels/quant_matmul`); everything else as `xla`. One device only for now (a tensor-parallel engine
   keeps `xla`, which GSPMD partitions), so the loader picks `xla`; the benchmark measures both.
+- `mosaic` (`mosaic_interpret` in CPU tests): per-channel int8 weight-only (W8A16) steps of up to `MOSAIC_MAX_ROWS`
+  bfloat16 rows through the Mosaic GPU kernel of `pallas_kernels/weight_only` (Hopper: the weight streamed by TMA,
+  upcast in registers, wgmma with the weight as the 64-row operand); everything else as `xla`. One device, as
+  `pallas`.
 """
 
 from __future__ import annotations
@@ -53,8 +57,9 @@ INT8_MAX = 127.0
 GROUPED_MAX_TOKENS = 32
 PALLAS_MAX_TOKENS = 16  # pallas_kernels.quant_matmul's one row tile
 WEIGHT_ONLY_MAX_TOKENS = 16  # float8 W8A8 at up to this many rows runs as W8A16 (the `xla` bullet above)
+MOSAIC_MAX_ROWS = 64  # rows the Mosaic weight-only kernel takes (the `mosaic` bullet above)
 
-Impl = Literal["reference", "emulated", "xla", "pallas", "pallas_interpret"]
+Impl = Literal["reference", "emulated", "xla", "pallas", "pallas_interpret", "mosaic", "mosaic_interpret"]
 Activations = Literal["fp8", "int8"] | None
 
 
@@ -162,6 +167,10 @@ def quantize_activations(
 
 def quantized_matmul(x: Float[Array, "tokens k"], q: QuantizedWeight, precision=None) -> Float[Array, "tokens n"]:
     """x @ (weight × scale), in x's dtype, by the scheme's implementation."""
+    if q.scheme.impl.startswith("mosaic"):
+        if _mosaic_takes(x, q):
+            return _mosaic_matmul(x, q)
+        q = dataclasses.replace(q, scheme=dataclasses.replace(q.scheme, impl="xla"))
     if _weight_only_at_few_tokens(x, q):
         q = dataclasses.replace(q, scheme=dataclasses.replace(q.scheme, activations=None, act_group=0))
     if q.scheme.impl in ("reference", "emulated"):
@@ -183,6 +192,29 @@ def quantized_matmul(x: Float[Array, "tokens k"], q: QuantizedWeight, precision=
     if _rescaled_per_channel(x, q):
         return _channel_matmul(x, _per_channel(q))
     return jnp.dot(x, dequantize(q, x.dtype), precision=precision, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _mosaic_takes(x: Float[Array, "tokens k"], q: QuantizedWeight) -> bool:
+    """Whether the Mosaic weight-only kernel serves this step: int8 W8A16 per channel, few bfloat16 rows, tiles that
+    fit (64 output features, 128-input steps)."""
+    from pallas_kernels.weight_only.kernel import TILE_N
+
+    n, k = q.weight.shape[-2:]
+    return (q.scheme.weight_dtype == "int8" and q.scheme.activations is None and q.scheme.block_k == 0
+            and not q.kn and q.weight.ndim == 3 and x.dtype == jnp.bfloat16 and x.shape[0] <= MOSAIC_MAX_ROWS
+            and n % TILE_N == 0 and k % 128 == 0 and k == x.shape[1])
+
+
+def _mosaic_matmul(x: Float[Array, "tokens k"], q: QuantizedWeight) -> Float[Array, "tokens n"]:
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.weight_only.kernel import WeightOnlyConfig, weight_only_matmul
+
+    scales = column_scales(q)[None, :]
+    if q.scheme.impl == "mosaic_interpret":
+        return weight_only_matmul(x, q.weight[0], scales, config=WeightOnlyConfig(staged=True, min_programs=0),
+                                  interpret=plgpu.InterpretGPUParams())
+    return weight_only_matmul(x, q.weight[0], scales)
 
 
 def _weight_only_at_few_tokens(x: Float[Array, "tokens k"], q: QuantizedWeight) -> bool:

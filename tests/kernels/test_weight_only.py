@@ -160,3 +160,24 @@ def test_a_split_int4_weight_converts_on_its_devices(split):
     # a row split adds bfloat16 partial products: an ulp of the largest output apart at most
     np.testing.assert_allclose(np.asarray(linear(x, mosaic), np.float32), want, rtol=2 ** -7,
                                atol=2 ** -7 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("rows", [1, 12, 70])
+def test_an_int8_weight_only_projection_takes_the_mosaic_kernel(rows):
+    """Per-channel int8 W8A16 (`QuantScheme` impl `mosaic_interpret`) matches the reference implementation's float32
+    product within bfloat16 rounding: decode rows through the kernel, 70 rows through XLA's path."""
+    from jengine.layers.quant import QuantizedWeight, QuantScheme, quantized_matmul
+
+    rng = np.random.default_rng()
+    k, n = 384, 192
+    weight = rng.integers(-127, 128, (k, n)).astype(np.int8)
+    scale = rng.uniform(0.5, 2.0, (1, n)).astype(np.float32) / (127 * np.sqrt(k))
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+
+    def product(impl):
+        q = QuantizedWeight.from_kn(jnp.asarray(weight), jnp.asarray(scale), None, QuantScheme("int8", None, impl=impl))
+        return np.asarray(quantized_matmul(x, q), np.float64)
+
+    ref = np.asarray(x, np.float64) @ (weight.astype(np.float64) * scale)
+    np.testing.assert_allclose(product("mosaic_interpret"), ref, rtol=2 ** -7, atol=2e-3 * np.abs(ref).max())
+    np.testing.assert_allclose(product("reference"), ref, rtol=2 ** -7, atol=2e-3 * np.abs(ref).max())
