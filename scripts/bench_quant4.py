@@ -119,6 +119,9 @@ def parse_args():
     parser.add_argument("--kernel", choices=("pallas", "mosaic", "both"), default="pallas",
                         help="the model level's 4-bit kernels: the Triton ones, the Mosaic weight-only one (keys "
                              "carry _mosaic), or both in turn")
+    parser.add_argument("--mosaic-configs", default=None,
+                        help="scripts/probe_weight_only_gpu.py's JSON: its fastest int4 configuration per row count "
+                             "for the Mosaic kernel (default: the kernel's)")
     parser.add_argument("--sweep", action="store_true", help="the full configuration sweep (quant4_sweep.py)")
     parser.add_argument("--sweep-budget", type=float, default=200.0, help="seconds; later candidates are skipped")
     parser.add_argument("--configs", default=None, help="an earlier --sweep's JSON: its winners join the candidates")
@@ -153,13 +156,25 @@ def main() -> None:
             model_metrics, model_ratios = model_level(MODEL_TINY if args.tiny else MODEL_8B, args.tiny,
                                                       32 if args.tiny else args.context,
                                                       64 if args.tiny else args.prefill, metrics["copy_bytes_per_s"],
-                                                      configs=configs, group=args.group, kernel=kernel)
+                                                      configs=configs, group=args.group, kernel=kernel,
+                                                      mosaic_configs=mosaic_configs(args.mosaic_configs))
             metrics.update(model_metrics)
             ratios.update(model_ratios)
             common.write_record(args.out, record())
     metrics["gguf_q4k_load_seconds"] = gguf_seconds  # None unless --gguf
     common.write_record(args.out, record())
     common.print_tables({**record(), "metrics": {k: v for k, v in metrics.items() if k != "sweep"}})
+
+
+def mosaic_configs(path: str | None) -> tuple | None:
+    """((up to rows, WeightOnlyConfig), ...) from the probe's `best.int4`, ascending; None without a file."""
+    if not path:
+        return None
+    from pallas_kernels.weight_only.kernel import WeightOnlyConfig
+
+    best = json.loads(Path(path).read_text()).get("best", {}).get("int4", {})
+    return tuple((int(rows), WeightOnlyConfig(**entry["config"]))
+                 for rows, entry in sorted(best.items(), key=lambda kv: int(kv[0])) if entry) or None
 
 
 if __name__ == "__main__":

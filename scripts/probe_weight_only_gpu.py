@@ -12,6 +12,7 @@ few-token kernel and XLA's upcast-in-the-dot (int8), and the device-to-device co
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -23,6 +24,10 @@ from gpu_bench_common import log
 
 from pallas_kernels.weight_only.kernel import WeightOnlyConfig, weight_only_matmul
 
+INT4_DECODE = ((64, 128, 4, 264), (64, 256, 4, 264), (128, 256, 4, 264), (128, 512, 4, 132), (64, 512, 4, 264),
+               (128, 256, 8, 264), (64, 256, 8, 528), (128, 512, 2, 264), (128, 256, 4, 132))
+INT4_BATCH = ((64, 256, 4, 264), (128, 256, 4, 264), (128, 512, 4, 132))
+INT8 = ((64, 128, 4, 264), (64, 256, 4, 264), (128, 256, 4, 264), (128, 512, 4, 132))
 SHAPES = ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096))  # (K, N) of qkv, o, gate/up, down
 GROUP = 128
 MAX_REL_ERROR = 2e-2
@@ -69,11 +74,11 @@ def chain(matmul):
     return run
 
 
-def check(matmul, xs, layers) -> float:
+def check(matmul, xs, layers, ref_layers) -> float:
     worst = 0.0
-    for x, weight in zip(xs, layers[0]):
+    for x, weight, ref_weight in zip(xs, layers[0], ref_layers[0]):
         got = np.asarray(jax.jit(matmul)(x, weight), np.float32)
-        ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantized(*weight).T,
+        ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantized(*ref_weight).T,
                                  precision=jax.lax.Precision.HIGHEST))
         worst = max(worst, float(np.abs(got - ref).max() / (np.abs(ref).max() + 1e-30)))
     return worst
@@ -97,10 +102,11 @@ def w4a16_peer():
     return prepare, matmul
 
 
-def time_side(name, matmul, xs, layers, record, rows, floor_bytes, copy_rate, bf16_s=None):
+def time_side(name, matmul, xs, layers, record, rows, floor_bytes, copy_rate, bf16_s=None, ref_layers=None,
+              config=None):
     try:
         t0 = time.perf_counter()
-        err = check(matmul, xs, layers)
+        err = check(matmul, xs, layers, ref_layers or layers)
         if not err < MAX_REL_ERROR:
             raise AssertionError(f"max relative error {err:.3g}")
         seconds = common.timeit(chain(matmul), xs, layers, runs=5)
@@ -108,11 +114,17 @@ def time_side(name, matmul, xs, layers, record, rows, floor_bytes, copy_rate, bf
                      bytes_per_s=floor_bytes / seconds, compile_and_check_s=time.perf_counter() - t0)
         if bf16_s:
             entry["bf16_over_this"] = bf16_s / seconds
+        if config is not None:
+            entry["config"] = dataclasses.asdict(config)
     except Exception as e:  # a failing candidate is reported, the others go on
         entry = dict(error=f"{type(e).__name__}: {str(e)[:800]}")
     record.setdefault(str(rows), {})[name] = entry
     log(rows, name, {k: (round(v, 6) if isinstance(v, float) else v) for k, v in entry.items()})
     return entry.get("seconds")
+
+
+def label(cfg: WeightOnlyConfig) -> str:
+    return f"ours n{cfg.tile_n} k{cfg.block_k} c{cfg.max_concurrent_steps} p{cfg.min_programs}"
 
 
 def main():
@@ -140,7 +152,6 @@ def main():
     int4_triton = [[prepare4(*w) for w in p] for p in int4]
     zrng = np.random.default_rng(4)
     int4z = [[(q, s, jnp.asarray(zrng.integers(-8, 8, s.shape), jnp.bfloat16)) for q, s in p] for p in int4]
-    from pallas_kernels.quant_matmul import FewTokenConfig, few_token_matmul
 
     for rows in [int(r) for r in args.rows.split(",")]:
         xs = [jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16) for k, _ in SHAPES]
@@ -151,36 +162,35 @@ def main():
             log(rows, "bf16", result["bf16"][str(rows)])
         except Exception as e:
             log(rows, "bf16 failed", e)
-        configs = [WeightOnlyConfig(block_k=128, max_concurrent_steps=c, min_programs=p)
-                   for c in (4, 8) for p in (132, 264, 528)]
-        if rows > 1:
-            configs = [WeightOnlyConfig(block_k=128, max_concurrent_steps=c, min_programs=p)
-                       for c, p in ((4, 264), (8, 264), (8, 528))]
-        for cfg in configs + [WeightOnlyConfig(staged=True)]:
+        configs = [WeightOnlyConfig(tile_n=t, block_k=b, max_concurrent_steps=c, min_programs=p)
+                   for t, b, c, p in (INT4_DECODE if rows == 1 else INT4_BATCH)]
+        best = {}
+        for cfg in configs:
             if time.perf_counter() - start > args.deadline_s:
                 break
-            label = f"ours k{cfg.block_k} c{cfg.max_concurrent_steps} p{cfg.min_programs}" + (
-                " staged" if cfg.staged else "")
-            time_side(label, lambda x, w, cfg=cfg: weight_only_matmul(x, *w, config=cfg), xs, int4,
-                      result["int4"], rows, int4_bytes, copy_rate, bf16_s)
-        cfg = WeightOnlyConfig(max_concurrent_steps=4, min_programs=264)
-        time_side("ours k128 c4 p264 zero points", lambda x, w: weight_only_matmul(x, *w, config=cfg), xs, int4z,
-                  result["int4"], rows, int4_bytes, copy_rate, bf16_s)
-        time_side("triton w4a16", w4a16, xs, int4_triton, result["int4"], rows, int4_bytes, copy_rate, bf16_s)
-        for cfg in [WeightOnlyConfig(block_k=bk, max_concurrent_steps=c, min_programs=p)
-                    for bk, c, p in ((128, 4, 264), (128, 8, 264), (256, 4, 264), (256, 8, 528))]:
+            seconds = time_side(label(cfg), lambda x, w, cfg=cfg: weight_only_matmul(x, *w, config=cfg), xs, int4,
+                                result["int4"], rows, int4_bytes, copy_rate, bf16_s, config=cfg)
+            if seconds and seconds < best.get("seconds", float("inf")):
+                best = dict(seconds=seconds, config=dataclasses.asdict(cfg))
+        result.setdefault("best", {}).setdefault("int4", {})[str(rows)] = best
+        cfg = WeightOnlyConfig(**best["config"]) if best else WeightOnlyConfig()
+        time_side(label(cfg) + " zero points", lambda x, w: weight_only_matmul(x, *w, config=cfg), xs, int4z,
+                  result["int4"], rows, int4_bytes, copy_rate, bf16_s, config=cfg)
+        time_side("triton w4a16", w4a16, xs, int4_triton, result["int4"], rows, int4_bytes, copy_rate, bf16_s,
+                  ref_layers=int4)
+        best = {}
+        for cfg in [WeightOnlyConfig(tile_n=t, block_k=b, max_concurrent_steps=c, min_programs=p)
+                    for t, b, c, p in INT8]:
             if time.perf_counter() - start > args.deadline_s:
                 break
-            label = f"ours k{cfg.block_k} c{cfg.max_concurrent_steps} p{cfg.min_programs}"
-            time_side(label, lambda x, w, cfg=cfg: weight_only_matmul(x, *w, config=cfg), xs, int8,
-                      result["int8"], rows, int8_bytes, copy_rate, bf16_s)
+            seconds = time_side(label(cfg), lambda x, w, cfg=cfg: weight_only_matmul(x, *w, config=cfg), xs, int8,
+                                result["int8"], rows, int8_bytes, copy_rate, bf16_s, config=cfg)
+            if seconds and seconds < best.get("seconds", float("inf")):
+                best = dict(seconds=seconds, config=dataclasses.asdict(cfg))
+        result.setdefault("best", {}).setdefault("int8", {})[str(rows)] = best
         time_side("xla upcast dot", lambda x, w: (jnp.dot(x, w[0].astype(x.dtype).T,
                                                           preferred_element_type=jnp.float32) * w[1][0]).astype(
             x.dtype), xs, int8, result["int8"], rows, int8_bytes, copy_rate, bf16_s)
-        if rows <= 16:
-            time_side("triton few-token", lambda x, w: few_token_matmul(
-                x, w[0], w[1][0], **FewTokenConfig().kernel_args(*w[0].shape)), xs, int8, result["int8"], rows,
-                int8_bytes, copy_rate, bf16_s)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     log("done in", time.perf_counter() - start)

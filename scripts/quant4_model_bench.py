@@ -52,14 +52,15 @@ def int4_params(params: dict, impl: str, configs: tuple | None = None, group: in
     return {**params, "layers": layers}
 
 
-def with_impl(params: dict, impl: str) -> dict:
+def with_impl(params: dict, impl: str, configs: tuple | None = None) -> dict:
     """The words-layout weights of `params` with implementation `impl`; `mosaic`/`mosaic_interpret` convert them
-    to that kernel's layout (`models/quant4_place.py:in_kernel_layout`)."""
+    to that kernel's layout (`models/quant4_place.py:in_kernel_layout`), with `configs` (by row count) for it."""
     from jengine.layers.quant4 import Int4Weight
     from jengine.models.quant4_place import in_kernel_layout, words_impl
 
     def swap(v):
-        return in_kernel_layout(dataclasses.replace(v, impl=words_impl(impl)), impl)
+        w = in_kernel_layout(dataclasses.replace(v, impl=words_impl(impl)), impl)
+        return dataclasses.replace(w, configs=configs) if w.nk else w
 
     layers = tuple({k: (swap(v) if isinstance(v, Int4Weight) else v)
                     for k, v in layer.items()} for layer in params["layers"])
@@ -130,7 +131,7 @@ def check_logits(spec, name: str, w4: dict, ours, case: tuple, known_noise: floa
 
 def model_level(shape: dict, tiny: bool, context: int, prefill: int, copy_rate: float, runs: int = 5,
                 calls: int = 20, configs: tuple | None = None, group: int = GROUP,
-                kernel: str = "pallas") -> tuple[dict, dict]:
+                kernel: str = "pallas", mosaic_configs: tuple | None = None) -> tuple[dict, dict]:
     """(metrics, ratios) of the model step: bf16 and W4A16 (groups of `group` rows) at decode batch 1 and 64 and one
     prefill chunk, the kernels at `configs` (`Int4Weight.configs`; None: their defaults). Keys of a group other than
     128 carry it (`w4a16_g32_decode_b1_vs_bf16`). `kernel`: `pallas` (the Triton kernels) or `mosaic` (the
@@ -143,7 +144,7 @@ def model_level(shape: dict, tiny: bool, context: int, prefill: int, copy_rate: 
     base = random_params(spec)
     w4 = words = int4_params(base, impl, configs, group)  # `words`: the reference path's input
     if kernel == "mosaic":
-        w4 = with_impl(w4, "mosaic" if impl == "pallas" else "mosaic_interpret")
+        w4 = with_impl(w4, "mosaic" if impl == "pallas" else "mosaic_interpret", mosaic_configs)
     cases = {"decode_b1": (1, 1, context), "decode_b64": (4 if tiny else 64, 1, context),
              "prefill": (1, prefill, prefill)}
     metrics: dict = {"model_layers": spec.num_layers, "model_context_tokens": context,

@@ -175,14 +175,15 @@ def _local_matmul(x, packed, zeros, scales, *, w: Int4Weight):
     from pallas_kernels.w4a16 import w4a16_matmul, w4a16_matmul_reference  # Pallas imported only where used
 
     if w.nk:
-        return _mosaic_matmul(x, packed, zeros, scales, interpret=w.impl == "mosaic_interpret")
+        config = next((cfg for limit, cfg in w.configs or () if x.shape[0] <= limit), None)
+        return _mosaic_matmul(x, packed, zeros, scales, interpret=w.impl == "mosaic_interpret", config=config)
     if w.impl == "reference":
         return w4a16_matmul_reference(x, packed, zeros, scales, group=w.group)
     return w4a16_matmul(x, packed, zeros, scales, group=w.group, config=kernel_config(w, x.shape[0]),
                         interpret=w.impl == "pallas_interpret")
 
 
-def _mosaic_matmul(x, q, zeros, scales, *, interpret: bool):
+def _mosaic_matmul(x, q, zeros, scales, *, interpret: bool, config=None):
     """Decode-sized bfloat16 rows through the Mosaic kernel (its wgmma multiplies bfloat16); more rows, or another
     dtype, through a dequantized weight and cuBLAS."""
     if x.shape[0] > MOSAIC_MAX_ROWS or x.dtype != jnp.bfloat16:
@@ -190,12 +191,14 @@ def _mosaic_matmul(x, q, zeros, scales, *, interpret: bool):
         return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32).astype(x.dtype)
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from pallas_kernels.weight_only.kernel import WeightOnlyConfig, weight_only_matmul
+    from pallas_kernels.weight_only.kernel import WeightOnlyConfig, fit, weight_only_matmul
 
+    n, k = q.shape
+    config = fit(config or WeightOnlyConfig(), k, n, k // scales.shape[0])
     if interpret:
-        return weight_only_matmul(x, q, scales, zeros, config=WeightOnlyConfig(staged=True, min_programs=0),
+        return weight_only_matmul(x, q, scales, zeros, config=dataclasses.replace(config, staged=True, min_programs=0),
                                   interpret=plgpu.InterpretGPUParams())
-    return weight_only_matmul(x, q, scales, zeros)
+    return weight_only_matmul(x, q, scales, zeros, config=config)
 
 
 def _dequantized_nk(q: Array, zeros: Float[Array, "g n"], scales: Float[Array, "g n"], dtype) -> Float[Array, "n k"]:

@@ -9,11 +9,12 @@ memory, upcasts it in registers (Mosaic's int4 → bf16 path: a few bit operatio
 `wgmma` with the *weight* as the 64-row left operand and the activation rows as the 8-to-256-column right one, so
 the tensor cores' minimum tile is spent on output features, not on padding tokens.
 
-A program owns `TILE_N = 64` output features and one of `splits` consecutive ranges of input steps: each pipeline
-step (`block_k` inputs, inside one group) goes into a fresh accumulator and is scaled by its group's 64 scales
-before it is added to the running sum (float32), so a scale costs a multiply per output, not per weight. Splits
-write float32 partial sums that the caller adds (XLA), so that a short weight (the attention output projection:
-64 column tiles) still gives every SM work.
+A program owns `tile_n` (64 or 128) output features and one of `splits` consecutive ranges of input steps. Each
+pipeline step TMA-loads `block_k` inputs of the weight and the activations, and the group scales (and zero points)
+they need, so no step waits on a global load; each group's part of a step (a chunk) goes into a fresh accumulator
+and is scaled by its group's scales before it is added to the running sum (float32), so a scale costs a multiply
+per output, not per weight. Splits write float32 partial sums that the caller adds (XLA), so that a short weight
+(the attention output projection: 64 column tiles) still gives every SM work.
 """
 
 from __future__ import annotations
@@ -35,10 +36,13 @@ WEIGHT_DTYPES = (jnp.dtype(jnp.int4), jnp.dtype(jnp.int8))
 
 @dataclasses.dataclass(frozen=True)
 class WeightOnlyConfig:
-    """`max_concurrent_steps`: weight tiles in flight per program. `min_programs`: split the groups until the grid
-    has at least this many programs (0: never). `staged`: the upcast tile goes through shared memory to wgmma (the
-    form Mosaic GPU's interpreter runs; its wgmma takes shared-memory operands only)."""
+    """`tile_n`: output features a program owns (64 or 128: one or two wgmma row tiles). `block_k`: inputs a pipeline
+    step loads (a step wider than a group multiplies each group's part apart). `max_concurrent_steps`: steps in
+    flight per program. `min_programs`: split the steps until the grid has at least this many programs (0: never).
+    `staged`: the upcast tile goes through shared memory to wgmma (the form Mosaic GPU's interpreter runs; its wgmma
+    takes shared-memory operands only)."""
 
+    tile_n: int = 64
     block_k: int = 128
     max_concurrent_steps: int = 4
     min_programs: int = 264
@@ -50,27 +54,48 @@ def padded_rows(m: int) -> int:
     return max(8, -(-m // 8) * 8)
 
 
-def splits_for(groups: int, tiles: int, min_programs: int) -> int:
-    """The fewest splits of `groups` (a divisor of it) giving at least `min_programs` programs."""
-    for split in range(1, groups + 1):
-        if groups % split == 0 and split * tiles >= min_programs:
+def splits_for(steps: int, tiles: int, min_programs: int, steps_per_group: int = 1) -> int:
+    """The fewest splits of `steps` (a divisor of it) giving at least `min_programs` programs, each split whole
+    groups or inside one (`steps_per_group` steps a group; 1 where a step holds whole groups)."""
+    for split in range(1, steps + 1):
+        per = steps // split
+        whole = per % steps_per_group == 0 or steps_per_group % per == 0
+        if steps % split == 0 and whole and split * tiles >= min_programs:
             return split
-    return groups
+    return steps
 
 
-def _swizzled(dtype, minor: int) -> tuple:
-    bits = jnp.dtype(dtype).itemsize * 8 if dtype != jnp.int4 else 4
-    swizzle = plgpu.find_swizzle(minor * bits)
+def _bits(dtype) -> int:
+    return 4 if jnp.dtype(dtype) == jnp.int4 else jnp.dtype(dtype).itemsize * 8
+
+
+def _swizzled(dtype, minor: int, chunk: int) -> tuple:
+    """Tiling and swizzle of a `[rows, minor]` shared-memory tile read in column chunks of `chunk` (each chunk whole
+    tiles, so that it can be sliced off for its own wgmma)."""
+    bits = _bits(dtype)
+    swizzle = plgpu.find_swizzle(min(minor, chunk) * bits)
     return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
-def check(m: int, k: int, n: int, groups: int, dtype, block_k: int) -> None:
+def fit(config: WeightOnlyConfig, k: int, n: int, group: int) -> WeightOnlyConfig:
+    """`config` with its tile and step narrowed where a weight's shape needs it (64 output features; a step of one
+    group, or of 128 inputs)."""
+    tile_n = config.tile_n if n % config.tile_n == 0 else TILE_N
+    block_k = config.block_k
+    if k % block_k or (group % block_k and block_k % group):
+        block_k = min(group, 128)
+    return dataclasses.replace(config, tile_n=tile_n, block_k=block_k)
+
+
+def check(m: int, k: int, n: int, groups: int, dtype, config: WeightOnlyConfig) -> None:
     if jnp.dtype(dtype) not in WEIGHT_DTYPES:
         raise ValueError(f"the weight-only kernel takes int4 or int8 weights, not {dtype}")
-    if n % TILE_N or k % groups or (k // groups) % block_k or block_k % 64 or m > MAX_ROWS:
-        raise ValueError(f"the weight-only kernel needs n ({n}) a multiple of {TILE_N}, groups of a multiple of "
-                         f"{block_k} inputs (k {k}, {groups} groups; block_k a multiple of 64) and at most "
-                         f"{MAX_ROWS} rows (got {m})")
+    group, block_k = (k // groups if groups and k % groups == 0 else 0), config.block_k
+    if (config.tile_n not in (TILE_N, 2 * TILE_N) or n % config.tile_n or not group or group % 64
+            or (group % block_k and block_k % group) or k % block_k or block_k % 64 or m > MAX_ROWS):
+        raise ValueError(f"the weight-only kernel needs n ({n}) a multiple of its tile ({config.tile_n}), k ({k}) "
+                         f"whole groups ({groups}) of a multiple of 64 inputs that divide or are multiples of its "
+                         f"step ({block_k}), and at most {MAX_ROWS} rows (got {m})")
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -83,19 +108,19 @@ def weight_only_matmul(
     m, k = x.shape
     n = q.shape[0]
     groups = scales.shape[0]
-    block_k = config.block_k
-    check(m, k, n, groups, q.dtype, block_k)
+    check(m, k, n, groups, q.dtype, config)
     rows = padded_rows(m)
-    tiles = n // TILE_N
-    split = splits_for(k // block_k, tiles, config.min_programs)
+    geo = _Geometry(rows, config.tile_n, config.block_k, k // groups, config.staged)
+    steps = k // config.block_k
+    split = splits_for(steps, n // config.tile_n, config.min_programs, max(1, geo.group // config.block_k))
     xp = jnp.pad(x.astype(jnp.bfloat16), ((0, rows - m), (0, 0)))
     kernel = plgpu.kernel(
-        functools.partial(_program, block_k=block_k, steps=k // block_k // split, group=k // groups,
-                          zero_points=zeros is not None, config=config),
+        functools.partial(_program, geo=geo, steps=steps // split, zero_points=zeros is not None,
+                          max_concurrent_steps=config.max_concurrent_steps),
         out_type=jax.ShapeDtypeStruct((split, n, rows), jnp.float32),
-        grid=(tiles, split),
+        grid=(n // config.tile_n, split),
         grid_names=("tile", "split"),
-        scratch_types=_scratch(rows, block_k, config),
+        scratch_types=_scratch(geo),
         interpret=interpret,
     )
     operands = (q, xp, scales.astype(jnp.float32)) + (() if zeros is None else (zeros.astype(jnp.bfloat16),))
@@ -103,59 +128,98 @@ def weight_only_matmul(
     return jnp.sum(parts, axis=0)[:, :m].T.astype(x.dtype)
 
 
-def _scratch(rows: int, block_k: int, config: WeightOnlyConfig) -> list:
-    out = [plgpu.SMEM((TILE_N, rows), jnp.float32)]
-    if config.staged:
-        out.append(plgpu.SMEM((TILE_N, block_k), jnp.bfloat16, transforms=_swizzled(jnp.bfloat16, block_k)))
+@dataclasses.dataclass(frozen=True)
+class _Geometry:
+    rows: int  # activation rows, padded
+    tile_n: int
+    block_k: int
+    group: int
+    staged: bool
+
+    @property
+    def chunk(self) -> int:
+        """Inputs per wgmma: the step, or one group of it."""
+        return min(self.block_k, self.group)
+
+    @property
+    def groups_per_step(self) -> int:
+        return max(1, self.block_k // self.group)
+
+    def group_block(self, step):
+        """The step's block of `groups_per_step` groups (its index in units of that block)."""
+        return step * self.block_k // self.group // self.groups_per_step
+
+
+def _scratch(geo: _Geometry) -> list:
+    out = [plgpu.SMEM((geo.tile_n, geo.rows), jnp.float32)]
+    if geo.staged:
+        out.append(plgpu.SMEM((TILE_N, geo.chunk), jnp.bfloat16, transforms=_swizzled(jnp.bfloat16, geo.chunk,
+                                                                                         geo.chunk)))
     return out
 
 
-def _program(q_ref, x_ref, s_ref, *refs, block_k: int, steps: int, group: int, zero_points: bool,
-             config: WeightOnlyConfig):
+def _program(q_ref, x_ref, s_ref, *refs, geo: _Geometry, steps: int, zero_points: bool, max_concurrent_steps: int):
     z_ref = refs[0] if zero_points else None
     out_ref, out_smem, *staged = refs[1:] if zero_points else refs
     tile, split = lax.axis_index("tile"), lax.axis_index("split")
-    n0 = pl.multiple_of(tile * TILE_N, TILE_N)
-    rows = x_ref.shape[0]
+    n0 = pl.multiple_of(tile * geo.tile_n, geo.tile_n)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
+    first = split * steps
 
-    def step(indices, q_smem, x_smem, total):
-        (i,) = indices
-        g = (split * steps + i) // (group // block_k)
-        scale = plgpu.load(s_ref.at[g, pl.ds(n0, TILE_N)], layout=row_layout, optimized=False)
-        w = _upcast(q_smem)
-        if z_ref is not None:
-            zero = plgpu.load(z_ref.at[g, pl.ds(n0, TILE_N)], layout=row_layout, optimized=False)
-            w = w - lax.broadcast_in_dim(zero, w.shape, [0])
+    def row(ref, group: int, sub: int):
+        return plgpu.load(ref.at[group, pl.ds(sub * TILE_N, TILE_N)], layout=row_layout, optimized=False)
 
-        def product(acc_ref):
-            if staged:
-                staged[0][...] = w
-                plgpu.commit_smem()
-                plgpu.wgmma(acc_ref, staged[0], x_smem.T)
-            else:
-                plgpu.wgmma(acc_ref, w, x_smem.T)
-            return acc_ref[...]
+    def step(indices, q_smem, x_smem, s_smem, *rest):
+        z_smem, totals = (rest[0], rest[1]) if z_ref is not None else (None, rest[0])
+        out = []
+        for sub in range(geo.tile_n // TILE_N):
+            total = totals[sub]
+            for c in range(geo.block_k // geo.chunk):
+                g = c if geo.groups_per_step > 1 else 0
+                cols = pl.ds(c * geo.chunk, geo.chunk)
+                w = _upcast(q_smem.at[pl.ds(sub * TILE_N, TILE_N), cols])
+                if z_smem is not None:
+                    w = w - lax.broadcast_in_dim(row(z_smem, g, sub).astype(w.dtype), w.shape, [0])
+                part = pl.run_scoped(functools.partial(_product, w=w, x_tile=x_smem.at[:, cols], staged=staged),
+                                     plgpu.ACC((TILE_N, geo.rows), jnp.float32))
+                total = total + part * lax.broadcast_in_dim(row(s_smem, g, sub), part.shape, [0])
+            out.append(total)
+        return tuple(out)
 
-        part = pl.run_scoped(product, plgpu.ACC((TILE_N, rows), jnp.float32))
-        return total + part * lax.broadcast_in_dim(scale, part.shape, [0])
-
+    groups = pl.BlockSpec((geo.groups_per_step, geo.tile_n), lambda i: (geo.group_block(first + i), 0))
     pipeline = plgpu.emit_pipeline(
         step,
         grid=(steps,),
         in_specs=[
-            plgpu.BlockSpec((TILE_N, block_k), lambda i: (0, i), transforms=_swizzled(q_ref.dtype, block_k)),
-            plgpu.BlockSpec((rows, block_k), lambda i: (0, i), transforms=_swizzled(jnp.bfloat16, block_k)),
-        ],
-        max_concurrent_steps=min(config.max_concurrent_steps, steps),
-        init_carry=plgpu.layout_cast(jnp.zeros((TILE_N, rows), jnp.float32), plgpu.Layout.WGMMA),
+            plgpu.BlockSpec((geo.tile_n, geo.block_k), lambda i: (0, first + i),
+                            transforms=_swizzled(q_ref.dtype, geo.block_k, geo.chunk)),
+            plgpu.BlockSpec((geo.rows, geo.block_k), lambda i: (0, first + i),
+                            transforms=_swizzled(jnp.bfloat16, geo.block_k, geo.chunk)),
+            groups,
+        ] + ([groups] if z_ref is not None else []),
+        max_concurrent_steps=min(max_concurrent_steps, steps),
+        init_carry=tuple(plgpu.layout_cast(jnp.zeros((TILE_N, geo.rows), jnp.float32), plgpu.Layout.WGMMA)
+                         for _ in range(geo.tile_n // TILE_N)),
     )
-    k_range = pl.ds(split * steps * block_k, steps * block_k)
-    total = pipeline(q_ref.at[pl.ds(n0, TILE_N), k_range], x_ref.at[:, k_range])
-    out_smem[...] = total
+    columns = pl.ds(n0, geo.tile_n)
+    totals = pipeline(q_ref.at[columns], x_ref, s_ref.at[:, columns],
+                      *([z_ref.at[:, columns]] if z_ref is not None else []))
+    for sub, total in enumerate(totals):
+        out_smem[pl.ds(sub * TILE_N, TILE_N)] = total
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, out_ref.at[split, pl.ds(n0, TILE_N)])
+    plgpu.copy_smem_to_gmem(out_smem, out_ref.at[split, columns])
     plgpu.wait_smem_to_gmem(0)
+
+
+def _product(acc_ref, *, w, x_tile, staged):
+    """One chunk's `w @ x_tileᵀ` into the fresh accumulator `acc_ref`, returned as a value."""
+    if staged:
+        staged[0][...] = w
+        plgpu.commit_smem()
+        plgpu.wgmma(acc_ref, staged[0], x_tile.T)
+    else:
+        plgpu.wgmma(acc_ref, w, x_tile.T)
+    return acc_ref[...]
 
 
 def _upcast(q_smem):

@@ -44,16 +44,18 @@ def _run(x, q, scales, dtype, config, zeros=None):
                                          jnp.asarray(scales), zeros, config=config, interpret=INTERPRET), np.float64)
 
 
-@pytest.mark.parametrize("dtype,m,k,n,groups,block_k,min_programs", [
-    ("int4", 1, 512, 128, 4, 128, 0),  # decode row, group 128: a scale per step
-    ("int4", 13, 768, 192, 3, 128, 6),  # odd rows (padded to 16), groups of 256 over two steps, K split in 3
-    ("int8", 5, 512, 64, 1, 128, 4),  # per-channel: one group, K split in 4
-    ("int8", 40, 256, 128, 1, 256, 0),  # wide step, rows past one 8-column tile
+@pytest.mark.parametrize("dtype,m,k,n,groups,tile_n,block_k,min_programs", [
+    ("int4", 1, 512, 128, 4, 64, 128, 0),  # decode row, group 128: a scale per step
+    ("int4", 13, 768, 192, 3, 64, 128, 6),  # odd rows (padded to 16), groups of 256 over two steps, K split in 3
+    ("int4", 2, 1024, 256, 8, 128, 256, 4),  # two groups a step, two row tiles a program, K split in 2
+    ("int8", 5, 512, 64, 1, 64, 128, 4),  # per-channel: one group, K split in 4
+    ("int8", 40, 256, 128, 1, 128, 256, 0),  # wide step, rows past one 8-column tile
 ])
-def test_matches_float64_reference(dtype, m, k, n, groups, block_k, min_programs):
+def test_matches_float64_reference(dtype, m, k, n, groups, tile_n, block_k, min_programs):
     rng = np.random.default_rng()
     x, q, scales = _case(rng, m, k, n, groups, dtype)
-    cfg = WeightOnlyConfig(block_k=block_k, min_programs=min_programs, max_concurrent_steps=2, staged=True)
+    cfg = WeightOnlyConfig(tile_n=tile_n, block_k=block_k, min_programs=min_programs, max_concurrent_steps=2,
+                           staged=True)
     got, ref = _run(x, q, scales, dtype, cfg), _reference(x, q, scales)
     # bfloat16 output: half an ulp of rounding, plus float32 accumulation in another order
     np.testing.assert_allclose(got, ref, rtol=2 ** -8, atol=1e-3 * np.abs(ref).max())
@@ -65,7 +67,7 @@ def test_zero_points_shift_each_groups_weights():
     m, k, n, groups = 3, 512, 128, 4
     x, _, scales = _case(rng, m, k, n, groups, "int4")
     u, z_unsigned = rng.integers(0, 16, (n, k)), rng.integers(0, 16, (groups, n))
-    cfg = WeightOnlyConfig(min_programs=4, staged=True)
+    cfg = WeightOnlyConfig(tile_n=128, block_k=256, min_programs=2, staged=True)
     got = _run(x, u - 8, scales, "int4", cfg, zeros=(z_unsigned - 8).astype(np.float32))
     ref = _reference(x, u, scales, zeros=z_unsigned)
     np.testing.assert_allclose(got, ref, rtol=2 ** -8, atol=1e-3 * np.abs(ref).max())
@@ -85,17 +87,21 @@ def test_each_group_takes_its_own_scale():
     np.testing.assert_allclose(delta, 2.0 * share, rtol=2 ** -7, atol=2 ** -8 * np.abs(base).max())
 
 
-@pytest.mark.parametrize("m,k,n,groups", [(1, 4096, 128, 3), (2, 4096, 100, 32), (300, 4096, 128, 32)])
+@pytest.mark.parametrize("m,k,n,groups", [(1, 4096, 128, 3), (2, 4096, 100, 32), (300, 4096, 128, 32),
+                                         (1, 4096, 128, 128)])  # groups of 32 inputs: below a wgmma chunk
 def test_rejects_shapes_it_cannot_tile(m, k, n, groups):
     with pytest.raises(ValueError):
         weight_only_matmul(jnp.zeros((m, k), jnp.bfloat16), jnp.zeros((n, k), jnp.int4),
                            jnp.ones((groups, n), jnp.float32), interpret=INTERPRET)
 
 
-@pytest.mark.parametrize("dtype,m,groups,zeros", [(jnp.int4, 1, 32, False), (jnp.int4, 64, 32, True),
-                                                  (jnp.int8, 16, 1, False)])
-def test_register_operand_form_lowers_for_h200(dtype, m, groups, zeros):
-    fn = functools.partial(weight_only_matmul, config=WeightOnlyConfig())
+@pytest.mark.parametrize("dtype,m,groups,zeros,cfg", [
+    (jnp.int4, 1, 32, False, WeightOnlyConfig()),
+    (jnp.int4, 64, 32, True, WeightOnlyConfig(tile_n=128, block_k=512)),
+    (jnp.int8, 16, 1, False, WeightOnlyConfig(block_k=256)),
+])
+def test_register_operand_form_lowers_for_h200(dtype, m, groups, zeros, cfg):
+    fn = functools.partial(weight_only_matmul, config=cfg)
     specs = [S((m, 4096), jnp.bfloat16), S((6144, 4096), dtype), S((groups, 6144), jnp.float32)]
     text = lower_for_h200(fn, *specs, *([S((groups, 6144), jnp.bfloat16)] if zeros else []))
     assert "mosaic_gpu" in text
