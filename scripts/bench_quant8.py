@@ -147,7 +147,9 @@ def param_bytes_read(params: dict) -> int:
     """What a decode step reads of the weights: all but the embedding table (one row of it)."""
     import jax
 
-    return sum(leaf.nbytes for leaf in jax.tree.leaves({k: v for k, v in params.items() if k != "embed"}))
+    from jengine.layers.quant4 import stored_bytes
+
+    return sum(stored_bytes(leaf) for leaf in jax.tree.leaves({k: v for k, v in params.items() if k != "embed"}))
 
 
 @dataclasses.dataclass

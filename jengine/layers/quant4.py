@@ -69,7 +69,13 @@ class Int4Weight:
     @property
     def nbytes(self) -> int:
         extra = 0 if self.perm is None else self.perm.nbytes
-        return self.packed.nbytes + self.zeros.nbytes + self.scales.nbytes + extra
+        return stored_bytes(self.packed) + self.zeros.nbytes + self.scales.nbytes + extra
+
+
+def stored_bytes(array) -> int:
+    """An array's bytes as stored: int4 two to a byte (jax's `nbytes` counts a byte per int4 value)."""
+    bits = 4 if array.dtype == jnp.int4 else array.dtype.itemsize * 8
+    return array.size * bits // 8
 
 
 @jax.tree_util.register_dataclass

@@ -131,6 +131,7 @@ def test_an_int4_weight_in_the_mosaic_layout_multiplies_as_its_words(rows, perm)
     words = _int4_weight(rng, 512, 192, perm=perm)
     mosaic = to_mosaic(words, interpret=True)
     assert mosaic.impl == "mosaic_interpret" and mosaic.shape == words.shape == (512, 192)
+    assert mosaic.nbytes == words.nbytes  # half a byte a weight in both layouts
     exact = np.asarray(dequantize4(words), np.float64)
     np.testing.assert_array_equal(np.asarray(dequantize4(mosaic)), exact)
     x = jnp.asarray(rng.standard_normal((rows, 512)), jnp.bfloat16)
