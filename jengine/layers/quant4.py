@@ -197,10 +197,10 @@ def _mosaic_matmul(x, q, zeros, scales, *, interpret: bool, config=None):
         return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32).astype(x.dtype)
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from pallas_kernels.weight_only.kernel import WeightOnlyConfig, fit, weight_only_matmul
+    from pallas_kernels.weight_only.kernel import default_config, fit, weight_only_matmul
 
     n, k = q.shape
-    config = fit(config or WeightOnlyConfig(), k, n, k // scales.shape[0])
+    config = fit(config or default_config(x.shape[0]), k, n, k // scales.shape[0])
     if interpret:
         return weight_only_matmul(x, q, scales, zeros, config=dataclasses.replace(config, staged=True, min_programs=0),
                                   interpret=plgpu.InterpretGPUParams())

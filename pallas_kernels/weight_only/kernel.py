@@ -49,6 +49,15 @@ class WeightOnlyConfig:
     staged: bool = False
 
 
+def default_config(rows: int) -> WeightOnlyConfig:
+    """The fastest of the probe's configurations on an H100 (`scripts/probe_weight_only_gpu.py`, 8 Llama-3.1-8B
+    layers' projections): 256-input steps, 64-feature tiles; a decode row keeps more steps in flight and more
+    programs (each moves few bytes)."""
+    if rows <= 8:
+        return WeightOnlyConfig(tile_n=64, block_k=256, max_concurrent_steps=8, min_programs=528)
+    return WeightOnlyConfig(tile_n=64, block_k=256, max_concurrent_steps=4, min_programs=264)
+
+
 def padded_rows(m: int) -> int:
     """wgmma's right operand is a multiple of 8 columns."""
     return max(8, -(-m // 8) * 8)
@@ -101,13 +110,15 @@ def check(m: int, k: int, n: int, groups: int, dtype, config: WeightOnlyConfig) 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def weight_only_matmul(
     x: Float[Array, "m k"], q: Integer[Array, "n k"], scales: Float[Array, "g n"],
-    zeros: Float[Array, "g n"] | None = None, *, config: WeightOnlyConfig = WeightOnlyConfig(), interpret=None,
+    zeros: Float[Array, "g n"] | None = None, *, config: WeightOnlyConfig | None = None, interpret=None,
 ) -> Float[Array, "m n"]:
-    """`x @ ((q − zeros[group]) · scales[group])ᵀ` in x's dtype (float32 accumulation). `interpret`: Mosaic GPU's
-    interpreter parameters (`plgpu.InterpretGPUParams`), for the CPU (needs `config.staged`)."""
+    """`x @ ((q − zeros[group]) · scales[group])ᵀ` in x's dtype (float32 accumulation; scales and zero points in
+    any float dtype, read as stored). `config` None: `default_config(rows)`. `interpret`: Mosaic GPU's interpreter
+    parameters (`plgpu.InterpretGPUParams`), for the CPU (needs `config.staged`)."""
     m, k = x.shape
     n = q.shape[0]
     groups = scales.shape[0]
+    config = config or default_config(m)
     check(m, k, n, groups, q.dtype, config)
     rows = padded_rows(m)
     geo = _Geometry(rows, config.tile_n, config.block_k, k // groups, config.staged)
@@ -123,7 +134,7 @@ def weight_only_matmul(
         scratch_types=_scratch(geo),
         interpret=interpret,
     )
-    operands = (q, xp, scales.astype(jnp.float32)) + (() if zeros is None else (zeros.astype(jnp.bfloat16),))
+    operands = (q, xp, scales) + (() if zeros is None else (zeros,))  # upcast in registers: no copy a call
     parts = kernel(*operands)
     return jnp.sum(parts, axis=0)[:, :m].T.astype(x.dtype)
 
@@ -179,10 +190,12 @@ def _program(q_ref, x_ref, s_ref, *refs, geo: _Geometry, steps: int, zero_points
                 cols = pl.ds(c * geo.chunk, geo.chunk)
                 w = _upcast(q_smem.at[pl.ds(sub * TILE_N, TILE_N), cols])
                 if z_smem is not None:
-                    w = w - lax.broadcast_in_dim(row(z_smem, g, sub).astype(w.dtype), w.shape, [0])
+                    zero = row(z_smem, g, sub).astype(jnp.float32).astype(w.dtype)  # whole numbers: exact
+                    w = w - lax.broadcast_in_dim(zero, w.shape, [0])
                 part = pl.run_scoped(functools.partial(_product, w=w, x_tile=x_smem.at[:, cols], staged=staged),
                                      plgpu.ACC((TILE_N, geo.rows), jnp.float32))
-                total = total + part * lax.broadcast_in_dim(row(s_smem, g, sub), part.shape, [0])
+                scale = row(s_smem, g, sub).astype(jnp.float32)
+                total = total + part * lax.broadcast_in_dim(scale, part.shape, [0])
             out.append(total)
         return tuple(out)
 

@@ -102,8 +102,9 @@ def test_rejects_shapes_it_cannot_tile(m, k, n, groups):
 ])
 def test_register_operand_form_lowers_for_h200(dtype, m, groups, zeros, cfg):
     fn = functools.partial(weight_only_matmul, config=cfg)
-    specs = [S((m, 4096), jnp.bfloat16), S((6144, 4096), dtype), S((groups, 6144), jnp.float32)]
-    text = lower_for_h200(fn, *specs, *([S((groups, 6144), jnp.bfloat16)] if zeros else []))
+    # a checkpoint's float16 scales and zero points, read as stored
+    specs = [S((m, 4096), jnp.bfloat16), S((6144, 4096), dtype), S((groups, 6144), jnp.float16)]
+    text = lower_for_h200(fn, *specs, *([S((groups, 6144), jnp.float16)] if zeros else []))
     assert "mosaic_gpu" in text
 
 
