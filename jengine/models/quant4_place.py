@@ -312,9 +312,19 @@ def log_packing(reader: Quant4Reader, packed: int, reasons: dict[str, int]) -> N
                     "with a float model's memory; why: %s", quant.label, count, reason)
 
 
+# The Mosaic weight-only kernel (`layers/quant4.py`'s `mosaic` layout) on Hopper GPUs: 1.57× faster than the Triton
+# kernels on 8 layers' projections at one row on an H100, but its model step is not timed yet (benchmarks/README.md,
+# "The Mosaic GPU weight-only kernel"); `bench_quant4.py --kernel mosaic` measures it.
+MOSAIC_ON_HOPPER = False
+
+
 def int4_impl(platform: str) -> str:
-    """The kernel on NVIDIA GPUs, the reference elsewhere (tests set `pallas_interpret` here)."""
-    return "pallas" if platform == "gpu" else "reference"
+    """The kernels on NVIDIA GPUs, the reference elsewhere (tests set `pallas_interpret` or `mosaic_interpret`)."""
+    if platform != "gpu":
+        return "reference"
+    from pallas_kernels.ragged_paged_attention.mosaic_prefill import on_hopper
+
+    return "mosaic" if MOSAIC_ON_HOPPER and on_hopper() else "pallas"
 
 
 def int4_plans(reader: Quant4Reader, flat_sources: list[tuple[str, Source]], shards: int, platform: str,

@@ -189,3 +189,32 @@ def test_an_int8_weight_only_projection_takes_the_mosaic_kernel(rows):
     ref = np.asarray(x, np.float64) @ (weight.astype(np.float64) * scale)
     np.testing.assert_allclose(product("mosaic_interpret"), ref, rtol=2 ** -7, atol=2e-3 * np.abs(ref).max())
     np.testing.assert_allclose(product("reference"), ref, rtol=2 ** -7, atol=2e-3 * np.abs(ref).max())
+
+
+def test_a_checkpoint_loads_into_the_mosaic_layout_and_serves_its_logits(build_checkpoint, monkeypatch):
+    """AWQ (asymmetric, group 128) loaded with the Mosaic implementation: every projection lands in its layout and
+    the bfloat16 prompt logits (decode-sized prompts through the kernel) stay within bfloat16's noise of the
+    reference path's (unpack, dequantize to bfloat16, one matmul)."""
+    from transformers import LlamaConfig
+
+    from jengine.runner.simple import SimpleGenerator
+    from jengine.layers.quant4 import Int4Weight
+    from jengine.models.loader import load_model
+    from tests.models.quant4_packing import quantize_checkpoint
+    from tests.models.test_quant4 import KERNEL_SHAPED, PROMPTS
+
+    model_dir, _ = build_checkpoint(LlamaConfig(**KERNEL_SHAPED))
+    quantize_checkpoint(model_dir, "awq", group=128)
+
+    def logits():
+        spec, params, dtype = load_model(model_dir, dtype="bfloat16", progress=False)
+        out = SimpleGenerator(spec, params, dtype, block_size=4).generate(PROMPTS, 1, return_prompt_logits=True)
+        return out.prompt_logits, params["layers"][0]
+
+    reference, _ = logits()
+    monkeypatch.setattr("jengine.models.quant4_place.int4_impl", lambda platform: "mosaic_interpret")
+    ours, layer = logits()
+    assert all(isinstance(layer[name], Int4Weight) and layer[name].nk for name in
+               ("wqkv", "wo", "w_gate_up", "w_down"))
+    for got, want in zip(ours, reference, strict=True):
+        assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max()
