@@ -1,10 +1,10 @@
 """The Mosaic GPU weight-only kernel (`pallas_kernels/weight_only`) against the paths it would replace, on the GPU.
 
 8 Llama-3.1-8B-shaped layers' projections (qkv 4096→6144, o 4096→4096, gate/up 4096→28672, down 14336→4096) in
-one jit, so the weights stream from HBM (no L2 reuse): int4 with group-128 scales and int8 per-channel, at 1, 16
-and 64 rows. Each candidate is checked against a float32 dequantized reference on every projection before it is
-timed; beside it, in the same process: the bfloat16 XLA dot, the Triton W4A16 kernel (int4) and the Triton
-few-token kernel and XLA's upcast-in-the-dot (int8), and the device-to-device copy rate for the bytes floor.
+one jit, so the weights stream from HBM (no L2 reuse): int4 with group-128 scales, int8 and float8 e4m3 per channel,
+at 1, 16 and 64 rows. Each candidate is checked against a float32 dequantized reference on every projection before it is
+timed; beside it, in the same process: the bfloat16 XLA dot, the Triton W4A16 kernel (int4) and XLA's
+upcast-in-the-dot (int8, float8: the engine's `xla` path), and the device-to-device copy rate for the bytes floor.
 
     PYTHONPATH=. python scripts/probe_weight_only_gpu.py --out $OUT/weight_only.json --git-sha <sha>
 """
@@ -26,9 +26,10 @@ from pallas_kernels.weight_only.kernel import WeightOnlyConfig, weight_only_matm
 
 INT4_DECODE = ((64, 128, 4, 264), (64, 256, 4, 264), (128, 256, 4, 264), (128, 512, 4, 132), (64, 512, 4, 264),
                (128, 256, 8, 264), (64, 256, 8, 528), (128, 512, 2, 264), (128, 256, 4, 132))
-INT4_BATCH = ((64, 256, 4, 264), (128, 256, 4, 264), (128, 512, 4, 132))
+INT4_BATCH = ((64, 256, 4, 264), (128, 256, 4, 264), (128, 256, 3, 264), (128, 512, 2, 132))
 INT8 = ((64, 128, 4, 264), (64, 256, 4, 264), (128, 256, 4, 264), (128, 512, 4, 132))
 SHAPES = ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096))  # (K, N) of qkv, o, gate/up, down
+TINY_SHAPES = ((256, 384), (256, 256), (256, 1024), (512, 256))  # --tiny: the CPU check, in Mosaic's interpreter
 GROUP = 128
 MAX_REL_ERROR = 2e-2
 
@@ -39,13 +40,16 @@ def make_layers(layers: int, dtype, seed: int):
     out = []
     for _ in range(layers):
         projections = []
-        for k, n in SHAPES:
+        for k, n in shapes():
             if dtype == jnp.int4:
                 q = rng.integers(-8, 8, (n, k), dtype=np.int8)
                 scales = rng.uniform(0.5, 1.5, (k // GROUP, n)).astype(np.float32) * 0.02
-            else:
+            elif dtype == jnp.int8:
                 q = rng.integers(-127, 128, (n, k), dtype=np.int8)
                 scales = rng.uniform(0.5, 1.5, (1, n)).astype(np.float32) * 2e-3
+            else:  # float8 e4m3 over its whole range
+                q = rng.uniform(-448, 448, (n, k)).astype(np.float32)
+                scales = rng.uniform(0.5, 1.5, (1, n)).astype(np.float32) * 6e-4
             projections.append((jnp.asarray(q).astype(dtype), jnp.asarray(scales)))
         out.append(projections)
     return out
@@ -123,6 +127,22 @@ def time_side(name, matmul, xs, layers, record, rows, floor_bytes, copy_rate, bf
     return entry.get("seconds")
 
 
+TINY = []  # set by --tiny (no global state beyond this script's run)
+
+
+def shapes():
+    return TINY_SHAPES if TINY else SHAPES
+
+
+def ours(x, w, cfg: WeightOnlyConfig):
+    if TINY:
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+
+        return weight_only_matmul(x, *w, config=dataclasses.replace(cfg, staged=True, min_programs=4),
+                                  interpret=plgpu.InterpretGPUParams())
+    return weight_only_matmul(x, *w, config=cfg)
+
+
 def label(cfg: WeightOnlyConfig) -> str:
     return f"ours n{cfg.tile_n} k{cfg.block_k} c{cfg.max_concurrent_steps} p{cfg.min_programs}"
 
@@ -134,27 +154,32 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--rows", default="1,16,64")
     ap.add_argument("--deadline-s", type=float, default=300)
+    ap.add_argument("--tiny", action="store_true", help="small shapes in Mosaic's interpreter (a CPU check)")
     args = ap.parse_args()
+    if args.tiny:
+        TINY.append(True)
+        args.layers, args.rows = 1, "1"
     start = time.perf_counter()
-    _, copy_rate = common.copy_bandwidth()
+    _, copy_rate = common.copy_bandwidth(1 << 20 if args.tiny else 1 << 30)
     log("copy", copy_rate / 1e12, "TB/s")
     result = dict(device=common.jax_device_name(), git_sha=args.git_sha, copy_bytes_per_s=copy_rate, int4={},
-                  int8={}, bf16={})
+                  int8={}, fp8={}, bf16={})
     rng = np.random.default_rng(1)
-    bf16_layers = [[jnp.asarray(rng.standard_normal((k, n)) * 0.02, jnp.bfloat16) for k, n in SHAPES]
+    bf16_layers = [[jnp.asarray(rng.standard_normal((k, n)) * 0.02, jnp.bfloat16) for k, n in shapes()]
                    for _ in range(args.layers)]
     bf16_bytes = sum(w.nbytes for p in bf16_layers for w in p)
     int4 = make_layers(args.layers, jnp.int4, 2)
     int8 = make_layers(args.layers, jnp.int8, 3)
+    fp8 = make_layers(args.layers, jnp.float8_e4m3fn, 5)
     nbytes = lambda layers, bits: sum(q.size * bits // 8 + s.nbytes for p in layers for q, s in p)
-    int4_bytes, int8_bytes = nbytes(int4, 4), nbytes(int8, 8)
+    int4_bytes, int8_bytes = nbytes(int4, 4), nbytes(int8, 8)  # float8's bytes are int8's
     prepare4, w4a16 = w4a16_peer()
     int4_triton = [[prepare4(*w) for w in p] for p in int4]
     zrng = np.random.default_rng(4)
     int4z = [[(q, s, jnp.asarray(zrng.integers(-8, 8, s.shape), jnp.bfloat16)) for q, s in p] for p in int4]
 
     for rows in [int(r) for r in args.rows.split(",")]:
-        xs = [jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16) for k, _ in SHAPES]
+        xs = [jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16) for k, _ in shapes()]
         bf16_s = None
         try:
             bf16_s = common.timeit(chain(lambda x, w: x @ w), xs, bf16_layers, runs=5)
@@ -168,29 +193,30 @@ def main():
         for cfg in configs:
             if time.perf_counter() - start > args.deadline_s:
                 break
-            seconds = time_side(label(cfg), lambda x, w, cfg=cfg: weight_only_matmul(x, *w, config=cfg), xs, int4,
+            seconds = time_side(label(cfg), lambda x, w, cfg=cfg: ours(x, w, cfg), xs, int4,
                                 result["int4"], rows, int4_bytes, copy_rate, bf16_s, config=cfg)
             if seconds and seconds < best.get("seconds", float("inf")):
                 best = dict(seconds=seconds, config=dataclasses.asdict(cfg))
         result.setdefault("best", {}).setdefault("int4", {})[str(rows)] = best
         cfg = WeightOnlyConfig(**best["config"]) if best else WeightOnlyConfig()
-        time_side(label(cfg) + " zero points", lambda x, w: weight_only_matmul(x, *w, config=cfg), xs, int4z,
+        time_side(label(cfg) + " zero points", lambda x, w: ours(x, w, cfg), xs, int4z,
                   result["int4"], rows, int4_bytes, copy_rate, bf16_s, config=cfg)
         time_side("triton w4a16", w4a16, xs, int4_triton, result["int4"], rows, int4_bytes, copy_rate, bf16_s,
                   ref_layers=int4)
-        best = {}
-        for cfg in [WeightOnlyConfig(tile_n=t, block_k=b, max_concurrent_steps=c, min_programs=p)
-                    for t, b, c, p in INT8]:
-            if time.perf_counter() - start > args.deadline_s:
-                break
-            seconds = time_side(label(cfg), lambda x, w, cfg=cfg: weight_only_matmul(x, *w, config=cfg), xs, int8,
-                                result["int8"], rows, int8_bytes, copy_rate, bf16_s, config=cfg)
-            if seconds and seconds < best.get("seconds", float("inf")):
-                best = dict(seconds=seconds, config=dataclasses.asdict(cfg))
-        result.setdefault("best", {}).setdefault("int8", {})[str(rows)] = best
-        time_side("xla upcast dot", lambda x, w: (jnp.dot(x, w[0].astype(x.dtype).T,
-                                                          preferred_element_type=jnp.float32) * w[1][0]).astype(
-            x.dtype), xs, int8, result["int8"], rows, int8_bytes, copy_rate, bf16_s)
+        for kind, layers in (("int8", int8), ("fp8", fp8)):
+            best = {}
+            for cfg in [WeightOnlyConfig(tile_n=t, block_k=b, max_concurrent_steps=c, min_programs=p)
+                        for t, b, c, p in INT8]:
+                if time.perf_counter() - start > args.deadline_s:
+                    break
+                seconds = time_side(label(cfg), lambda x, w, cfg=cfg: ours(x, w, cfg), xs,
+                                    layers, result[kind], rows, int8_bytes, copy_rate, bf16_s, config=cfg)
+                if seconds and seconds < best.get("seconds", float("inf")):
+                    best = dict(seconds=seconds, config=dataclasses.asdict(cfg))
+            result.setdefault("best", {}).setdefault(kind, {})[str(rows)] = best
+            time_side("xla upcast dot", lambda x, w: (jnp.dot(x, w[0].astype(x.dtype).T,
+                                                              preferred_element_type=jnp.float32) * w[1][0]).astype(
+                x.dtype), xs, layers, result[kind], rows, int8_bytes, copy_rate, bf16_s)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     log("done in", time.perf_counter() - start)

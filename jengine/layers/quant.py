@@ -34,10 +34,10 @@ Implementations, chosen once at load (`QuantScheme.impl`):
   that reads each 8-bit weight tile once and upcasts it in registers, activations unquantized
   (`pallas_kernels/quant_matmul`); everything else as `xla`. One device only for now (a tensor-parallel engine
   keeps `xla`, which GSPMD partitions), so the loader picks `xla`; the benchmark measures both.
-- `mosaic` (`mosaic_interpret` in CPU tests): per-channel int8 weight-only (W8A16) steps of up to `MOSAIC_MAX_ROWS`
-  bfloat16 rows through the Mosaic GPU kernel of `pallas_kernels/weight_only` (Hopper: the weight streamed by TMA,
-  upcast in registers, wgmma with the weight as the 64-row operand); everything else as `xla`. One device, as
-  `pallas`.
+- `mosaic` (`mosaic_interpret` in CPU tests): per-channel weight-only steps (int8 or float8 W8A16, and float8 W8A8
+  at the `WEIGHT_ONLY_MAX_TOKENS` rows that run weight-only) of up to `MOSAIC_MAX_ROWS` bfloat16 rows through the
+  Mosaic GPU kernel of `pallas_kernels/weight_only` (Hopper: the weight streamed by TMA, upcast in registers, wgmma
+  with the weight as the 64-row operand); everything else as `xla`. One device, as `pallas`.
 """
 
 from __future__ import annotations
@@ -195,14 +195,16 @@ def quantized_matmul(x: Float[Array, "tokens k"], q: QuantizedWeight, precision=
 
 
 def _mosaic_takes(x: Float[Array, "tokens k"], q: QuantizedWeight) -> bool:
-    """Whether the Mosaic weight-only kernel serves this step: int8 W8A16 per channel, few bfloat16 rows, tiles that
-    fit (64 output features, 128-input steps)."""
+    """Whether the Mosaic weight-only kernel serves this step: a per-channel weight-only step (int8 or float8 W8A16,
+    or float8 W8A8 at the few rows that run weight-only), few bfloat16 rows, tiles that fit (64 output features,
+    128-input steps)."""
     from pallas_kernels.weight_only.kernel import TILE_N
 
     n, k = q.weight.shape[-2:]
-    return (q.scheme.weight_dtype == "int8" and q.scheme.activations is None and q.scheme.block_k == 0
-            and not q.kn and q.weight.ndim == 3 and x.dtype == jnp.bfloat16 and x.shape[0] <= MOSAIC_MAX_ROWS
-            and n % TILE_N == 0 and k % 128 == 0 and k == x.shape[1])
+    weight_only = q.scheme.activations is None or (
+        q.scheme.weight_dtype == "fp8" and q.scheme.activations == "fp8" and x.shape[0] <= WEIGHT_ONLY_MAX_TOKENS)
+    return (weight_only and q.scheme.block_k == 0 and not q.kn and q.weight.ndim == 3 and x.dtype == jnp.bfloat16
+            and x.shape[0] <= MOSAIC_MAX_ROWS and n % TILE_N == 0 and k % 128 == 0 and k == x.shape[1])
 
 
 def _mosaic_matmul(x: Float[Array, "tokens k"], q: QuantizedWeight) -> Float[Array, "tokens n"]:

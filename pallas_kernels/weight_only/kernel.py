@@ -1,13 +1,14 @@
-"""Few-row matmul with integer weights on Hopper's tensor cores (Pallas, Mosaic GPU backend): `x @ ((q − z) · s)ᵀ`.
+"""Few-row matmul with 4- and 8-bit weights on Hopper's tensor cores (Pallas, Mosaic GPU): `x @ ((q − z) · s)ᵀ`.
 
-`q [n, k]` holds signed 4- or 8-bit integers (output feature n's input weights contiguous, as checkpoints store
-them), `s [g, n]` one scale per group of `k / g` inputs and output feature, `z [g, n]` optional zero points (whole
-numbers, in q's signed units: an AWQ zero point z' of unsigned nibbles is z' − 8), subtracted from the upcast
-weights in registers (exact in bfloat16: |q − z| ≤ 15 for int4). Decode multiplies few rows by a large
-weight, so the weight's bytes set the time: the kernel streams each weight tile once through TMA into shared
-memory, upcasts it in registers (Mosaic's int4 → bf16 path: a few bit operations per pair of weights), and runs
-`wgmma` with the *weight* as the 64-row left operand and the activation rows as the 8-to-256-column right one, so
-the tensor cores' minimum tile is spent on output features, not on padding tokens.
+`q [n, k]` holds signed 4- or 8-bit integers or float8 e4m3 values (output feature n's inputs contiguous, as
+checkpoints store them), `s [g, n]` one scale per group of `k / g` inputs and output feature, `z [g, n]` optional
+zero points (whole numbers, in q's signed units: an AWQ zero point z' of unsigned nibbles is z' − 8), subtracted
+from the upcast weights in registers (exact in bfloat16: |q − z| ≤ 15 for int4). Decode multiplies few rows by a
+large weight, so the weight's bytes set the time: the kernel streams each weight tile once through TMA into shared
+memory, upcasts it in registers (Mosaic picks the layouts: its int4 → bf16 path is a few bit operations per pair
+of weights; float8 goes to float16, see `F16_ROW_MAX`), and runs `wgmma` with the *weight* as the 64-row left
+operand and the activation rows as the 8-to-256-column right one, so the tensor cores' minimum tile is spent on
+output features, not on padding tokens.
 
 A program owns `tile_n` (64 or 128) output features and one of `splits` consecutive ranges of input steps. Each
 pipeline step TMA-loads `block_k` inputs of the weight and the activations, and the group scales (and zero points)
@@ -31,7 +32,10 @@ from jaxtyping import Array, Float, Integer
 
 TILE_N = 64  # output features a program owns: one warpgroup's wgmma rows
 MAX_ROWS = 256  # wgmma's widest right operand
-WEIGHT_DTYPES = (jnp.dtype(jnp.int4), jnp.dtype(jnp.int8))
+WEIGHT_DTYPES = (jnp.dtype(jnp.int4), jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+# float8 e4m3 upcasts natively to float16 only (not to bfloat16: JAX-PALLAS.md), so its products run in float16,
+# the activations scaled per row into float16's range first (their largest magnitude to this) and back after
+F16_ROW_MAX = 2.0 ** 14
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +102,7 @@ def fit(config: WeightOnlyConfig, k: int, n: int, group: int) -> WeightOnlyConfi
 
 def check(m: int, k: int, n: int, groups: int, dtype, config: WeightOnlyConfig) -> None:
     if jnp.dtype(dtype) not in WEIGHT_DTYPES:
-        raise ValueError(f"the weight-only kernel takes int4 or int8 weights, not {dtype}")
+        raise ValueError(f"the weight-only kernel takes int4, int8 or float8_e4m3fn weights, not {dtype}")
     group, block_k = (k // groups if groups and k % groups == 0 else 0), config.block_k
     if (config.tile_n not in (TILE_N, 2 * TILE_N) or n % config.tile_n or not group or group % 64
             or (group % block_k and block_k % group) or k % block_k or block_k % 64 or m > MAX_ROWS):
@@ -121,10 +125,16 @@ def weight_only_matmul(
     config = config or default_config(m)
     check(m, k, n, groups, q.dtype, config)
     rows = padded_rows(m)
-    geo = _Geometry(rows, config.tile_n, config.block_k, k // groups, config.staged)
+    geo = _Geometry(rows, config.tile_n, config.block_k, k // groups, config.staged, compute_dtype(q.dtype))
     steps = k // config.block_k
     split = splits_for(steps, n // config.tile_n, config.min_programs, max(1, geo.group // config.block_k))
-    xp = jnp.pad(x.astype(jnp.bfloat16), ((0, rows - m), (0, 0)))
+    compute = compute_dtype(q.dtype)
+    if compute == jnp.float16:
+        row_scale = jnp.maximum(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1), 1e-30) / F16_ROW_MAX
+        xs = (x.astype(jnp.float32) / row_scale[:, None]).astype(compute)
+    else:
+        row_scale, xs = None, x.astype(compute)
+    xp = jnp.pad(xs, ((0, rows - m), (0, 0)))
     kernel = plgpu.kernel(
         functools.partial(_program, geo=geo, steps=steps // split, zero_points=zeros is not None,
                           max_concurrent_steps=config.max_concurrent_steps),
@@ -135,8 +145,13 @@ def weight_only_matmul(
         interpret=interpret,
     )
     operands = (q, xp, scales) + (() if zeros is None else (zeros,))  # upcast in registers: no copy a call
-    parts = kernel(*operands)
-    return jnp.sum(parts, axis=0)[:, :m].T.astype(x.dtype)
+    out = jnp.sum(kernel(*operands), axis=0)[:, :m].T
+    return (out if row_scale is None else out * row_scale[:, None]).astype(x.dtype)
+
+
+def compute_dtype(weight_dtype):
+    """The dtype the weight is upcast to and the products run in."""
+    return jnp.float16 if jnp.dtype(weight_dtype) == jnp.float8_e4m3fn else jnp.bfloat16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +161,7 @@ class _Geometry:
     block_k: int
     group: int
     staged: bool
+    compute: jnp.dtype
 
     @property
     def chunk(self) -> int:
@@ -164,7 +180,7 @@ class _Geometry:
 def _scratch(geo: _Geometry) -> list:
     out = [plgpu.SMEM((geo.tile_n, geo.rows), jnp.float32)]
     if geo.staged:
-        out.append(plgpu.SMEM((TILE_N, geo.chunk), jnp.bfloat16, transforms=_swizzled(jnp.bfloat16, geo.chunk,
+        out.append(plgpu.SMEM((TILE_N, geo.chunk), geo.compute, transforms=_swizzled(geo.compute, geo.chunk,
                                                                                          geo.chunk)))
     return out
 
@@ -188,7 +204,7 @@ def _program(q_ref, x_ref, s_ref, *refs, geo: _Geometry, steps: int, zero_points
             for c in range(geo.block_k // geo.chunk):
                 g = c if geo.groups_per_step > 1 else 0
                 cols = pl.ds(c * geo.chunk, geo.chunk)
-                w = _upcast(q_smem.at[pl.ds(sub * TILE_N, TILE_N), cols])
+                w = q_smem.at[pl.ds(sub * TILE_N, TILE_N), cols][...].astype(geo.compute)
                 if z_smem is not None:
                     zero = row(z_smem, g, sub).astype(jnp.float32).astype(w.dtype)  # whole numbers: exact
                     w = w - lax.broadcast_in_dim(zero, w.shape, [0])
@@ -207,7 +223,7 @@ def _program(q_ref, x_ref, s_ref, *refs, geo: _Geometry, steps: int, zero_points
             plgpu.BlockSpec((geo.tile_n, geo.block_k), lambda i: (0, first + i),
                             transforms=_swizzled(q_ref.dtype, geo.block_k, geo.chunk)),
             plgpu.BlockSpec((geo.rows, geo.block_k), lambda i: (0, first + i),
-                            transforms=_swizzled(jnp.bfloat16, geo.block_k, geo.chunk)),
+                            transforms=_swizzled(geo.compute, geo.block_k, geo.chunk)),
             groups,
         ] + ([groups] if z_ref is not None else []),
         max_concurrent_steps=min(max_concurrent_steps, steps),
@@ -233,9 +249,3 @@ def _product(acc_ref, *, w, x_tile, staged):
     else:
         plgpu.wgmma(acc_ref, w, x_tile.T)
     return acc_ref[...]
-
-
-def _upcast(q_smem):
-    """The weight tile as bfloat16 for wgmma's left operand (the layouts are Mosaic's to infer: it picks the load
-    its integer-to-bf16 conversion and the operand's layout agree on)."""
-    return q_smem[...].astype(jnp.bfloat16)

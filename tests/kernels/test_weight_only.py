@@ -16,7 +16,7 @@ from pallas_kernels.weight_only.kernel import WeightOnlyConfig, weight_only_matm
 from tests.kernels.test_lowering import S, lower_for_h200
 
 INTERPRET = plgpu.InterpretGPUParams()
-RANGES = {"int4": (-8, 8), "int8": (-128, 128)}
+RANGES = {"int4": (-8, 8), "int8": (-128, 128), "float8_e4m3fn": (-448, 449)}
 
 
 def _reference(x, q, scales, zeros=None) -> np.ndarray:
@@ -34,6 +34,8 @@ def _case(rng, m, k, n, groups, dtype):
     x = rng.standard_normal((m, k)).astype(np.float32)
     x = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))  # exactly what the kernel reads
     q = rng.integers(lo, hi, (n, k))
+    if dtype == "float8_e4m3fn":  # the float8 values those numbers round to, spread over the type's whole range
+        q = np.asarray(jnp.asarray(q * rng.uniform(0.0, 1.0, q.shape), jnp.float8_e4m3fn).astype(jnp.float32))
     scales = rng.uniform(0.5, 2.0, (groups, n)).astype(np.float32) / (hi * np.sqrt(k))
     return x, q, scales
 
@@ -50,6 +52,7 @@ def _run(x, q, scales, dtype, config, zeros=None):
     ("int4", 2, 1024, 256, 8, 128, 256, 4),  # two groups a step, two row tiles a program, K split in 2
     ("int8", 5, 512, 64, 1, 64, 128, 4),  # per-channel: one group, K split in 4
     ("int8", 40, 256, 128, 1, 128, 256, 0),  # wide step, rows past one 8-column tile
+    ("float8_e4m3fn", 3, 512, 128, 1, 64, 256, 2),  # float8 per channel: products in float16, rows rescaled
 ])
 def test_matches_float64_reference(dtype, m, k, n, groups, tile_n, block_k, min_programs):
     rng = np.random.default_rng()
@@ -99,6 +102,7 @@ def test_rejects_shapes_it_cannot_tile(m, k, n, groups):
     (jnp.int4, 1, 32, False, WeightOnlyConfig()),
     (jnp.int4, 64, 32, True, WeightOnlyConfig(tile_n=128, block_k=512)),
     (jnp.int8, 16, 1, False, WeightOnlyConfig(block_k=256)),
+    (jnp.float8_e4m3fn, 1, 1, False, WeightOnlyConfig()),
 ])
 def test_register_operand_form_lowers_for_h200(dtype, m, groups, zeros, cfg):
     fn = functools.partial(weight_only_matmul, config=cfg)
@@ -170,23 +174,28 @@ def test_a_split_int4_weight_converts_on_its_devices(split):
                                atol=2 ** -7 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("rows", [1, 12, 70])
-def test_an_int8_weight_only_projection_takes_the_mosaic_kernel(rows):
-    """Per-channel int8 W8A16 (`QuantScheme` impl `mosaic_interpret`) matches the reference implementation's float32
-    product within bfloat16 rounding: decode rows through the kernel, 70 rows through XLA's path."""
+@pytest.mark.parametrize("kind,acts,rows", [("int8", None, 1), ("int8", None, 12), ("int8", None, 70),
+                                            ("fp8", None, 5), ("fp8", "fp8", 3)])
+def test_an_8bit_weight_only_projection_takes_the_mosaic_kernel(kind, acts, rows):
+    """Per-channel int8 or float8 weight-only steps (`QuantScheme` impl `mosaic_interpret`; float8 W8A8 at decode
+    rows runs weight-only, as on XLA's path) match the reference implementation's float32 product within bfloat16
+    rounding: decode rows through the kernel, 70 rows through XLA's path."""
     from jengine.layers.quant import QuantizedWeight, QuantScheme, quantized_matmul
 
     rng = np.random.default_rng()
     k, n = 384, 192
-    weight = rng.integers(-127, 128, (k, n)).astype(np.int8)
+    if kind == "int8":
+        weight = jnp.asarray(rng.integers(-127, 128, (k, n)), jnp.int8)
+    else:
+        weight = jnp.asarray(rng.uniform(-448, 448, (k, n)), jnp.float8_e4m3fn)
     scale = rng.uniform(0.5, 2.0, (1, n)).astype(np.float32) / (127 * np.sqrt(k))
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
 
     def product(impl):
-        q = QuantizedWeight.from_kn(jnp.asarray(weight), jnp.asarray(scale), None, QuantScheme("int8", None, impl=impl))
+        q = QuantizedWeight.from_kn(weight, jnp.asarray(scale), None, QuantScheme(kind, acts, impl=impl))
         return np.asarray(quantized_matmul(x, q), np.float64)
 
-    ref = np.asarray(x, np.float64) @ (weight.astype(np.float64) * scale)
+    ref = np.asarray(x, np.float64) @ (np.asarray(weight.astype(jnp.float32), np.float64) * scale)
     np.testing.assert_allclose(product("mosaic_interpret"), ref, rtol=2 ** -7, atol=2e-3 * np.abs(ref).max())
     np.testing.assert_allclose(product("reference"), ref, rtol=2 ** -7, atol=2e-3 * np.abs(ref).max())
 
@@ -218,3 +227,21 @@ def test_a_checkpoint_loads_into_the_mosaic_layout_and_serves_its_logits(build_c
                ("wqkv", "wo", "w_gate_up", "w_down"))
     for got, want in zip(ours, reference, strict=True):
         assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("kind,acts,rows,kernel", [("int8", None, 1, True), ("fp8", "fp8", 16, True),
+                                                  ("fp8", "fp8", 17, False), ("int8", None, 65, False),
+                                                  ("int8", "int8", 1, False)])
+def test_the_mosaic_implementation_lowers_decode_rows_to_the_kernel_for_h200(kind, acts, rows, kernel):
+    """Which steps of a `mosaic` 8-bit weight reach the kernel on an H200: weight-only decode rows (float8 W8A8 up to
+    the rows that run weight-only); more rows, or int8 activations, stay on XLA's path."""
+    from jengine.layers.quant import QuantizedWeight, QuantScheme, quantized_matmul
+
+    dtype = jnp.int8 if kind == "int8" else jnp.float8_e4m3fn
+
+    def project(x, weight, scale):
+        return quantized_matmul(x, QuantizedWeight(weight, scale, None, QuantScheme(kind, acts, impl="mosaic"), 4096))
+
+    text = lower_for_h200(project, S((rows, 4096), jnp.bfloat16), S((1, 6144, 4096), dtype),
+                          S((1, 6144), jnp.float32))
+    assert ("mosaic_gpu" in text) == kernel
