@@ -128,12 +128,11 @@ def weight_only_matmul(
     geo = _Geometry(rows, config.tile_n, config.block_k, k // groups, config.staged, compute_dtype(q.dtype))
     steps = k // config.block_k
     split = splits_for(steps, n // config.tile_n, config.min_programs, max(1, geo.group // config.block_k))
-    compute = compute_dtype(q.dtype)
-    if compute == jnp.float16:
+    if geo.compute == jnp.float16:
         row_scale = jnp.maximum(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1), 1e-30) / F16_ROW_MAX
-        xs = (x.astype(jnp.float32) / row_scale[:, None]).astype(compute)
+        xs = (x.astype(jnp.float32) / row_scale[:, None]).astype(geo.compute)
     else:
-        row_scale, xs = None, x.astype(compute)
+        row_scale, xs = None, x.astype(geo.compute)
     xp = jnp.pad(xs, ((0, rows - m), (0, 0)))
     kernel = plgpu.kernel(
         functools.partial(_program, geo=geo, steps=steps // split, zero_points=zeros is not None,
