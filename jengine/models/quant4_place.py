@@ -264,7 +264,13 @@ def place_int4(host: HostInt4, path: str, sharding_for, impl: str) -> Int4Weight
                         _put(host.scales, sharding_for(path + ".scales", host.scales.shape)),
                         _put(host.perm, NamedSharding(mesh, P()) if mesh else packed_sharding), host.group,
                         words_impl(impl), mesh=mesh if split else None, split=split)
-    return in_kernel_layout(weight, impl)
+    return in_kernel_layout(weight, impl, exact_zeros=exact_in_bfloat16(host.zeros))
+
+
+def exact_in_bfloat16(zeros: np.ndarray) -> bool:
+    """Whether every nibble minus these zero points (0 … 15) is exact in bfloat16: multiples of 1/8 are."""
+    eighths = np.asarray(zeros, np.float64) * 8
+    return bool(np.all(eighths == np.round(eighths)))
 
 
 def words_impl(impl: str) -> str:
@@ -272,12 +278,13 @@ def words_impl(impl: str) -> str:
     return {"mosaic": "pallas", "mosaic_interpret": "pallas_interpret"}.get(impl, impl)
 
 
-def in_kernel_layout(weight: Int4Weight, impl: str) -> Int4Weight:
+def in_kernel_layout(weight: Int4Weight, impl: str, exact_zeros: bool = True) -> Int4Weight:
     """`weight` (words layout) in the layout of `impl`'s kernel: the Mosaic one where its tiles fit each device's
-    share, else it stays with the Triton kernels."""
+    share and its zero points are multiples of 1/8 (`exact_in_bfloat16`: the kernel subtracts them from bfloat16
+    weights; GGUF Q4_K's arbitrary ones stay with the Triton kernels, as does everything else that does not fit)."""
     k, n = weight.shape
     shards = weight.mesh.size if weight.mesh is not None else 1
-    if impl.startswith("mosaic") and fits_mosaic(k, n, weight.group, shards, weight.split):
+    if impl.startswith("mosaic") and exact_zeros and fits_mosaic(k, n, weight.group, shards, weight.split):
         return to_mosaic(weight, interpret=impl == "mosaic_interpret")
     return weight
 

@@ -2,12 +2,12 @@
 
 `q [n, k]` holds signed 4- or 8-bit integers or float8 e4m3 values (output feature n's inputs contiguous, as
 checkpoints store them), `s [g, n]` one scale per group of `k / g` inputs and output feature, `z [g, n]` optional
-zero points (whole numbers, in q's signed units: an AWQ zero point z' of unsigned nibbles is z' − 8), subtracted
-from the upcast weights in registers (exact in bfloat16: |q − z| ≤ 15 for int4). Decode multiplies few rows by a
-large weight, so the weight's bytes set the time: the kernel streams each weight tile once through TMA into shared
-memory, upcasts it in registers (Mosaic picks the layouts: its int4 → bf16 path is a few bit operations per pair
-of weights; float8 goes to float16, see `F16_ROW_MAX`), and runs `wgmma` with the *weight* as the 64-row left
-operand and the activation rows as the 8-to-256-column right one, so the tensor cores' minimum tile is spent on
+zero points (in q's signed units: an AWQ zero point z' of unsigned nibbles is z' − 8), subtracted from the upcast
+weights in registers (exact in bfloat16 for whole numbers and eighths: |q − z| < 16 for int4). Decode multiplies few
+rows by a large weight, so the weight's bytes set the time: the kernel streams each weight tile once through TMA
+into shared memory, upcasts it in registers (Mosaic picks the layouts: its int4 → bf16 path is a few bit operations
+per pair of weights; float8 goes to float16, see `F16_ROW_MAX`), and runs `wgmma` with the *weight* as the 64-row
+left operand and the activation rows as the 8-to-256-column right one, so the tensor cores' minimum tile is spent on
 output features, not on padding tokens.
 
 A program owns `tile_n` (64 or 128) output features and one of `splits` consecutive ranges of input steps. Each
@@ -205,7 +205,7 @@ def _program(q_ref, x_ref, s_ref, *refs, geo: _Geometry, steps: int, zero_points
                 cols = pl.ds(c * geo.chunk, geo.chunk)
                 w = q_smem.at[pl.ds(sub * TILE_N, TILE_N), cols][...].astype(geo.compute)
                 if z_smem is not None:
-                    zero = row(z_smem, g, sub).astype(jnp.float32).astype(w.dtype)  # whole numbers: exact
+                    zero = row(z_smem, g, sub).astype(jnp.float32).astype(w.dtype)  # eighths: exact
                     w = w - lax.broadcast_in_dim(zero, w.shape, [0])
                 part = pl.run_scoped(functools.partial(_product, w=w, x_tile=x_smem.at[:, cols], staged=staged),
                                      plgpu.ACC((TILE_N, geo.rows), jnp.float32))

@@ -245,3 +245,15 @@ def test_the_mosaic_implementation_lowers_decode_rows_to_the_kernel_for_h200(kin
     text = lower_for_h200(project, S((rows, 4096), jnp.bfloat16), S((1, 6144, 4096), dtype),
                           S((1, 6144), jnp.float32))
     assert ("mosaic_gpu" in text) == kernel
+
+
+def test_zero_points_the_kernel_cannot_subtract_exactly_keep_the_triton_layout():
+    """GGUF Q4_K's zero points are arbitrary reals: subtracted in bfloat16 they would round, so such a weight stays
+    in the words layout; eighths (a dummy model's 7.5) are exact and convert."""
+    from jengine.models.quant4_place import exact_in_bfloat16, in_kernel_layout
+
+    assert exact_in_bfloat16(np.array([[0.0, 7.5, 15.0, 3.125]]))
+    assert not exact_in_bfloat16(np.array([[7.3]]))
+    words = _int4_weight(np.random.default_rng(), 256, 128)
+    assert in_kernel_layout(words, "mosaic_interpret", exact_zeros=False).impl == "pallas_interpret"
+    assert in_kernel_layout(words, "mosaic_interpret").nk
