@@ -52,6 +52,7 @@ VARIANTS: dict[str, tuple | None] = {
     "int8_w8a16_pallas": ("int8", None, 0, 1, 0, "pallas"),
     # decode through the Mosaic GPU weight-only kernel (pallas_kernels/weight_only), prefill as above
     "int8_w8a16_mosaic": ("int8", None, 0, 1, 0, "mosaic"),
+    "fp8_channel_mosaic": ("fp8", "fp8", 0, 1, 0, "mosaic"),
 }
 # Max rel. error vs the `emulated` math (the same 8-bit rounding of the activations, float32 accumulation). One
 # projection on the same inputs differs by the accumulation alone: the tight check that catches a wrong scale or
@@ -303,6 +304,9 @@ def ratios(metrics: dict, floor_s: float | None) -> dict[str, float]:
         r["fp8_pallas_decode_b1_vs_floor"] = m["fp8_channel_pallas_decode_b1_s"] / floor_s
     ratio("int8_w8a16_pallas_decode_b1_vs_bf16", "bf16_decode_b1_s", "int8_w8a16_pallas_decode_b1_s")
     ratio("int8_w8a16_mosaic_decode_b1_vs_bf16", "bf16_decode_b1_s", "int8_w8a16_mosaic_decode_b1_s")
+    ratio("fp8_mosaic_decode_b1_vs_bf16", "bf16_decode_b1_s", "fp8_channel_mosaic_decode_b1_s")
+    if "fp8_channel_mosaic_decode_b1_s" in m and floor_s:
+        r["fp8_mosaic_decode_b1_vs_floor"] = m["fp8_channel_mosaic_decode_b1_s"] / floor_s
     ratio("fp8_w8a16_decode_b1_vs_bf16", "bf16_decode_b1_s", "fp8_w8a16_decode_b1_s")
     return r
 
