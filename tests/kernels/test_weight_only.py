@@ -1,6 +1,7 @@
 """The Mosaic GPU weight-only kernel (`pallas_kernels/weight_only`) in Mosaic GPU's interpreter against a float64
-numpy reference, on fresh random weights, scales and activations each run; and its register-operand form lowered
-for an H200 (what the GPU runs; the interpreter runs the shared-memory form)."""
+numpy reference, on fresh random weights, scales and activations each run; its register-operand form lowered for an
+H200 (what the GPU runs; the interpreter runs the shared-memory form); and the engine's use of it: `Int4Weight`'s
+`mosaic` layout (conversion, TP splits, a loaded checkpoint's logits) and the 8-bit `mosaic` implementation."""
 
 from __future__ import annotations
 
