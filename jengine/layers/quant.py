@@ -309,15 +309,16 @@ def column_scales(q: QuantizedWeight) -> Float[Array, "... n"] | None:
 def workspace_bytes(params, dtype, platform: str = "cpu") -> int:
     """Device memory a step needs beyond the weights for quantized ones: the largest copy the matmuls make of one
     weight (an 8-bit expert stack dequantized for the grouped matmul, two alive at once; a block-scaled weight
-    rescaled to per-channel, or a weight-only one dequantized, at prefill; a 4-bit one on the reference path; a
-    4-bit expert stack off the GPU, where `ragged_dot` takes it dequantized). The KV planner reserves it."""
+    rescaled to per-channel, or a weight-only one dequantized, at prefill; a 4-bit one at prefill, where every
+    implementation multiplies a dequantized copy; a 4-bit expert stack off the GPU, where `ragged_dot` takes it
+    dequantized). The KV planner reserves it."""
     from jengine.layers.quant4 import Int4Experts, Int4Weight
 
     sizes = [0]
     quantized = (QuantizedWeight, Int4Weight, Int4Experts)
     for leaf in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, quantized)):
-        if isinstance(leaf, Int4Weight):  # the reference path dequantizes it in the step; the kernel makes no copy
-            sizes.append(int(np.prod(leaf.shape)) * jnp.dtype(dtype).itemsize if leaf.impl == "reference" else 0)
+        if isinstance(leaf, Int4Weight):  # every path dequantizes a copy at prefill-sized steps (then cuBLAS)
+            sizes.append(int(np.prod(leaf.shape)) * jnp.dtype(dtype).itemsize)
         elif isinstance(leaf, Int4Experts):  # the grouped-matmul kernels read the words; ragged_dot a float copy
             sizes.append(2 * int(np.prod(leaf.shape)) * jnp.dtype(dtype).itemsize if platform != "gpu" else 0)
         elif isinstance(leaf, QuantizedWeight):

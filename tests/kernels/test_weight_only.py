@@ -258,3 +258,17 @@ def test_zero_points_the_kernel_cannot_subtract_exactly_keep_the_triton_layout()
     words = _int4_weight(np.random.default_rng(), 256, 128)
     assert in_kernel_layout(words, "mosaic_interpret", exact_zeros=False).impl == "pallas_interpret"
     assert in_kernel_layout(words, "mosaic_interpret").nk
+
+
+@pytest.mark.parametrize("layout", ["pallas_interpret", "mosaic_interpret"])
+def test_the_kv_planner_reserves_a_4bit_weights_prefill_copy(layout):
+    """Prefill-sized steps multiply a dequantized copy of a 4-bit weight on every path (words or Mosaic layout):
+    the step's workspace holds the largest one, in the model dtype."""
+    from jengine.layers.quant import workspace_bytes
+    from jengine.layers.quant4 import to_mosaic
+
+    rng = np.random.default_rng()
+    small, large = _int4_weight(rng, 256, 128), _int4_weight(rng, 512, 192)
+    if layout == "mosaic_interpret":
+        small, large = to_mosaic(small, interpret=True), to_mosaic(large, interpret=True)
+    assert workspace_bytes({"a": small, "b": large}, jnp.bfloat16, "gpu") == 512 * 192 * 2
