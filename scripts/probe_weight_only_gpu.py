@@ -35,13 +35,13 @@ GROUP = 128
 MAX_REL_ERROR = 2e-2
 
 
-def make_layers(layers: int, dtype, seed: int):
+def make_layers(layers: int, dtype, seed: int, shapes: tuple):
     """Per layer and projection: (q [N, K] signed ints, scales [G, N] float32)."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(layers):
         projections = []
-        for k, n in shapes():
+        for k, n in shapes:
             if dtype == jnp.int4:
                 q = rng.integers(-8, 8, (n, k), dtype=np.int8)
                 scales = rng.uniform(0.5, 1.5, (k // GROUP, n)).astype(np.float32) * 0.02
@@ -128,20 +128,15 @@ def time_side(name, matmul, xs, layers, record, rows, floor_bytes, copy_rate, bf
     return entry.get("seconds")
 
 
-TINY = []  # set by --tiny (no global state beyond this script's run)
+def kernel_runner(interpret: bool):
+    """The kernel at exactly a candidate's configuration; `interpret`: in Mosaic GPU's interpreter (its
+    shared-memory form, a few programs)."""
+    if not interpret:
+        return lambda x, w, cfg: weight_only_matmul(x, *w, config=cfg)
+    from jax.experimental.pallas import mosaic_gpu as plgpu
 
-
-def shapes():
-    return TINY_SHAPES if TINY else SHAPES
-
-
-def ours(x, w, cfg: WeightOnlyConfig):
-    if TINY:
-        from jax.experimental.pallas import mosaic_gpu as plgpu
-
-        return weight_only_matmul(x, *w, config=dataclasses.replace(cfg, staged=True, min_programs=4),
-                                  interpret=plgpu.InterpretGPUParams())
-    return weight_only_matmul(x, *w, config=cfg)
+    return lambda x, w, cfg: weight_only_matmul(x, *w, config=dataclasses.replace(cfg, staged=True, min_programs=4),
+                                                interpret=plgpu.InterpretGPUParams())
 
 
 def label(cfg: WeightOnlyConfig) -> str:
@@ -158,20 +153,21 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="small shapes in Mosaic's interpreter (a CPU check)")
     args = ap.parse_args()
     if args.tiny:
-        TINY.append(True)
         args.layers, args.rows = 1, "1"
+    shapes = TINY_SHAPES if args.tiny else SHAPES
+    ours = kernel_runner(args.tiny)
     start = time.perf_counter()
     _, copy_rate = common.copy_bandwidth(1 << 20 if args.tiny else 1 << 30)
     log("copy", copy_rate / 1e12, "TB/s")
     result = dict(device=common.jax_device_name(), git_sha=args.git_sha, copy_bytes_per_s=copy_rate, int4={},
                   int8={}, fp8={}, bf16={})
     rng = np.random.default_rng(1)
-    bf16_layers = [[jnp.asarray(rng.standard_normal((k, n)) * 0.02, jnp.bfloat16) for k, n in shapes()]
+    bf16_layers = [[jnp.asarray(rng.standard_normal((k, n)) * 0.02, jnp.bfloat16) for k, n in shapes]
                    for _ in range(args.layers)]
     bf16_bytes = sum(w.nbytes for p in bf16_layers for w in p)
-    int4 = make_layers(args.layers, jnp.int4, 2)
-    int8 = make_layers(args.layers, jnp.int8, 3)
-    fp8 = make_layers(args.layers, jnp.float8_e4m3fn, 5)
+    int4 = make_layers(args.layers, jnp.int4, 2, shapes)
+    int8 = make_layers(args.layers, jnp.int8, 3, shapes)
+    fp8 = make_layers(args.layers, jnp.float8_e4m3fn, 5, shapes)
     nbytes = lambda layers, bits: sum(q.size * bits // 8 + s.nbytes for p in layers for q, s in p)
     int4_bytes, int8_bytes = nbytes(int4, 4), nbytes(int8, 8)  # float8's bytes are int8's
     prepare4, w4a16 = w4a16_peer()
@@ -180,7 +176,7 @@ def main():
     int4z = [[(q, s, jnp.asarray(zrng.integers(-8, 8, s.shape), jnp.bfloat16)) for q, s in p] for p in int4]
 
     for rows in [int(r) for r in args.rows.split(",")]:
-        xs = [jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16) for k, _ in shapes()]
+        xs = [jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16) for k, _ in shapes]
         bf16_s = None
         try:
             bf16_s = common.timeit(chain(lambda x, w: x @ w), xs, bf16_layers, runs=5)

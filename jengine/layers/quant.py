@@ -208,17 +208,9 @@ def _mosaic_takes(x: Float[Array, "tokens k"], q: QuantizedWeight) -> bool:
 
 
 def _mosaic_matmul(x: Float[Array, "tokens k"], q: QuantizedWeight) -> Float[Array, "tokens n"]:
-    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from pallas_kernels.weight_only.kernel import fitted_matmul  # Pallas imported only where used
 
-    from pallas_kernels.weight_only.kernel import default_config, fit, weight_only_matmul
-
-    n, k = q.weight.shape[-2:]
-    scales = q.scale.reshape(1, n) if q.scale.size == n else column_scales(q)[None, :]
-    config = fit(default_config(x.shape[0]), k, n, k)
-    if q.scheme.impl == "mosaic_interpret":
-        return weight_only_matmul(x, q.weight[0], scales, config=dataclasses.replace(config, staged=True,
-                                  min_programs=0), interpret=plgpu.InterpretGPUParams())
-    return weight_only_matmul(x, q.weight[0], scales, config=config)
+    return fitted_matmul(x, q.weight[0], column_scales(q)[None, :], interpret=q.scheme.impl == "mosaic_interpret")
 
 
 def _weight_only_at_few_tokens(x: Float[Array, "tokens k"], q: QuantizedWeight) -> bool:

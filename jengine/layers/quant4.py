@@ -152,10 +152,12 @@ def _packed_spec(axis, split, *, nk: bool) -> P:
 
 
 def kernel_config(w: Int4Weight, rows: int):
-    """The first of the weight's `configs` covering `rows`, else the kernels' default for `rows`."""
+    """The first of the weight's `configs` covering `rows`, else its kernel's default for `rows` (the Mosaic
+    kernel's: None, which it reads as its own default)."""
     from pallas_kernels.w4a16 import default_config
 
-    return next((cfg for limit, cfg in w.configs or () if rows <= limit), None) or default_config(rows)
+    chosen = next((cfg for limit, cfg in w.configs or () if rows <= limit), None)
+    return chosen or (None if w.nk else default_config(rows))
 
 
 def int4_matmul(x: Float[Array, "tokens k"], w: Int4Weight) -> Float[Array, "tokens n"]:
@@ -181,8 +183,8 @@ def _local_matmul(x, packed, zeros, scales, *, w: Int4Weight):
     from pallas_kernels.w4a16 import w4a16_matmul, w4a16_matmul_reference  # Pallas imported only where used
 
     if w.nk:
-        config = next((cfg for limit, cfg in w.configs or () if x.shape[0] <= limit), None)
-        return _mosaic_matmul(x, packed, zeros, scales, interpret=w.impl == "mosaic_interpret", config=config)
+        return _mosaic_matmul(x, packed, zeros, scales, interpret=w.impl == "mosaic_interpret",
+                              config=kernel_config(w, x.shape[0]))
     if w.impl == "reference":
         return w4a16_matmul_reference(x, packed, zeros, scales, group=w.group)
     return w4a16_matmul(x, packed, zeros, scales, group=w.group, config=kernel_config(w, x.shape[0]),
@@ -195,16 +197,9 @@ def _mosaic_matmul(x, q, zeros, scales, *, interpret: bool, config=None):
     if x.shape[0] > MOSAIC_MAX_ROWS or x.dtype != jnp.bfloat16:
         w = _dequantized_nk(q, zeros, scales, x.dtype)
         return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32).astype(x.dtype)
-    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from pallas_kernels.weight_only.kernel import fitted_matmul  # Pallas imported only where used
 
-    from pallas_kernels.weight_only.kernel import default_config, fit, weight_only_matmul
-
-    n, k = q.shape
-    config = fit(config or default_config(x.shape[0]), k, n, k // scales.shape[0])
-    if interpret:
-        return weight_only_matmul(x, q, scales, zeros, config=dataclasses.replace(config, staged=True, min_programs=0),
-                                  interpret=plgpu.InterpretGPUParams())
-    return weight_only_matmul(x, q, scales, zeros, config=config)
+    return fitted_matmul(x, q, scales, zeros, config=config, interpret=interpret)
 
 
 def _dequantized_nk(q: Array, zeros: Float[Array, "g n"], scales: Float[Array, "g n"], dtype) -> Float[Array, "n k"]:

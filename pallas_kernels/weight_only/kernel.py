@@ -100,6 +100,21 @@ def fit(config: WeightOnlyConfig, k: int, n: int, group: int) -> WeightOnlyConfi
     return dataclasses.replace(config, tile_n=tile_n, block_k=block_k)
 
 
+def fitted_matmul(x: Float[Array, "m k"], q: Integer[Array, "n k"], scales: Float[Array, "g n"],
+                  zeros: Float[Array, "g n"] | None = None, *, config: WeightOnlyConfig | None = None,
+                  interpret: bool = False) -> Float[Array, "m n"]:
+    """`weight_only_matmul` as a layer calls it: `config` (None: `default_config(rows)`) narrowed to the weight's
+    shape (`fit`); `interpret`: in Mosaic GPU's interpreter, in the shared-memory form it runs (CPU tests)."""
+    n, k = q.shape
+    config = fit(config or default_config(x.shape[0]), k, n, k // scales.shape[0])
+    if interpret:
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+
+        return weight_only_matmul(x, q, scales, zeros, config=dataclasses.replace(config, staged=True, min_programs=0),
+                                  interpret=plgpu.InterpretGPUParams())
+    return weight_only_matmul(x, q, scales, zeros, config=config)
+
+
 def check(m: int, k: int, n: int, groups: int, dtype, config: WeightOnlyConfig) -> None:
     if jnp.dtype(dtype) not in WEIGHT_DTYPES:
         raise ValueError(f"the weight-only kernel takes int4, int8 or float8_e4m3fn weights, not {dtype}")
