@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from gpu_bench_common import log
 
-from pallas_kernels.weight_only.kernel import WeightOnlyConfig, weight_only_matmul
+from pallas_kernels.weight_only.kernel import WeightOnlyConfig, default_config, weight_only_matmul
 
 INT4_DECODE = ((64, 128, 4, 264), (64, 256, 4, 264), (128, 256, 4, 264), (128, 512, 4, 132), (64, 512, 4, 264),
                (128, 256, 8, 264), (64, 256, 8, 528), (128, 512, 2, 264), (128, 256, 4, 132),
@@ -151,6 +151,9 @@ def main():
     ap.add_argument("--rows", default="1,16,64")
     ap.add_argument("--deadline-s", type=float, default=300)
     ap.add_argument("--tiny", action="store_true", help="small shapes in Mosaic's interpreter (a CPU check)")
+    ap.add_argument("--per-shape", action="store_true",
+                    help="also each projection's shape alone at one row (default configs): its own bytes per second, "
+                         "so a fixed cost per launch shows beside the streaming rate")
     args = ap.parse_args()
     if args.tiny:
         args.layers, args.rows = 1, "1"
@@ -216,7 +219,29 @@ def main():
                 x.dtype), xs, layers, result[kind], rows, int8_bytes, copy_rate, bf16_s)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
+    if args.per_shape:
+        result["per_shape"] = per_shape(shapes, rng, bf16_layers, int4, int8, ours, copy_rate)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
     log("done in", time.perf_counter() - start)
+
+
+def per_shape(shapes, rng, bf16_layers, int4, int8, ours, copy_rate) -> dict:
+    """Each projection shape alone (every layer's weight of that shape in one jit), one row, default configs."""
+    out = {}
+    for i, (k, n) in enumerate(shapes):
+        record = {}
+        xs = [jnp.asarray(rng.standard_normal((1, k)), jnp.bfloat16)]
+        pick = lambda layers: [[p[i]] for p in layers]
+        bf16 = pick(bf16_layers)
+        bf16_s = common.timeit(chain(lambda x, w: x @ w), xs, bf16, runs=5)
+        record["bf16"] = dict(seconds=bf16_s, bytes_per_s=sum(p[0].nbytes for p in bf16) / bf16_s)
+        for kind, layers, bits in (("int4", int4, 4), ("int8", int8, 8)):
+            chosen = pick(layers)
+            nbytes = sum(q.size * bits // 8 + s.nbytes for p in chosen for q, s in p)
+            time_side(kind, lambda x, w: ours(x, w, default_config(1)), xs, chosen, record, 1, nbytes, copy_rate, bf16_s)
+        out[f"{k}x{n}"] = record
+    return out
 
 
 if __name__ == "__main__":
