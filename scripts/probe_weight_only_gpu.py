@@ -26,9 +26,12 @@ from pallas_kernels.weight_only.kernel import WeightOnlyConfig, default_config, 
 
 INT4_DECODE = ((64, 128, 4, 264), (64, 256, 4, 264), (128, 256, 4, 264), (128, 512, 4, 132), (64, 512, 4, 264),
                (128, 256, 8, 264), (64, 256, 8, 528), (128, 512, 2, 264), (128, 256, 4, 132),
-               (64, 256, 8, 0), (64, 256, 8, 132), (64, 512, 4, 528))  # no split: no partial sums to add
-INT4_BATCH = ((64, 256, 4, 264), (128, 256, 4, 264), (128, 256, 3, 264), (128, 512, 2, 132))
-INT8 = ((64, 128, 4, 264), (64, 256, 4, 264), (128, 256, 4, 264), (64, 256, 8, 528), (64, 256, 8, 0))
+               (64, 256, 8, 0), (64, 256, 8, 132), (64, 512, 4, 528),  # no split: no partial sums to add
+               (64, 256, 8, 528, True), (64, 256, 4, 264, True), (128, 256, 4, 264, True), (64, 512, 4, 528, True))
+INT4_BATCH = ((64, 256, 4, 264), (128, 256, 4, 264), (128, 256, 3, 264), (128, 512, 2, 132), (64, 256, 4, 264, True),
+              (64, 256, 4, 528, True))
+INT8 = ((64, 128, 4, 264), (64, 256, 4, 264), (128, 256, 4, 264), (64, 256, 8, 528), (64, 256, 8, 0),
+        (64, 256, 4, 264, True), (64, 256, 8, 528, True))  # True: the activations resident (`resident_x`)
 SHAPES = ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096))  # (K, N) of qkv, o, gate/up, down
 TINY_SHAPES = ((256, 384), (256, 256), (256, 1024), (512, 256))  # --tiny: the CPU check, in Mosaic's interpreter
 GROUP = 128
@@ -139,8 +142,14 @@ def kernel_runner(interpret: bool):
                                                 interpret=plgpu.InterpretGPUParams())
 
 
+def candidate(tile_n: int, block_k: int, steps: int, programs: int, resident_x: bool = False) -> WeightOnlyConfig:
+    return WeightOnlyConfig(tile_n=tile_n, block_k=block_k, max_concurrent_steps=steps, min_programs=programs,
+                            resident_x=resident_x)
+
+
 def label(cfg: WeightOnlyConfig) -> str:
-    return f"ours n{cfg.tile_n} k{cfg.block_k} c{cfg.max_concurrent_steps} p{cfg.min_programs}"
+    resident = " rx" if cfg.resident_x else ""
+    return f"ours n{cfg.tile_n} k{cfg.block_k} c{cfg.max_concurrent_steps} p{cfg.min_programs}{resident}"
 
 
 def main():
@@ -187,8 +196,7 @@ def main():
             log(rows, "bf16", result["bf16"][str(rows)])
         except Exception as e:
             log(rows, "bf16 failed", e)
-        configs = [WeightOnlyConfig(tile_n=t, block_k=b, max_concurrent_steps=c, min_programs=p)
-                   for t, b, c, p in (INT4_DECODE if rows == 1 else INT4_BATCH)]
+        configs = [candidate(*c) for c in (INT4_DECODE if rows == 1 else INT4_BATCH)]
         best = {}
         for cfg in configs:
             if time.perf_counter() - start > args.deadline_s:
@@ -205,8 +213,7 @@ def main():
                   ref_layers=int4)
         for kind, layers in (("int8", int8), ("fp8", fp8)):
             best = {}
-            for cfg in [WeightOnlyConfig(tile_n=t, block_k=b, max_concurrent_steps=c, min_programs=p)
-                        for t, b, c, p in INT8]:
+            for cfg in [candidate(*c) for c in INT8]:
                 if time.perf_counter() - start > args.deadline_s:
                     break
                 seconds = time_side(label(cfg), lambda x, w, cfg=cfg: ours(x, w, cfg), xs,

@@ -36,6 +36,7 @@ WEIGHT_DTYPES = (jnp.dtype(jnp.int4), jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_
 # float8 e4m3 upcasts natively to float16 only (not to bfloat16: JAX-PALLAS.md), so its products run in float16,
 # the activations scaled per row into float16's range first (their largest magnitude to this) and back after
 F16_ROW_MAX = 2.0 ** 14
+RESIDENT_X_BYTES = 64 * 1024  # a program's whole activation range in shared memory, at most
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,13 +45,16 @@ class WeightOnlyConfig:
     step loads (a step wider than a group multiplies each group's part apart). `max_concurrent_steps`: steps in
     flight per program. `min_programs`: split the steps until the grid has at least this many programs (0: never).
     `staged`: the upcast tile goes through shared memory to wgmma (the form Mosaic GPU's interpreter runs; its wgmma
-    takes shared-memory operands only)."""
+    takes shared-memory operands only). `resident_x`: a program loads its whole range of the activations once, at
+    its start, instead of a slice with every step (for few rows the slices are a third of an int4 step's bytes); a
+    range over `RESIDENT_X_BYTES` keeps the slices."""
 
     tile_n: int = 64
     block_k: int = 128
     max_concurrent_steps: int = 4
     min_programs: int = 264
     staged: bool = False
+    resident_x: bool = False
 
 
 def default_config(rows: int) -> WeightOnlyConfig:
@@ -140,9 +144,12 @@ def weight_only_matmul(
     config = config or default_config(m)
     check(m, k, n, groups, q.dtype, config)
     rows = padded_rows(m)
-    geo = _Geometry(rows, config.tile_n, config.block_k, k // groups, config.staged, compute_dtype(q.dtype))
     steps = k // config.block_k
-    split = splits_for(steps, n // config.tile_n, config.min_programs, max(1, geo.group // config.block_k))
+    split = splits_for(steps, n // config.tile_n, config.min_programs, max(1, k // groups // config.block_k))
+    span = k // split
+    resident = config.resident_x and rows * span * jnp.dtype(compute_dtype(q.dtype)).itemsize <= RESIDENT_X_BYTES
+    geo = _Geometry(rows, config.tile_n, config.block_k, k // groups, config.staged, compute_dtype(q.dtype),
+                    span if resident else 0)
     if geo.compute == jnp.float16:
         row_scale = jnp.maximum(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1), 1e-30) / F16_ROW_MAX
         xs = (x.astype(jnp.float32) / row_scale[:, None]).astype(geo.compute)
@@ -176,6 +183,7 @@ class _Geometry:
     group: int
     staged: bool
     compute: jnp.dtype
+    resident_span: int = 0  # inputs of the activations a program holds from its start (0: a slice a step)
 
     @property
     def chunk(self) -> int:
@@ -193,6 +201,10 @@ class _Geometry:
 
 def _scratch(geo: _Geometry) -> list:
     out = [plgpu.SMEM((geo.tile_n, geo.rows), jnp.float32)]
+    if geo.resident_span:
+        out.append(plgpu.SMEM((geo.rows, geo.resident_span), geo.compute,
+                              transforms=_swizzled(geo.compute, geo.block_k, geo.chunk)))
+        out.append(plgpu.Barrier())
     if geo.staged:
         out.append(plgpu.SMEM((TILE_N, geo.chunk), geo.compute, transforms=_swizzled(geo.compute, geo.chunk,
                                                                                          geo.chunk)))
@@ -201,16 +213,26 @@ def _scratch(geo: _Geometry) -> list:
 
 def _program(q_ref, x_ref, s_ref, *refs, geo: _Geometry, steps: int, zero_points: bool, max_concurrent_steps: int):
     z_ref = refs[0] if zero_points else None
-    out_ref, out_smem, *staged = refs[1:] if zero_points else refs
+    out_ref, out_smem, *scratch = refs[1:] if zero_points else refs
+    x_resident, x_loaded = scratch[:2] if geo.resident_span else (None, None)
+    staged = scratch[2:] if geo.resident_span else scratch
     tile, split = lax.axis_index("tile"), lax.axis_index("split")
     n0 = pl.multiple_of(tile * geo.tile_n, geo.tile_n)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     first = split * steps
+    if x_resident is not None:  # issued before the pipeline's first weight loads, awaited by its first step
+        plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(first * geo.block_k, geo.resident_span)], x_resident, x_loaded)
 
     def row(ref, group: int, sub: int):
         return plgpu.load(ref.at[group, pl.ds(sub * TILE_N, TILE_N)], layout=row_layout, optimized=False)
 
-    def step(indices, q_smem, x_smem, s_smem, *rest):
+    def step(indices, q_smem, *rest):
+        if x_resident is None:
+            x_smem, *rest = rest
+        else:
+            pl.when(indices[0] == 0)(lambda: plgpu.barrier_wait(x_loaded))
+            x_smem = x_resident.at[:, pl.ds(pl.multiple_of(indices[0] * geo.block_k, geo.block_k), geo.block_k)]
+        s_smem, *rest = rest
         z_smem, totals = (rest[0], rest[1]) if z_ref is not None else (None, rest[0])
         out = []
         for sub in range(geo.tile_n // TILE_N):
@@ -230,22 +252,22 @@ def _program(q_ref, x_ref, s_ref, *refs, geo: _Geometry, steps: int, zero_points
         return tuple(out)
 
     groups = pl.BlockSpec((geo.groups_per_step, geo.tile_n), lambda i: (geo.group_block(first + i), 0))
+    x_spec = [] if x_resident is not None else [
+        plgpu.BlockSpec((geo.rows, geo.block_k), lambda i: (0, first + i),
+                        transforms=_swizzled(geo.compute, geo.block_k, geo.chunk))]
     pipeline = plgpu.emit_pipeline(
         step,
         grid=(steps,),
         in_specs=[
             plgpu.BlockSpec((geo.tile_n, geo.block_k), lambda i: (0, first + i),
                             transforms=_swizzled(q_ref.dtype, geo.block_k, geo.chunk)),
-            plgpu.BlockSpec((geo.rows, geo.block_k), lambda i: (0, first + i),
-                            transforms=_swizzled(geo.compute, geo.block_k, geo.chunk)),
-            groups,
-        ] + ([groups] if z_ref is not None else []),
+        ] + x_spec + [groups] + ([groups] if z_ref is not None else []),
         max_concurrent_steps=min(max_concurrent_steps, steps),
         init_carry=tuple(plgpu.layout_cast(jnp.zeros((TILE_N, geo.rows), jnp.float32), plgpu.Layout.WGMMA)
                          for _ in range(geo.tile_n // TILE_N)),
     )
     columns = pl.ds(n0, geo.tile_n)
-    totals = pipeline(q_ref.at[columns], x_ref, s_ref.at[:, columns],
+    totals = pipeline(q_ref.at[columns], *([x_ref] if x_resident is None else []), s_ref.at[:, columns],
                       *([z_ref.at[:, columns]] if z_ref is not None else []))
     for sub, total in enumerate(totals):
         out_smem[pl.ds(sub * TILE_N, TILE_N)] = total

@@ -47,19 +47,22 @@ def _run(x, q, scales, dtype, config, zeros=None):
                                          jnp.asarray(scales), zeros, config=config, interpret=INTERPRET), np.float64)
 
 
-@pytest.mark.parametrize("dtype,m,k,n,groups,tile_n,block_k,min_programs", [
-    ("int4", 1, 512, 128, 4, 64, 128, 0),  # decode row, group 128: a scale per step
-    ("int4", 13, 768, 192, 3, 64, 128, 6),  # odd rows (padded to 16), groups of 256 over two steps, K split in 3
-    ("int4", 2, 1024, 256, 8, 128, 256, 4),  # two groups a step, two row tiles a program, K split in 2
-    ("int8", 5, 512, 64, 1, 64, 128, 4),  # per-channel: one group, K split in 4
-    ("int8", 40, 256, 128, 1, 128, 256, 0),  # wide step, rows past one 8-column tile
-    ("float8_e4m3fn", 3, 512, 128, 1, 64, 256, 2),  # float8 per channel: products in float16, rows rescaled
+@pytest.mark.parametrize("dtype,m,k,n,groups,tile_n,block_k,min_programs,resident_x", [
+    ("int4", 1, 512, 128, 4, 64, 128, 0, False),  # decode row, group 128: a scale per step
+    ("int4", 13, 768, 192, 3, 64, 128, 6, False),  # odd rows (padded to 16), groups of 256 over two steps, K in 3
+    ("int4", 2, 1024, 256, 8, 128, 256, 4, False),  # two groups a step, two row tiles a program, K split in 2
+    ("int8", 5, 512, 64, 1, 64, 128, 4, False),  # per-channel: one group, K split in 4
+    ("int8", 40, 256, 128, 1, 128, 256, 0, False),  # wide step, rows past one 8-column tile
+    ("float8_e4m3fn", 3, 512, 128, 1, 64, 256, 2, False),  # float8 per channel: products in float16, rows rescaled
+    ("int4", 1, 1024, 128, 8, 64, 128, 4, True),  # the activations resident: each split's own range, step by step
+    ("int4", 13, 768, 192, 3, 64, 128, 6, True),  # ... over groups of two steps, odd rows
+    ("float8_e4m3fn", 3, 512, 128, 1, 64, 256, 2, True),
 ])
-def test_matches_float64_reference(dtype, m, k, n, groups, tile_n, block_k, min_programs):
+def test_matches_float64_reference(dtype, m, k, n, groups, tile_n, block_k, min_programs, resident_x):
     rng = np.random.default_rng()
     x, q, scales = _case(rng, m, k, n, groups, dtype)
     cfg = WeightOnlyConfig(tile_n=tile_n, block_k=block_k, min_programs=min_programs, max_concurrent_steps=2,
-                           staged=True)
+                           staged=True, resident_x=resident_x)
     got, ref = _run(x, q, scales, dtype, cfg), _reference(x, q, scales)
     # bfloat16 output: half an ulp of rounding, plus float32 accumulation in another order
     np.testing.assert_allclose(got, ref, rtol=2 ** -8, atol=1e-3 * np.abs(ref).max())
@@ -104,6 +107,8 @@ def test_rejects_shapes_it_cannot_tile(m, k, n, groups):
     (jnp.int4, 64, 32, True, WeightOnlyConfig(tile_n=128, block_k=512)),
     (jnp.int8, 16, 1, False, WeightOnlyConfig(block_k=256)),
     (jnp.float8_e4m3fn, 1, 1, False, WeightOnlyConfig()),
+    (jnp.int4, 1, 32, True, WeightOnlyConfig(block_k=256, max_concurrent_steps=8, min_programs=528, resident_x=True)),
+    (jnp.int8, 8, 1, False, WeightOnlyConfig(block_k=256, resident_x=True)),
 ])
 def test_register_operand_form_lowers_for_h200(dtype, m, groups, zeros, cfg):
     fn = functools.partial(weight_only_matmul, config=cfg)
