@@ -160,6 +160,9 @@ def main():
     ap.add_argument("--rows", default="1,16,64")
     ap.add_argument("--deadline-s", type=float, default=300)
     ap.add_argument("--tiny", action="store_true", help="small shapes in Mosaic's interpreter (a CPU check)")
+    ap.add_argument("--trace", action="store_true",
+                    help="with --per-shape: a profiler trace of each shape's chain (bf16, int4): device busy time, "
+                         "kernel durations and launch lag per call, beside its wall time (host- or device-bound)")
     ap.add_argument("--per-shape", action="store_true",
                     help="also each projection's shape alone at one row (default configs): its own bytes per second, "
                          "so a fixed cost per launch shows beside the streaming rate")
@@ -227,15 +230,18 @@ def main():
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     if args.per_shape:
-        result["per_shape"] = per_shape(shapes, rng, bf16_layers, int4, int8, ours, copy_rate)
+        result["per_shape"] = per_shape(shapes, rng, bf16_layers, int4, int8, ours, copy_rate, args.trace)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     log("done in", time.perf_counter() - start)
 
 
-def per_shape(shapes, rng, bf16_layers, int4, int8, ours, copy_rate) -> dict:
+def per_shape(shapes, rng, bf16_layers, int4, int8, ours, copy_rate, trace: bool = False) -> dict:
     """Each projection shape alone (every layer's weight of that shape in one jit), one row, default configs."""
     out = {}
+    if trace:
+        traced = per_shape_traces(shapes, rng, bf16_layers, int4, ours)
+        out["traces"] = traced
     for i, (k, n) in enumerate(shapes):
         record = {}
         xs = [jnp.asarray(rng.standard_normal((1, k)), jnp.bfloat16)]
@@ -248,6 +254,41 @@ def per_shape(shapes, rng, bf16_layers, int4, int8, ours, copy_rate) -> dict:
             nbytes = sum(q.size * bits // 8 + s.nbytes for p in chosen for q, s in p)
             time_side(kind, lambda x, w: ours(x, w, default_config(1)), xs, chosen, record, 1, nbytes, copy_rate, bf16_s)
         out[f"{k}x{n}"] = record
+    return out
+
+
+def per_shape_traces(shapes, rng, bf16_layers, int4, ours, calls: int = 20) -> dict:
+    """Per shape and side, `calls` back-to-back calls of the chain under the profiler: wall time, device busy time
+    and kernels per call, launch lag (host-bound launches show lags near the launch latency)."""
+    import tempfile
+    from pathlib import Path
+
+    from probe_layer_loop_gpu import gpu_events, gpu_idle, kernel_summary, launch_lag
+
+    out = {}
+    for i, (k, n) in enumerate(shapes):
+        xs = [jnp.asarray(rng.standard_normal((1, k)), jnp.bfloat16)]
+        for side, layers, matmul in (("bf16", bf16_layers, lambda x, w: x @ w),
+                                     ("int4", int4, lambda x, w: ours(x, w, default_config(1)))):
+            run = chain(matmul)
+            chosen = [[p[i]] for p in layers]
+            jax.block_until_ready(run(xs, chosen))
+            with tempfile.TemporaryDirectory() as d:
+                t0 = time.perf_counter()
+                with jax.profiler.trace(d):
+                    for _ in range(calls):
+                        total = run(xs, chosen)
+                    jax.block_until_ready(total)
+                wall = time.perf_counter() - t0
+                events = gpu_events(Path(d))
+                entry = dict(wall_us_per_call_traced=wall / calls * 1e6,
+                             busy_us_per_call=sum(e["dur"] for e in events) / calls,
+                             kernels_per_call=len(events) / calls, idle=gpu_idle(Path(d), gap_us=5.0),
+                             launch=launch_lag(Path(d)),
+                             kernels=[(name, round(ms * 1e3 / calls, 2), count / calls)
+                                      for name, ms, count in kernel_summary(Path(d), top=8)])
+            out[f"{k}x{n} {side}"] = entry
+            log(f"{k}x{n} {side}", entry)
     return out
 
 
