@@ -190,7 +190,7 @@ def main():
     zrng = np.random.default_rng(4)
     int4z = [[(q, s, jnp.asarray(zrng.integers(-8, 8, s.shape), jnp.bfloat16)) for q, s in p] for p in int4]
 
-    for rows in [int(r) for r in args.rows.split(",")]:
+    for rows in [int(r) for r in args.rows.split(",") if r]:  # --rows "": --per-shape alone
         xs = [jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16) for k, _ in shapes]
         bf16_s = None
         try:
