@@ -47,7 +47,10 @@ class WeightOnlyConfig:
     `staged`: the upcast tile goes through shared memory to wgmma (the form Mosaic GPU's interpreter runs; its wgmma
     takes shared-memory operands only). `resident_x`: a program loads its whole range of the activations once, at
     its start, instead of a slice with every step (for few rows the slices are a third of an int4 step's bytes); a
-    range over `RESIDENT_X_BYTES` keeps the slices."""
+    range over `RESIDENT_X_BYTES` keeps the slices. `one_accumulator`: the products of a program's whole range go into
+    one accumulator, each group's scale multiplied into its weights in registers first (bfloat16: a rounding of the
+    scaled weight, as in a bfloat16 model's own weights) and per-channel scales applied after the kernel, so the
+    tensor cores' products are never awaited inside the loop (one in flight while the next tile is upcast)."""
 
     tile_n: int = 64
     block_k: int = 128
@@ -55,6 +58,7 @@ class WeightOnlyConfig:
     min_programs: int = 264
     staged: bool = False
     resident_x: bool = False
+    one_accumulator: bool = False
 
 
 def default_config(rows: int) -> WeightOnlyConfig:
@@ -149,7 +153,7 @@ def weight_only_matmul(
     span = k // split
     resident = config.resident_x and rows * span * jnp.dtype(compute_dtype(q.dtype)).itemsize <= RESIDENT_X_BYTES
     geo = _Geometry(rows, config.tile_n, config.block_k, k // groups, config.staged, compute_dtype(q.dtype),
-                    span if resident else 0)
+                    span if resident else 0, config.one_accumulator, config.one_accumulator and groups > 1)
     if geo.compute == jnp.float16:
         row_scale = jnp.maximum(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1), 1e-30) / F16_ROW_MAX
         xs = (x.astype(jnp.float32) / row_scale[:, None]).astype(geo.compute)
@@ -166,7 +170,10 @@ def weight_only_matmul(
         interpret=interpret,
     )
     operands = (q, xp, scales) + (() if zeros is None else (zeros,))  # upcast in registers: no copy a call
-    out = jnp.sum(kernel(*operands), axis=0)[:, :m].T
+    out = jnp.sum(kernel(*operands), axis=0)
+    if config.one_accumulator and groups == 1:  # per-channel scales: after the sum, in the same XLA fusion
+        out = out * scales[0].astype(jnp.float32)[:, None]
+    out = out[:, :m].T
     return (out if row_scale is None else out * row_scale[:, None]).astype(x.dtype)
 
 
@@ -184,6 +191,8 @@ class _Geometry:
     staged: bool
     compute: jnp.dtype
     resident_span: int = 0  # inputs of the activations a program holds from its start (0: a slice a step)
+    one_accumulator: bool = False
+    scaled_weights: bool = False  # one_accumulator with group scales: each group's scale multiplied into its weights
 
     @property
     def chunk(self) -> int:
@@ -226,54 +235,103 @@ def _program(q_ref, x_ref, s_ref, *refs, geo: _Geometry, steps: int, zero_points
     def row(ref, group: int, sub: int):
         return plgpu.load(ref.at[group, pl.ds(sub * TILE_N, TILE_N)], layout=row_layout, optimized=False)
 
-    def step(indices, q_smem, *rest):
+    def x_slice(indices, rest):
+        """The step's activations and the remaining step refs."""
         if x_resident is None:
-            x_smem, *rest = rest
-        else:
-            pl.when(indices[0] == 0)(lambda: plgpu.barrier_wait(x_loaded))
-            x_smem = x_resident.at[:, pl.ds(pl.multiple_of(indices[0] * geo.block_k, geo.block_k), geo.block_k)]
+            return rest[0], rest[1:]
+        pl.when(indices[0] == 0)(lambda: plgpu.barrier_wait(x_loaded))
+        start = pl.multiple_of(indices[0] * geo.block_k, geo.block_k)
+        return x_resident.at[:, pl.ds(start, geo.block_k)], rest
+
+    def upcast(q_smem, z_smem, sub: int, c: int):
+        """Chunk `c` of row tile `sub` in the compute dtype, its zero points subtracted."""
+        g = c if geo.groups_per_step > 1 else 0
+        w = q_smem.at[pl.ds(sub * TILE_N, TILE_N), pl.ds(c * geo.chunk, geo.chunk)][...].astype(geo.compute)
+        if z_smem is not None:
+            zero = row(z_smem, g, sub).astype(jnp.float32).astype(w.dtype)  # eighths: exact
+            w = w - lax.broadcast_in_dim(zero, w.shape, [0])
+        return w, g
+
+    def step(indices, q_smem, *rest):
+        x_smem, rest = x_slice(indices, rest)
         s_smem, *rest = rest
         z_smem, totals = (rest[0], rest[1]) if z_ref is not None else (None, rest[0])
         out = []
         for sub in range(geo.tile_n // TILE_N):
             total = totals[sub]
             for c in range(geo.block_k // geo.chunk):
-                g = c if geo.groups_per_step > 1 else 0
-                cols = pl.ds(c * geo.chunk, geo.chunk)
-                w = q_smem.at[pl.ds(sub * TILE_N, TILE_N), cols][...].astype(geo.compute)
-                if z_smem is not None:
-                    zero = row(z_smem, g, sub).astype(jnp.float32).astype(w.dtype)  # eighths: exact
-                    w = w - lax.broadcast_in_dim(zero, w.shape, [0])
-                part = pl.run_scoped(functools.partial(_product, w=w, x_tile=x_smem.at[:, cols], staged=staged),
+                w, g = upcast(q_smem, z_smem, sub, c)
+                part = pl.run_scoped(functools.partial(_product, w=w, x_tile=x_smem.at[:, pl.ds(c * geo.chunk,
+                                                                                                geo.chunk)],
+                                                       staged=staged),
                                      plgpu.ACC((TILE_N, geo.rows), jnp.float32))
                 scale = row(s_smem, g, sub).astype(jnp.float32)
                 total = total + part * lax.broadcast_in_dim(scale, part.shape, [0])
             out.append(total)
         return tuple(out)
 
+    concurrent = min(max_concurrent_steps, steps)
+    # one_accumulator leaves a step's last product in flight into the next step: its activation slot is released a
+    # step late (a single step, or resident activations, need no delay)
+    delay = 1 if geo.one_accumulator and x_resident is None and concurrent > 1 else 0
     groups = pl.BlockSpec((geo.groups_per_step, geo.tile_n), lambda i: (geo.group_block(first + i), 0))
     x_spec = [] if x_resident is not None else [
         plgpu.BlockSpec((geo.rows, geo.block_k), lambda i: (0, first + i),
-                        transforms=_swizzled(geo.compute, geo.block_k, geo.chunk))]
-    pipeline = plgpu.emit_pipeline(
-        step,
-        grid=(steps,),
-        in_specs=[
-            plgpu.BlockSpec((geo.tile_n, geo.block_k), lambda i: (0, first + i),
-                            transforms=_swizzled(q_ref.dtype, geo.block_k, geo.chunk)),
-        ] + x_spec + [groups] + ([groups] if z_ref is not None else []),
-        max_concurrent_steps=min(max_concurrent_steps, steps),
-        init_carry=tuple(plgpu.layout_cast(jnp.zeros((TILE_N, geo.rows), jnp.float32), plgpu.Layout.WGMMA)
-                         for _ in range(geo.tile_n // TILE_N)),
-    )
+                        transforms=_swizzled(geo.compute, geo.block_k, geo.chunk), delay_release=delay)]
+    scale_spec = [groups] if not geo.one_accumulator or geo.scaled_weights else []
+    in_specs = [plgpu.BlockSpec((geo.tile_n, geo.block_k), lambda i: (0, first + i),
+                                transforms=_swizzled(q_ref.dtype, geo.block_k, geo.chunk))]
+    in_specs += x_spec + scale_spec + ([groups] if z_ref is not None else [])
     columns = pl.ds(n0, geo.tile_n)
-    totals = pipeline(q_ref.at[columns], *([x_ref] if x_resident is None else []), s_ref.at[:, columns],
-                      *([z_ref.at[:, columns]] if z_ref is not None else []))
+    operands = ([q_ref.at[columns]] + ([x_ref] if x_resident is None else [])
+                + ([s_ref.at[:, columns]] if scale_spec else []) + ([z_ref.at[:, columns]] if z_ref is not None else []))
+    if geo.one_accumulator:
+        def accumulating_step(accs, indices, q_smem, *rest):
+            x_smem, rest = x_slice(indices, rest)
+            s_smem, rest = (rest[0], rest[1:]) if scale_spec else (None, rest)
+            z_smem = rest[0] if z_ref is not None else None
+            for sub, acc in enumerate(accs):
+                for c in range(geo.block_k // geo.chunk):
+                    w, g = upcast(q_smem, z_smem, sub, c)
+                    if s_smem is not None:
+                        scale = row(s_smem, g, sub).astype(jnp.float32).astype(w.dtype)
+                        w = w * lax.broadcast_in_dim(scale, w.shape, [0])
+                    _issue_product(acc, w, x_smem.at[:, pl.ds(c * geo.chunk, geo.chunk)], staged)
+            if not delay and x_resident is None:
+                plgpu.wgmma_wait(0)
+
+        def accumulate(*accs):
+            plgpu.emit_pipeline(functools.partial(accumulating_step, accs), grid=(steps,), in_specs=in_specs,
+                                max_concurrent_steps=concurrent)(*operands)
+            plgpu.wgmma_wait(0)
+            return tuple(acc[...] for acc in accs)
+
+        totals = pl.run_scoped(accumulate, *[plgpu.ACC((TILE_N, geo.rows), jnp.float32)
+                                             for _ in range(geo.tile_n // TILE_N)])
+    else:
+        pipeline = plgpu.emit_pipeline(
+            step, grid=(steps,), in_specs=in_specs, max_concurrent_steps=concurrent,
+            init_carry=tuple(plgpu.layout_cast(jnp.zeros((TILE_N, geo.rows), jnp.float32), plgpu.Layout.WGMMA)
+                             for _ in range(geo.tile_n // TILE_N)),
+        )
+        totals = pipeline(*operands)
     for sub, total in enumerate(totals):
         out_smem[pl.ds(sub * TILE_N, TILE_N)] = total
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(out_smem, out_ref.at[split, columns])
     plgpu.wait_smem_to_gmem(0)
+
+
+def _issue_product(acc_ref, w, x_tile, staged) -> None:
+    """`acc_ref += w @ x_tileᵀ`, left in flight (at most one product outstanding after it)."""
+    if staged:  # the interpreter's form: the staging tile is rewritten, so the previous product must be done
+        plgpu.wgmma_wait(0)
+        staged[0][...] = w
+        plgpu.commit_smem()
+        plgpu.wgmma(acc_ref, staged[0], x_tile.T)
+    else:
+        plgpu.wgmma(acc_ref, w, x_tile.T)
+    plgpu.wgmma_wait(1)
 
 
 def _product(acc_ref, *, w, x_tile, staged):
