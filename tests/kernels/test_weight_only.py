@@ -68,6 +68,38 @@ def test_matches_float64_reference(dtype, m, k, n, groups, tile_n, block_k, min_
     np.testing.assert_allclose(got, ref, rtol=2 ** -8, atol=1e-3 * np.abs(ref).max())
 
 
+def _reference_scaled_in_bfloat16(x, q, scales, zeros=None) -> np.ndarray:
+    """`one_accumulator`'s arithmetic: each weight `(q − z) · s` rounded to bfloat16 (s itself rounded first), as a
+    bfloat16 model's dequantized weight is, then the product in float64."""
+    as_bf16 = lambda a: np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+    n, k = q.shape
+    groups = scales.shape[0]
+    w = q.astype(np.float64).reshape(n, groups, k // groups)
+    if zeros is not None:
+        w = w - zeros.astype(np.float64).T[:, :, None]
+    w = as_bf16((w * as_bf16(scales).T[:, :, None]).reshape(n, k))
+    return x.astype(np.float64) @ w.T
+
+
+@pytest.mark.parametrize("dtype,m,k,n,groups,tile_n,block_k,min_programs,resident_x,zero_points", [
+    ("int4", 1, 512, 128, 4, 64, 128, 0, False, False),  # group scales into the weights, one accumulator
+    ("int4", 13, 768, 192, 3, 64, 128, 6, False, True),  # groups over two steps, split in 3, zero points
+    ("int4", 2, 1024, 256, 8, 128, 256, 4, True, False),  # two groups a step, two row tiles, activations resident
+    ("int8", 5, 512, 64, 1, 64, 128, 4, False, False),  # per channel: scaled after the kernel
+    ("float8_e4m3fn", 3, 512, 128, 1, 64, 256, 2, False, False),
+])
+def test_one_accumulator_matches_its_reference(dtype, m, k, n, groups, tile_n, block_k, min_programs, resident_x,
+                                               zero_points):
+    rng = np.random.default_rng()
+    x, q, scales = _case(rng, m, k, n, groups, dtype)
+    zeros = rng.integers(-8, 8, (groups, n)).astype(np.float32) if zero_points else None
+    cfg = WeightOnlyConfig(tile_n=tile_n, block_k=block_k, min_programs=min_programs, max_concurrent_steps=2,
+                           staged=True, resident_x=resident_x, one_accumulator=True)
+    got = _run(x, q, scales, dtype, cfg, zeros=zeros)
+    ref = (_reference_scaled_in_bfloat16 if groups > 1 else _reference)(x, q, scales, zeros)
+    np.testing.assert_allclose(got, ref, rtol=2 ** -8, atol=1e-3 * np.abs(ref).max())
+
+
 def test_zero_points_shift_each_groups_weights():
     """AWQ's asymmetric groups: unsigned nibbles u with zero points z' become q = u − 8, z = z' − 8."""
     rng = np.random.default_rng()
@@ -109,6 +141,10 @@ def test_rejects_shapes_it_cannot_tile(m, k, n, groups):
     (jnp.float8_e4m3fn, 1, 1, False, WeightOnlyConfig()),
     (jnp.int4, 1, 32, True, WeightOnlyConfig(block_k=256, max_concurrent_steps=8, min_programs=528, resident_x=True)),
     (jnp.int8, 8, 1, False, WeightOnlyConfig(block_k=256, resident_x=True)),
+    (jnp.int4, 1, 32, True, WeightOnlyConfig(block_k=256, max_concurrent_steps=8, min_programs=528,
+                                             one_accumulator=True)),  # the activations' slots released a step late
+    (jnp.int4, 16, 32, False, WeightOnlyConfig(tile_n=128, block_k=256, one_accumulator=True, resident_x=True)),
+    (jnp.float8_e4m3fn, 1, 1, False, WeightOnlyConfig(one_accumulator=True)),
 ])
 def test_register_operand_form_lowers_for_h200(dtype, m, groups, zeros, cfg):
     fn = functools.partial(weight_only_matmul, config=cfg)
