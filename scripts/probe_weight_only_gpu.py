@@ -244,8 +244,7 @@ def per_shape(shapes, rng, bf16_layers, int4, int8, ours, copy_rate, trace: bool
     """Each projection shape alone (every layer's weight of that shape in one jit), one row, default configs."""
     out = {}
     if trace:
-        traced = per_shape_traces(shapes, rng, bf16_layers, int4, ours)
-        out["traces"] = traced
+        out["traces"] = per_shape_traces(shapes, rng, bf16_layers, int4, ours)
     for i, (k, n) in enumerate(shapes):
         record = {}
         xs = [jnp.asarray(rng.standard_normal((1, k)), jnp.bfloat16)]
@@ -256,7 +255,8 @@ def per_shape(shapes, rng, bf16_layers, int4, int8, ours, copy_rate, trace: bool
         for kind, layers, bits in (("int4", int4, 4), ("int8", int8, 8)):
             chosen = pick(layers)
             nbytes = sum(q.size * bits // 8 + s.nbytes for p in chosen for q, s in p)
-            time_side(kind, lambda x, w: ours(x, w, default_config(1)), xs, chosen, record, 1, nbytes, copy_rate, bf16_s)
+            time_side(kind, lambda x, w: ours(x, w, default_config(1)), xs, chosen, record, 1, nbytes, copy_rate,
+                      bf16_s)
         out[f"{k}x{n}"] = record
     return out
 

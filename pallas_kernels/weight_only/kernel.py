@@ -284,7 +284,8 @@ def _program(q_ref, x_ref, s_ref, *refs, geo: _Geometry, steps: int, zero_points
     in_specs += x_spec + scale_spec + ([groups] if z_ref is not None else [])
     columns = pl.ds(n0, geo.tile_n)
     operands = ([q_ref.at[columns]] + ([x_ref] if x_resident is None else [])
-                + ([s_ref.at[:, columns]] if scale_spec else []) + ([z_ref.at[:, columns]] if z_ref is not None else []))
+                + ([s_ref.at[:, columns]] if scale_spec else [])
+                + ([z_ref.at[:, columns]] if z_ref is not None else []))
     if geo.one_accumulator:
         def accumulating_step(accs, indices, q_smem, *rest):
             x_smem, rest = x_slice(indices, rest)
