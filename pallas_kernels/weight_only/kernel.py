@@ -220,107 +220,136 @@ def _scratch(geo: _Geometry) -> list:
     return out
 
 
-def _program(q_ref, x_ref, s_ref, *refs, geo: _Geometry, steps: int, zero_points: bool, max_concurrent_steps: int):
-    z_ref = refs[0] if zero_points else None
-    out_ref, out_smem, *scratch = refs[1:] if zero_points else refs
-    x_resident, x_loaded = scratch[:2] if geo.resident_span else (None, None)
-    staged = scratch[2:] if geo.resident_span else scratch
-    tile, split = lax.axis_index("tile"), lax.axis_index("split")
-    n0 = pl.multiple_of(tile * geo.tile_n, geo.tile_n)
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
-    first = split * steps
-    if x_resident is not None:  # issued before the pipeline's first weight loads, awaited by its first step
-        plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(first * geo.block_k, geo.resident_span)], x_resident, x_loaded)
+@dataclasses.dataclass(frozen=True)
+class _Tiles:
+    """What one program's step bodies read: its geometry, its share of the refs, and the activations' resident copy
+    (None: the pipeline brings a slice a step)."""
 
-    def row(ref, group: int, sub: int):
-        return plgpu.load(ref.at[group, pl.ds(sub * TILE_N, TILE_N)], layout=row_layout, optimized=False)
+    geo: _Geometry
+    first: object  # the program's first K step (traced)
+    zero_points: bool
+    x_resident: object = None
+    x_loaded: object = None
+    staged: tuple = ()
 
-    def x_slice(indices, rest):
+    def row(self, ref, group: int, sub: int):
+        """One group's scales (or zero points) for row tile `sub`, laid out along the wgmma rows."""
+        return plgpu.load(ref.at[group, pl.ds(sub * TILE_N, TILE_N)], layout=plgpu.Layout.WGMMA.reduce(1),
+                          optimized=False)
+
+    def x_slice(self, indices, rest):
         """The step's activations and the remaining step refs."""
-        if x_resident is None:
+        if self.x_resident is None:
             return rest[0], rest[1:]
-        pl.when(indices[0] == 0)(lambda: plgpu.barrier_wait(x_loaded))
-        start = pl.multiple_of(indices[0] * geo.block_k, geo.block_k)
-        return x_resident.at[:, pl.ds(start, geo.block_k)], rest
+        pl.when(indices[0] == 0)(lambda: plgpu.barrier_wait(self.x_loaded))
+        start = pl.multiple_of(indices[0] * self.geo.block_k, self.geo.block_k)
+        return self.x_resident.at[:, pl.ds(start, self.geo.block_k)], rest
 
-    def upcast(q_smem, z_smem, sub: int, c: int):
-        """Chunk `c` of row tile `sub` in the compute dtype, its zero points subtracted."""
+    def upcast(self, q_smem, z_smem, sub: int, c: int):
+        """Chunk `c` of row tile `sub` in the compute dtype, its zero points subtracted; and its group in the step."""
+        geo = self.geo
         g = c if geo.groups_per_step > 1 else 0
         w = q_smem.at[pl.ds(sub * TILE_N, TILE_N), pl.ds(c * geo.chunk, geo.chunk)][...].astype(geo.compute)
         if z_smem is not None:
-            zero = row(z_smem, g, sub).astype(jnp.float32).astype(w.dtype)  # eighths: exact
+            zero = self.row(z_smem, g, sub).astype(jnp.float32).astype(w.dtype)  # eighths: exact
             w = w - lax.broadcast_in_dim(zero, w.shape, [0])
         return w, g
 
-    def step(indices, q_smem, *rest):
-        x_smem, rest = x_slice(indices, rest)
-        s_smem, *rest = rest
-        z_smem, totals = (rest[0], rest[1]) if z_ref is not None else (None, rest[0])
-        out = []
-        for sub in range(geo.tile_n // TILE_N):
-            total = totals[sub]
-            for c in range(geo.block_k // geo.chunk):
-                w, g = upcast(q_smem, z_smem, sub, c)
-                part = pl.run_scoped(functools.partial(_product, w=w, x_tile=x_smem.at[:, pl.ds(c * geo.chunk,
-                                                                                                geo.chunk)],
-                                                       staged=staged),
-                                     plgpu.ACC((TILE_N, geo.rows), jnp.float32))
-                scale = row(s_smem, g, sub).astype(jnp.float32)
-                total = total + part * lax.broadcast_in_dim(scale, part.shape, [0])
-            out.append(total)
-        return tuple(out)
+    def x_chunk(self, x_smem, c: int):
+        return x_smem.at[:, pl.ds(c * self.geo.chunk, self.geo.chunk)]
 
+
+def _program(q_ref, x_ref, s_ref, *refs, geo: _Geometry, steps: int, zero_points: bool, max_concurrent_steps: int):
+    z_ref = refs[0] if zero_points else None
+    out_ref, out_smem, *scratch = refs[1:] if zero_points else refs
+    resident = scratch[:2] if geo.resident_span else (None, None)
+    tiles = _Tiles(geo, lax.axis_index("split") * steps, zero_points, *resident,
+                   tuple(scratch[2:] if geo.resident_span else scratch))
+    if tiles.x_resident is not None:  # issued before the pipeline's first weight loads, awaited by its first step
+        plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(tiles.first * geo.block_k, geo.resident_span)],
+                                tiles.x_resident, tiles.x_loaded)
     concurrent = min(max_concurrent_steps, steps)
     # one_accumulator leaves a step's last product in flight into the next step: its activation slot is released a
     # step late (a single step, or resident activations, need no delay)
-    delay = 1 if geo.one_accumulator and x_resident is None and concurrent > 1 else 0
+    delay = 1 if geo.one_accumulator and tiles.x_resident is None and concurrent > 1 else 0
+    first = tiles.first
     groups = pl.BlockSpec((geo.groups_per_step, geo.tile_n), lambda i: (geo.group_block(first + i), 0))
-    x_spec = [] if x_resident is not None else [
+    x_spec = [] if tiles.x_resident is not None else [
         plgpu.BlockSpec((geo.rows, geo.block_k), lambda i: (0, first + i),
                         transforms=_swizzled(geo.compute, geo.block_k, geo.chunk), delay_release=delay)]
     scale_spec = [groups] if not geo.one_accumulator or geo.scaled_weights else []
     in_specs = [plgpu.BlockSpec((geo.tile_n, geo.block_k), lambda i: (0, first + i),
                                 transforms=_swizzled(q_ref.dtype, geo.block_k, geo.chunk))]
-    in_specs += x_spec + scale_spec + ([groups] if z_ref is not None else [])
-    columns = pl.ds(n0, geo.tile_n)
-    operands = ([q_ref.at[columns]] + ([x_ref] if x_resident is None else [])
+    in_specs += x_spec + scale_spec + ([groups] if zero_points else [])
+    columns = pl.ds(pl.multiple_of(lax.axis_index("tile") * geo.tile_n, geo.tile_n), geo.tile_n)
+    operands = ([q_ref.at[columns]] + ([x_ref] if tiles.x_resident is None else [])
                 + ([s_ref.at[:, columns]] if scale_spec else [])
-                + ([z_ref.at[:, columns]] if z_ref is not None else []))
+                + ([z_ref.at[:, columns]] if zero_points else []))
+    pipeline = functools.partial(plgpu.emit_pipeline, grid=(steps,), in_specs=in_specs,
+                                 max_concurrent_steps=concurrent)
     if geo.one_accumulator:
-        def accumulating_step(accs, indices, q_smem, *rest):
-            x_smem, rest = x_slice(indices, rest)
-            s_smem, rest = (rest[0], rest[1:]) if scale_spec else (None, rest)
-            z_smem = rest[0] if z_ref is not None else None
-            for sub, acc in enumerate(accs):
-                for c in range(geo.block_k // geo.chunk):
-                    w, g = upcast(q_smem, z_smem, sub, c)
-                    if s_smem is not None:
-                        scale = row(s_smem, g, sub).astype(jnp.float32).astype(w.dtype)
-                        w = w * lax.broadcast_in_dim(scale, w.shape, [0])
-                    _issue_product(acc, w, x_smem.at[:, pl.ds(c * geo.chunk, geo.chunk)], staged)
-            if not delay and x_resident is None:
-                plgpu.wgmma_wait(0)
-
-        def accumulate(*accs):
-            plgpu.emit_pipeline(functools.partial(accumulating_step, accs), grid=(steps,), in_specs=in_specs,
-                                max_concurrent_steps=concurrent)(*operands)
-            plgpu.wgmma_wait(0)
-            return tuple(acc[...] for acc in accs)
-
-        totals = pl.run_scoped(accumulate, *[plgpu.ACC((TILE_N, geo.rows), jnp.float32)
-                                             for _ in range(geo.tile_n // TILE_N)])
+        totals = _one_accumulator(tiles, pipeline, operands, in_scales=bool(scale_spec), wait_each_step=not delay)
     else:
-        pipeline = plgpu.emit_pipeline(
-            step, grid=(steps,), in_specs=in_specs, max_concurrent_steps=concurrent,
-            init_carry=tuple(plgpu.layout_cast(jnp.zeros((TILE_N, geo.rows), jnp.float32), plgpu.Layout.WGMMA)
-                             for _ in range(geo.tile_n // TILE_N)),
-        )
-        totals = pipeline(*operands)
+        totals = _scaled_per_chunk(tiles, pipeline, operands)
     for sub, total in enumerate(totals):
         out_smem[pl.ds(sub * TILE_N, TILE_N)] = total
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, out_ref.at[split, columns])
+    plgpu.copy_smem_to_gmem(out_smem, out_ref.at[lax.axis_index("split"), columns])
     plgpu.wait_smem_to_gmem(0)
+
+
+def _scaled_per_chunk(tiles: _Tiles, pipeline, operands) -> tuple:
+    """Each chunk's product into a fresh accumulator, awaited, scaled by its group and added to a running sum."""
+    geo = tiles.geo
+
+    def step(indices, q_smem, *rest):
+        x_smem, rest = tiles.x_slice(indices, rest)
+        s_smem, *rest = rest
+        z_smem, totals = (rest[0], rest[1]) if tiles.zero_points else (None, rest[0])
+        out = []
+        for sub in range(geo.tile_n // TILE_N):
+            total = totals[sub]
+            for c in range(geo.block_k // geo.chunk):
+                w, g = tiles.upcast(q_smem, z_smem, sub, c)
+                part = pl.run_scoped(functools.partial(_product, w=w, x_tile=tiles.x_chunk(x_smem, c),
+                                                       staged=tiles.staged),
+                                     plgpu.ACC((TILE_N, geo.rows), jnp.float32))
+                scale = tiles.row(s_smem, g, sub).astype(jnp.float32)
+                total = total + part * lax.broadcast_in_dim(scale, part.shape, [0])
+            out.append(total)
+        return tuple(out)
+
+    zeros = tuple(plgpu.layout_cast(jnp.zeros((TILE_N, geo.rows), jnp.float32), plgpu.Layout.WGMMA)
+                  for _ in range(geo.tile_n // TILE_N))
+    return pipeline(step, init_carry=zeros)(*operands)
+
+
+def _one_accumulator(tiles: _Tiles, pipeline, operands, *, in_scales: bool, wait_each_step: bool) -> tuple:
+    """Every chunk's product into one accumulator per row tile, group scales multiplied into the weights first
+    (`in_scales`), one product left in flight; `wait_each_step`: await the step's products before its slots go."""
+    geo = tiles.geo
+
+    def step(accs, indices, q_smem, *rest):
+        x_smem, rest = tiles.x_slice(indices, rest)
+        s_smem, rest = (rest[0], rest[1:]) if in_scales else (None, rest)
+        z_smem = rest[0] if tiles.zero_points else None
+        for sub, acc in enumerate(accs):
+            for c in range(geo.block_k // geo.chunk):
+                w, g = tiles.upcast(q_smem, z_smem, sub, c)
+                if s_smem is not None:
+                    scale = tiles.row(s_smem, g, sub).astype(jnp.float32).astype(w.dtype)
+                    w = w * lax.broadcast_in_dim(scale, w.shape, [0])
+                _issue_product(acc, w, tiles.x_chunk(x_smem, c), tiles.staged)
+        if wait_each_step and tiles.x_resident is None:
+            plgpu.wgmma_wait(0)
+
+    def accumulate(*accs):
+        pipeline(functools.partial(step, accs))(*operands)
+        plgpu.wgmma_wait(0)
+        return tuple(acc[...] for acc in accs)
+
+    return pl.run_scoped(accumulate, *[plgpu.ACC((TILE_N, geo.rows), jnp.float32)
+                                       for _ in range(geo.tile_n // TILE_N)])
 
 
 def _issue_product(acc_ref, w, x_tile, staged) -> None:
