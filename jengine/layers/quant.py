@@ -198,13 +198,13 @@ def _mosaic_takes(x: Float[Array, "tokens k"], q: QuantizedWeight) -> bool:
     """Whether the Mosaic weight-only kernel serves this step: a per-channel weight-only step (int8 or float8 W8A16,
     or float8 W8A8 at the few rows that run weight-only), few bfloat16 rows, tiles that fit (64 output features,
     128-input steps)."""
-    from pallas_kernels.weight_only.kernel import TILE_N
+    from pallas_kernels.weight_only.kernel import fits
 
     n, k = q.weight.shape[-2:]
     weight_only = q.scheme.activations is None or (
         q.scheme.weight_dtype == "fp8" and q.scheme.activations == "fp8" and x.shape[0] <= WEIGHT_ONLY_MAX_TOKENS)
     return (weight_only and q.scheme.block_k == 0 and not q.kn and q.weight.ndim == 3 and x.dtype == jnp.bfloat16
-            and x.shape[0] <= MOSAIC_MAX_ROWS and n % TILE_N == 0 and k % 128 == 0 and k == x.shape[1])
+            and x.shape[0] <= MOSAIC_MAX_ROWS and fits(k, n, group=k) and k == x.shape[1])
 
 
 def _mosaic_matmul(x: Float[Array, "tokens k"], q: QuantizedWeight) -> Float[Array, "tokens n"]:

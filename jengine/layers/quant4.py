@@ -119,12 +119,10 @@ def fits_kernel(n: int) -> bool:
 
 def fits_mosaic(k: int, n: int, group: int, shards: int = 1, split: str | None = None) -> bool:
     """Whether each device's share of a `[k, n]` weight fits the Mosaic kernel's tiles (64 output features, groups
-    of whole 128-input steps)."""
-    from pallas_kernels.weight_only.kernel import TILE_N
+    of whole 128-input steps: `weight_only.kernel.fits`)."""
+    from pallas_kernels.weight_only.kernel import fits
 
-    local_n = n // shards if split == "columns" else n
-    local_k = k // shards if split == "rows" else k
-    return local_n % TILE_N == 0 and group % 128 == 0 and local_k % group == 0
+    return fits(k // shards if split == "rows" else k, n // shards if split == "columns" else n, group)
 
 
 def to_mosaic(w: Int4Weight, interpret: bool = False) -> Int4Weight:

@@ -264,7 +264,8 @@ def place_int4(host: HostInt4, path: str, sharding_for, impl: str) -> Int4Weight
                         _put(host.scales, sharding_for(path + ".scales", host.scales.shape)),
                         _put(host.perm, NamedSharding(mesh, P()) if mesh else packed_sharding), host.group,
                         words_impl(impl), mesh=mesh if split else None, split=split)
-    return in_kernel_layout(weight, impl, exact_zeros=exact_in_bfloat16(host.zeros))
+    # the zero points are scanned only where the Mosaic layout is asked for
+    return in_kernel_layout(weight, impl, exact_zeros=impl.startswith("mosaic") and exact_in_bfloat16(host.zeros))
 
 
 def exact_in_bfloat16(zeros: np.ndarray) -> bool:

@@ -98,6 +98,12 @@ def _swizzled(dtype, minor: int, chunk: int) -> tuple:
     return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
+def fits(k: int, n: int, group: int) -> bool:
+    """Whether a `[n, k]` weight with groups of `group` inputs (`k` for per-channel scales) takes the kernel's tiles
+    as the layers call it: 64 output features, groups of whole 128-input steps."""
+    return n % TILE_N == 0 and group % 128 == 0 and k % group == 0
+
+
 def fit(config: WeightOnlyConfig, k: int, n: int, group: int) -> WeightOnlyConfig:
     """`config` with its tile and step narrowed where a weight's shape needs it (64 output features; a step of one
     group, or of 128 inputs)."""
