@@ -28,16 +28,22 @@ INT4_DECODE = ((64, 128, 4, 264), (64, 256, 4, 264), (128, 256, 4, 264), (128, 5
                (128, 256, 8, 264), (64, 256, 8, 528), (128, 512, 2, 264), (128, 256, 4, 132),
                (64, 256, 8, 0), (64, 256, 8, 132), (64, 512, 4, 528),  # no split: no partial sums to add
                (64, 256, 8, 528, True), (64, 256, 4, 264, True), (128, 256, 4, 264, True), (64, 512, 4, 528, True),
-               (64, 256, 8, 528, False, True), (64, 256, 8, 528, True, True), (64, 256, 4, 264, False, True))
+               (64, 256, 8, 528, False, True), (64, 256, 8, 528, True, True), (64, 256, 4, 264, False, True),
+               # (..., resident_x, one_accumulator, warp_specialized)
+               (128, 256, 8, 264, False, False, True), (128, 256, 4, 264, False, False, True),
+               (64, 256, 8, 528, False, False, True), (128, 256, 8, 0, False, False, True))
 INT4_BATCH = ((64, 256, 4, 264), (128, 256, 4, 264), (128, 256, 3, 264), (128, 512, 2, 132), (64, 256, 4, 264, True),
               (64, 256, 4, 528, True), (64, 256, 4, 264, False, True), (128, 256, 3, 264, False, True))
 INT8 = ((64, 128, 4, 264), (64, 256, 4, 264), (128, 256, 4, 264), (64, 256, 8, 528), (64, 256, 8, 0),
         (64, 256, 4, 264, True), (64, 256, 8, 528, True),  # (..., resident_x, one_accumulator)
-        (64, 256, 4, 264, False, True), (64, 256, 8, 528, False, True))
+        (64, 256, 4, 264, False, True), (64, 256, 8, 528, False, True),
+        (128, 256, 8, 264, False, False, True), (64, 256, 8, 528, False, False, True))
 # --per-shape: how a shape's programs are cut (splits, steps in flight) may differ from the joint best
 PER_SHAPE_INT4 = ((64, 256, 8, 528), (64, 256, 4, 264), (64, 256, 8, 132), (64, 256, 8, 0), (64, 512, 4, 528),
                   (128, 256, 4, 132), (64, 256, 8, 528, False, True), (64, 256, 4, 264, False, True),
-                  (64, 256, 8, 132, False, True), (64, 256, 8, 0, False, True))
+                  (64, 256, 8, 132, False, True), (64, 256, 8, 0, False, True),
+                  (128, 256, 8, 264, False, False, True), (128, 256, 8, 132, False, False, True),
+                  (64, 256, 8, 528, False, False, True), (128, 256, 8, 0, False, False, True))
 SHAPES = ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096))  # (K, N) of qkv, o, gate/up, down
 TINY_SHAPES = ((256, 384), (256, 256), (256, 1024), (512, 256))  # --tiny: the CPU check, in Mosaic's interpreter
 GROUP = 128
@@ -154,15 +160,17 @@ def kernel_runner(interpret: bool):
 
 
 def candidate(tile_n: int, block_k: int, steps: int, programs: int, resident_x: bool = False,
-              one_accumulator: bool = False) -> WeightOnlyConfig:
+              one_accumulator: bool = False, warp_specialized: bool = False) -> WeightOnlyConfig:
     return WeightOnlyConfig(tile_n=tile_n, block_k=block_k, max_concurrent_steps=steps, min_programs=programs,
-                            resident_x=resident_x, one_accumulator=one_accumulator)
+                            resident_x=resident_x, one_accumulator=one_accumulator,
+                            warp_specialized=warp_specialized)
 
 
 def label(cfg: WeightOnlyConfig) -> str:
     resident = " rx" if cfg.resident_x else ""
     one = " 1acc" if cfg.one_accumulator else ""
-    return f"ours n{cfg.tile_n} k{cfg.block_k} c{cfg.max_concurrent_steps} p{cfg.min_programs}{resident}{one}"
+    ws = " ws" if cfg.warp_specialized else ""
+    return f"ours n{cfg.tile_n} k{cfg.block_k} c{cfg.max_concurrent_steps} p{cfg.min_programs}{resident}{one}{ws}"
 
 
 def main():

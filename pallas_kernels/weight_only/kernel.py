@@ -50,7 +50,9 @@ class WeightOnlyConfig:
     range over `RESIDENT_X_BYTES` keeps the slices. `one_accumulator`: the products of a program's whole range go into
     one accumulator, each group's scale multiplied into its weights in registers first (bfloat16: a rounding of the
     scaled weight, as in a bfloat16 model's own weights) and per-channel scales applied after the kernel, so the
-    tensor cores' products are never awaited inside the loop (one in flight while the next tile is upcast)."""
+    tensor cores' products are never awaited inside the loop (one in flight while the next tile is upcast).
+    `warp_specialized`: a memory warpgroup issues the loads and a compute warpgroup per 64 output features upcasts
+    and multiplies (per-chunk scaling; neither resident activations nor one accumulator)."""
 
     tile_n: int = 64
     block_k: int = 128
@@ -59,6 +61,7 @@ class WeightOnlyConfig:
     staged: bool = False
     resident_x: bool = False
     one_accumulator: bool = False
+    warp_specialized: bool = False
 
 
 def default_config(rows: int) -> WeightOnlyConfig:
@@ -134,10 +137,12 @@ def check(m: int, k: int, n: int, groups: int, dtype, config: WeightOnlyConfig) 
         raise ValueError(f"the weight-only kernel takes int4, int8 or float8_e4m3fn weights, not {dtype}")
     group, block_k = (k // groups if groups and k % groups == 0 else 0), config.block_k
     if (config.tile_n not in (TILE_N, 2 * TILE_N) or n % config.tile_n or not group or group % 64
-            or (group % block_k and block_k % group) or k % block_k or block_k % 64 or m > MAX_ROWS):
+            or (group % block_k and block_k % group) or k % block_k or block_k % 64 or m > MAX_ROWS
+            or (config.warp_specialized and (config.resident_x or config.one_accumulator))):
         raise ValueError(f"the weight-only kernel needs n ({n}) a multiple of its tile ({config.tile_n}), k ({k}) "
                          f"whole groups ({groups}) of a multiple of 64 inputs that divide or are multiples of its "
-                         f"step ({block_k}), and at most {MAX_ROWS} rows (got {m})")
+                         f"step ({block_k}), and at most {MAX_ROWS} rows (got {m}); warp specialization takes "
+                         f"neither resident activations nor one accumulator")
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -166,14 +171,17 @@ def weight_only_matmul(
     else:
         row_scale, xs = None, x.astype(geo.compute)
     xp = jnp.pad(xs, ((0, rows - m), (0, 0)))
+    threads = dict(num_threads=config.tile_n // TILE_N + 1, thread_name="wg") if config.warp_specialized else {}
     kernel = plgpu.kernel(
-        functools.partial(_program, geo=geo, steps=steps // split, zero_points=zeros is not None,
+        functools.partial(_warp_specialized_program if config.warp_specialized else _program, geo=geo,
+                          steps=steps // split, zero_points=zeros is not None,
                           max_concurrent_steps=config.max_concurrent_steps),
         out_type=jax.ShapeDtypeStruct((split, n, rows), jnp.float32),
         grid=(n // config.tile_n, split),
         grid_names=("tile", "split"),
-        scratch_types=_scratch(geo),
+        scratch_types=_scratch(geo, config.warp_specialized),
         interpret=interpret,
+        **threads,
     )
     operands = (q, xp, scales) + (() if zeros is None else (zeros,))  # upcast in registers: no copy a call
     out = jnp.sum(kernel(*operands), axis=0)
@@ -214,8 +222,11 @@ class _Geometry:
         return step * self.block_k // self.group // self.groups_per_step
 
 
-def _scratch(geo: _Geometry) -> list:
+def _scratch(geo: _Geometry, warp_specialized: bool = False) -> list:
     out = [plgpu.SMEM((geo.tile_n, geo.rows), jnp.float32)]
+    if warp_specialized:  # a staging tile per compute warpgroup
+        return out + ([plgpu.SMEM((geo.tile_n // TILE_N, TILE_N, geo.chunk), geo.compute,
+                                  transforms=_swizzled(geo.compute, geo.chunk, geo.chunk))] if geo.staged else [])
     if geo.resident_span:
         out.append(plgpu.SMEM((geo.rows, geo.resident_span), geo.compute,
                               transforms=_swizzled(geo.compute, geo.block_k, geo.chunk)))
@@ -264,6 +275,19 @@ class _Tiles:
     def x_chunk(self, x_smem, c: int):
         return x_smem.at[:, pl.ds(c * self.geo.chunk, self.geo.chunk)]
 
+    def add_scaled_chunks(self, total, q_smem, x_smem, s_smem, z_smem, sub, staging=None):
+        """`total` plus row tile `sub`'s product over the step, each chunk's into a fresh accumulator, awaited and
+        scaled by its group. `staging`: the interpreter form's shared-memory tile (default: the program's)."""
+        geo = self.geo
+        for c in range(geo.block_k // geo.chunk):
+            w, g = self.upcast(q_smem, z_smem, sub, c)
+            part = pl.run_scoped(functools.partial(_product, w=w, x_tile=self.x_chunk(x_smem, c),
+                                                   staged=staging or self.staged),
+                                 plgpu.ACC((TILE_N, geo.rows), jnp.float32))
+            scale = self.row(s_smem, g, sub).astype(jnp.float32)
+            total = total + part * lax.broadcast_in_dim(scale, part.shape, [0])
+        return total
+
 
 def _program(q_ref, x_ref, s_ref, *refs, geo: _Geometry, steps: int, zero_points: bool, max_concurrent_steps: int):
     z_ref = refs[0] if zero_points else None
@@ -278,6 +302,24 @@ def _program(q_ref, x_ref, s_ref, *refs, geo: _Geometry, steps: int, zero_points
     # one_accumulator leaves a step's last product in flight into the next step: its activation slot is released a
     # step late (a single step, or resident activations, need no delay)
     delay = 1 if geo.one_accumulator and tiles.x_resident is None and concurrent > 1 else 0
+    in_specs, operands, columns = _pipeline_inputs(geo, tiles, q_ref, x_ref, s_ref, z_ref, delay)
+    pipeline = functools.partial(plgpu.emit_pipeline, grid=(steps,), in_specs=in_specs,
+                                 max_concurrent_steps=concurrent)
+    if geo.one_accumulator:
+        totals = _one_accumulator(tiles, pipeline, operands, in_scales=geo.scaled_weights, wait_each_step=not delay)
+    else:
+        totals = _scaled_per_chunk(tiles, pipeline, operands)
+    for sub, total in enumerate(totals):
+        out_smem[pl.ds(sub * TILE_N, TILE_N)] = total
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, out_ref.at[lax.axis_index("split"), columns])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _pipeline_inputs(geo: _Geometry, tiles: _Tiles, q_ref, x_ref, s_ref, z_ref, delay: int = 0):
+    """A program's pipeline in-specs (weight, activations unless resident, scales unless applied after the kernel,
+    zero points), the refs they read, and the program's output features. `delay`: steps the activations' slot is
+    held past its own."""
     first = tiles.first
     groups = pl.BlockSpec((geo.groups_per_step, geo.tile_n), lambda i: (geo.group_block(first + i), 0))
     x_spec = [] if tiles.x_resident is not None else [
@@ -286,22 +328,41 @@ def _program(q_ref, x_ref, s_ref, *refs, geo: _Geometry, steps: int, zero_points
     scale_spec = [groups] if not geo.one_accumulator or geo.scaled_weights else []
     in_specs = [plgpu.BlockSpec((geo.tile_n, geo.block_k), lambda i: (0, first + i),
                                 transforms=_swizzled(q_ref.dtype, geo.block_k, geo.chunk))]
-    in_specs += x_spec + scale_spec + ([groups] if zero_points else [])
+    in_specs += x_spec + scale_spec + ([groups] if z_ref is not None else [])
     columns = pl.ds(pl.multiple_of(lax.axis_index("tile") * geo.tile_n, geo.tile_n), geo.tile_n)
     operands = ([q_ref.at[columns]] + ([x_ref] if tiles.x_resident is None else [])
                 + ([s_ref.at[:, columns]] if scale_spec else [])
-                + ([z_ref.at[:, columns]] if zero_points else []))
-    pipeline = functools.partial(plgpu.emit_pipeline, grid=(steps,), in_specs=in_specs,
-                                 max_concurrent_steps=concurrent)
-    if geo.one_accumulator:
-        totals = _one_accumulator(tiles, pipeline, operands, in_scales=bool(scale_spec), wait_each_step=not delay)
-    else:
-        totals = _scaled_per_chunk(tiles, pipeline, operands)
-    for sub, total in enumerate(totals):
-        out_smem[pl.ds(sub * TILE_N, TILE_N)] = total
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, out_ref.at[lax.axis_index("split"), columns])
-    plgpu.wait_smem_to_gmem(0)
+                + ([z_ref.at[:, columns]] if z_ref is not None else []))
+    return in_specs, operands, columns
+
+
+def _warp_specialized_program(q_ref, x_ref, s_ref, *refs, geo: _Geometry, steps: int, zero_points: bool,
+                              max_concurrent_steps: int):
+    """The per-chunk form with a memory warpgroup issuing every step's loads and one compute warpgroup per 64
+    output features, each upcasting and multiplying its own rows: twice the registers and issue slots for the
+    upcast that a single warpgroup spends, while the loads never wait on it."""
+    z_ref = refs[0] if zero_points else None
+    out_ref, out_smem, *staging = refs[1:] if zero_points else refs
+    wg = lax.axis_index("wg")
+    tiles = _Tiles(geo, lax.axis_index("split") * steps, zero_points)
+    in_specs, operands, columns = _pipeline_inputs(geo, tiles, q_ref, x_ref, s_ref, z_ref)
+    own = pl.ds(pl.multiple_of(wg * TILE_N, TILE_N), TILE_N)
+
+    def step(indices, q_smem, x_smem, s_smem, *rest):
+        z_smem, total = (rest[0], rest[1]) if zero_points else (None, rest[0])
+        return tiles.add_scaled_chunks(total, q_smem, x_smem, s_smem, z_smem, wg,
+                                       (staging[0].at[wg],) if staging else None)
+
+    def compute(run):
+        out_smem[own] = run(_zero_total(geo))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem.at[own], out_ref.at[lax.axis_index("split"), columns].at[own])
+        plgpu.wait_smem_to_gmem(0)
+
+    plgpu.emit_pipeline_warp_specialized(
+        step, grid=(steps,), memory_registers=40, in_specs=in_specs, wg_axis="wg",
+        num_compute_wgs=geo.tile_n // TILE_N, max_concurrent_steps=min(max_concurrent_steps, steps),
+        compute_context=compute)(*operands)
 
 
 def _scaled_per_chunk(tiles: _Tiles, pipeline, operands) -> tuple:
@@ -312,22 +373,15 @@ def _scaled_per_chunk(tiles: _Tiles, pipeline, operands) -> tuple:
         x_smem, rest = tiles.x_slice(indices, rest)
         s_smem, *rest = rest
         z_smem, totals = (rest[0], rest[1]) if tiles.zero_points else (None, rest[0])
-        out = []
-        for sub in range(geo.tile_n // TILE_N):
-            total = totals[sub]
-            for c in range(geo.block_k // geo.chunk):
-                w, g = tiles.upcast(q_smem, z_smem, sub, c)
-                part = pl.run_scoped(functools.partial(_product, w=w, x_tile=tiles.x_chunk(x_smem, c),
-                                                       staged=tiles.staged),
-                                     plgpu.ACC((TILE_N, geo.rows), jnp.float32))
-                scale = tiles.row(s_smem, g, sub).astype(jnp.float32)
-                total = total + part * lax.broadcast_in_dim(scale, part.shape, [0])
-            out.append(total)
-        return tuple(out)
+        return tuple(tiles.add_scaled_chunks(totals[sub], q_smem, x_smem, s_smem, z_smem, sub)
+                     for sub in range(geo.tile_n // TILE_N))
 
-    zeros = tuple(plgpu.layout_cast(jnp.zeros((TILE_N, geo.rows), jnp.float32), plgpu.Layout.WGMMA)
-                  for _ in range(geo.tile_n // TILE_N))
+    zeros = tuple(_zero_total(geo) for _ in range(geo.tile_n // TILE_N))
     return pipeline(step, init_carry=zeros)(*operands)
+
+
+def _zero_total(geo: _Geometry):
+    return plgpu.layout_cast(jnp.zeros((TILE_N, geo.rows), jnp.float32), plgpu.Layout.WGMMA)
 
 
 def _one_accumulator(tiles: _Tiles, pipeline, operands, *, in_scales: bool, wait_each_step: bool) -> tuple:
