@@ -68,6 +68,22 @@ def test_matches_float64_reference(dtype, m, k, n, groups, tile_n, block_k, min_
     np.testing.assert_allclose(got, ref, rtol=2 ** -8, atol=1e-3 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("dtype,m,k,n,groups,tile_n,min_programs,zero_points", [
+    ("int4", 1, 512, 256, 4, 128, 0, False),  # two compute warpgroups, a memory one, group scales
+    ("int4", 13, 768, 256, 3, 128, 6, True),  # odd rows, groups over two steps, K split in 3, zero points
+    ("int8", 5, 512, 64, 1, 64, 4, False),  # one compute warpgroup, per channel, K split in 4
+    ("float8_e4m3fn", 3, 512, 128, 1, 128, 2, False),
+])
+def test_warp_specialized_matches_float64_reference(dtype, m, k, n, groups, tile_n, min_programs, zero_points):
+    rng = np.random.default_rng()
+    x, q, scales = _case(rng, m, k, n, groups, dtype)
+    zeros = rng.integers(-8, 8, (groups, n)).astype(np.float32) if zero_points else None
+    cfg = WeightOnlyConfig(tile_n=tile_n, block_k=128, min_programs=min_programs, max_concurrent_steps=2,
+                           staged=True, warp_specialized=True)
+    got, ref = _run(x, q, scales, dtype, cfg, zeros=zeros), _reference(x, q, scales, zeros)
+    np.testing.assert_allclose(got, ref, rtol=2 ** -8, atol=1e-3 * np.abs(ref).max())
+
+
 def _reference_scaled_in_bfloat16(x, q, scales, zeros=None) -> np.ndarray:
     """`one_accumulator`'s arithmetic: each weight `(q − z) · s` rounded to bfloat16 (s itself rounded first), as a
     bfloat16 model's dequantized weight is, then the product in float64."""
@@ -145,6 +161,8 @@ def test_rejects_shapes_it_cannot_tile(m, k, n, groups):
                                              one_accumulator=True)),  # the activations' slots released a step late
     (jnp.int4, 16, 32, False, WeightOnlyConfig(tile_n=128, block_k=256, one_accumulator=True, resident_x=True)),
     (jnp.float8_e4m3fn, 1, 1, False, WeightOnlyConfig(one_accumulator=True)),
+    (jnp.int4, 1, 32, True, WeightOnlyConfig(tile_n=128, block_k=256, max_concurrent_steps=8, warp_specialized=True)),
+    (jnp.int8, 64, 1, False, WeightOnlyConfig(block_k=256, warp_specialized=True)),
 ])
 def test_register_operand_form_lowers_for_h200(dtype, m, groups, zeros, cfg):
     fn = functools.partial(weight_only_matmul, config=cfg)
