@@ -31,7 +31,10 @@ INT4_DECODE = ((64, 128, 4, 264), (64, 256, 4, 264), (128, 256, 4, 264), (128, 5
                (64, 256, 8, 528, False, True), (64, 256, 8, 528, True, True), (64, 256, 4, 264, False, True),
                # (..., resident_x, one_accumulator, warp_specialized)
                (128, 256, 8, 264, False, False, True), (128, 256, 4, 264, False, False, True),
-               (64, 256, 8, 528, False, False, True), (128, 256, 8, 0, False, False, True))
+               (64, 256, 8, 528, False, False, True), (128, 256, 8, 0, False, False, True),
+               # (..., warp_specialized, persistent)
+               (64, 256, 8, 0, False, False, False, 132), (64, 256, 8, 0, False, False, False, 264),
+               (64, 256, 16, 0, False, False, False, 132), (128, 256, 8, 0, False, False, False, 132))
 INT4_BATCH = ((64, 256, 4, 264), (128, 256, 4, 264), (128, 256, 3, 264), (128, 512, 2, 132), (64, 256, 4, 264, True),
               (64, 256, 4, 528, True), (64, 256, 4, 264, False, True), (128, 256, 3, 264, False, True))
 INT8 = ((64, 128, 4, 264), (64, 256, 4, 264), (128, 256, 4, 264), (64, 256, 8, 528), (64, 256, 8, 0),
@@ -43,7 +46,9 @@ PER_SHAPE_INT4 = ((64, 256, 8, 528), (64, 256, 4, 264), (64, 256, 8, 132), (64, 
                   (128, 256, 4, 132), (64, 256, 8, 528, False, True), (64, 256, 4, 264, False, True),
                   (64, 256, 8, 132, False, True), (64, 256, 8, 0, False, True),
                   (128, 256, 8, 264, False, False, True), (128, 256, 8, 132, False, False, True),
-                  (64, 256, 8, 528, False, False, True), (128, 256, 8, 0, False, False, True))
+                  (64, 256, 8, 528, False, False, True), (128, 256, 8, 0, False, False, True),
+                  (64, 256, 8, 0, False, False, False, 132), (64, 256, 8, 0, False, False, False, 264),
+                  (64, 256, 16, 0, False, False, False, 132), (128, 256, 8, 0, False, False, False, 132))
 SHAPES = ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096))  # (K, N) of qkv, o, gate/up, down
 TINY_SHAPES = ((256, 384), (256, 256), (256, 1024), (512, 256))  # --tiny: the CPU check, in Mosaic's interpreter
 GROUP = 128
@@ -160,17 +165,19 @@ def kernel_runner(interpret: bool):
 
 
 def candidate(tile_n: int, block_k: int, steps: int, programs: int, resident_x: bool = False,
-              one_accumulator: bool = False, warp_specialized: bool = False) -> WeightOnlyConfig:
+              one_accumulator: bool = False, warp_specialized: bool = False, persistent: int = 0) -> WeightOnlyConfig:
     return WeightOnlyConfig(tile_n=tile_n, block_k=block_k, max_concurrent_steps=steps, min_programs=programs,
                             resident_x=resident_x, one_accumulator=one_accumulator,
-                            warp_specialized=warp_specialized)
+                            warp_specialized=warp_specialized, persistent=persistent)
 
 
 def label(cfg: WeightOnlyConfig) -> str:
     resident = " rx" if cfg.resident_x else ""
     one = " 1acc" if cfg.one_accumulator else ""
     ws = " ws" if cfg.warp_specialized else ""
-    return f"ours n{cfg.tile_n} k{cfg.block_k} c{cfg.max_concurrent_steps} p{cfg.min_programs}{resident}{one}{ws}"
+    persistent = f" persistent{cfg.persistent}" if cfg.persistent else ""
+    return (f"ours n{cfg.tile_n} k{cfg.block_k} c{cfg.max_concurrent_steps} p{cfg.min_programs}{resident}{one}{ws}"
+            f"{persistent}")
 
 
 def main():

@@ -52,7 +52,10 @@ class WeightOnlyConfig:
     scaled weight, as in a bfloat16 model's own weights) and per-channel scales applied after the kernel, so the
     tensor cores' products are never awaited inside the loop (one in flight while the next tile is upcast).
     `warp_specialized`: a memory warpgroup issues the loads and a compute warpgroup per 64 output features upcasts
-    and multiplies (per-chunk scaling; neither resident activations nor one accumulator)."""
+    and multiplies (per-chunk scaling; neither resident activations nor one accumulator). `persistent`: a grid of at
+    most this many programs (the SMs, or a multiple), each running its share of the (tile, split) work items back
+    to back through one pipeline, so loads keep flowing across items and each item's result leaves asynchronously
+    (per-chunk scaling, one warpgroup; 0: a program per work item)."""
 
     tile_n: int = 64
     block_k: int = 128
@@ -62,6 +65,7 @@ class WeightOnlyConfig:
     resident_x: bool = False
     one_accumulator: bool = False
     warp_specialized: bool = False
+    persistent: int = 0
 
 
 def default_config(rows: int) -> WeightOnlyConfig:
@@ -87,6 +91,18 @@ def splits_for(steps: int, tiles: int, min_programs: int, steps_per_group: int =
         if steps % split == 0 and whole and split * tiles >= min_programs:
             return split
     return steps
+
+
+def persistent_splits(steps: int, tiles: int, programs: int, steps_per_group: int = 1) -> int:
+    """The fewest splits of `steps` whose work items (`tiles` × splits) keep 90 % of `programs` busy in every wave
+    (else the busiest), each split whole groups or inside one."""
+    def busy(split):
+        items = tiles * split
+        return items / (-(-items // programs) * programs)
+
+    valid = [split for split in range(1, steps + 1) if steps % split == 0
+             and ((steps // split) % steps_per_group == 0 or steps_per_group % (steps // split) == 0)]
+    return next((split for split in valid if busy(split) >= 0.9), max(valid, key=busy))
 
 
 def _bits(dtype) -> int:
@@ -138,11 +154,12 @@ def check(m: int, k: int, n: int, groups: int, dtype, config: WeightOnlyConfig) 
     group, block_k = (k // groups if groups and k % groups == 0 else 0), config.block_k
     if (config.tile_n not in (TILE_N, 2 * TILE_N) or n % config.tile_n or not group or group % 64
             or (group % block_k and block_k % group) or k % block_k or block_k % 64 or m > MAX_ROWS
-            or (config.warp_specialized and (config.resident_x or config.one_accumulator))):
+            or ((config.warp_specialized or config.persistent)
+                and (config.resident_x or config.one_accumulator or (config.warp_specialized and config.persistent)))):
         raise ValueError(f"the weight-only kernel needs n ({n}) a multiple of its tile ({config.tile_n}), k ({k}) "
                          f"whole groups ({groups}) of a multiple of 64 inputs that divide or are multiples of its "
-                         f"step ({block_k}), and at most {MAX_ROWS} rows (got {m}); warp specialization takes "
-                         f"neither resident activations nor one accumulator")
+                         f"step ({block_k}), and at most {MAX_ROWS} rows (got {m}); warp specialization and persistent "
+                         f"programs take neither resident activations, one accumulator nor each other")
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -160,7 +177,9 @@ def weight_only_matmul(
     check(m, k, n, groups, q.dtype, config)
     rows = padded_rows(m)
     steps = k // config.block_k
-    split = splits_for(steps, n // config.tile_n, config.min_programs, max(1, k // groups // config.block_k))
+    steps_per_group = max(1, k // groups // config.block_k)
+    split = (persistent_splits(steps, n // config.tile_n, config.persistent, steps_per_group) if config.persistent
+             else splits_for(steps, n // config.tile_n, config.min_programs, steps_per_group))
     span = k // split
     resident = config.resident_x and rows * span * jnp.dtype(compute_dtype(q.dtype)).itemsize <= RESIDENT_X_BYTES
     geo = _Geometry(rows, config.tile_n, config.block_k, k // groups, config.staged, compute_dtype(q.dtype),
@@ -171,24 +190,34 @@ def weight_only_matmul(
     else:
         row_scale, xs = None, x.astype(geo.compute)
     xp = jnp.pad(xs, ((0, rows - m), (0, 0)))
-    threads = dict(num_threads=config.tile_n // TILE_N + 1, thread_name="wg") if config.warp_specialized else {}
-    kernel = plgpu.kernel(
-        functools.partial(_warp_specialized_program if config.warp_specialized else _program, geo=geo,
-                          steps=steps // split, zero_points=zeros is not None,
-                          max_concurrent_steps=config.max_concurrent_steps),
-        out_type=jax.ShapeDtypeStruct((split, n, rows), jnp.float32),
-        grid=(n // config.tile_n, split),
-        grid_names=("tile", "split"),
-        scratch_types=_scratch(geo, config.warp_specialized),
-        interpret=interpret,
-        **threads,
-    )
+    kernel = _kernel(config, geo, steps, split, n, zeros is not None, interpret)
     operands = (q, xp, scales) + (() if zeros is None else (zeros,))  # upcast in registers: no copy a call
     out = jnp.sum(kernel(*operands), axis=0)
     if config.one_accumulator and groups == 1:  # per-channel scales: after the sum, in the same XLA fusion
         out = out * scales[0].astype(jnp.float32)[:, None]
     out = out[:, :m].T
     return (out if row_scale is None else out * row_scale[:, None]).astype(x.dtype)
+
+
+def _kernel(config: WeightOnlyConfig, geo: "_Geometry", steps: int, split: int, n: int, zero_points: bool,
+            interpret):
+    """The kernel over `split` ranges of `steps` input steps and `n // tile_n` output tiles: a program per (tile,
+    range), warp-specialised or not, or `config.persistent` programs looping over them."""
+    out_type = jax.ShapeDtypeStruct((split, n, geo.rows), jnp.float32)
+    common = dict(zero_points=zero_points, max_concurrent_steps=config.max_concurrent_steps)
+    if config.persistent:
+        items = n // config.tile_n * split
+        waves = -(-items // config.persistent)
+        programs = -(-items // waves)  # the fewest programs for that many waves: at most waves - 1 items repeated
+        body = functools.partial(_persistent_program, geo=geo, steps=steps // split, split=split, items=items,
+                                 programs=programs, **common)
+        return plgpu.kernel(body, out_type=out_type, grid=(programs,), grid_names=("program",),
+                            scratch_types=_scratch(geo, slots=2), interpret=interpret)
+    threads = dict(num_threads=config.tile_n // TILE_N + 1, thread_name="wg") if config.warp_specialized else {}
+    body = functools.partial(_warp_specialized_program if config.warp_specialized else _program, geo=geo,
+                             steps=steps // split, **common)
+    return plgpu.kernel(body, out_type=out_type, grid=(n // config.tile_n, split), grid_names=("tile", "split"),
+                        scratch_types=_scratch(geo, config.warp_specialized), interpret=interpret, **threads)
 
 
 def compute_dtype(weight_dtype):
@@ -222,8 +251,9 @@ class _Geometry:
         return step * self.block_k // self.group // self.groups_per_step
 
 
-def _scratch(geo: _Geometry, warp_specialized: bool = False) -> list:
-    out = [plgpu.SMEM((geo.tile_n, geo.rows), jnp.float32)]
+def _scratch(geo: _Geometry, warp_specialized: bool = False, slots: int = 0) -> list:
+    """The output tile (`slots` of them, where results leave while the next item runs) and staging tiles."""
+    out = [plgpu.SMEM(((slots,) if slots else ()) + (geo.tile_n, geo.rows), jnp.float32)]
     if warp_specialized:  # a staging tile per compute warpgroup
         return out + ([plgpu.SMEM((geo.tile_n // TILE_N, TILE_N, geo.chunk), geo.compute,
                                   transforms=_swizzled(geo.compute, geo.chunk, geo.chunk))] if geo.staged else [])
@@ -363,6 +393,61 @@ def _warp_specialized_program(q_ref, x_ref, s_ref, *refs, geo: _Geometry, steps:
         step, grid=(steps,), memory_registers=40, in_specs=in_specs, wg_axis="wg",
         num_compute_wgs=geo.tile_n // TILE_N, max_concurrent_steps=min(max_concurrent_steps, steps),
         compute_context=compute)(*operands)
+
+
+def _persistent_program(q_ref, x_ref, s_ref, *refs, geo: _Geometry, steps: int, split: int, items: int,
+                        programs: int, zero_points: bool, max_concurrent_steps: int):
+    """Work items `me, me + programs, ...` (item = tile · split + range; the last wave's overrun repeats the final
+    item, writing what it wrote) as one pipeline of `steps` steps an item: the running sums reset after an item's
+    last step, whose result goes out through one of two shared-memory slots while the next item's steps run."""
+    z_ref = refs[0] if zero_points else None
+    out_ref, out_smem, *staged = refs[1:] if zero_points else refs
+    me = lax.axis_index("program")
+    tiles = _Tiles(geo, 0, zero_points, staged=tuple(staged))
+    waves = -(-items // programs)
+
+    def item(i):
+        """Flat step `i`'s output tile, input range and input step."""
+        which = jnp.minimum(me + i // steps * programs, items - 1)
+        tile, part = which // split, which % split
+        return tile, part, part * steps + i % steps
+
+    def at(fn):
+        return lambda i: fn(*item(i))
+
+    groups = pl.BlockSpec((geo.groups_per_step, geo.tile_n), at(lambda t, _, k: (geo.group_block(k), t)))
+    in_specs = [plgpu.BlockSpec((geo.tile_n, geo.block_k), at(lambda t, _, k: (t, k)),
+                                transforms=_swizzled(q_ref.dtype, geo.block_k, geo.chunk)),
+                plgpu.BlockSpec((geo.rows, geo.block_k), at(lambda t, _, k: (0, k)),
+                                transforms=_swizzled(geo.compute, geo.block_k, geo.chunk)),
+                groups] + ([groups] if zero_points else [])
+
+    def step(indices, q_smem, x_smem, s_smem, *rest):
+        z_smem, totals = (rest[0], rest[1]) if zero_points else (None, rest[0])
+        totals = tuple(tiles.add_scaled_chunks(totals[sub], q_smem, x_smem, s_smem, z_smem, sub)
+                       for sub in range(geo.tile_n // TILE_N))
+        i = indices[0]
+        last = i % steps == steps - 1
+
+        @pl.when(last)
+        def _send():
+            slot = out_smem.at[i // steps % 2]
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this slot's previous result has left
+            for sub, total in enumerate(totals):
+                slot[pl.ds(sub * TILE_N, TILE_N)] = total
+            plgpu.commit_smem()
+            tile, part, _ = item(i)
+            columns = pl.ds(pl.multiple_of(tile * geo.tile_n, geo.tile_n), geo.tile_n)
+            plgpu.copy_smem_to_gmem(slot, out_ref.at[part, columns])
+
+        keep = jnp.where(last, 0.0, 1.0).astype(jnp.float32)
+        return tuple(total * keep for total in totals)
+
+    zeros = tuple(_zero_total(geo) for _ in range(geo.tile_n // TILE_N))
+    plgpu.emit_pipeline(step, grid=(waves * steps,), in_specs=in_specs, init_carry=zeros,
+                        max_concurrent_steps=min(max_concurrent_steps, waves * steps))(
+        q_ref, x_ref, s_ref, *([z_ref] if zero_points else []))
+    plgpu.wait_smem_to_gmem(0)
 
 
 def _scaled_per_chunk(tiles: _Tiles, pipeline, operands) -> tuple:
