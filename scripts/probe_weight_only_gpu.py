@@ -193,6 +193,9 @@ def main():
                          "kernel durations and launch lag per call, beside its wall time (host- or device-bound)")
     ap.add_argument("--per-shape-s", type=float, default=120,
                     help="seconds past --deadline-s for --per-shape's candidates")
+    ap.add_argument("--loads-only", type=int, default=0, metavar="N",
+                    help="also the first N one-row int4 candidates with no upcast or product (the pipeline's copies "
+                         "alone, output wrong): the rate the kernel's structure streams at, beside its own")
     ap.add_argument("--per-shape", action="store_true",
                     help="also each projection's shape alone at one row (default configs): its own bytes per second, "
                          "so a fixed cost per launch shows beside the streaming rate")
@@ -258,12 +261,42 @@ def main():
                 x.dtype), xs, layers, result[kind], rows, int8_bytes, copy_rate, bf16_s)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
+    if args.loads_only:
+        result["loads_only"] = loads_only(ours, [candidate(*c) for c in INT4_DECODE[:args.loads_only]], shapes, rng,
+                                          int4, int4_bytes, copy_rate)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
     if args.per_shape:
         result["per_shape"] = per_shape(shapes, rng, bf16_layers, int4, int8, ours, copy_rate, args.trace,
                                         deadline=start + args.deadline_s + args.per_shape_s)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     log("done in", time.perf_counter() - start)
+
+
+def loads_only(ours, configs, shapes, rng, int4, int4_bytes, copy_rate) -> dict:
+    """One row through each config's pipeline with the step bodies' upcast and products removed (the copies and
+    barriers alone): whether the kernel's structure, not its arithmetic, holds the rate."""
+    from pallas_kernels.weight_only import kernel
+
+    xs = [jnp.asarray(rng.standard_normal((1, k)), jnp.bfloat16) for k, _ in shapes]
+    real = kernel._Tiles.add_scaled_chunks
+    out = {}
+    try:
+        kernel._Tiles.add_scaled_chunks = lambda self, total, *_, **__: total
+        jax.clear_caches()  # the configs' compiled kernels are the real ones
+        for cfg in configs:
+            try:
+                seconds = common.timeit(chain(lambda x, w, cfg=cfg: ours(x, w, cfg)), xs, int4, runs=5)
+                out[label(cfg)] = dict(seconds=seconds, bytes_per_s=int4_bytes / seconds,
+                                       vs_copy=int4_bytes / seconds / copy_rate)
+            except Exception as e:
+                out[label(cfg)] = dict(error=f"{type(e).__name__}: {str(e)[:400]}")
+            log("loads only", label(cfg), out[label(cfg)])
+    finally:
+        kernel._Tiles.add_scaled_chunks = real
+        jax.clear_caches()
+    return out
 
 
 def per_shape(shapes, rng, bf16_layers, int4, int8, ours, copy_rate, trace: bool = False,
