@@ -153,13 +153,14 @@ def check(m: int, k: int, n: int, groups: int, dtype, config: WeightOnlyConfig) 
         raise ValueError(f"the weight-only kernel takes int4, int8 or float8_e4m3fn weights, not {dtype}")
     group, block_k = (k // groups if groups and k % groups == 0 else 0), config.block_k
     if (config.tile_n not in (TILE_N, 2 * TILE_N) or n % config.tile_n or not group or group % 64
-            or (group % block_k and block_k % group) or k % block_k or block_k % 64 or m > MAX_ROWS
-            or ((config.warp_specialized or config.persistent)
-                and (config.resident_x or config.one_accumulator or (config.warp_specialized and config.persistent)))):
+            or (group % block_k and block_k % group) or k % block_k or block_k % 64 or m > MAX_ROWS):
         raise ValueError(f"the weight-only kernel needs n ({n}) a multiple of its tile ({config.tile_n}), k ({k}) "
                          f"whole groups ({groups}) of a multiple of 64 inputs that divide or are multiples of its "
-                         f"step ({block_k}), and at most {MAX_ROWS} rows (got {m}); warp specialization and persistent "
-                         f"programs take neither resident activations, one accumulator nor each other")
+                         f"step ({block_k}), and at most {MAX_ROWS} rows (got {m})")
+    forms = (config.resident_x, config.one_accumulator, config.warp_specialized, config.persistent > 0)
+    if (config.warp_specialized or config.persistent) and sum(forms) > 1:
+        raise ValueError("warp specialization and persistent programs take no other form (resident activations, "
+                         f"one accumulator, each other): {config}")
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))

@@ -179,6 +179,15 @@ def test_rejects_shapes_it_cannot_tile(m, k, n, groups):
                            jnp.ones((groups, n), jnp.float32), interpret=INTERPRET)
 
 
+@pytest.mark.parametrize("cfg", [WeightOnlyConfig(warp_specialized=True, persistent=132),
+                                 WeightOnlyConfig(persistent=132, one_accumulator=True),
+                                 WeightOnlyConfig(warp_specialized=True, resident_x=True)])
+def test_rejects_forms_that_do_not_combine(cfg):
+    with pytest.raises(ValueError, match="no other form"):
+        weight_only_matmul(jnp.zeros((1, 512), jnp.bfloat16), jnp.zeros((128, 512), jnp.int4),
+                           jnp.ones((4, 128), jnp.float32), config=cfg)
+
+
 @pytest.mark.parametrize("dtype,m,groups,zeros,cfg", [
     (jnp.int4, 1, 32, False, WeightOnlyConfig()),
     (jnp.int4, 64, 32, True, WeightOnlyConfig(tile_n=128, block_k=512)),
