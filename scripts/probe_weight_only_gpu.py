@@ -204,7 +204,6 @@ def main():
         args.layers, args.rows = 1, "1"
     shapes = TINY_SHAPES if args.tiny else SHAPES
     ours = kernel_runner(args.tiny)
-    start = time.perf_counter()
     _, copy_rate = common.copy_bandwidth(1 << 20 if args.tiny else 1 << 30)
     log("copy", copy_rate / 1e12, "TB/s")
     result = dict(device=common.jax_device_name(), git_sha=args.git_sha, copy_bytes_per_s=copy_rate, int4={},
@@ -221,6 +220,7 @@ def main():
     int4_triton = [[prepare4(*w) for w in p] for p in int4]
     zrng = np.random.default_rng(4)
     int4z = [[(q, s, jnp.asarray(zrng.integers(-8, 8, s.shape), jnp.bfloat16)) for q, s in p] for p in int4]
+    start = time.perf_counter()  # the deadlines count from the first timing, not the host building the layers
 
     for rows in [int(r) for r in args.rows.split(",") if r]:  # --rows "": --per-shape alone
         xs = [jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16) for k, _ in shapes]
