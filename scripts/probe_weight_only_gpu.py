@@ -12,6 +12,7 @@ upcast-in-the-dot (int8, float8: the engine's `xla` path), and the device-to-dev
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import time
@@ -189,8 +190,9 @@ def main():
     ap.add_argument("--deadline-s", type=float, default=300)
     ap.add_argument("--tiny", action="store_true", help="small shapes in Mosaic's interpreter (a CPU check)")
     ap.add_argument("--trace", action="store_true",
-                    help="with --per-shape: a profiler trace of each shape's chain (bf16, int4): device busy time, "
-                         "kernel durations and launch lag per call, beside its wall time (host- or device-bound)")
+                    help="with --per-shape: a profiler trace of each shape's chain (bf16; int4 shipped and persistent, "
+                         "with --loads-only also both emptied): device busy time, kernel durations and launch lag "
+                         "per call, beside its wall time (host- or device-bound)")
     ap.add_argument("--per-shape-s", type=float, default=120,
                     help="seconds past --deadline-s for --per-shape's candidates")
     ap.add_argument("--loads-only", type=int, default=0, metavar="N",
@@ -268,7 +270,8 @@ def main():
             json.dump(result, f, indent=1)
     if args.per_shape:
         result["per_shape"] = per_shape(shapes, rng, bf16_layers, int4, int8, ours, copy_rate, args.trace,
-                                        deadline=start + args.deadline_s + args.per_shape_s)
+                                        deadline=start + args.deadline_s + args.per_shape_s,
+                                        trace_emptied=args.loads_only > 0)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     log("done in", time.perf_counter() - start)
@@ -277,14 +280,9 @@ def main():
 def loads_only(ours, configs, shapes, rng, int4, int4_bytes, copy_rate) -> dict:
     """One row through each config's pipeline with the step bodies' upcast and products removed (the copies and
     barriers alone): whether the kernel's structure, not its arithmetic, holds the rate."""
-    from pallas_kernels.weight_only import kernel
-
     xs = [jnp.asarray(rng.standard_normal((1, k)), jnp.bfloat16) for k, _ in shapes]
-    real = kernel._Tiles.add_scaled_chunks
     out = {}
-    try:
-        kernel._Tiles.add_scaled_chunks = lambda self, total, *_, **__: total
-        jax.clear_caches()  # the configs' compiled kernels are the real ones
+    with arithmetic_removed():
         for cfg in configs:
             try:
                 seconds = common.timeit(chain(lambda x, w, cfg=cfg: ours(x, w, cfg)), xs, int4, runs=5)
@@ -293,20 +291,33 @@ def loads_only(ours, configs, shapes, rng, int4, int4_bytes, copy_rate) -> dict:
             except Exception as e:
                 out[label(cfg)] = dict(error=f"{type(e).__name__}: {str(e)[:400]}")
             log("loads only", label(cfg), out[label(cfg)])
-    finally:
-        kernel._Tiles.add_scaled_chunks = real
-        jax.clear_caches()
     return out
 
 
+@contextlib.contextmanager
+def arithmetic_removed():
+    """The kernel's per-chunk step bodies emptied (their output wrong) while inside: its copies and barriers alone.
+    The compiled kernels are dropped on the way in and out, so neither form is served from the other's cache."""
+    from pallas_kernels.weight_only import kernel
+
+    real = kernel._Tiles.add_scaled_chunks
+    try:
+        kernel._Tiles.add_scaled_chunks = lambda self, total, *_, **__: total
+        jax.clear_caches()
+        yield
+    finally:
+        kernel._Tiles.add_scaled_chunks = real
+        jax.clear_caches()
+
+
 def per_shape(shapes, rng, bf16_layers, int4, int8, ours, copy_rate, trace: bool = False,
-              deadline: float = float("inf")) -> dict:
+              deadline: float = float("inf"), trace_emptied: bool = False) -> dict:
     """Each projection shape alone (every layer's weight of that shape in one jit), one row: int8 at its default
     config, int4 at its default then `PER_SHAPE_INT4`'s candidates while `deadline` (perf_counter) allows, the
     fastest under `best`."""
     out = {}
     if trace:
-        out["traces"] = per_shape_traces(shapes, rng, bf16_layers, int4, ours)
+        out["traces"] = per_shape_traces(shapes, rng, bf16_layers, int4, ours, emptied=trace_emptied)
     for i, (k, n) in enumerate(shapes):
         record = {}
         xs = [jnp.asarray(rng.standard_normal((1, k)), jnp.bfloat16)]
@@ -333,39 +344,53 @@ def per_shape(shapes, rng, bf16_layers, int4, int8, ours, copy_rate, trace: bool
     return out
 
 
-def per_shape_traces(shapes, rng, bf16_layers, int4, ours, calls: int = 20) -> dict:
-    """Per shape and side, `calls` back-to-back calls of the chain under the profiler: wall time, device busy time
-    and kernels per call, launch lag (host-bound launches show lags near the launch latency)."""
+def per_shape_traces(shapes, rng, bf16_layers, int4, ours, calls: int = 20, emptied: bool = False) -> dict:
+    """Per shape and side (bf16; int4 shipped and persistent over the SMs; with `emptied`, both int4 forms again with
+    their arithmetic removed), `calls` back-to-back calls of the chain under the profiler: wall time, device busy
+    time and kernels per call (each kernel's own device time), launch lag (host-bound launches show lags near the
+    launch latency)."""
+    sms = getattr(jax.devices()[0], "core_count", 0) or 4  # the interpreter's devices report none
+    persistent = dataclasses.replace(default_config(1), persistent=sms, min_programs=0)
+    int4_sides = (("int4", default_config(1)), ("int4 persistent", persistent))
+    out = {}
+    for i, (k, n) in enumerate(shapes):
+        xs = [jnp.asarray(rng.standard_normal((1, k)), jnp.bfloat16)]
+        sides = [("bf16", bf16_layers, lambda x, w: x @ w)]
+        sides += [(side, int4, lambda x, w, cfg=cfg: ours(x, w, cfg)) for side, cfg in int4_sides]
+        for side, layers, matmul in sides:
+            out[f"{k}x{n} {side}"] = traced_chain(matmul, xs, [[p[i]] for p in layers], calls)
+            log(f"{k}x{n} {side}", out[f"{k}x{n} {side}"])
+        if emptied:
+            with arithmetic_removed():
+                for side, cfg in int4_sides:
+                    out[f"{k}x{n} {side} emptied"] = traced_chain(lambda x, w, cfg=cfg: ours(x, w, cfg), xs,
+                                                                  [[p[i]] for p in int4], calls)
+                    log(f"{k}x{n} {side} emptied", out[f"{k}x{n} {side} emptied"])
+    return out
+
+
+def traced_chain(matmul, xs, layers, calls: int) -> dict:
     import tempfile
     from pathlib import Path
 
     from probe_layer_loop_gpu import gpu_events, gpu_idle, kernel_summary, launch_lag
 
-    out = {}
-    for i, (k, n) in enumerate(shapes):
-        xs = [jnp.asarray(rng.standard_normal((1, k)), jnp.bfloat16)]
-        for side, layers, matmul in (("bf16", bf16_layers, lambda x, w: x @ w),
-                                     ("int4", int4, lambda x, w: ours(x, w, default_config(1)))):
-            run = chain(matmul)
-            chosen = [[p[i]] for p in layers]
-            jax.block_until_ready(run(xs, chosen))
-            with tempfile.TemporaryDirectory() as d:
-                t0 = time.perf_counter()
-                with jax.profiler.trace(d):
-                    for _ in range(calls):
-                        total = run(xs, chosen)
-                    jax.block_until_ready(total)
-                wall = time.perf_counter() - t0
-                events = gpu_events(Path(d))
-                entry = dict(wall_us_per_call_traced=wall / calls * 1e6,
-                             busy_us_per_call=sum(e["dur"] for e in events) / calls,
-                             kernels_per_call=len(events) / calls, idle=gpu_idle(Path(d), gap_us=5.0),
-                             launch=launch_lag(Path(d)),
-                             kernels=[(name, round(ms * 1e3 / calls, 2), count / calls)
-                                      for name, ms, count in kernel_summary(Path(d), top=8)])
-            out[f"{k}x{n} {side}"] = entry
-            log(f"{k}x{n} {side}", entry)
-    return out
+    run = chain(matmul)
+    jax.block_until_ready(run(xs, layers))
+    with tempfile.TemporaryDirectory() as d:
+        t0 = time.perf_counter()
+        with jax.profiler.trace(d):
+            for _ in range(calls):
+                total = run(xs, layers)
+            jax.block_until_ready(total)
+        wall = time.perf_counter() - t0
+        events = gpu_events(Path(d))
+        return dict(wall_us_per_call_traced=wall / calls * 1e6,
+                    busy_us_per_call=sum(e["dur"] for e in events) / calls,
+                    kernels_per_call=len(events) / calls, idle=gpu_idle(Path(d), gap_us=5.0),
+                    launch=launch_lag(Path(d)),
+                    kernels=[(name, round(ms * 1e3 / calls, 2), count / calls)
+                             for name, ms, count in kernel_summary(Path(d), top=8)])
 
 
 if __name__ == "__main__":
