@@ -319,10 +319,14 @@ class _Tiles:
             total = total + part * lax.broadcast_in_dim(scale, part.shape, [0])
         return total
 
+    def add_scaled_step(self, totals: tuple, q_smem, x_smem, s_smem, z_smem) -> tuple:
+        """`add_scaled_chunks` for every row tile of the program."""
+        return tuple(self.add_scaled_chunks(total, q_smem, x_smem, s_smem, z_smem, sub)
+                     for sub, total in enumerate(totals))
+
 
 def _program(q_ref, x_ref, s_ref, *refs, geo: _Geometry, steps: int, zero_points: bool, max_concurrent_steps: int):
-    z_ref = refs[0] if zero_points else None
-    out_ref, out_smem, *scratch = refs[1:] if zero_points else refs
+    z_ref, out_ref, out_smem, scratch = _split_refs(refs, zero_points)
     resident = scratch[:2] if geo.resident_span else (None, None)
     tiles = _Tiles(geo, lax.axis_index("split") * steps, zero_points, *resident,
                    tuple(scratch[2:] if geo.resident_span else scratch))
@@ -347,19 +351,22 @@ def _program(q_ref, x_ref, s_ref, *refs, geo: _Geometry, steps: int, zero_points
     plgpu.wait_smem_to_gmem(0)
 
 
+def _split_refs(refs, zero_points: bool):
+    """A program's refs after the weight, activations and scales: zero points (or None), the output, its
+    shared-memory tile and the scratch after it."""
+    z_ref = refs[0] if zero_points else None
+    out_ref, out_smem, *scratch = refs[1:] if zero_points else refs
+    return z_ref, out_ref, out_smem, scratch
+
+
 def _pipeline_inputs(geo: _Geometry, tiles: _Tiles, q_ref, x_ref, s_ref, z_ref, delay: int = 0):
     """A program's pipeline in-specs (weight, activations unless resident, scales unless applied after the kernel,
     zero points), the refs they read, and the program's output features. `delay`: steps the activations' slot is
     held past its own."""
     first = tiles.first
-    groups = pl.BlockSpec((geo.groups_per_step, geo.tile_n), lambda i: (geo.group_block(first + i), 0))
-    x_spec = [] if tiles.x_resident is not None else [
-        plgpu.BlockSpec((geo.rows, geo.block_k), lambda i: (0, first + i),
-                        transforms=_swizzled(geo.compute, geo.block_k, geo.chunk), delay_release=delay)]
-    scale_spec = [groups] if not geo.one_accumulator or geo.scaled_weights else []
-    in_specs = [plgpu.BlockSpec((geo.tile_n, geo.block_k), lambda i: (0, first + i),
-                                transforms=_swizzled(q_ref.dtype, geo.block_k, geo.chunk))]
-    in_specs += x_spec + scale_spec + ([groups] if z_ref is not None else [])
+    scale_spec = not geo.one_accumulator or geo.scaled_weights
+    in_specs = _step_specs(geo, q_ref.dtype, lambda i: (0, first + i), with_x=tiles.x_resident is None,
+                           with_scales=scale_spec, zero_points=z_ref is not None, delay=delay)
     columns = pl.ds(pl.multiple_of(lax.axis_index("tile") * geo.tile_n, geo.tile_n), geo.tile_n)
     operands = ([q_ref.at[columns]] + ([x_ref] if tiles.x_resident is None else [])
                 + ([s_ref.at[:, columns]] if scale_spec else [])
@@ -367,13 +374,28 @@ def _pipeline_inputs(geo: _Geometry, tiles: _Tiles, q_ref, x_ref, s_ref, z_ref, 
     return in_specs, operands, columns
 
 
+def _step_specs(geo: _Geometry, q_dtype, where, *, with_x: bool = True, with_scales: bool = True,
+                zero_points: bool = False, delay: int = 0) -> list:
+    """A step's in-specs (weight tile; activations; group scales; zero points), `where(i)` giving pipeline step
+    `i`'s output tile block and input step. `delay`: steps the activations' slot is held past its own."""
+    def at(index):
+        return lambda i: index(*where(i))
+
+    groups = pl.BlockSpec((geo.groups_per_step, geo.tile_n), at(lambda t, k: (geo.group_block(k), t)))
+    specs = [plgpu.BlockSpec((geo.tile_n, geo.block_k), at(lambda t, k: (t, k)),
+                             transforms=_swizzled(q_dtype, geo.block_k, geo.chunk))]
+    if with_x:
+        specs.append(plgpu.BlockSpec((geo.rows, geo.block_k), at(lambda t, k: (0, k)),
+                                     transforms=_swizzled(geo.compute, geo.block_k, geo.chunk), delay_release=delay))
+    return specs + ([groups] if with_scales else []) + ([groups] if zero_points else [])
+
+
 def _warp_specialized_program(q_ref, x_ref, s_ref, *refs, geo: _Geometry, steps: int, zero_points: bool,
                               max_concurrent_steps: int):
     """The per-chunk form with a memory warpgroup issuing every step's loads and one compute warpgroup per 64
     output features, each upcasting and multiplying its own rows: twice the registers and issue slots for the
     upcast that a single warpgroup spends, while the loads never wait on it."""
-    z_ref = refs[0] if zero_points else None
-    out_ref, out_smem, *staging = refs[1:] if zero_points else refs
+    z_ref, out_ref, out_smem, staging = _split_refs(refs, zero_points)
     wg = lax.axis_index("wg")
     tiles = _Tiles(geo, lax.axis_index("split") * steps, zero_points)
     in_specs, operands, columns = _pipeline_inputs(geo, tiles, q_ref, x_ref, s_ref, z_ref)
@@ -401,8 +423,7 @@ def _persistent_program(q_ref, x_ref, s_ref, *refs, geo: _Geometry, steps: int, 
     """Work items `me, me + programs, ...` (item = tile · split + range; the last wave's overrun repeats the final
     item, writing what it wrote) as one pipeline of `steps` steps an item: the running sums reset after an item's
     last step, whose result goes out through one of two shared-memory slots while the next item's steps run."""
-    z_ref = refs[0] if zero_points else None
-    out_ref, out_smem, *staged = refs[1:] if zero_points else refs
+    z_ref, out_ref, out_smem, staged = _split_refs(refs, zero_points)
     me = lax.axis_index("program")
     tiles = _Tiles(geo, 0, zero_points, staged=tuple(staged))
     waves = -(-items // programs)
@@ -413,20 +434,15 @@ def _persistent_program(q_ref, x_ref, s_ref, *refs, geo: _Geometry, steps: int, 
         tile, part = which // split, which % split
         return tile, part, part * steps + i % steps
 
-    def at(fn):
-        return lambda i: fn(*item(i))
+    def tile_and_step(i):
+        tile, _, k = item(i)
+        return tile, k
 
-    groups = pl.BlockSpec((geo.groups_per_step, geo.tile_n), at(lambda t, _, k: (geo.group_block(k), t)))
-    in_specs = [plgpu.BlockSpec((geo.tile_n, geo.block_k), at(lambda t, _, k: (t, k)),
-                                transforms=_swizzled(q_ref.dtype, geo.block_k, geo.chunk)),
-                plgpu.BlockSpec((geo.rows, geo.block_k), at(lambda t, _, k: (0, k)),
-                                transforms=_swizzled(geo.compute, geo.block_k, geo.chunk)),
-                groups] + ([groups] if zero_points else [])
+    in_specs = _step_specs(geo, q_ref.dtype, tile_and_step, zero_points=zero_points)
 
     def step(indices, q_smem, x_smem, s_smem, *rest):
         z_smem, totals = (rest[0], rest[1]) if zero_points else (None, rest[0])
-        totals = tuple(tiles.add_scaled_chunks(totals[sub], q_smem, x_smem, s_smem, z_smem, sub)
-                       for sub in range(geo.tile_n // TILE_N))
+        totals = tiles.add_scaled_step(totals, q_smem, x_smem, s_smem, z_smem)
         i = indices[0]
         last = i % steps == steps - 1
 
@@ -444,8 +460,7 @@ def _persistent_program(q_ref, x_ref, s_ref, *refs, geo: _Geometry, steps: int, 
         keep = jnp.where(last, 0.0, 1.0).astype(jnp.float32)
         return tuple(total * keep for total in totals)
 
-    zeros = tuple(_zero_total(geo) for _ in range(geo.tile_n // TILE_N))
-    plgpu.emit_pipeline(step, grid=(waves * steps,), in_specs=in_specs, init_carry=zeros,
+    plgpu.emit_pipeline(step, grid=(waves * steps,), in_specs=in_specs, init_carry=_zero_totals(geo),
                         max_concurrent_steps=min(max_concurrent_steps, waves * steps))(
         q_ref, x_ref, s_ref, *([z_ref] if zero_points else []))
     plgpu.wait_smem_to_gmem(0)
@@ -459,15 +474,18 @@ def _scaled_per_chunk(tiles: _Tiles, pipeline, operands) -> tuple:
         x_smem, rest = tiles.x_slice(indices, rest)
         s_smem, *rest = rest
         z_smem, totals = (rest[0], rest[1]) if tiles.zero_points else (None, rest[0])
-        return tuple(tiles.add_scaled_chunks(totals[sub], q_smem, x_smem, s_smem, z_smem, sub)
-                     for sub in range(geo.tile_n // TILE_N))
+        return tiles.add_scaled_step(totals, q_smem, x_smem, s_smem, z_smem)
 
-    zeros = tuple(_zero_total(geo) for _ in range(geo.tile_n // TILE_N))
-    return pipeline(step, init_carry=zeros)(*operands)
+    return pipeline(step, init_carry=_zero_totals(geo))(*operands)
 
 
 def _zero_total(geo: _Geometry):
     return plgpu.layout_cast(jnp.zeros((TILE_N, geo.rows), jnp.float32), plgpu.Layout.WGMMA)
+
+
+def _zero_totals(geo: _Geometry) -> tuple:
+    """A running sum per row tile of the program."""
+    return tuple(_zero_total(geo) for _ in range(geo.tile_n // TILE_N))
 
 
 def _one_accumulator(tiles: _Tiles, pipeline, operands, *, in_scales: bool, wait_each_step: bool) -> tuple:
