@@ -154,6 +154,19 @@ def time_side(name, matmul, xs, layers, record, rows, floor_bytes, copy_rate, bf
     return entry.get("seconds")
 
 
+def fastest(configs, deadline: float, seconds_of) -> dict:
+    """The fastest of `configs` timed by `seconds_of(cfg)` (None where it failed) while `deadline` (perf_counter)
+    allows: {seconds, config}, or {} when none ran."""
+    best = {}
+    for cfg in configs:
+        if time.perf_counter() > deadline:
+            break
+        seconds = seconds_of(cfg)
+        if seconds and seconds < best.get("seconds", float("inf")):
+            best = dict(seconds=seconds, config=dataclasses.asdict(cfg))
+    return best
+
+
 def kernel_runner(interpret: bool):
     """The kernel at exactly a candidate's configuration; `interpret`: in Mosaic GPU's interpreter (its
     shared-memory form, a few programs)."""
@@ -233,15 +246,10 @@ def main():
             log(rows, "bf16", result["bf16"][str(rows)])
         except Exception as e:
             log(rows, "bf16 failed", e)
-        configs = [candidate(*c) for c in (INT4_DECODE if rows == 1 else INT4_BATCH)]
-        best = {}
-        for cfg in configs:
-            if time.perf_counter() - start > args.deadline_s:
-                break
-            seconds = time_side(label(cfg), lambda x, w, cfg=cfg: ours(x, w, cfg), xs, int4,
-                                result["int4"], rows, int4_bytes, copy_rate, bf16_s, config=cfg)
-            if seconds and seconds < best.get("seconds", float("inf")):
-                best = dict(seconds=seconds, config=dataclasses.asdict(cfg))
+        deadline = start + args.deadline_s
+        best = fastest([candidate(*c) for c in (INT4_DECODE if rows == 1 else INT4_BATCH)], deadline,
+                       lambda cfg: time_side(label(cfg), lambda x, w: ours(x, w, cfg), xs, int4, result["int4"], rows,
+                                             int4_bytes, copy_rate, bf16_s, config=cfg))
         result.setdefault("best", {}).setdefault("int4", {})[str(rows)] = best
         cfg = WeightOnlyConfig(**best["config"]) if best else WeightOnlyConfig()
         time_side(label(cfg) + " zero points", lambda x, w: ours(x, w, cfg), xs, int4z,
@@ -249,32 +257,31 @@ def main():
         time_side("triton w4a16", w4a16, xs, int4_triton, result["int4"], rows, int4_bytes, copy_rate, bf16_s,
                   ref_layers=int4)
         for kind, layers in (("int8", int8), ("fp8", fp8)):
-            best = {}
-            for cfg in [candidate(*c) for c in INT8]:
-                if time.perf_counter() - start > args.deadline_s:
-                    break
-                seconds = time_side(label(cfg), lambda x, w, cfg=cfg: ours(x, w, cfg), xs,
-                                    layers, result[kind], rows, int8_bytes, copy_rate, bf16_s, config=cfg)
-                if seconds and seconds < best.get("seconds", float("inf")):
-                    best = dict(seconds=seconds, config=dataclasses.asdict(cfg))
+            best = fastest([candidate(*c) for c in INT8], deadline,
+                           lambda cfg, kind=kind, layers=layers: time_side(
+                               label(cfg), lambda x, w: ours(x, w, cfg), xs, layers, result[kind], rows, int8_bytes,
+                               copy_rate, bf16_s, config=cfg))
             result.setdefault("best", {}).setdefault(kind, {})[str(rows)] = best
             time_side("xla upcast dot", lambda x, w: (jnp.dot(x, w[0].astype(x.dtype).T,
                                                               preferred_element_type=jnp.float32) * w[1][0]).astype(
                 x.dtype), xs, layers, result[kind], rows, int8_bytes, copy_rate, bf16_s)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write(args.out, result)
     if args.loads_only:
         result["loads_only"] = loads_only(ours, [candidate(*c) for c in INT4_DECODE[:args.loads_only]], shapes, rng,
                                           int4, int4_bytes, copy_rate)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write(args.out, result)
     if args.per_shape:
         result["per_shape"] = per_shape(shapes, rng, bf16_layers, int4, int8, ours, copy_rate, args.trace,
                                         deadline=start + args.deadline_s + args.per_shape_s,
                                         trace_emptied=args.loads_only > 0)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write(args.out, result)
     log("done in", time.perf_counter() - start)
+
+
+def write(path: str, result: dict) -> None:
+    """The results so far (each part rewrites the file, so a call's limit keeps what ran)."""
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
 
 
 def loads_only(ours, configs, shapes, rng, int4, int4_bytes, copy_rate) -> dict:
@@ -330,16 +337,10 @@ def per_shape(shapes, rng, bf16_layers, int4, int8, ours, copy_rate, trace: bool
                   copy_rate, bf16_s)
         chosen = pick(int4)
         nbytes = weight_bytes(chosen, 4)
-        best = {}
         # the shipped configuration first (once, if a candidate repeats it), then the candidates
-        for cfg in dict.fromkeys([default_config(1)] + [candidate(*c) for c in PER_SHAPE_INT4]):
-            if time.perf_counter() > deadline:
-                break
-            seconds = time_side(label(cfg), lambda x, w, cfg=cfg: ours(x, w, cfg), xs, chosen, record, 1, nbytes,
-                                copy_rate, bf16_s, config=cfg)
-            if seconds and seconds < best.get("seconds", float("inf")):
-                best = dict(seconds=seconds, config=dataclasses.asdict(cfg))
-        record["best"] = best
+        record["best"] = fastest(dict.fromkeys([default_config(1)] + [candidate(*c) for c in PER_SHAPE_INT4]),
+                                 deadline, lambda cfg: time_side(label(cfg), lambda x, w: ours(x, w, cfg), xs, chosen,
+                                                                 record, 1, nbytes, copy_rate, bf16_s, config=cfg))
         out[f"{k}x{n}"] = record
     return out
 
