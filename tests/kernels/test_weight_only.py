@@ -68,36 +68,31 @@ def test_matches_float64_reference(dtype, m, k, n, groups, tile_n, block_k, min_
     np.testing.assert_allclose(got, ref, rtol=2 ** -8, atol=1e-3 * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("dtype,m,k,n,groups,tile_n,min_programs,zero_points", [
-    ("int4", 1, 512, 256, 4, 128, 0, False),  # two compute warpgroups, a memory one, group scales
-    ("int4", 13, 768, 256, 3, 128, 6, True),  # odd rows, groups over two steps, K split in 3, zero points
-    ("int8", 5, 512, 64, 1, 64, 4, False),  # one compute warpgroup, per channel, K split in 4
-    ("float8_e4m3fn", 3, 512, 128, 1, 128, 2, False),
+WARP_SPECIALIZED = dict(warp_specialized=True)
+
+
+@pytest.mark.parametrize("dtype,m,k,n,groups,zero_points,form", [
+    # two compute warpgroups and a memory one, group scales
+    ("int4", 1, 512, 256, 4, False, dict(tile_n=128, block_k=128, min_programs=0, **WARP_SPECIALIZED)),
+    # odd rows, groups over two steps, K split in 3, zero points
+    ("int4", 13, 768, 256, 3, True, dict(tile_n=128, block_k=128, min_programs=6, **WARP_SPECIALIZED)),
+    # one compute warpgroup, per channel, K split in 4
+    ("int8", 5, 512, 64, 1, False, dict(tile_n=64, block_k=128, min_programs=4, **WARP_SPECIALIZED)),
+    ("float8_e4m3fn", 3, 512, 128, 1, False, dict(tile_n=128, block_k=128, min_programs=2, **WARP_SPECIALIZED)),
+    # persistent programs, each running several work items through one pipeline: every item's sums start from
+    # zero and land in its own output columns and range. 8 items (K split in 4) over 3 programs: the last repeated
+    ("int4", 1, 512, 128, 4, False, dict(tile_n=64, block_k=128, persistent=3)),
+    # groups of two steps, 15 items over 4 programs, zero points
+    ("int4", 13, 768, 320, 3, True, dict(tile_n=64, block_k=128, persistent=4)),
+    # two row tiles an item, per channel
+    ("int8", 5, 512, 256, 1, False, dict(tile_n=128, block_k=128, persistent=3)),
+    ("float8_e4m3fn", 3, 512, 128, 1, False, dict(tile_n=64, block_k=256, persistent=2)),
 ])
-def test_warp_specialized_matches_float64_reference(dtype, m, k, n, groups, tile_n, min_programs, zero_points):
+def test_other_program_forms_match_float64_reference(dtype, m, k, n, groups, zero_points, form):
     rng = np.random.default_rng()
     x, q, scales = _case(rng, m, k, n, groups, dtype)
     zeros = rng.integers(-8, 8, (groups, n)).astype(np.float32) if zero_points else None
-    cfg = WeightOnlyConfig(tile_n=tile_n, block_k=128, min_programs=min_programs, max_concurrent_steps=2,
-                           staged=True, warp_specialized=True)
-    got, ref = _run(x, q, scales, dtype, cfg, zeros=zeros), _reference(x, q, scales, zeros)
-    np.testing.assert_allclose(got, ref, rtol=2 ** -8, atol=1e-3 * np.abs(ref).max())
-
-
-@pytest.mark.parametrize("dtype,m,k,n,groups,tile_n,block_k,programs,zero_points", [
-    ("int4", 1, 512, 128, 4, 64, 128, 3, False),  # 8 items (K split in 4) over 3 programs: the last one repeated
-    ("int4", 13, 768, 320, 3, 64, 128, 4, True),  # groups of two steps, 15 items over 4 programs, zero points
-    ("int8", 5, 512, 256, 1, 128, 128, 3, False),  # two row tiles an item, per channel
-    ("float8_e4m3fn", 3, 512, 128, 1, 64, 256, 2, False),
-])
-def test_persistent_programs_match_float64_reference(dtype, m, k, n, groups, tile_n, block_k, programs,
-                                                     zero_points):
-    """Each program runs several work items through one pipeline: every item's sums start from zero and land in
-    its own output columns and range."""
-    rng = np.random.default_rng()
-    x, q, scales = _case(rng, m, k, n, groups, dtype)
-    zeros = rng.integers(-8, 8, (groups, n)).astype(np.float32) if zero_points else None
-    cfg = WeightOnlyConfig(tile_n=tile_n, block_k=block_k, max_concurrent_steps=2, staged=True, persistent=programs)
+    cfg = WeightOnlyConfig(max_concurrent_steps=2, staged=True, **form)
     got, ref = _run(x, q, scales, dtype, cfg, zeros=zeros), _reference(x, q, scales, zeros)
     np.testing.assert_allclose(got, ref, rtol=2 ** -8, atol=1e-3 * np.abs(ref).max())
 
