@@ -126,6 +126,13 @@ def log_weights(params: dict, seconds: float) -> None:
                 shown, seconds, size / 1e9 / max(seconds, 1e-9))
 
 
+def log_unused_kv_scales(params: dict, kv_cache_dtype: str) -> None:
+    """A checkpoint made for a float8 KV cache served with the model's dtype: its scales are loaded, not used."""
+    if kv_cache_dtype == "auto" and any("kv_scale" in layer for layer in params["layers"]):
+        logger.info("the checkpoint's KV-cache scales go unused: the cache stores the model's dtype "
+                    "(--kv-cache-dtype fp8 stores float8 with them)")
+
+
 def is_quantized(params: dict) -> bool:
     from jengine.layers.quant import QuantizedWeight
     from jengine.layers.quant4 import Int4Experts, Int4Weight
@@ -232,6 +239,7 @@ def build_core(config: EngineConfig, devices: Sequence[jax.Device], layout: Para
     parallel = config.parallel
     spec, params, dtype = load_weights(config.model, layout)
     log_weights(params, time.perf_counter() - started)
+    log_unused_kv_scales(params, config.cache.kv_cache_dtype)
     weights_at = time.perf_counter()
     device = next(d for d in devices if d.process_index == jax.process_index())  # memory stats: local only
     deterministic = resolve_deterministic(config, spec, params, layout, dtype, device.platform)

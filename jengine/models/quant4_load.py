@@ -12,6 +12,7 @@ import numpy as np
 
 from jengine.errors import CheckpointError, UnsupportedModelError
 from jengine.models.checkpoint import CheckpointReader, TensorInfo
+from jengine.models.quant_config import check_kv_cache_scheme
 from jengine.models.quant4 import (
     GPTQ_BITS, Unpacked, _groups, gptq_zero_points, unpack_awq, unpack_compressed_tensors, unpack_gptq)
 
@@ -97,6 +98,7 @@ def _compressed_tensors_w4a16(qc: dict[str, Any]) -> Quant4Config | None:
         if weights.get("type", "int") != "int" or weights.get("strategy") not in ("group", "channel"):
             raise UnsupportedModelError(f"compressed-tensors 4-bit {weights.get('type')} weights with strategy "
                                         f"{weights.get('strategy')!r} are not supported (int, group or channel)")
+    check_kv_cache_scheme(qc.get("kv_cache_scheme"))
     symmetric = all(g["weights"].get("symmetric", True) for g in groups)
     return Quant4Config("compressed-tensors", 4, 0, symmetric=symmetric)
 

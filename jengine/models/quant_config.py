@@ -12,7 +12,8 @@ Read by the names real checkpoints use:
   group's `weights` / `input_activations`, stored by `format`: `float-quantized`, `int-quantized` and
   `naive-quantized` (`weight` in 8 bits + `weight_scale`, `input_scale` when static) and `pack-quantized` with 8
   bits (`weight_packed`: four int8 values per int32, little-endian, each stored + 128; `weight_scale`,
-  `weight_shape`).
+  `weight_shape`). A float8 `kv_cache_scheme` is read as the `k_scale` / `v_scale` tensors it wrote
+  (`check_kv_cache_scheme`).
 - `--quantization fp8` on a float checkpoint: every projection quantized at load, per output feature, activations
   per token.
 Every other method or setting is refused by name.
@@ -134,11 +135,26 @@ def _compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
         groups.append((tuple(targets), _ct_group(name, fmt, group)))
     if not groups:
         raise UnsupportedModelError("compressed-tensors quantization_config has no config_groups")
-    if qc.get("kv_cache_scheme"):
-        raise UnsupportedModelError("compressed-tensors kv_cache_scheme is not supported (use kv_cache_dtype='fp8')")
+    check_kv_cache_scheme(qc.get("kv_cache_scheme"))
     if qc.get("sparsity_config"):
         raise UnsupportedModelError("compressed-tensors sparsity_config is not supported")
     return QuantConfig("compressed-tensors", tuple(groups), tuple(qc.get("ignore") or ()), from_tensors=False)
+
+
+def check_kv_cache_scheme(scheme: dict[str, Any] | None) -> None:
+    """llm-compressor's float8 KV cache (`kv_cache_scheme`): its `k_scale` / `v_scale` tensors, one per layer
+    (`tensor`) or per KV head (`attn_head`), are what the loader reads for `kv_cache_dtype="fp8"` (a `dynamic`
+    scheme stores none: the first prefill calibrates them). Any other cache is refused by name."""
+    if not scheme:
+        return
+    kind, bits, strategy = scheme.get("type", "float"), scheme.get("num_bits"), scheme.get("strategy", "tensor")
+    if kind != "float" or bits != 8:
+        raise UnsupportedModelError(f"compressed-tensors kv_cache_scheme of {bits}-bit {kind} values is not "
+                                    "supported (8-bit float: kv_cache_dtype='fp8')")
+    if strategy not in ("tensor", "attn_head") or not scheme.get("symmetric", True):
+        raise UnsupportedModelError(f"compressed-tensors kv_cache_scheme with strategy {strategy!r} "
+                                    f"(symmetric: {scheme.get('symmetric', True)}) is not supported (symmetric, "
+                                    "per tensor or per attention head)")
 
 
 def _ct_group(name: str, fmt: str, group: dict[str, Any]) -> ModuleQuant:

@@ -170,6 +170,41 @@ def test_unsupported_quantization_is_refused_by_name(llama, tmp_path, config, me
         load_model(quantized, dtype="float32", progress=False)
 
 
+@pytest.mark.parametrize("strategy", ["tensor", "attn_head"])
+def test_a_float8_kv_cache_scheme_loads_its_scales(llama, tmp_path, strategy):
+    """llm-compressor's FP8 checkpoints made for a float8 KV cache (`kv_cache_scheme`, `self_attn.k_scale` /
+    `v_scale` per layer or per KV head) load: the projections as their format says, the scales as each layer's
+    float32 `kv_scale [K/V, heads]`, which `kv_cache_dtype="fp8"` stores the cache with."""
+    from safetensors.numpy import save_file
+
+    config = {**FORMATS["ct-float-channel-token"][0], "kv_cache_scheme": {
+        "num_bits": 8, "type": "float", "strategy": strategy, "dynamic": False, "symmetric": True}}
+    quantized, dequantized = qc.write_quantized(llama, tmp_path, config, FORMATS["ct-float-channel-token"][1])
+    layers, heads = 2, COMMON["num_key_value_heads"]
+    values = np.random.default_rng().uniform(0.002, 0.02, (layers, 2, heads if strategy == "attn_head" else 1))
+    save_file({f"model.layers.{i}.self_attn.{kv}_scale": values[i, j].astype(np.float32).reshape(
+        (heads,) if strategy == "attn_head" else ()) for i in range(layers) for j, kv in enumerate("kv")},
+        str(quantized / "kv_scales.safetensors"))
+    _, params, _ = load_model(quantized, dtype="float32", progress=False)
+    got = np.stack([np.asarray(layer["kv_scale"]) for layer in params["layers"]])
+    np.testing.assert_array_equal(got, np.broadcast_to(values.astype(np.float32), (layers, 2, heads)))
+    assert isinstance(params["layers"][0]["wqkv"], QuantizedWeight)
+    assert _relative(prompt_logits(quantized), prompt_logits(dequantized)) <= REFERENCE_TOL
+
+
+@pytest.mark.parametrize(("scheme", "message"), [
+    ({"num_bits": 8, "type": "int", "strategy": "tensor"}, "kv_cache_scheme of 8-bit int values"),
+    ({"num_bits": 4, "type": "float", "strategy": "tensor"}, "kv_cache_scheme of 4-bit float values"),
+    ({"num_bits": 8, "type": "float", "strategy": "token"}, "kv_cache_scheme with strategy 'token'"),
+    ({"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": False}, "symmetric: False"),
+])
+def test_other_kv_cache_schemes_are_refused_by_name(llama, tmp_path, scheme, message):
+    config = {**FORMATS["ct-float-channel-token"][0], "kv_cache_scheme": scheme}
+    quantized, _ = qc.write_quantized(llama, tmp_path, config, FORMATS["ct-float-channel-token"][1])
+    with pytest.raises(UnsupportedModelError, match=message):
+        load_model(quantized, dtype="float32", progress=False)
+
+
 def test_a_quantization_flag_that_does_not_match_the_checkpoint_is_refused(llama, tmp_path):
     quantized, _ = qc.write_quantized(llama, tmp_path, FORMATS["ct-int-channel-token"][0], qc.channel("int"))
     with pytest.raises(UnsupportedModelError, match="does not match the checkpoint's quant_method"):
