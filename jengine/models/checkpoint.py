@@ -223,7 +223,37 @@ def _load_config(model_dir: Path) -> dict[str, Any]:
         raise _fail(path, f"cannot parse ({e})") from e
     if not isinstance(config, dict):
         raise _fail(path, "must hold a JSON object")
+    if not (config.get("quantization_config") or config.get("compression_config")):
+        side = _side_quant_config(model_dir)
+        if side is not None:
+            config = {**config, "quantization_config": side}
     return config
+
+
+# Where AutoGPTQ (≤ 0.4) and AutoAWQ wrote their settings when config.json carried none
+SIDE_QUANT_CONFIGS = ("quantize_config.json", "quant_config.json")
+_AWQ_KEYS, _GPTQ_KEYS = {"w_bit", "q_group_size", "zero_point", "version"}, {"desc_act", "damp_percent", "sym",
+                                                                           "static_groups", "true_sequential"}
+
+
+def _side_quant_config(model_dir: Path) -> dict[str, Any] | None:
+    """The quantization settings of a side file, its method named (`quant_method`, else told by its keys: AWQ's
+    `w_bit` / `version`, GPTQ's `desc_act` / `damp_percent`), or None where there is no such file."""
+    path = next((model_dir / name for name in SIDE_QUANT_CONFIGS if (model_dir / name).is_file()), None)
+    if path is None:
+        return None
+    try:
+        side = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _fail(path, f"cannot parse ({e})") from e
+    if not isinstance(side, dict):
+        raise _fail(path, "must hold a JSON object")
+    method = side.get("quant_method") or ("awq" if _AWQ_KEYS & side.keys() else
+                                          "gptq" if _GPTQ_KEYS & side.keys() else None)
+    if method is None:
+        raise _fail(path, "names no quant_method and holds neither AWQ's nor GPTQ's settings")
+    logger.info("%s: quantization settings (%s) read from %s; config.json has none", model_dir, method, path.name)
+    return {**side, "quant_method": str(method).lower()}
 
 
 def _index_tensors(files: list[Path], expected: dict[str, Path]) -> dict[str, TensorInfo]:

@@ -90,6 +90,7 @@ def unpack_awq(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, grou
         return ordered.reshape(words.shape[0], -1)
 
     values, zeros = columns(qweight), columns(qzeros)
+    group_size = group_size if group_size > 0 else values.shape[0]  # -1: one group over every input
     _check_shapes("AWQ", values, zeros, scales, group_size)
     return Unpacked(values.astype(np.uint8), zeros.astype(np.int16), np.asarray(scales, np.float32),
                     _groups(values.shape[0], group_size))

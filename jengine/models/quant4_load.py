@@ -57,6 +57,9 @@ def _awq(qc: dict[str, Any]) -> Quant4Config:
     if version != "gemm":
         raise UnsupportedModelError(f"AWQ version {version!r} is not supported (AutoAWQ's 'gemm' format only"
                                     f"{'; ' + version + ' packs for its own kernel' if version in _AWQ_REFUSED else ''})")
+    if qc.get("backend") == "llm-awq":
+        raise UnsupportedModelError("AWQ backend 'llm-awq' (its own int16 packing) is not supported (AutoAWQ's "
+                                    "'gemm' format only)")
     bits = int(qc.get("bits", qc.get("w_bit", 4)))
     if bits != 4:
         raise UnsupportedModelError(f"AWQ with {bits} bits is not supported (4 only)")
@@ -69,6 +72,8 @@ def _gptq(qc: dict[str, Any]) -> Quant4Config:
     bits = int(qc.get("bits", 4))
     if bits not in GPTQ_BITS:
         raise UnsupportedModelError(f"GPTQ with {bits} bits is not supported (4 or 8; 3-bit packs across words)")
+    if str(qc.get("pack_dtype", "int32")).removeprefix("torch.") != "int32":
+        raise UnsupportedModelError(f"GPTQ pack_dtype {qc['pack_dtype']!r} is not supported (int32 words only)")
     fmt = qc.get("checkpoint_format") or qc.get("format") or "gptq"
     if fmt == "marlin" or qc.get("is_marlin_format"):
         raise UnsupportedModelError("Marlin-packed GPTQ checkpoints are not supported (checkpoint_format 'gptq' "

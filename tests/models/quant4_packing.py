@@ -69,7 +69,8 @@ EXPERT_PROJECTIONS = ("w1", "w2", "w3")  # Mixtral's expert names
 
 def quantize_checkpoint(model_dir: Path, fmt: str, group: int, bits: int = 4, symmetric: bool = False,
                         desc_act: bool = False, v1: bool = False, seed: int = 0):
-    """Rewrites `model_dir` (an HF float checkpoint, tensors as saved) in `fmt` (awq, gptq, ct); returns the HF
+    """Rewrites `model_dir` (an HF float checkpoint, tensors as saved) in `fmt` (awq, gptq, ct; `group` -1: one
+    group over each projection's inputs); returns the HF
     model holding the dequantized weights (saved beside it and loaded by transformers): the exact reference."""
     from safetensors.numpy import load_file
     from transformers import AutoModelForCausalLM
@@ -86,12 +87,13 @@ def quantize_checkpoint(model_dir: Path, fmt: str, group: int, bits: int = 4, sy
             out[name] = held[name] = w
             continue
         w_in_out = w.astype(np.float32).T
+        size = group if group > 0 else w_in_out.shape[0]  # -1: one group over every input
         # one activation order per input (a module's parent and its input width), as GPTQ's Hessian is the input's
         key = (module.rsplit(".", 1)[0], w_in_out.shape[0])
         if desc_act and key not in orders:
-            orders[key] = rng.permutation(np.arange(w_in_out.shape[0]) // group)
+            orders[key] = rng.permutation(np.arange(w_in_out.shape[0]) // size)
         g_idx = orders.get(key) if desc_act else None
-        q, zeros, scales, g_idx = quantize_groups(w_in_out, group, bits, symmetric, g_idx)
+        q, zeros, scales, g_idx = quantize_groups(w_in_out, size, bits, symmetric, g_idx)
         held[name] = dequantized(q, zeros, scales, g_idx).T.copy()
         out.update(_packed(module, fmt, q, zeros, scales, g_idx, bits, v1, symmetric, w.shape))
     reference_dir = model_dir.with_name(model_dir.name + "-dequantized")

@@ -5,6 +5,7 @@ agree with compressed-tensors' own unpack; unsupported variants are refused by n
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import re
 
@@ -50,15 +51,17 @@ def _check_logits(model_dir, model) -> dict:
 
 @pytest.mark.parametrize("fmt,kwargs", [
     ("awq", {}),
+    ("awq", dict(group=-1)),
     ("gptq", dict(symmetric=True, v1=True)),
     ("gptq", dict(symmetric=False, v1=False, desc_act=True)),
     ("gptq", dict(bits=8, symmetric=False, v1=True, desc_act=True)),
     ("ct", dict(symmetric=True)),
     ("ct", dict(symmetric=False)),
-], ids=["awq", "gptq-v1-sym", "gptq-v2-asym-act-order", "gptq-8bit-v1-act-order", "ct-sym", "ct-asym"])
+], ids=["awq", "awq-one-group", "gptq-v1-sym", "gptq-v2-asym-act-order", "gptq-8bit-v1-act-order", "ct-sym",
+        "ct-asym"])
 def test_quantized_checkpoint_logits(build_checkpoint, fmt, kwargs, caplog):
     model_dir, _ = build_checkpoint(LlamaConfig(**COMMON))
-    model = quantize_checkpoint(model_dir, fmt, group=32, **kwargs)
+    model = quantize_checkpoint(model_dir, fmt, **{"group": 32, **kwargs})
     with caplog.at_level(logging.INFO, logger="jengine.models.quant4_load"):
         _check_logits(model_dir, model)
     assert dequantized_count(caplog.text) == 21  # the tiny shapes' K (64, 96) are not whole 128-row steps
@@ -153,6 +156,27 @@ def test_compressed_tensors_unpack_agrees_with_the_library():
     np.testing.assert_array_equal(_ct_words(zero_signed.T + 8), zp)
 
 
+@pytest.mark.parametrize("fmt,side_file,settings", [
+    # AutoAWQ's own file and spellings
+    ("awq", "quant_config.json", {"zero_point": True, "q_group_size": 32, "w_bit": 4, "version": "GEMM"}),
+    # AutoGPTQ ≤ 0.4: no quant_method, v1 zeros
+    ("gptq", "quantize_config.json", {"bits": 4, "group_size": 32, "damp_percent": 0.01, "desc_act": True,
+                                      "sym": False, "true_sequential": True, "model_file_base_name": "model"}),
+])
+def test_settings_in_a_side_file_are_read(build_checkpoint, caplog, fmt, side_file, settings):
+    """Checkpoints whose config.json carries no quantization_config, the settings beside it as their tools wrote
+    them, load as the same checkpoint with them in config.json."""
+    model_dir, _ = build_checkpoint(LlamaConfig(**COMMON))
+    model = quantize_checkpoint(model_dir, fmt, group=32, desc_act=settings.get("desc_act", False), v1=True)
+    config = json.loads((model_dir / "config.json").read_text())
+    del config["quantization_config"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    (model_dir / side_file).write_text(json.dumps(settings))
+    with caplog.at_level(logging.INFO, logger="jengine.models"):
+        _check_logits(model_dir, model)
+    assert f"quantization settings ({fmt}) read from {side_file}" in caplog.text
+
+
 @pytest.mark.parametrize("qc,named", [
     ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "gemv"),
     ({"quant_method": "awq", "bits": 4, "version": "exllama"}, "exllama"),
@@ -160,6 +184,8 @@ def test_compressed_tensors_unpack_agrees_with_the_library():
     ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "Marlin"),
     ({"quant_method": "gptq", "bits": 4, "is_marlin_format": True}, "Marlin"),
     ({"quant_method": "awq_marlin"}, "Marlin"),
+    ({"quant_method": "awq", "bits": 4, "backend": "llm-awq"}, "llm-awq"),
+    ({"quant_method": "gptq", "bits": 4, "pack_dtype": "int16"}, "pack_dtype 'int16'"),
 ])
 def test_unsupported_variants_refused_by_name(qc, named):
     with pytest.raises(UnsupportedModelError, match=named):
