@@ -83,6 +83,7 @@ def pack_q6_k(x: np.ndarray) -> np.ndarray:
     return np.concatenate([ql, qh, sc.view(np.uint8), _f16_bytes(d)], axis=1)
 
 
+UNDECODED = (T.Q8_1,)  # a ggml type the gguf package neither quantizes nor dequantizes
 K_PACKERS = {T.Q4_K: (pack_q4_k, 144), T.Q5_K: (pack_q5_k, 176), T.Q6_K: (pack_q6_k, 210)}
 
 
@@ -91,6 +92,9 @@ def quantize(x: np.ndarray, qtype: T) -> np.ndarray:
     if qtype in K_PACKERS:
         pack, nbytes = K_PACKERS[qtype]
         return pack(x.astype(np.float32).reshape(-1, QK)).reshape(*x.shape[:-1], x.shape[-1] // QK * nbytes)
+    if qtype in UNDECODED:  # neither packer nor decoder in gguf: zero blocks, for files a reader must refuse
+        block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+        return np.zeros((*x.shape[:-1], x.shape[-1] // block * nbytes), np.uint8)
     return gguf.quants.quantize(x.astype(np.float32), qtype)
 
 
@@ -98,6 +102,8 @@ def roundtrip(x: np.ndarray, qtype: T) -> np.ndarray:
     """What the file holds, read back by `gguf`'s dequantizer (the reference values)."""
     if qtype == T.F32:
         return x.astype(np.float32)
+    if qtype in UNDECODED:
+        return np.zeros_like(x, np.float32)
     return gguf.quants.dequantize(quantize(x, qtype), qtype).astype(np.float32)
 
 

@@ -129,10 +129,23 @@ def test_gguf_qwen3_moe_expert_stacks(tmp_path):
         assert np.abs(ours - ref).max() <= F32_TOL * np.abs(ref).max()
 
 
+def test_gguf_types_only_the_gguf_package_decodes(tmp_path, caplog):
+    """llama.cpp's quantizer mixes in Q5_0 / Q5_1 / Q4_1 (e.g. where a Q4_K row is not whole 256-value blocks):
+    dequantized at load through `gguf`'s decoders, the log saying how many of each."""
+    mix = {"ffn_up": T.Q4_1, "ffn_down": T.Q5_0, "attn_v": T.Q5_1}
+    model, original = _pair(LlamaConfig(**COMMON))
+    path = write_gguf(tmp_path / "mixed.gguf", model, "llama",
+                      lambda name, a: next((q for key, q in mix.items() if key in name), T.Q8_0))
+    with caplog.at_level(logging.INFO, logger="jengine.models.gguf.reader"):
+        check_file(path, model, original, 0.5)
+    layers = COMMON["num_hidden_layers"]
+    assert f"{layers} Q4_1, " in caplog.text and f"{layers} Q5_0, {layers} Q5_1" in caplog.text
+
+
 def test_gguf_unsupported_type_named(tmp_path):
     model = _build(LlamaConfig(**COMMON))
-    path = write_gguf(tmp_path / "q41.gguf", model, "llama", lambda name, a: T.Q4_1 if "ffn_up" in name else T.Q8_0)
-    with pytest.raises(UnsupportedModelError, match="Q4_1"):
+    path = write_gguf(tmp_path / "q81.gguf", model, "llama", lambda name, a: T.Q8_1 if "ffn_up" in name else T.Q8_0)
+    with pytest.raises(UnsupportedModelError, match="blk.0.ffn_up.weight is Q8_1, which neither jengine nor"):
         load_model(path, dtype="float32", progress=False)
 
 

@@ -13,6 +13,9 @@ Layouts (ggml's `block_*` structs, little-endian; `d`/`dmin` are float16):
   Two halves of 128 values; in half h, value l + 32j (j = 0…3, l < 32) has low bits from ql[64h + l + 32(j % 2)]
   (low nibble for j < 2, high for j ≥ 2) and high bits (qh[32h + l] >> 2j) & 3; each 16 values share one scale;
   x = d·scale·(q − 32).
+Every other type the `gguf` package decodes (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, the IQ formats, ...: what llama.cpp's
+quantizer mixes in, e.g. Q5_0 where a Q4_K row is not whole 256-value blocks) is dequantized by `gguf`'s own numpy
+decoders (`decoded_by_gguf`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ BLOCKS: dict[int, tuple[str, int, int]] = {
     0: ("F32", 1, 4), 1: ("F16", 1, 2), 8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18),
     12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 30: ("BF16", 1, 2),
 }
-QUANTIZED = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+STORED = ("F32", "F16", "BF16")  # every other type is dequantized (or kept packed) at load
 
 
 def _f16(blocks: np.ndarray, start: int) -> Float[np.ndarray, "n 1"]:
@@ -101,8 +104,25 @@ def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.nd
         return flat.view("<f2").reshape(shape)
     if type_name == "BF16":
         return flat.view(ml_dtypes.bfloat16).reshape(shape)
+    if type_name not in _BLOCK_DEQUANT:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+        qtype = GGMLQuantizationType[type_name]
+        rows = flat.reshape(-1, GGML_QUANT_SIZES[qtype][1])
+        return quants.dequantize(rows, qtype).astype(np.float32, copy=False).reshape(shape)
     _, _, block_bytes = next(block for block in BLOCKS.values() if block[0] == type_name)
     return _BLOCK_DEQUANT[type_name](flat.reshape(-1, block_bytes)).reshape(shape)
+
+
+def decoded_by_gguf(qtype) -> bool:
+    """Whether the `gguf` package dequantizes `qtype` (a `GGMLQuantizationType`): tried on one zero block."""
+    from gguf import GGML_QUANT_SIZES, quants
+
+    try:
+        quants.dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
+    except (NotImplementedError, KeyError):
+        return False
+    return True
 
 
 def q8_0_parts(raw: np.ndarray, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:

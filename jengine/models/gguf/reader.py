@@ -6,9 +6,10 @@ compressed-tensors int8 W8A16 `quantization_config`, which the loader's 8-bit pa
 are offered packed, as a 4-bit checkpoint's reader offers them (`quant`, `is_packed`, `group_rows`, `unpacked`):
 4-bit values with a scale and a zero point per 32 inputs, which the loader keeps in 4 bits where the W4A16 or
 grouped-matmul kernels take them (`models/quant4_place.py`) and reads dequantized elsewhere. Every other
-block-quantized tensor (Q5_K, Q6_K, and Q8_0 embeddings/heads or projections fused with other types) comes out as
-float32 and is cast once by the loader to the model's dtype. Tensors of any other type are refused by their type's
-name before any weight is read.
+block-quantized tensor (Q5_K, Q6_K, Q8_0 embeddings/heads or projections fused with other types, and the types
+only the `gguf` package decodes: Q4_1, Q5_0, Q2_K, IQ4_XS, ...) comes out as float32 and is cast once by the loader
+to the model's dtype. Tensors of a type nothing here decodes are refused by their type's name before any weight is
+read.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from jengine.errors import CheckpointError, UnsupportedModelError
 from jengine.models.checkpoint import TensorInfo
 from jengine.models.gguf.config import hf_config, llama3_rope
 from jengine.models.gguf.dequant import (
-    BLOCKS, INT4_GROUP, INT4_TYPES, QUANTIZED, dequantize, int4_parts, int4_representable, q8_0_parts)
+    BLOCKS, INT4_GROUP, INT4_TYPES, STORED, decoded_by_gguf, dequantize, int4_parts, int4_representable, q8_0_parts)
 from jengine.models.gguf.names import IGNORED, Origin, hf_names, int8_modules, unpermute_heads
 from jengine.models.quant4 import Unpacked
 from jengine.models.quant4_load import Quant4Config
@@ -109,15 +110,17 @@ class GGUFCheckpoint:
     def _type_name(self, gguf_name: str) -> str:
         tensor = self._tensors[gguf_name]
         block = BLOCKS.get(int(tensor.tensor_type))
-        if block is None:
-            raise UnsupportedModelError(
-                f"{self._path.name}: tensor {gguf_name} is {tensor.tensor_type.name}; supported GGUF types: "
-                f"{', '.join(b[0] for b in BLOCKS.values())}")
-        return block[0]
+        if block is not None:
+            return block[0]
+        if decoded_by_gguf(tensor.tensor_type):
+            return tensor.tensor_type.name
+        raise UnsupportedModelError(
+            f"{self._path.name}: tensor {gguf_name} is {tensor.tensor_type.name}, which neither jengine nor the "
+            f"gguf package decodes (jengine's own: {', '.join(b[0] for b in BLOCKS.values())})")
 
     def _check_types(self) -> None:
         counts = collections.Counter(self._type_name(origin.tensor) for origin in self._origins.values())
-        quantized = {name: n for name, n in counts.items() if name in QUANTIZED}
+        quantized = {name: n for name, n in counts.items() if name not in STORED}
         if self._int8:
             logger.info("%s: %d Q8_0 projections kept in 8 bits (int8 weights, one scale per 32 inputs)",
                         self._path.name, len(self._int8))
