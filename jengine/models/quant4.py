@@ -113,15 +113,32 @@ def gptq_zero_points(qzeros: np.ndarray, bits: int, zeros_one_less: bool, n: int
     return (_along_last(qzeros, bits).astype(np.int16) + (1 if zeros_one_less else 0))[:, :n]
 
 
+def ct_group_size(k: int, groups: int, group_sizes: tuple[int, ...] = ()) -> int:
+    """The inputs a group of a `k`-input compressed-tensors weight with `groups` scale columns spans: the config's
+    group size whose ⌈k / size⌉ is that many (the last group short where k is not a multiple), k for one group."""
+    if groups == 1:
+        return k
+    size = next((g for g in group_sizes if g > 0 and -(-k // g) == groups), 0)
+    if not size and not group_sizes and k % groups == 0:
+        size = k // groups
+    if not size:
+        raise CheckpointError(f"compressed-tensors: {groups} scale groups fit no group size of the config "
+                              f"({', '.join(map(str, group_sizes)) or 'none'}) over {k} inputs")
+    return size
+
+
 def unpack_compressed_tensors(packed: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None,
-                              shape: tuple[int, int], g_idx: np.ndarray | None = None) -> Unpacked:
-    """4-bit `pack-quantized`; `scale` `[N, groups]` (one group for the channel strategy)."""
+                              shape: tuple[int, int], g_idx: np.ndarray | None = None,
+                              group_sizes: tuple[int, ...] = ()) -> Unpacked:
+    """4-bit `pack-quantized`; `scale` `[N, groups]` (one group for the channel strategy); `group_sizes`: the
+    config's group sizes (`ct_group_size`)."""
     n, k = shape
     values = _along_last(packed, 4)[:, :k].T  # [K, N], stored signed + 8
     groups = scale.shape[1]
     zeros = (np.full((groups, n), 8, np.int16) if zero_point is None
              else (_along_first(zero_point, 4)[:n].T.astype(np.int16)))
-    rows = np.asarray(g_idx, np.int32) if g_idx is not None else _groups(k, -(-k // groups))
+    rows = (np.asarray(g_idx, np.int32) if g_idx is not None
+            else _groups(k, ct_group_size(k, groups, group_sizes)))
     return Unpacked(values.astype(np.uint8), zeros, np.asarray(scale, np.float32).T, rows)
 
 

@@ -12,9 +12,10 @@ import numpy as np
 
 from jengine.errors import CheckpointError, UnsupportedModelError
 from jengine.models.checkpoint import CheckpointReader, TensorInfo
-from jengine.models.quant_config import check_kv_cache_scheme
+from jengine.models.quant_config import check_ct_extras
 from jengine.models.quant4 import (
-    GPTQ_BITS, Unpacked, _groups, gptq_zero_points, unpack_awq, unpack_compressed_tensors, unpack_gptq)
+    GPTQ_BITS, Unpacked, _groups, ct_group_size, gptq_zero_points, unpack_awq, unpack_compressed_tensors,
+    unpack_gptq)
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ class Quant4Config:
     group_size: int  # -1: one group over the whole input (GPTQ); 0: compressed-tensors reads it from the scales
     zeros_one_less: bool = False  # GPTQ v1
     symmetric: bool = True
+    group_sizes: tuple[int, ...] = ()  # compressed-tensors: its groups' `group_size`s (a weight's from its scales)
 
     @property
     def label(self) -> str:
@@ -103,9 +105,10 @@ def _compressed_tensors_w4a16(qc: dict[str, Any]) -> Quant4Config | None:
         if weights.get("type", "int") != "int" or weights.get("strategy") not in ("group", "channel"):
             raise UnsupportedModelError(f"compressed-tensors 4-bit {weights.get('type')} weights with strategy "
                                         f"{weights.get('strategy')!r} are not supported (int, group or channel)")
-    check_kv_cache_scheme(qc.get("kv_cache_scheme"))
+    check_ct_extras(qc)
     symmetric = all(g["weights"].get("symmetric", True) for g in groups)
-    return Quant4Config("compressed-tensors", 4, 0, symmetric=symmetric)
+    sizes = tuple(sorted({int(g["weights"]["group_size"]) for g in groups if g["weights"].get("group_size")}))
+    return Quant4Config("compressed-tensors", 4, 0, symmetric=symmetric, group_sizes=sizes)
 
 
 # per method: the packed tensors of a module, by suffix; the first is the one whose presence marks the module
@@ -192,7 +195,7 @@ class Quant4Reader:
             return unpack_gptq(get["qweight"], get["qzeros"], get["scales"], get["g_idx"], q.bits, q.group_size,
                                q.zeros_one_less)
         return unpack_compressed_tensors(get["weight_packed"], get["weight_scale"], get["weight_zero_point"],
-                                         self._out_in(module), get["weight_g_idx"])
+                                         self._out_in(module), get["weight_g_idx"], q.group_sizes)
 
     def zero_points(self, module: str) -> np.ndarray:
         """A GPTQ module's zero points `[groups, N]` in the values' unsigned scale (v1's stored ones corrected),
@@ -214,7 +217,8 @@ class Quant4Reader:
         if q.method == "compressed-tensors":
             k, groups = self._out_in(module)[1], r.shape(module + ".weight_scale")[1]
             stored = r.read(module + ".weight_g_idx") if module + ".weight_g_idx" in r else None
-            return (np.asarray(stored, np.int32) if stored is not None else _groups(k, -(-k // groups))), groups
+            return (np.asarray(stored, np.int32) if stored is not None
+                    else _groups(k, ct_group_size(k, groups, q.group_sizes))), groups
         k, groups = self._out_in(module)[1], r.shape(module + ".scales")[0]
         if q.method == "gptq" and module + ".g_idx" in r:
             return np.asarray(r.read(module + ".g_idx"), np.int32), groups

@@ -52,15 +52,26 @@ class QuantConfig:
     from_tensors: bool  # fp8 method: a module is quantized iff its tensor is float8 (routers, lm_head stay float)
 
     def module(self, name: str) -> ModuleQuant | None:
-        """How module `name` (e.g. `model.layers.0.self_attn.q_proj`) is stored, or None when kept in float."""
+        """How module `name` (e.g. `model.layers.0.self_attn.q_proj`) is stored, or None when kept in float. Where
+        several groups match, the most specific wins, as compressed-tensors ranks them: the exact name, then a
+        `re:` regex, then the `Linear` class (config order among equals)."""
         if any(_matches(name, target) for target in self.ignore):
             return None
-        return next((how for targets, how in self.groups if any(_matches(name, t) for t in targets)), None)
+        for rank in range(3):
+            how = next((how for targets, how in self.groups
+                        if any(_matches(name, t) and _rank(t) == rank for t in targets)), None)
+            if how is not None:
+                return how
+        return None
 
     @property
     def label(self) -> str:
         schemes = sorted({how.scheme.label for _, how in self.groups})
         return f"{self.method} ({', '.join(schemes)})"
+
+
+def _rank(target: str) -> int:
+    return 1 if target.startswith("re:") else 2 if target == "Linear" else 0
 
 
 def _matches(name: str, target: str) -> bool:
@@ -120,11 +131,14 @@ def _fp8_method(qc: dict[str, Any]) -> QuantConfig:
 
 def _compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
     status = qc.get("quantization_status", "compressed")
-    if status != "compressed":
+    if status not in ("compressed", "frozen"):  # frozen: quantized values saved as their format says, as compressed
         raise UnsupportedModelError(f"compressed-tensors quantization_status {status!r} is not supported (only "
-                                    "'compressed' checkpoints are read)")
+                                    "'compressed' and 'frozen' checkpoints are read)")
+    check_ct_extras(qc)
     groups = []
     for name, group in (qc.get("config_groups") or {}).items():
+        if not isinstance(group, dict):
+            raise UnsupportedModelError(f"compressed-tensors config group {name!r} is {group!r}, not a scheme")
         fmt = group.get("format") or qc.get("format")
         if fmt not in CT_FORMATS:
             raise UnsupportedModelError(f"compressed-tensors format {fmt!r} (config group {name!r}) is not "
@@ -135,10 +149,20 @@ def _compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
         groups.append((tuple(targets), _ct_group(name, fmt, group)))
     if not groups:
         raise UnsupportedModelError("compressed-tensors quantization_config has no config_groups")
-    check_kv_cache_scheme(qc.get("kv_cache_scheme"))
-    if qc.get("sparsity_config"):
-        raise UnsupportedModelError("compressed-tensors sparsity_config is not supported")
     return QuantConfig("compressed-tensors", tuple(groups), tuple(qc.get("ignore") or ()), from_tensors=False)
+
+
+def check_ct_extras(qc: dict[str, Any]) -> None:
+    """What a compressed-tensors config carries besides its groups: the KV cache's scheme, sparsity (only `dense`,
+    plain tensors) and transforms (none: a Hadamard-rotated model run without its rotations would be wrong)."""
+    check_kv_cache_scheme(qc.get("kv_cache_scheme"))
+    sparsity = qc.get("sparsity_config") or {}
+    if sparsity.get("format", "dense") != "dense":
+        raise UnsupportedModelError(f"compressed-tensors sparsity_config of format {sparsity['format']!r} is not "
+                                    "supported (dense only)")
+    if qc.get("transform_config"):
+        raise UnsupportedModelError("compressed-tensors transform_config (online rotations such as SpinQuant or "
+                                    "QuIP) is not supported")
 
 
 def check_kv_cache_scheme(scheme: dict[str, Any] | None) -> None:
@@ -167,6 +191,8 @@ def _ct_group(name: str, fmt: str, group: dict[str, Any]) -> ModuleQuant:
         raise UnsupportedModelError(f"{where}: asymmetric or dynamic weights are not supported")
     if group.get("output_activations"):
         raise UnsupportedModelError(f"{where}: output_activations quantization is not supported")
+    if w.get("actorder") == "group":  # its groups follow a stored weight_g_idx, which the 8-bit path does not read
+        raise UnsupportedModelError(f"{where}: 8-bit weights with actorder 'group' are not supported")
     if fmt == "pack-quantized" and kind != "int":
         raise UnsupportedModelError(f"{where}: pack-quantized holds int weights")
     block_k, block_n = _weight_blocks(where, w)
@@ -178,7 +204,7 @@ def _ct_group(name: str, fmt: str, group: dict[str, Any]) -> ModuleQuant:
                                     f"{act_group} input features")
     scheme = QuantScheme("fp8" if kind == "float" else "int8", acts, block_k, block_n, act_group)
     storage: Storage = "packed8" if fmt == "pack-quantized" else scheme.weight_dtype
-    static = a is not None and a.get("dynamic") is False
+    static = a is not None and a.get("dynamic", False) is False
     return ModuleQuant(storage, scheme, block_out_in=(block_n, block_k) if block_k else None, static_input=static)
 
 
@@ -198,7 +224,7 @@ def _weight_blocks(where: str, w: dict[str, Any]) -> tuple[int, int]:
 def _activations(where: str, a: dict[str, Any] | None, weight_kind: str) -> tuple[str | None, int]:
     if a is None:
         return None, 0
-    kind, strategy, dynamic = a.get("type", "int"), a.get("strategy", "tensor"), a.get("dynamic")
+    kind, strategy, dynamic = a.get("type", "int"), a.get("strategy", "tensor"), a.get("dynamic", False)
     if a.get("num_bits") != 8 or kind != weight_kind or not a.get("symmetric", True):
         raise UnsupportedModelError(f"{where}: input activations of {a.get('num_bits')}-bit {kind} are not supported "
                                     "with these weights (8-bit, symmetric, the weights' type)")

@@ -18,7 +18,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from jengine.errors import CheckpointError
+from jengine.errors import CheckpointError, UnsupportedModelError
 from jengine.layers.quant import QuantizedWeight, QuantScheme, quantize_weight_per_channel
 from jengine.models.checkpoint import CheckpointReader
 from jengine.models.quant_config import ModuleQuant, QuantConfig
@@ -87,6 +87,9 @@ def _stored_kind(reader: CheckpointReader, module: str) -> str:
 def read_module(reader: CheckpointReader, module: str, how: ModuleQuant) -> tuple[np.ndarray, np.ndarray, float | None]:
     """(weight `[out, in]` in 8 bits, float32 scale `[out_g, in_g]`, static input scale) as the checkpoint has
     them, shapes checked."""
+    if module + ".weight_g_idx" in reader:
+        raise UnsupportedModelError(f"{module} has a weight_g_idx (activation-ordered groups), which 8-bit "
+                                    "weights are not read with")
     weight = _unpack(reader, module) if how.storage == "packed8" else reader.read(module + ".weight")
     out, inp = weight.shape
     scale = np.asarray(reader.read(module + "." + how.scale_name), np.float32)

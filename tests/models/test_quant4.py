@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
-from jengine.errors import UnsupportedModelError
+from jengine.errors import CheckpointError, UnsupportedModelError
 from jengine.layers.quant4 import Int4Experts, Int4Weight
 from jengine.models.loader import load_model
 from jengine.models.quant4 import unpack_awq, unpack_compressed_tensors, unpack_gptq
@@ -154,6 +154,22 @@ def test_compressed_tensors_unpack_agrees_with_the_library():
     np.testing.assert_allclose(unpacked.dequantize().T, expected, rtol=1e-6)
     np.testing.assert_array_equal(pack_columns(signed + 8, 4), packed)  # the tests' packer writes the same words
     np.testing.assert_array_equal(_ct_words(zero_signed.T + 8), zp)
+
+
+def test_compressed_tensors_groups_with_a_short_last_one():
+    """K = 200 in groups of 128: ⌈200 / 128⌉ = 2 scale columns (compressed-tensors' group count), the second
+    covering inputs 128-199 (not 100-199), packed by the library."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    rng = np.random.default_rng()
+    signed = rng.integers(-8, 8, size=(16, 200))
+    scale = rng.uniform(0.01, 0.1, size=(16, 2)).astype(np.float32)
+    packed = pack_to_int32(torch.from_numpy(signed).to(torch.int8), 4).numpy()
+    expected = signed * scale[:, np.arange(200) // 128]
+    unpacked = unpack_compressed_tensors(packed, scale, None, (16, 200), group_sizes=(128,))
+    np.testing.assert_allclose(unpacked.dequantize().T, expected, rtol=1e-6)
+    with pytest.raises(CheckpointError, match="2 scale groups fit no group size of the config"):
+        unpack_compressed_tensors(packed, scale, None, (16, 200), group_sizes=(64,))
 
 
 @pytest.mark.parametrize("fmt,side_file,settings", [

@@ -205,6 +205,59 @@ def test_other_kv_cache_schemes_are_refused_by_name(llama, tmp_path, scheme, mes
         load_model(quantized, dtype="float32", progress=False)
 
 
+def test_the_most_specific_config_group_wins():
+    """compressed-tensors ranks a module's matching groups: its exact name, then a `re:` regex, then `Linear`,
+    whatever their order in the config."""
+    from jengine.models.quant_config import read_quant_config
+
+    per_tensor = {"type": "float", "strategy": "tensor"}
+    static = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True}  # `dynamic` left out: False
+    config = qc.ct_config("float-quantized", {"type": "float", "strategy": "channel"},
+                          {"type": "float", "strategy": "token", "dynamic": True})
+    groups = config["config_groups"]
+    groups["group_1"] = {"targets": ["re:.*down_proj$"], "weights": {**groups["group_0"]["weights"], **per_tensor},
+                         "input_activations": static}
+    groups["group_2"] = {"targets": ["model.layers.1.mlp.down_proj"], "weights": groups["group_0"]["weights"],
+                         "input_activations": None}
+    quant = read_quant_config({"quantization_config": config}, None)
+    assert not quant.module("model.layers.0.self_attn.q_proj").static_input
+    down = quant.module("model.layers.0.mlp.down_proj")
+    assert down.static_input and down.scheme.activations == "fp8"
+    assert quant.module("model.layers.1.mlp.down_proj").scheme.activations is None
+    assert quant.module("lm_head") is None
+
+
+def test_frozen_and_dense_compressed_tensors_checkpoints_load(llama, tmp_path):
+    """`quantization_status: frozen` (quantized values saved as their format says) and a `dense` sparsity config
+    (plain tensors) read as a compressed checkpoint does."""
+    config, quantize = FORMATS["ct-float-channel-token"]
+    config = {**config, "quantization_status": "frozen", "sparsity_config": {"format": "dense"},
+              "transform_config": {}}
+    quantized, dequantized = qc.write_quantized(llama, tmp_path, config, quantize)
+    assert _relative(prompt_logits(quantized), prompt_logits(dequantized)) <= REFERENCE_TOL
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"sparsity_config": {"format": "sparse-24-bitmask"}}, "sparsity_config of format 'sparse-24-bitmask'"),
+    ({"transform_config": {"config_groups": {"u": {"type": "hadamard"}}}}, "transform_config"),
+    ({"quantization_status": "initialized"}, "quantization_status 'initialized'"),
+])
+def test_compressed_tensors_extras_refused_by_name(llama, tmp_path, extra, message):
+    config, quantize = FORMATS["ct-float-channel-token"]
+    quantized, _ = qc.write_quantized(llama, tmp_path, {**config, **extra}, quantize)
+    with pytest.raises(UnsupportedModelError, match=message):
+        load_model(quantized, dtype="float32", progress=False)
+
+
+def test_activation_ordered_8bit_groups_are_refused(llama, tmp_path):
+    config = FORMATS["ct-pack8-group32"][0]
+    group = config["config_groups"]["group_0"]
+    config = {**config, "config_groups": {"group_0": {**group, "weights": {**group["weights"], "actorder": "group"}}}}
+    quantized, _ = qc.write_quantized(llama, tmp_path, config, FORMATS["ct-pack8-group32"][1])
+    with pytest.raises(UnsupportedModelError, match="actorder 'group'"):
+        load_model(quantized, dtype="float32", progress=False)
+
+
 def test_a_quantization_flag_that_does_not_match_the_checkpoint_is_refused(llama, tmp_path):
     quantized, _ = qc.write_quantized(llama, tmp_path, FORMATS["ct-int-channel-token"][0], qc.channel("int"))
     with pytest.raises(UnsupportedModelError, match="does not match the checkpoint's quant_method"):
