@@ -23,7 +23,7 @@ from jengine.lora.peft import LoraAdapter, read_adapter
 from jengine.lora.request import LoRARequest
 from jengine.lora.runner_slots import RunnerLora
 from jengine.models.dummy import dummy_model
-from jengine.models.formats import tokenizer_dir as resolve_tokenizer_dir
+from jengine.models.formats import generation_config_dir, tokenizer_dir as resolve_tokenizer_dir
 from jengine.models.loader import load_model, load_spec
 from jengine.models.spec import ModelSpec
 from jengine.parallel.distributed import agree_across_processes
@@ -210,7 +210,8 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
     tokenizer_dir = str(resolve_tokenizer_dir(config.model.model, config.model.tokenizer))
     check_tokenizer(tokenizer_dir, config.model.load_format)  # a missing tokenizer fails before any weight is read
     # a malformed generation_config.json fails before any weight is read, as a missing tokenizer does
-    sampling_defaults = load_sampling_defaults(config.model.model, config.model.generation_config)
+    sampling_defaults = load_sampling_defaults(generation_config_dir(config.model.model, tokenizer_dir),
+                                               config.model.generation_config)
     # Loading the tokenizer imports transformers (and, the first time, torch where installed): seconds that overlap
     # the weights' and the step programs'. The compilation cache also remembers the tokenizer's class, so restarts
     # skip torch.

@@ -53,3 +53,9 @@ def tokenizer_dir(model: str | Path, tokenizer: str | Path | None) -> Path:
 
         return embedded_tokenizer_dir(model)
     return Path(model)
+
+
+def generation_config_dir(model: str | Path, tokenizer_directory: str | Path) -> Path:
+    """Where `generation_config.json` is looked for: the model's directory, or for a GGUF file (which has none
+    beside it) the tokenizer's, the base model's directory `--tokenizer` names."""
+    return Path(tokenizer_directory) if is_gguf(model) else Path(model)

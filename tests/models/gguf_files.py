@@ -121,6 +121,10 @@ _HF_TO_GGUF_LAYER = {
     "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",  # written as llama.cpp's converter does: [hidden]
 }
 
 
@@ -162,6 +166,8 @@ def _metadata(writer: gguf.GGUFWriter, config) -> None:
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if getattr(config, "shared_expert_intermediate_size", None):
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
 
 
 def _llama3_divisors(config) -> np.ndarray:
@@ -190,13 +196,15 @@ def write_gguf(path: Path, model, arch: str, qtype_of: Callable[[str, np.ndarray
     if (config.rope_parameters or {}).get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_divisors(config))
     for name, (array, hf_name) in _gguf_tensors(state, config.num_hidden_layers).items():
+        if name.endswith("ffn_gate_inp_shexp.weight"):
+            array = array.reshape(-1)
         qtype = T.F32 if array.ndim == 1 else qtype_of(name, array)
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = config.num_attention_heads if "attn_q" in name else config.num_key_value_heads
             array = permute(array, heads)
             held[hf_name] = roundtrip(state[hf_name], qtype)  # blocks lie within rows, so row order commutes
         elif hf_name is not None:
-            held[hf_name] = roundtrip(array, qtype)
+            held[hf_name] = roundtrip(array, qtype).reshape(state[hf_name].shape)
         else:
             held[name] = roundtrip(array, qtype)
         data = array.astype(np.float32) if qtype == T.F32 else quantize(array, qtype)

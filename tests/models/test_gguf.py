@@ -129,6 +129,52 @@ def test_gguf_qwen3_moe_expert_stacks(tmp_path):
         assert np.abs(ours - ref).max() <= F32_TOL * np.abs(ref).max()
 
 
+def test_gguf_qwen2_moe_shared_expert(tmp_path):
+    """qwen2moe files: routed expert stacks, the shared expert and its gate vector (`[hidden]` in the file), q/k/v
+    biases; llama.cpp keeps the top-k softmax weights as they are (no renormalisation)."""
+    from transformers import Qwen2MoeConfig
+
+    config = Qwen2MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=64, norm_topk_prob=False)
+    model = _build(config)
+    path = write_gguf(tmp_path / "qwen2moe.gguf", model, "qwen2moe", lambda name, a: T.Q8_0)
+    for prompt, ours in zip(PROMPTS, _our_logits(path), strict=True):  # (routing turns on the file's rounding)
+        ref = _hf_logits(model, prompt)
+        assert np.abs(ours - ref).max() <= F32_TOL * np.abs(ref).max()
+
+
+def test_gguf_stop_tokens_per_layer_metadata_and_split_files(tmp_path):
+    """llama.cpp's end-of-generation tokens (eos, eot, eom) all stop; per-layer hyper-parameter arrays read when
+    uniform, refused when not; one part of a split file refused with how to merge it."""
+    from jengine.models.gguf.reader import GGUFCheckpoint
+
+    model = _build(Qwen2Config(**COMMON))
+
+    def extra(writer):
+        writer.add_eot_token_id(7)
+        writer.add_array("qwen2.attention.head_count_kv", [COMMON["num_key_value_heads"]] * 3)
+
+    path = write_gguf(tmp_path / "stops.gguf", model, "qwen2", lambda name, a: T.Q8_0, tokenizer=extra)
+    config = GGUFCheckpoint(path).config()
+    assert config["eos_token_id"] == [model.config.eos_token_id, 7]
+    assert config["num_key_value_heads"] == COMMON["num_key_value_heads"]
+
+    def uneven(writer):
+        writer.add_array("qwen2.feed_forward_length", [96, 96, 128])
+
+    path = write_gguf(tmp_path / "uneven.gguf", model, "qwen2", lambda name, a: T.Q8_0, tokenizer=uneven)
+    with pytest.raises(UnsupportedModelError, match=r"qwen2.feed_forward_length differs between layers \(\[96, 128"):
+        GGUFCheckpoint(path)
+
+    def split(writer):
+        writer.add_uint16("split.no", 0)
+        writer.add_uint16("split.count", 3)
+
+    path = write_gguf(tmp_path / "model-00001-of-00003.gguf", model, "qwen2", lambda name, a: T.Q8_0, tokenizer=split)
+    with pytest.raises(UnsupportedModelError, match="part 1 of a GGUF file split in 3; merge"):
+        GGUFCheckpoint(path)
+
+
 def test_gguf_types_only_the_gguf_package_decodes(tmp_path, caplog):
     """llama.cpp's quantizer mixes in Q5_0 / Q5_1 / Q4_1 (e.g. where a Q4_K row is not whole 256-value blocks):
     dequantized at load through `gguf`'s decoders, the log saying how many of each."""
@@ -181,13 +227,22 @@ def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def test_llm_on_a_gguf_file_with_the_base_tokenizer(qwen2_file, tiny_tokenizer_dir):
+def test_llm_on_a_gguf_file_with_the_base_tokenizer(qwen2_file, tiny_tokenizer_dir, tmp_path):
+    """Greedy tokens as HF's; the base model's directory (`tokenizer=`) also gives the sampling defaults of its
+    generation_config.json, as a model directory would."""
+    import json
+    import shutil
+
     from jengine import LLM, SamplingParams
 
     path, model = qwen2_file
-    with LLM(str(path), tokenizer=str(tiny_tokenizer_dir), dtype="float32", max_model_len=64) as llm:
+    base = shutil.copytree(tiny_tokenizer_dir, tmp_path / "base")
+    (base / "generation_config.json").write_text(json.dumps({"temperature": 0.25, "top_p": 0.5}))
+    with LLM(str(path), tokenizer=str(base), dtype="float32", max_model_len=64) as llm:
+        defaults = llm.get_default_sampling_params()
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                                SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert (defaults.temperature, defaults.top_p) == (0.25, 0.5)
     assert [o.outputs[0].token_ids for o in outputs] == [_hf_greedy(model, p, 8) for p in PROMPTS]
 
 

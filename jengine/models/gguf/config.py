@@ -1,8 +1,9 @@
 """A GGUF file's metadata → the HF `config.json` dict the registry reads (`models/registry.py`).
 
 Keys are llama.cpp's: `general.architecture` names the family, and `<arch>.block_count`, `<arch>.embedding_length`,
-`<arch>.attention.head_count`, ... its hyper-parameters. The MoE variants are `qwen3moe` and `llama` with
-`<arch>.expert_count` (Mixtral's files). Other architectures are refused by name.
+`<arch>.attention.head_count`, ... its hyper-parameters. The MoE variants are `qwen3moe`, `qwen2moe` (routed experts
+beside a gated shared one) and `llama` with `<arch>.expert_count` (Mixtral's files). Other architectures are refused
+by name. The end-of-generation tokens are llama.cpp's: `eos`, and `eot` / `eom` where the file names them.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
 }
+_STOP_TOKENS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 MIXTRAL = ("MixtralForCausalLM", "mixtral")
 
 
@@ -57,9 +60,11 @@ def hf_config(metadata: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]
         "attention_bias": "blk.0.attn_q.bias" in tensor_shapes and arch == "llama",
         "torch_dtype": "bfloat16",
     }
-    config.update({name: int(metadata[k]) for name, k in (("bos_token_id", "tokenizer.ggml.bos_token_id"),
-                                                          ("eos_token_id", "tokenizer.ggml.eos_token_id"))
-                   if k in metadata})
+    if "tokenizer.ggml.bos_token_id" in metadata:
+        config["bos_token_id"] = int(metadata["tokenizer.ggml.bos_token_id"])
+    stops = list(dict.fromkeys(int(metadata[k]) for k in _STOP_TOKENS if k in metadata))
+    if stops:  # e.g. Llama-3-Instruct files: eos <|end_of_text|>, eot <|eot_id|>
+        config["eos_token_id"] = stops[0] if len(stops) == 1 else stops
     config.update(_rope_scaling(metadata, key))
     if experts:
         config.update(_moe_fields(metadata, key, experts, arch))
@@ -70,11 +75,15 @@ def _moe_fields(metadata: dict[str, Any], key, experts: int, arch: str) -> dict[
     fields = {"num_experts_per_tok": int(_required(metadata, key("expert_used_count")))}
     if arch == "llama":
         return fields | {"num_local_experts": experts}
-    if int(metadata.get(key("expert_shared_count"), 0) or 0):
-        raise UnsupportedModelError("GGUF MoE files with shared experts are not supported")
+    if arch != "qwen2moe" and int(metadata.get(key("expert_shared_count"), 0) or 0):
+        raise UnsupportedModelError(f"GGUF {arch} files with shared experts are not supported")
+    fields |= {"num_experts": experts, "decoder_sparse_step": 1, "mlp_only_layers": [],
+               "moe_intermediate_size": int(_required(metadata, key("expert_feed_forward_length")))}
+    if arch == "qwen2moe":  # llama.cpp: top-k weights as the softmax gave them, the shared expert's width or the FFN's
+        shared = metadata.get(key("expert_shared_feed_forward_length")) or metadata.get(key("feed_forward_length"))
+        return fields | {"norm_topk_prob": False, "shared_expert_intermediate_size": int(shared)}
     # llama.cpp always renormalises qwen3moe's top-k weights, as Qwen3-MoE's configs ask
-    return fields | {"num_experts": experts, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
-                     "moe_intermediate_size": int(_required(metadata, key("expert_feed_forward_length")))}
+    return fields | {"norm_topk_prob": True}
 
 
 def _rope_scaling(metadata: dict[str, Any], key) -> dict[str, Any]:

@@ -29,6 +29,11 @@ _LAYER = {
     "attn_q_norm.weight": f"{_ATTN}.q_norm.weight", "attn_k_norm.weight": f"{_ATTN}.k_norm.weight",
     "ffn_gate.weight": f"{_MLP}.gate_proj.weight", "ffn_up.weight": f"{_MLP}.up_proj.weight",
     "ffn_down.weight": f"{_MLP}.down_proj.weight",
+    # Qwen2-MoE's shared expert and its gate (`[hidden]` in the file, HF's `[1, hidden]`: the reader reshapes it)
+    "ffn_gate_shexp.weight": f"{_MLP}.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": f"{_MLP}.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": f"{_MLP}.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": f"{_MLP}.shared_expert_gate.weight",
 }
 # expert stacks [experts, out, in] → one HF tensor per expert; (router, gate, up, down) per MoE naming
 _EXPERTS = {

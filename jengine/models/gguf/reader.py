@@ -50,12 +50,37 @@ def is_gguf(path: str | Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
+# hyper-parameters llama.cpp also reads as one value per layer (`get_key_or_arr`)
+_PER_LAYER_KEYS = (".attention.head_count", ".attention.head_count_kv", ".feed_forward_length")
+
+
 def _scalar_metadata(reader) -> dict[str, Any]:
-    """Every non-array metadata value (arrays are the vocabulary, read only by the tokenizer converter)."""
+    """Every non-array metadata value (arrays are the vocabulary, read only by the tokenizer converter), and the
+    per-layer hyper-parameters given as arrays when every layer has the same (else refused by name)."""
     from gguf import GGUFValueType
 
-    return {name: field.contents() for name, field in reader.fields.items()
-            if field.types and field.types[0] != GGUFValueType.ARRAY}
+    metadata = {}
+    for name, field in reader.fields.items():
+        if not field.types:
+            continue
+        if field.types[0] != GGUFValueType.ARRAY:
+            metadata[name] = field.contents()
+        elif name.endswith(_PER_LAYER_KEYS):
+            values = set(field.contents())
+            if len(values) != 1:
+                raise UnsupportedModelError(f"GGUF metadata {name} differs between layers ({sorted(values)}); "
+                                            "jengine runs layers of one shape")
+            metadata[name] = values.pop()
+    return metadata
+
+
+def _refuse_split(path: Path, metadata: dict[str, Any]) -> None:
+    """One shard of a split file (`llama-gguf-split`, `--split-max-size`): read only whole, as vLLM asks too."""
+    count = int(metadata.get("split.count", 1) or 1)
+    if count > 1:
+        raise UnsupportedModelError(
+            f"{path.name} is part {int(metadata.get('split.no', 0)) + 1} of a GGUF file split in {count}; merge "
+            f"the parts into one file first (llama-gguf-split --merge <first part> <merged>.gguf)")
 
 
 def _q8_0_config(modules: list[str]) -> dict[str, Any]:
@@ -64,6 +89,12 @@ def _q8_0_config(modules: list[str]) -> dict[str, Any]:
     return {"quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
             "config_groups": {"q8_0": {"targets": modules, "weights": weights, "input_activations": None}},
             "ignore": []}
+
+
+def _hf_shape(name: str, gguf_dims: list[int]) -> tuple[int, ...]:
+    """GGUF lists dimensions innermost first; a shared expert's gate vector is HF's one-row matrix."""
+    shape = tuple(int(d) for d in reversed(gguf_dims))
+    return (1, *shape) if name.endswith("ffn_gate_inp_shexp.weight") and len(shape) == 1 else shape
 
 
 class GGUFCheckpoint:
@@ -80,9 +111,10 @@ class GGUFCheckpoint:
             self._file = GGUFReader(self._path)
         except (ValueError, OSError) as e:
             raise CheckpointError(f"{self._path}: not a readable GGUF file ({e})") from e
-        tensors = {t.name: t for t in self._file.tensors}
-        shapes = {name: tuple(int(d) for d in reversed(t.shape.tolist())) for name, t in tensors.items()}
         metadata = _scalar_metadata(self._file)
+        _refuse_split(self._path, metadata)
+        tensors = {t.name: t for t in self._file.tensors}
+        shapes = {name: _hf_shape(name, t.shape.tolist()) for name, t in tensors.items()}
         self._config = hf_config(metadata, shapes)
         if "rope_freqs.weight" in tensors:
             divisors = np.asarray(tensors["rope_freqs.weight"].data, np.float64).reshape(-1)
