@@ -82,8 +82,24 @@ def _gptq(qc: dict[str, Any]) -> Quant4Config:
                                     "or 'gptq_v2' only)")
     if fmt not in ("gptq", "gptq_v2"):
         raise UnsupportedModelError(f"GPTQ checkpoint_format {fmt!r} is not supported ('gptq' or 'gptq_v2')")
+    _check_dynamic(qc.get("dynamic") or {}, bits, int(qc.get("group_size", 128)))
     return Quant4Config("gptq", bits, int(qc.get("group_size", 128)), zeros_one_less=fmt == "gptq",
                         symmetric=bool(qc.get("sym", True)))
+
+
+def _check_dynamic(dynamic: dict[str, Any], bits: int, group_size: int) -> None:
+    """GPTQModel's per-module overrides (`dynamic`): `-:regex` leaves modules in float (read as such: they have no
+    `qweight`); a `+:regex` (or bare regex) that changes bits or group size is refused by name (one layout a
+    checkpoint here)."""
+    for pattern, override in dynamic.items():
+        if pattern.startswith("-:") or not isinstance(override, dict):
+            continue
+        changed = {k: v for k, v in override.items()
+                   if (k == "bits" and int(v) != bits) or (k == "group_size" and int(v) != group_size)}
+        if changed:
+            raise UnsupportedModelError(f"GPTQ dynamic override {pattern!r} sets {changed}; per-module bits or "
+                                        f"group sizes other than the checkpoint's ({bits} bits, group {group_size}) "
+                                        "are not supported")
 
 
 def _compressed_tensors_w4a16(qc: dict[str, Any]) -> Quant4Config | None:

@@ -202,6 +202,8 @@ def test_settings_in_a_side_file_are_read(build_checkpoint, caplog, fmt, side_fi
     ({"quant_method": "awq_marlin"}, "Marlin"),
     ({"quant_method": "awq", "bits": 4, "backend": "llm-awq"}, "llm-awq"),
     ({"quant_method": "gptq", "bits": 4, "pack_dtype": "int16"}, "pack_dtype 'int16'"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128,
+      "dynamic": {"-:.*lm_head": {}, "+:.*down_proj": {"bits": 8}}}, r"'\+:\.\*down_proj' sets \{'bits': 8\}"),
 ])
 def test_unsupported_variants_refused_by_name(qc, named):
     with pytest.raises(UnsupportedModelError, match=named):
