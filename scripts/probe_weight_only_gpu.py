@@ -185,6 +185,11 @@ def candidate(tile_n: int, block_k: int, steps: int, programs: int, resident_x: 
                             warp_specialized=warp_specialized, persistent=persistent)
 
 
+def candidate_list(text: str) -> tuple[tuple[int, ...], ...]:
+    """`--candidates`: semicolon-separated tuples of `candidate`'s arguments (booleans as 0 / 1)."""
+    return tuple(tuple(int(v) for v in item.split(",")) for item in text.split(";") if item.strip())
+
+
 def label(cfg: WeightOnlyConfig) -> str:
     resident = " rx" if cfg.resident_x else ""
     one = " 1acc" if cfg.one_accumulator else ""
@@ -211,6 +216,10 @@ def main():
     ap.add_argument("--loads-only", type=int, default=0, metavar="N",
                     help="also the first N one-row int4 candidates with no upcast or product (the pipeline's copies "
                          "alone, output wrong): the rate the kernel's structure streams at, beside its own")
+    ap.add_argument("--candidates", type=candidate_list, default=None, metavar="N,K,C,P[,RX,1ACC,WS,PERSISTENT];...",
+                    help="the one-row int4 candidates (and --loads-only's) instead of the built-in list, e.g. "
+                         "'64,256,8,528;64,256,16,0' (the tuple `candidate` takes)")
+    ap.add_argument("--skip-8bit", action="store_true", help="int4 alone (no int8 / float8 sides)")
     ap.add_argument("--per-shape", action="store_true",
                     help="also each projection's shape alone at one row (default configs): its own bytes per second, "
                          "so a fixed cost per launch shows beside the streaming rate")
@@ -247,7 +256,8 @@ def main():
         except Exception as e:
             log(rows, "bf16 failed", e)
         deadline = start + args.deadline_s
-        best = fastest([candidate(*c) for c in (INT4_DECODE if rows == 1 else INT4_BATCH)], deadline,
+        decode = args.candidates or INT4_DECODE
+        best = fastest([candidate(*c) for c in (decode if rows == 1 else INT4_BATCH)], deadline,
                        lambda cfg: time_side(label(cfg), lambda x, w: ours(x, w, cfg), xs, int4, result["int4"], rows,
                                              int4_bytes, copy_rate, bf16_s, config=cfg))
         result.setdefault("best", {}).setdefault("int4", {})[str(rows)] = best
@@ -256,7 +266,7 @@ def main():
                   result["int4"], rows, int4_bytes, copy_rate, bf16_s, config=cfg)
         time_side("triton w4a16", w4a16, xs, int4_triton, result["int4"], rows, int4_bytes, copy_rate, bf16_s,
                   ref_layers=int4)
-        for kind, layers in (("int8", int8), ("fp8", fp8)):
+        for kind, layers in () if args.skip_8bit else (("int8", int8), ("fp8", fp8)):
             best = fastest([candidate(*c) for c in INT8], deadline,
                            lambda cfg, kind=kind, layers=layers: time_side(
                                label(cfg), lambda x, w: ours(x, w, cfg), xs, layers, result[kind], rows, int8_bytes,
@@ -267,13 +277,15 @@ def main():
                 x.dtype), xs, layers, result[kind], rows, int8_bytes, copy_rate, bf16_s)
         write(args.out, result)
     if args.loads_only:
-        result["loads_only"] = loads_only(ours, [candidate(*c) for c in INT4_DECODE[:args.loads_only]], shapes, rng,
+        decode = args.candidates or INT4_DECODE
+        result["loads_only"] = loads_only(ours, [candidate(*c) for c in decode[:args.loads_only]], shapes, rng,
                                           int4, int4_bytes, copy_rate)
         write(args.out, result)
     if args.per_shape:
         result["per_shape"] = per_shape(shapes, rng, bf16_layers, int4, int8, ours, copy_rate, args.trace,
                                         deadline=start + args.deadline_s + args.per_shape_s,
-                                        trace_emptied=args.loads_only > 0)
+                                        trace_emptied=args.loads_only > 0,
+                                        candidates=args.candidates or PER_SHAPE_INT4)
         write(args.out, result)
     log("done in", time.perf_counter() - start)
 
@@ -318,10 +330,10 @@ def arithmetic_removed():
 
 
 def per_shape(shapes, rng, bf16_layers, int4, int8, ours, copy_rate, trace: bool = False,
-              deadline: float = float("inf"), trace_emptied: bool = False) -> dict:
+              deadline: float = float("inf"), trace_emptied: bool = False, candidates=PER_SHAPE_INT4) -> dict:
     """Each projection shape alone (every layer's weight of that shape in one jit), one row: int8 at its default
-    config, int4 at its default then `PER_SHAPE_INT4`'s candidates while `deadline` (perf_counter) allows, the
-    fastest under `best`."""
+    config, int4 at its default then `candidates` while `deadline` (perf_counter) allows, the fastest under
+    `best`."""
     out = {}
     if trace:
         out["traces"] = per_shape_traces(shapes, rng, bf16_layers, int4, ours, emptied=trace_emptied)
@@ -338,7 +350,7 @@ def per_shape(shapes, rng, bf16_layers, int4, int8, ours, copy_rate, trace: bool
         chosen = pick(int4)
         nbytes = weight_bytes(chosen, 4)
         # the shipped configuration first (once, if a candidate repeats it), then the candidates
-        record["best"] = fastest(dict.fromkeys([default_config(1)] + [candidate(*c) for c in PER_SHAPE_INT4]),
+        record["best"] = fastest(dict.fromkeys([default_config(1)] + [candidate(*c) for c in candidates]),
                                  deadline, lambda cfg: time_side(label(cfg), lambda x, w: ours(x, w, cfg), xs, chosen,
                                                                  record, 1, nbytes, copy_rate, bf16_s, config=cfg))
         out[f"{k}x{n}"] = record

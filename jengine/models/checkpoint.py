@@ -23,6 +23,7 @@ import ml_dtypes
 import numpy as np
 
 from jengine.errors import CheckpointError
+from jengine.models.fused_experts import has_fused_experts, per_expert_names
 
 logger = logging.getLogger(__name__)
 
@@ -209,6 +210,9 @@ def _canonical_names(tensors: dict[str, TensorInfo], model_dir: Path) -> dict[st
                     model_dir, _BASE_MODEL_PREFIX)
         tensors = {(name if name.startswith("lm_head.") else _BASE_MODEL_PREFIX + name): info
                    for name, info in tensors.items()}
+    if has_fused_experts(tensors):
+        logger.info("%s: expert stacks saved fused (transformers 5); reading each expert from them", model_dir)
+        tensors = per_expert_names(tensors, lambda: _load_config(model_dir))
     return tensors
 
 
