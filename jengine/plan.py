@@ -59,11 +59,27 @@ def parameter_counts(spec: ModelSpec) -> tuple[int, int]:
     for kind in spec.mlp_kinds:
         if kind == "moe" and spec.moe is not None:
             mlp = spec.moe.num_experts * 3 * d * spec.moe.intermediate_size + d * spec.moe.num_experts
+            if spec.moe.shared_intermediate_size:  # Qwen2-MoE's shared expert and its gate
+                mlp += 3 * d * spec.moe.shared_intermediate_size + d
         else:
             mlp = 3 * d * spec.intermediate_size
-        linear += attention + mlp + 2 * d
+        linear += attention + mlp + 2 * d + (2 * hd if spec.qk_norm else 0)
     embeddings = spec.vocab_size * d * (1 if spec.tie_word_embeddings else 2) + d
     return linear, embeddings
+
+
+def quantized_workspace(spec: ModelSpec, linear_bytes: float, dtype_bytes: int) -> int:
+    """The engine's reserve for quantized weights (`layers/quant.workspace_bytes`) from the spec: the largest copy
+    a step makes of one weight: two dequantized 8-bit expert stacks at once (4-bit ones are read packed on the GPU),
+    else the largest projection dequantized. 0 for float weights."""
+    if linear_bytes >= dtype_bytes:
+        return 0
+    d, hd = spec.hidden_size, spec.head_dim
+    dense = max(d * hd * (spec.num_heads + 2 * spec.num_kv_heads), 2 * d * spec.intermediate_size)
+    moe = spec.moe
+    if moe is not None and linear_bytes >= 1.0:
+        return max(dense, 2 * moe.num_experts * d * moe.intermediate_size) * dtype_bytes
+    return dense * dtype_bytes
 
 
 def config_weight_bytes(hf_config: dict) -> tuple[float, str] | None:
@@ -104,7 +120,7 @@ def device_figures(spec: ModelSpec, request: PlanRequest, tp: int, max_num_seqs:
     weights = math.ceil((linear * linear_bytes + embeddings * dtype.itemsize) / tp)
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=request.max_num_batched_tokens,
                             max_model_len=request.max_model_len)
-    reserve = activation_reserve(spec, sched)
+    reserve = activation_reserve(spec, sched) + quantized_workspace(spec, linear_bytes, dtype.itemsize) // tp
     wanted = max_num_seqs * -(-request.max_model_len // request.block_size)
     fit = kv_blocks_that_fit(request.gpu_memory_bytes, request.gpu_memory_utilization, weights, reserve, block_bytes)
     return DeviceFigures(weights, wanted * block_bytes, reserve,

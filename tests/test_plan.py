@@ -99,3 +99,47 @@ def test_a_quantized_config_is_planned_in_its_own_bytes(tmp_path: Path, capsys, 
     want = (PROJECTIONS_70B * bytes_per_weight + EMBEDDINGS_70B * 2) / GIB
     assert abs(_gib(out, "weights") - want) < 0.05  # the norms' 2 × 8192 a layer, counted with the projections
     assert status == 0
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "mixtral"])
+def test_moe_parameters_are_counted_as_the_model_has_them(tmp_path: Path, family: str) -> None:
+    """The plan's weights are HF's own parameter count (less the q/k/v biases it leaves out): routed experts, the
+    router, and Qwen2-MoE's shared expert with its gate."""
+    import torch
+    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    from jengine.models.loader import load_spec
+    from jengine.plan import parameter_counts
+
+    common = dict(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, num_experts_per_tok=2)
+    config = {"qwen2_moe": lambda: Qwen2MoeConfig(**common, num_experts=4, moe_intermediate_size=48,
+                                                  shared_expert_intermediate_size=80),
+              "qwen3_moe": lambda: Qwen3MoeConfig(**common, num_experts=4, moe_intermediate_size=48, head_dim=32),
+              "mixtral": lambda: MixtralConfig(**common, num_local_experts=4)}[family]()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(tmp_path)
+    biases = sum(p.numel() for name, p in model.named_parameters() if name.endswith("_proj.bias"))
+    assert sum(parameter_counts(load_spec(tmp_path))) == sum(p.numel() for p in model.parameters()) - biases
+
+
+def test_the_plan_reserves_the_engines_workspace_for_8bit_experts(tmp_path: Path) -> None:
+    """An FP8 MoE's step dequantizes expert stacks (two at once): the plan keeps the bytes the engine keeps."""
+    import jax.numpy as jnp
+
+    from jengine.layers.quant import workspace_bytes
+    from jengine.models.dummy import dummy_model
+    from jengine.models.loader import load_spec
+    from jengine.plan import quantized_workspace
+
+    config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 256,
+              "intermediate_size": 512, "moe_intermediate_size": 128, "num_experts": 8, "num_experts_per_tok": 2,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+              "vocab_size": 512, "torch_dtype": "bfloat16",
+              "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                      "weight_block_size": [128, 128]}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    _, params, dtype = dummy_model(str(tmp_path), dtype="bfloat16")
+    engine = workspace_bytes(params, dtype, "gpu")
+    assert engine > 0 and quantized_workspace(load_spec(tmp_path), 1.0, jnp.dtype(dtype).itemsize) == engine

@@ -139,7 +139,28 @@ def _num_experts(config: dict[str, Any]) -> int:
     return int(config_value(config, "num_experts", "num_local_experts"))
 
 
+# What HF's config classes assume where a MoE config.json leaves a field out (every real config sets them)
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mixtral": dict(num_experts=8, num_experts_per_tok=2, rope_theta=1e6),
+    "qwen2_moe": dict(num_experts=60, num_experts_per_tok=4, shared_expert_intermediate_size=5632),
+    "qwen3_moe": dict(num_experts=128, num_experts_per_tok=8),
+}
+_ALIASES = {"num_experts": ("num_experts", "num_local_experts"),  # transformers 5 writes the second for all three
+            "rope_theta": ("rope_theta", "rope_parameters", "rope_scaling")}
+
+
+def _with_hf_defaults(family: str, config: dict[str, Any]) -> dict[str, Any]:
+    present = {k: v for k, v in config.items() if v is not None}
+    if family != "mixtral" and present.get("use_sliding_window") and not present.get("layer_types"):
+        # transformers 4 and 5 disagree on which layers then slide; real configs leave the window off
+        raise UnsupportedModelError(f"{family} with use_sliding_window and no layer_types is not supported")
+    missing = {k: v for k, v in _HF_DEFAULTS[family].items()
+               if not any(name in present for name in _ALIASES.get(k, (k,)))}
+    return missing | present
+
+
 def _mixtral(architecture: str, config: dict[str, Any]) -> ModelSpec:
+    config = _with_hf_defaults("mixtral", config)
     fields = _base_fields(architecture, "mixtral", config, qwen_style=False)
     moe = MoeSpec(
         num_experts=_num_experts(config),
@@ -166,6 +187,7 @@ def _qwen3_moe_layer_kinds(config: dict[str, Any], num_layers: int) -> tuple[Mlp
 def _qwen_moe_fields(architecture: str, family: str, config: dict[str, Any], shared: bool) -> dict[str, Any]:
     """The fields Qwen2-MoE and Qwen3-MoE share: Qwen attention, sparse layers as `_qwen3_moe_layer_kinds` reads
     them, routed experts; `shared`: a shared expert too (Qwen2-MoE), where the config gives it a width."""
+    config = _with_hf_defaults(family, config)
     fields = _base_fields(architecture, family, config, qwen_style=True)
     moe = MoeSpec(
         num_experts=_num_experts(config),
@@ -185,7 +207,7 @@ def _qwen3_moe(architecture: str, config: dict[str, Any]) -> ModelSpec:
 def _qwen2_moe(architecture: str, config: dict[str, Any]) -> ModelSpec:
     """Qwen1.5-MoE / Qwen2-MoE: Qwen2's attention (q/k/v biases), routed experts beside a gated shared expert."""
     fields = _qwen_moe_fields(architecture, "qwen2_moe", config, shared=True)
-    return ModelSpec(**fields | dict(qkv_bias=True, o_bias=False))
+    return ModelSpec(**fields | dict(qkv_bias=bool(config.get("qkv_bias", True)), o_bias=False))
 
 
 _PARSERS: dict[str, Callable[[str, dict[str, Any]], ModelSpec]] = {

@@ -51,6 +51,11 @@ class MoeSpec:
     # Qwen2-MoE: a shared expert every token passes through, scaled by sigmoid(x · shared_expert_gate); 0: none
     shared_intermediate_size: int = 0
 
+    def __post_init__(self) -> None:
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise UnsupportedModelError(f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and the "
+                                        f"number of experts ({self.num_experts})")
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:

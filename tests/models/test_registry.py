@@ -620,6 +620,22 @@ def test_missing_required_field_is_named():
         _spec(config)
 
 
+def test_moe_fields_left_out_take_hf_defaults_and_top_k_is_checked():
+    """Where a MoE config.json leaves a field out, HF's config class's default (Mixtral's rope theta 1e6, Qwen2-MoE's
+    5632-wide shared expert, the expert counts), not a silent other value; a top-k outside 1..experts is refused."""
+    mixtral = _spec({k: v for k, v in MIXTRAL_8X7B.items() if k not in ("rope_theta", "num_local_experts")})
+    assert mixtral.rope.theta == 1e6 and mixtral.moe.num_experts == 8
+    qwen3 = _spec({k: v for k, v in QWEN3_30B_A3B.items() if k not in ("num_experts", "num_experts_per_tok")})
+    assert (qwen3.moe.num_experts, qwen3.moe.num_experts_per_tok) == (128, 8)
+    qwen2 = {**QWEN3_30B_A3B, "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe"}
+    assert _spec(qwen2).moe.shared_intermediate_size == 5632
+    for k in (0, 129):
+        with pytest.raises(UnsupportedModelError, match=f"num_experts_per_tok={k} must be between 1 and"):
+            _spec({**QWEN3_30B_A3B, "num_experts_per_tok": k})
+    with pytest.raises(UnsupportedModelError, match="use_sliding_window and no layer_types"):
+        _spec({**qwen2, "use_sliding_window": True, "sliding_window": 4096})
+
+
 def test_refusals_are_config_errors():
     """Start-up code catches ConfigError for every configuration problem, unsupported models included."""
     assert issubclass(UnsupportedModelError, ConfigError)
