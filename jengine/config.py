@@ -274,6 +274,12 @@ class EngineConfig:
             del kwargs["load_format"]
         if kwargs.get("quantization") in QUANTIZATION_ALIASES:
             kwargs["quantization"] = QUANTIZATION_ALIASES[kwargs["quantization"]]
+        if kwargs.get("quantization") == "gguf":  # vLLM's name for a GGUF file's own types: the file says them
+            from jengine.models.gguf.reader import is_gguf
+
+            if not is_gguf(model):
+                raise ConfigError(f"quantization='gguf' needs a .gguf file; {model} is not one")
+            kwargs["quantization"] = None
         if "seed" in kwargs and kwargs["seed"] is None:  # vLLM's seed=None: not reproducible from run to run
             kwargs["seed"] = secrets.randbits(63)
         speculative = SpeculativeConfig.from_value(kwargs.pop("speculative_config", None))
@@ -319,8 +325,8 @@ class EngineConfig:
             (self.model.max_logprobs >= 0, "max_logprobs must be >= 0"),
             (self.model.quantization in QUANTIZATION_METHODS,
              f"quantization={self.model.quantization!r} is not supported; choose fp8 or compressed-tensors (8-bit "
-             "checkpoints), awq or gptq (awq_marlin, gptq_marlin: the same), or leave it unset to read the "
-             "checkpoint's quantization_config"),
+             "checkpoints), awq or gptq (awq_marlin, gptq_marlin: the same), gguf (a .gguf file), or leave it "
+             "unset to read the checkpoint's quantization_config"),
             (self.model.load_format in LOAD_FORMATS,
              f"load_format={self.model.load_format!r} is not supported: choose {', '.join(LOAD_FORMATS)} (weights "
              "load from safetensors only; pickle files are never opened)"),

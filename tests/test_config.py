@@ -51,6 +51,15 @@ def test_vllm_marlin_quantization_names_mean_the_same_checkpoints():
         EngineConfig.from_kwargs("m", quantization="marlin")
 
 
+def test_gguf_quantization_names_a_gguf_file(tmp_path):
+    """vLLM's `--quantization gguf`: accepted for a .gguf file (whose own types decide), refused for anything else."""
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF" + bytes(20))
+    assert EngineConfig.from_kwargs(str(path), quantization="gguf").model.quantization is None
+    with pytest.raises(ConfigError, match="quantization='gguf' needs a .gguf file"):
+        EngineConfig.from_kwargs(str(tmp_path), quantization="gguf")
+
+
 def test_every_entry_point_shares_one_compilation_cache_by_default(monkeypatch, tmp_path):
     """`LLM(...)` and the CLI alike: jengine's variable, else the directory JAX was pointed at, else
     ~/.cache/jengine/jax-cache; an empty variable turns it off, an explicit argument wins."""
