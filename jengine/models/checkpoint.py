@@ -221,17 +221,22 @@ def _load_config(model_dir: Path) -> dict[str, Any]:
     path = model_dir / CONFIG_FILE
     if not path.is_file():
         raise CheckpointError(f"{CONFIG_FILE} not found in {model_dir}; is this a Hugging Face model directory?")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _fail(path, f"cannot parse ({e})") from e
-    if not isinstance(config, dict):
-        raise _fail(path, "must hold a JSON object")
+    config = _json_object(path)
     if not (config.get("quantization_config") or config.get("compression_config")):
         side = _side_quant_config(model_dir)
         if side is not None:
             config = {**config, "quantization_config": side}
     return config
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _fail(path, f"cannot parse ({e})") from e
+    if not isinstance(value, dict):
+        raise _fail(path, "must hold a JSON object")
+    return value
 
 
 # Where AutoGPTQ (≤ 0.4) and AutoAWQ wrote their settings when config.json carried none
@@ -246,12 +251,7 @@ def _side_quant_config(model_dir: Path) -> dict[str, Any] | None:
     path = next((model_dir / name for name in SIDE_QUANT_CONFIGS if (model_dir / name).is_file()), None)
     if path is None:
         return None
-    try:
-        side = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _fail(path, f"cannot parse ({e})") from e
-    if not isinstance(side, dict):
-        raise _fail(path, "must hold a JSON object")
+    side = _json_object(path)
     method = side.get("quant_method") or ("awq" if _AWQ_KEYS & side.keys() else
                                           "gptq" if _GPTQ_KEYS & side.keys() else None)
     if method is None:
