@@ -16,6 +16,7 @@ from pathlib import Path
 
 from jengine.config import hub_settings
 from jengine.errors import CheckpointError
+from jengine.models.checkpoint import SIDE_QUANT_CONFIGS
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +25,7 @@ HUB_FILE_PATTERNS = (
     "*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json",
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
     "merges.txt", "tokenizer.model", "chat_template.json", "chat_template.jinja", "*.jinja",
+    *SIDE_QUANT_CONFIGS,  # older AWQ / GPTQ repositories keep their quantization settings there
 )
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
@@ -49,7 +51,7 @@ def resolve_model(model: str | Path | None, *, revision: str | None = None,
     if local.is_absolute() or name.startswith((".", "~")) or not _REPO_ID.match(name):
         raise CheckpointError(f"model directory not found: {name} (give a local directory, a GGUF file or a "
                               f"Hugging Face model id such as Qwen/Qwen3-8B)")
-    patterns = ("config.json",) if config_only else HUB_FILE_PATTERNS
+    patterns = ("config.json", *SIDE_QUANT_CONFIGS) if config_only else HUB_FILE_PATTERNS
     return ResolvedModel(hub_snapshot(name, revision=revision, download_dir=download_dir, patterns=patterns), name)
 
 
