@@ -61,7 +61,7 @@ class ModelConfig:
     quantization: str | None = None
 
 
-QUANTIZATION_METHODS = (None, "fp8", "compressed-tensors", "awq", "gptq")  # awq/gptq: kept in 4 (or 8) bits
+QUANTIZATION_METHODS = (None, "fp8", "compressed-tensors", "modelopt", "awq", "gptq")  # awq/gptq: kept in 4 (or 8) bits
 # vLLM's Marlin kernel names for AWQ/GPTQ checkpoints in their usual format: the same checkpoints, jengine's kernels
 QUANTIZATION_ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}
 
@@ -324,8 +324,8 @@ class EngineConfig:
             (self.model.max_model_len is None or self.model.max_model_len > 0, "max_model_len must be positive"),
             (self.model.max_logprobs >= 0, "max_logprobs must be >= 0"),
             (self.model.quantization in QUANTIZATION_METHODS,
-             f"quantization={self.model.quantization!r} is not supported; choose fp8 or compressed-tensors (8-bit "
-             "checkpoints), awq or gptq (awq_marlin, gptq_marlin: the same), gguf (a .gguf file), or leave it "
+             f"quantization={self.model.quantization!r} is not supported; choose fp8, compressed-tensors or "
+             "modelopt (8-bit checkpoints), awq or gptq (awq_marlin, gptq_marlin: the same), gguf (a .gguf file), or leave it "
              "unset to read the checkpoint's quantization_config"),
             (self.model.load_format in LOAD_FORMATS,
              f"load_format={self.model.load_format!r} is not supported: choose {', '.join(LOAD_FORMATS)} (weights "

@@ -88,8 +88,8 @@ def config_weight_bytes(hf_config: dict) -> tuple[float, str] | None:
     checkpoint or a method the loader refuses."""
     qc = hf_config.get("quantization_config") or hf_config.get("compression_config") or {}
     method = qc.get("quant_method")
-    if method == "fp8":
-        return 1.0, "fp8"
+    if method in ("fp8", "modelopt"):
+        return 1.0, method
     if method in ("awq", "gptq"):
         bits, group = int(qc.get("bits", qc.get("w_bit", 4))), int(qc.get("group_size", qc.get("q_group_size", 128)))
     elif method == "compressed-tensors":

@@ -239,8 +239,8 @@ def _json_object(path: Path) -> dict[str, Any]:
     return value
 
 
-# Where AutoGPTQ (≤ 0.4) and AutoAWQ wrote their settings when config.json carried none
-SIDE_QUANT_CONFIGS = ("quantize_config.json", "quant_config.json")
+# Where AutoGPTQ (≤ 0.4), AutoAWQ and NVIDIA's Model Optimizer wrote their settings when config.json carried none
+SIDE_QUANT_CONFIGS = ("quantize_config.json", "quant_config.json", "hf_quant_config.json")
 _AWQ_KEYS, _GPTQ_KEYS = {"w_bit", "q_group_size", "zero_point", "version"}, {"desc_act", "damp_percent", "sym",
                                                                            "static_groups", "true_sequential"}
 
@@ -252,7 +252,8 @@ def _side_quant_config(model_dir: Path) -> dict[str, Any] | None:
     if path is None:
         return None
     side = _json_object(path)
-    method = side.get("quant_method") or ("awq" if _AWQ_KEYS & side.keys() else
+    method = side.get("quant_method") or ("modelopt" if path.name == "hf_quant_config.json" else
+                                          "awq" if _AWQ_KEYS & side.keys() else
                                           "gptq" if _GPTQ_KEYS & side.keys() else None)
     if method is None:
         raise _fail(path, "names no quant_method and holds neither AWQ's nor GPTQ's settings")

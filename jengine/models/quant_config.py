@@ -14,6 +14,11 @@ Read by the names real checkpoints use:
   bits (`weight_packed`: four int8 values per int32, little-endian, each stored + 128; `weight_scale`,
   `weight_shape`). A float8 `kv_cache_scheme` is read as the `k_scale` / `v_scale` tensors it wrote
   (`check_kv_cache_scheme`).
+- `quant_method: "modelopt"` (NVIDIA Model Optimizer; settings in config.json or its `hf_quant_config.json`), by
+  `quant_algo`: `FP8` (per-tensor `weight_scale` and static `input_scale`), `FP8_PER_CHANNEL_PER_TOKEN` (per-channel
+  weights, dynamic per-token activations), `FP8_PB_WO` (128 × 128 block scales stored `[out_blocks, 1, in_blocks,
+  1]`, activations quantized per token and 128-group); which projections are float8 is read from the tensors, as
+  for `fp8`. Its float8 KV cache's scales are the `k_proj.k_scale` / `v_proj.v_scale` tensors.
 - `--quantization fp8` on a float checkpoint: every projection quantized at load, per output feature, activations
   per token.
 Every other method or setting is refused by name.
@@ -30,7 +35,7 @@ from jengine.layers.quant import QuantScheme
 
 Storage = Literal["fp8", "int8", "packed8", "float"]  # float: quantized at load
 CT_FORMATS = ("float-quantized", "int-quantized", "naive-quantized", "pack-quantized")
-QUANTIZATION_CHOICES = ("fp8", "compressed-tensors")
+QUANTIZATION_CHOICES = ("fp8", "compressed-tensors", "modelopt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +51,7 @@ class ModuleQuant:
 
 @dataclasses.dataclass(frozen=True)
 class QuantConfig:
-    method: Literal["fp8", "compressed-tensors", "fp8-at-load"]
+    method: Literal["fp8", "compressed-tensors", "modelopt", "fp8-at-load"]
     groups: tuple[tuple[tuple[str, ...], ModuleQuant], ...]  # (targets, how) in config order
     ignore: tuple[str, ...]
     from_tensors: bool  # fp8 method: a module is quantized iff its tensor is float8 (routers, lm_head stay float)
@@ -104,8 +109,10 @@ def read_quant_config(hf_config: dict[str, Any], requested: str | None) -> Quant
         return _fp8_method(qc)
     if method == "compressed-tensors":
         return _compressed_tensors(qc)
-    raise UnsupportedModelError(f"quant_method {method!r} is not supported; jengine reads 8-bit 'fp8' and "
-                                "'compressed-tensors' checkpoints")
+    if method == "modelopt":
+        return _modelopt(qc)
+    raise UnsupportedModelError(f"quant_method {method!r} is not supported; jengine reads 8-bit 'fp8', "
+                                "'compressed-tensors' and 'modelopt' checkpoints")
 
 
 def _fp8_method(qc: dict[str, Any]) -> QuantConfig:
@@ -127,6 +134,29 @@ def _fp8_method(qc: dict[str, Any]) -> QuantConfig:
         how = ModuleQuant("fp8", QuantScheme("fp8", "fp8", block_k=in_block, block_n=out_block, act_group=in_block),
                           scale_name="weight_scale_inv", block_out_in=(out_block, in_block))
     return QuantConfig("fp8", ((("Linear",), how),), ignore, from_tensors=True)
+
+
+def _modelopt(qc: dict[str, Any]) -> QuantConfig:
+    """ModelOpt's float8 algorithms (`hf_quant_config.json` nests them under `quantization`; config.json does not)."""
+    nested = qc.get("quantization") if isinstance(qc.get("quantization"), dict) else qc
+    algo = str(nested.get("quant_algo") or "").upper()
+    kv = nested.get("kv_cache_quant_algo")
+    if kv is not None and str(kv).upper() != "FP8":
+        raise UnsupportedModelError(f"ModelOpt kv_cache_quant_algo {kv!r} is not supported (FP8: "
+                                    "kv_cache_dtype='fp8')")
+    check_kv_cache_scheme(nested.get("kv_cache_scheme"))
+    fp8 = QuantScheme("fp8", "fp8")
+    if algo == "FP8":
+        how = ModuleQuant("fp8", fp8, static_input=True)
+    elif algo == "FP8_PER_CHANNEL_PER_TOKEN":
+        how = ModuleQuant("fp8", fp8)
+    elif algo == "FP8_PB_WO":
+        how = ModuleQuant("fp8", QuantScheme("fp8", "fp8", block_k=128, block_n=128, act_group=128),
+                          block_out_in=(128, 128))
+    else:
+        raise UnsupportedModelError(f"ModelOpt quant_algo {algo or None!r} is not supported; jengine reads FP8, "
+                                    "FP8_PER_CHANNEL_PER_TOKEN and FP8_PB_WO")
+    return QuantConfig("modelopt", ((("Linear",), how),), (), from_tensors=True)
 
 
 def _compressed_tensors(qc: dict[str, Any]) -> QuantConfig:

@@ -93,6 +93,8 @@ def read_module(reader: CheckpointReader, module: str, how: ModuleQuant) -> tupl
     weight = _unpack(reader, module) if how.storage == "packed8" else reader.read(module + ".weight")
     out, inp = weight.shape
     scale = np.asarray(reader.read(module + "." + how.scale_name), np.float32)
+    if scale.ndim == 4 and scale.shape[1] == scale.shape[3] == 1:  # ModelOpt's blocks: [out_b, 1, in_b, 1]
+        scale = scale.reshape(scale.shape[0], scale.shape[2])
     if how.scheme.block_k == 0:
         if scale.size not in (1, out):
             raise CheckpointError(f"{module}.{how.scale_name} has shape {scale.shape}; a per-tensor or per-channel "

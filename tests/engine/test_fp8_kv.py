@@ -172,7 +172,8 @@ def with_scales(model_dir, tmp_path, tensors: dict[str, np.ndarray]):
 
 
 @pytest.mark.parametrize("spelling,per_head", [("self_attn.{kv}_scale", False), ("self_attn.attn.{kv}_scale", True),
-                                               ("self_attn.{kv}_proj.output_scale", False)])
+                                               ("self_attn.{kv}_proj.output_scale", False),
+                                               ("self_attn.{kv}_proj.{kv}_scale", False)])
 def test_checkpoint_scales_are_used_instead_of_calibration(models, tmp_path, spelling, per_head):
     model_dir, _ = models["llama"]
     layers, heads = COMMON["num_hidden_layers"], COMMON["num_key_value_heads"]

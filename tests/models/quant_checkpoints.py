@@ -85,6 +85,16 @@ def int_group(group: int) -> Quantizer:
     return quantize
 
 
+def reshaped_scale(inner: Quantizer, shape_of: Callable[[tuple[int, ...]], tuple[int, ...]]) -> Quantizer:
+    """`inner` with its weight_scale stored in another shape (ModelOpt's: per channel `[out]`, blocks
+    `[out_blocks, 1, in_blocks, 1]`)."""
+    def quantize(w):
+        tensors, dequantized = inner(w)
+        scale = tensors["weight_scale"]
+        return {**tensors, "weight_scale": scale.reshape(shape_of(tuple(scale.shape))).contiguous()}, dequantized
+    return quantize
+
+
 def pack8(values: torch.Tensor) -> torch.Tensor:
     """pack-quantized with 8 bits: value + 128 as a byte, four per int32, the first in the low byte."""
     out, inp = values.shape

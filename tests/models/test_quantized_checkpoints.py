@@ -48,6 +48,16 @@ FORMATS = {
                          qc.packed(qc.channel("int"))),
     "ct-pack8-group32": (qc.ct_config("pack-quantized", {"type": "int", "strategy": "group", "group_size": 32},
                                       None), qc.packed(qc.int_group(32))),
+    # NVIDIA Model Optimizer: its hf_quant_config.json's nesting, and config.json's flat spelling
+    "modelopt-fp8": ({"quant_method": "modelopt", "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": None,
+                                                                   "exclude_modules": ["lm_head"]}},
+                     qc.fp8_tensor(input_scale=0.02)),
+    "modelopt-fp8-channel-token": ({"quant_method": "modelopt", "quant_algo": "FP8_PER_CHANNEL_PER_TOKEN",
+                                    "ignore": ["lm_head"]},
+                                   qc.reshaped_scale(qc.channel("float"), lambda shape: shape[:1])),
+    "modelopt-fp8-blocks": ({"quant_method": "modelopt", "quant_algo": "fp8_pb_wo"},
+                            qc.reshaped_scale(qc.fp8_block(128, 128, scale_name="weight_scale"),
+                                              lambda shape: (shape[0], 1, shape[1], 1))),
 }
 
 
@@ -225,6 +235,27 @@ def test_the_most_specific_config_group_wins():
     assert down.static_input and down.scheme.activations == "fp8"
     assert quant.module("model.layers.1.mlp.down_proj").scheme.activations is None
     assert quant.module("lm_head") is None
+
+
+def test_modelopt_settings_in_hf_quant_config_json(llama, tmp_path):
+    """ModelOpt checkpoints whose config.json has no quantization_config: its hf_quant_config.json is read (the
+    same logits as with the settings in config.json); other algorithms refused by name."""
+    import json
+
+    config, quantize = FORMATS["modelopt-fp8"]
+    quantized, dequantized = qc.write_quantized(llama, tmp_path, config, quantize)
+    hf = json.loads((quantized / "config.json").read_text())
+    del hf["quantization_config"]
+    (quantized / "config.json").write_text(json.dumps(hf))
+    (quantized / "hf_quant_config.json").write_text(json.dumps(
+        {"producer": {"name": "modelopt", "version": "0.29.0"}, **{k: v for k, v in config.items() if k != "quant_method"}}))
+    assert _relative(prompt_logits(quantized), prompt_logits(dequantized)) <= REFERENCE_TOL
+    for algo, named in (("NVFP4", "quant_algo 'NVFP4'"), ("FP8", "kv_cache_quant_algo 'NVFP4'")):
+        kv = "NVFP4" if algo == "FP8" else None
+        (quantized / "hf_quant_config.json").write_text(json.dumps(
+            {"quantization": {"quant_algo": algo, "kv_cache_quant_algo": kv}}))
+        with pytest.raises(UnsupportedModelError, match=named):
+            load_model(quantized, dtype="float32", progress=False)
 
 
 def test_frozen_and_dense_compressed_tensors_checkpoints_load(llama, tmp_path):
