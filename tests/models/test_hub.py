@@ -87,7 +87,8 @@ def test_online_only_safetensors_config_and_tokenizer_files_are_fetched(tmp_path
 
     wanted = ("model-00001-of-00004.safetensors", "model.safetensors.index.json", "config.json",
               "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-              "chat_template.jinja", "tokenizer.model", "quantize_config.json", "quant_config.json")
+              "chat_template.jinja", "tokenizer.model", "quantize_config.json", "quant_config.json",
+              "hf_quant_config.json")
     assert all(fetched(name) for name in wanted)
     assert not any(fetched(name) for name in ("pytorch_model.bin", "model.pt", "consolidated.pth", "README.md"))
 
