@@ -182,13 +182,14 @@ def _llama3_divisors(config) -> np.ndarray:
 
 
 def write_gguf(path: Path, model, arch: str, qtype_of: Callable[[str, np.ndarray], T],
-               tokenizer: Callable[[gguf.GGUFWriter], None] | None = None) -> Path:
+               tokenizer: Callable[[gguf.GGUFWriter], None] | None = None, split_max_tensors: int = 0) -> Path:
     """Writes `model` (HF, float32) to `path`; `qtype_of(gguf_name, array)` picks each tensor's type. Returns the
-    path. The HF model's weights are replaced by what the file holds (read back by `gguf`'s dequantizer), so it is
-    the exact reference for the file."""
+    path (with `split_max_tensors`, the first part's: gguf's writer splits as llama.cpp's tools do). The HF model's
+    weights are replaced by what the file holds (read back by `gguf`'s dequantizer), so it is the exact reference
+    for the file."""
     config = model.config
     state = {n: t.detach().float().numpy() for n, t in model.state_dict().items()}
-    writer = gguf.GGUFWriter(path, arch)
+    writer = gguf.GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
     _metadata(writer, config)
     if tokenizer is not None:
         tokenizer(writer)
@@ -219,7 +220,8 @@ def write_gguf(path: Path, model, arch: str, qtype_of: Callable[[str, np.ndarray
             held[f"model.layers.{i}.mlp.experts.gate_up_proj"] = np.concatenate(gate_up, axis=1)
             held[f"model.layers.{i}.mlp.experts.down_proj"] = held.pop(f"blk.{i}.ffn_down_exps.weight")
     model.load_state_dict({n: torch.from_numpy(held.get(n, v).copy()) for n, v in state.items()}, strict=True)
-    return path
+    parts = writer.format_shard_names(Path(path)) if split_max_tensors else [Path(path)]
+    return parts[0]
 
 
 def tokenizer_writer(tokenizer_dir: Path) -> Callable[[gguf.GGUFWriter], None]:

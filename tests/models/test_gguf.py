@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-from jengine.errors import UnsupportedModelError
+from jengine.errors import CheckpointError, UnsupportedModelError
 from jengine.models.gguf.dequant import dequantize
 from jengine.models.loader import load_model
 from jengine.runner.simple import SimpleGenerator
@@ -145,7 +145,7 @@ def test_gguf_qwen2_moe_shared_expert(tmp_path):
 
 def test_gguf_stop_tokens_per_layer_metadata_and_split_files(tmp_path):
     """llama.cpp's end-of-generation tokens (eos, eot, eom) all stop; per-layer hyper-parameter arrays read when
-    uniform, refused when not; one part of a split file refused with how to merge it."""
+    uniform, refused when not."""
     from jengine.models.gguf.reader import GGUFCheckpoint
 
     model = _build(Qwen2Config(**COMMON))
@@ -166,13 +166,22 @@ def test_gguf_stop_tokens_per_layer_metadata_and_split_files(tmp_path):
     with pytest.raises(UnsupportedModelError, match=r"qwen2.feed_forward_length differs between layers \(\[96, 128"):
         GGUFCheckpoint(path)
 
-    def split(writer):
-        writer.add_uint16("split.no", 0)
-        writer.add_uint16("split.count", 3)
 
-    path = write_gguf(tmp_path / "model-00001-of-00003.gguf", model, "qwen2", lambda name, a: T.Q8_0, tokenizer=split)
-    with pytest.raises(UnsupportedModelError, match="part 1 of a GGUF file split in 3; merge"):
-        GGUFCheckpoint(path)
+
+def test_gguf_split_in_parts_reads_as_one_file(tmp_path):
+    """A file split by llama.cpp's tools (`<name>-00001-of-0000N.gguf`, tensors spread over the parts, metadata in
+    the first) gives the whole file's logits from its first part; a later part or a missing one is refused by name."""
+    model = _build(Qwen2Config(**COMMON))
+    whole = write_gguf(tmp_path / "whole.gguf", model, "qwen2", lambda name, a: T.Q8_0)
+    first = write_gguf(tmp_path / "model.gguf", model, "qwen2", lambda name, a: T.Q8_0, split_max_tensors=12)
+    assert first.name == "model-00001-of-00004.gguf"
+    for ours, whole_logits in zip(_our_logits(first), _our_logits(whole), strict=True):
+        np.testing.assert_array_equal(ours, whole_logits)
+    with pytest.raises(UnsupportedModelError, match="part 2 of a GGUF file split in 4; give its first part"):
+        load_model(tmp_path / "model-00002-of-00004.gguf", dtype="float32", progress=False)
+    (tmp_path / "model-00003-of-00004.gguf").unlink()
+    with pytest.raises(CheckpointError, match="missing beside it: model-00003-of-00004.gguf"):
+        load_model(first, dtype="float32", progress=False)
 
 
 def test_gguf_types_only_the_gguf_package_decodes(tmp_path, caplog):

@@ -30,6 +30,7 @@ from jengine.models.gguf.config import hf_config, llama3_rope
 from jengine.models.gguf.dequant import (
     BLOCKS, INT4_GROUP, INT4_TYPES, STORED, decoded_by_gguf, dequantize, int4_parts, int4_representable, q8_0_parts)
 from jengine.models.gguf.names import IGNORED, Origin, hf_names, int8_modules, unpermute_heads
+from jengine.models.gguf.parts import check_tensor_count, other_parts
 from jengine.models.quant4 import Unpacked
 from jengine.models.quant4_load import Quant4Config
 
@@ -74,21 +75,19 @@ def _scalar_metadata(reader) -> dict[str, Any]:
     return metadata
 
 
-def _refuse_split(path: Path, metadata: dict[str, Any]) -> None:
-    """One shard of a split file (`llama-gguf-split`, `--split-max-size`): read only whole, as vLLM asks too."""
-    count = int(metadata.get("split.count", 1) or 1)
-    if count > 1:
-        raise UnsupportedModelError(
-            f"{path.name} is part {int(metadata.get('split.no', 0)) + 1} of a GGUF file split in {count}; merge "
-            f"the parts into one file first (llama-gguf-split --merge <first part> <merged>.gguf)")
-
-
 def _q8_0_config(modules: list[str]) -> dict[str, Any]:
     """compressed-tensors' spelling of Q8_0: symmetric int8 weights, one scale per 32 inputs, float activations."""
     weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
     return {"quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
             "config_groups": {"q8_0": {"targets": modules, "weights": weights, "input_activations": None}},
             "ignore": []}
+
+
+def _open(path: Path, reader_class):
+    try:
+        return reader_class(path)
+    except (ValueError, OSError) as e:
+        raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from e
 
 
 def _hf_shape(name: str, gguf_dims: list[int]) -> tuple[int, ...]:
@@ -98,7 +97,8 @@ def _hf_shape(name: str, gguf_dims: list[int]) -> tuple[int, ...]:
 
 
 class GGUFCheckpoint:
-    """Read-only view of one GGUF file with HF tensor names; `read` dequantizes (see the module docstring)."""
+    """Read-only view of one GGUF file (or the parts of a split one, `parts.py`) with HF tensor names; `read`
+    dequantizes (see the module docstring)."""
 
     def __init__(self, path: str | Path) -> None:
         try:
@@ -107,13 +107,16 @@ class GGUFCheckpoint:
             raise CheckpointError(f"{path} is a GGUF file, which needs the gguf package: pip install "
                                   "'jengine[gguf]'") from e
         self._path = Path(path)
-        try:
-            self._file = GGUFReader(self._path)
-        except (ValueError, OSError) as e:
-            raise CheckpointError(f"{self._path}: not a readable GGUF file ({e})") from e
+        self._file = _open(self._path, GGUFReader)
         metadata = _scalar_metadata(self._file)
-        _refuse_split(self._path, metadata)
-        tensors = {t.name: t for t in self._file.tensors}
+        self._parts = [self._file] + [_open(part, GGUFReader) for part in other_parts(self._path, metadata)]
+        tensors = {}
+        for part in self._parts:
+            tensors.update({t.name: t for t in part.tensors})
+        if len(self._parts) > 1:
+            check_tensor_count(self._path, metadata, len(tensors))
+            logger.info("%s: the first of %d parts; their %d tensors read as one file", self._path.name,
+                        len(self._parts), len(tensors))
         shapes = {name: _hf_shape(name, t.shape.tolist()) for name, t in tensors.items()}
         self._config = hf_config(metadata, shapes)
         if "rope_freqs.weight" in tensors:
