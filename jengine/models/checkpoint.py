@@ -247,7 +247,8 @@ _AWQ_KEYS, _GPTQ_KEYS = {"w_bit", "q_group_size", "zero_point", "version"}, {"de
 
 def _side_quant_config(model_dir: Path) -> dict[str, Any] | None:
     """The quantization settings of a side file, its method named (`quant_method`, else told by its keys: AWQ's
-    `w_bit` / `version`, GPTQ's `desc_act` / `damp_percent`), or None where there is no such file."""
+    `w_bit` / `version`, GPTQ's `desc_act` / `damp_percent`; ModelOpt's by its file name), or None where there is
+    no such file or it says neither."""
     path = next((model_dir / name for name in SIDE_QUANT_CONFIGS if (model_dir / name).is_file()), None)
     if path is None:
         return None
@@ -255,8 +256,9 @@ def _side_quant_config(model_dir: Path) -> dict[str, Any] | None:
     method = side.get("quant_method") or ("modelopt" if path.name == "hf_quant_config.json" else
                                           "awq" if _AWQ_KEYS & side.keys() else
                                           "gptq" if _GPTQ_KEYS & side.keys() else None)
-    if method is None:
-        raise _fail(path, "names no quant_method and holds neither AWQ's nor GPTQ's settings")
+    if method is None:  # some other tool's file: the checkpoint's tensors say what they are
+        logger.warning("%s names no quant_method and holds neither AWQ's nor GPTQ's settings; not read", path)
+        return None
     logger.info("%s: quantization settings (%s) read from %s; config.json has none", model_dir, method, path.name)
     return {**side, "quant_method": str(method).lower()}
 
