@@ -193,6 +193,15 @@ def test_settings_in_a_side_file_are_read(build_checkpoint, caplog, fmt, side_fi
     assert f"quantization settings ({fmt}) read from {side_file}" in caplog.text
 
 
+def test_a_side_file_naming_no_method_is_passed_over(build_checkpoint, caplog):
+    """Another tool's quant_config.json beside a float checkpoint: a warning, and the model loads as float."""
+    model_dir, model = build_checkpoint(LlamaConfig(**COMMON))
+    (model_dir / "quant_config.json").write_text(json.dumps({"group_size": 64, "bits": 4, "mode": "affine"}))
+    with caplog.at_level(logging.WARNING, logger="jengine.models"):
+        _check_logits(model_dir, model)
+    assert "names no quant_method" in caplog.text
+
+
 @pytest.mark.parametrize("qc,named", [
     ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "gemv"),
     ({"quant_method": "awq", "bits": 4, "version": "exllama"}, "exllama"),
