@@ -121,7 +121,7 @@ def _add_chat_parsing_args(parser: argparse.ArgumentParser) -> None:
 
 # vLLM flags accepted so its command lines run unchanged; the config refuses the values that would change something.
 _COMPAT_SWITCHES = ("--trust-remote-code", "--disable-log-stats", "--disable-log-requests",
-                    "--enable-log-requests")
+                    "--enable-log-requests", "--calculate-kv-scales")
 _COMPAT_VALUES = {"--tokenizer-mode": None,
                   "--task": None, "--swap-space": float, "--uvicorn-log-level": None}
 

@@ -36,6 +36,8 @@ NO_EFFECT: dict[str, tuple[Callable[[Any], bool], str]] = {
     "task": (_one_of(None, "auto", "generate"), "jengine generates text"),
     "swap_space": (lambda v: v is None or (isinstance(v, (int, float)) and v >= 0),
                    "preempted requests are recomputed, never swapped to host memory"),
+    # a float8 cache always has scales: the checkpoint's k_scale / v_scale, else calibrated on the first prefill
+    "calculate_kv_scales": (_ANY_BOOL, "the float8 KV cache's scales come from the checkpoint or the first prefill"),
 }
 
 

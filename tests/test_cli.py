@@ -50,7 +50,8 @@ def test_a_vllm_command_line_runs_as_it_is(model_dir, tmp_path):
     result = jengine("generate", "--model", str(model_dir), "--prompt", "Hello", "--max-tokens", "3", "--ignore-eos",
                      "--dtype", "half", "--max-model-len", "0.064k", "-tp", "1", "--trust-remote-code",
                      "--enforce-eager", "--disable-log-requests", "--disable-log-stats", "--swap-space", "4",
-                     "--enable-chunked-prefill", "--tokenizer-mode", "auto", "--compilation-cache-dir", str(tmp_path))
+                     "--enable-chunked-prefill", "--tokenizer-mode", "auto", "--calculate-kv-scales",
+                     "--compilation-cache-dir", str(tmp_path))
     assert result.returncode == 0, result.stderr
     assert "generated 3 tokens" in result.stderr and "float16" in result.stderr
 
