@@ -327,8 +327,8 @@ class EngineConfig:
             (self.model.max_logprobs >= 0, "max_logprobs must be >= 0"),
             (self.model.quantization in QUANTIZATION_METHODS,
              f"quantization={self.model.quantization!r} is not supported; choose fp8, compressed-tensors or "
-             "modelopt (8-bit checkpoints), awq or gptq (awq_marlin, gptq_marlin: the same), gguf (a .gguf file), or leave it "
-             "unset to read the checkpoint's quantization_config"),
+             "modelopt (8-bit checkpoints), awq or gptq (awq_marlin, gptq_marlin: the same), gguf (a .gguf file), "
+             "or leave it unset to read the checkpoint's quantization_config"),
             (self.model.load_format in LOAD_FORMATS,
              f"load_format={self.model.load_format!r} is not supported: choose {', '.join(LOAD_FORMATS)} (weights "
              "load from safetensors only; pickle files are never opened)"),
