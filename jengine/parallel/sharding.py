@@ -116,6 +116,9 @@ def plan_layout(spec: ModelSpec, mesh: Mesh, expert_parallel: bool = False) -> P
         else:
             _require(spec.moe.intermediate_size % tp == 0, f"tensor_parallel_size={tp} does not divide the experts' "
                      f"intermediate size {spec.moe.intermediate_size} (enable_expert_parallel splits experts whole)")
+        shared = spec.moe.shared_intermediate_size  # split as the dense MLP is, with or without expert parallelism
+        _require(shared % tp == 0, f"tensor_parallel_size={tp} does not divide the shared expert's intermediate "
+                 f"size {shared}")
     repeat = 1 if kv % tp == 0 else tp // kv
     if repeat > 1:
         logger.info("tensor_parallel_size=%d exceeds the %d KV heads: each KV head is held by %d devices", tp, kv,

@@ -157,6 +157,12 @@ def test_impossible_layouts_are_refused_clearly():
                                "num_local_experts": 6, "num_experts_per_tok": 2})
     with pytest.raises(ConfigError, match="does not divide the 6 experts"):
         plan_layout(moe, build_mesh(replica_devices(4)), expert_parallel=True)
+    shared = spec_from_hf_config({"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", **COMMON,
+                                  "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                  "shared_expert_intermediate_size": 90})
+    for expert_parallel in (False, True):
+        with pytest.raises(ConfigError, match="does not divide the shared expert's intermediate size 90"):
+            plan_layout(shared, build_mesh(replica_devices(4)), expert_parallel=expert_parallel)
 
 
 def test_kv_heads_repeat_when_tp_exceeds_them():
