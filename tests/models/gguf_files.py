@@ -162,10 +162,11 @@ def _metadata(writer: gguf.GGUFWriter, config) -> None:
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_id)
-    if getattr(config, "num_experts", None):
-        writer.add_expert_count(config.num_experts)
+    if experts := getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
+        writer.add_expert_count(experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
-        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if getattr(config, "moe_intermediate_size", None):  # Mixtral's experts are intermediate_size wide
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if getattr(config, "shared_expert_intermediate_size", None):
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
 
@@ -182,11 +183,13 @@ def _llama3_divisors(config) -> np.ndarray:
 
 
 def write_gguf(path: Path, model, arch: str, qtype_of: Callable[[str, np.ndarray], T],
-               tokenizer: Callable[[gguf.GGUFWriter], None] | None = None, split_max_tensors: int = 0) -> Path:
+               tokenizer: Callable[[gguf.GGUFWriter], None] | None = None, split_max_tensors: int = 0,
+               experts_apart: bool = False) -> Path:
     """Writes `model` (HF, float32) to `path`; `qtype_of(gguf_name, array)` picks each tensor's type. Returns the
     path (with `split_max_tensors`, the first part's: gguf's writer splits as llama.cpp's tools do). The HF model's
     weights are replaced by what the file holds (read back by `gguf`'s dequantizer), so it is the exact reference
-    for the file."""
+    for the file. `experts_apart`: each expert its own tensor (`blk.N.ffn_gate.E.weight`), as files converted before
+    llama.cpp stacked them are."""
     config = model.config
     state = {n: t.detach().float().numpy() for n, t in model.state_dict().items()}
     writer = gguf.GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
@@ -209,6 +212,10 @@ def write_gguf(path: Path, model, arch: str, qtype_of: Callable[[str, np.ndarray
         else:
             held[name] = roundtrip(array, qtype)
         data = array.astype(np.float32) if qtype == T.F32 else quantize(array, qtype)
+        if experts_apart and name.endswith("_exps.weight"):
+            for e in range(array.shape[0]):
+                writer.add_tensor(name.replace("_exps.weight", f".{e}.weight"), data[e], raw_dtype=qtype)
+            continue
         writer.add_tensor(name, data, raw_dtype=None if qtype == T.F32 else qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

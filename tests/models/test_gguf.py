@@ -129,6 +129,19 @@ def test_gguf_qwen3_moe_expert_stacks(tmp_path):
         assert np.abs(ours - ref).max() <= F32_TOL * np.abs(ref).max()
 
 
+@pytest.mark.parametrize("experts_apart", [False, True], ids=["stacked", "one-tensor-an-expert"])
+def test_gguf_mixtral(tmp_path, experts_apart):
+    """Mixtral files (llama with experts, q/k permuted): expert stacks, or one tensor an expert as files converted
+    before llama.cpp stacked them."""
+    from transformers import MixtralConfig
+
+    model = _build(MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2))
+    path = write_gguf(tmp_path / "mixtral.gguf", model, "llama", lambda name, a: T.Q8_0, experts_apart=experts_apart)
+    for prompt, ours in zip(PROMPTS, _our_logits(path), strict=True):
+        ref = _hf_logits(model, prompt)
+        assert np.abs(ours - ref).max() <= F32_TOL * np.abs(ref).max()
+
+
 def test_gguf_qwen2_moe_shared_expert(tmp_path):
     """qwen2moe files: routed expert stacks, the shared expert and its gate vector (`[hidden]` in the file), q/k/v
     biases; llama.cpp keeps the top-k softmax weights as they are (no renormalisation)."""

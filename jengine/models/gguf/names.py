@@ -43,6 +43,8 @@ _EXPERTS = {
                 "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight"),
 }
 _EXPERT_PARTS = ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+# files converted before llama.cpp stacked the experts (many Mixtral ones): one tensor per expert
+_ONE_EXPERT = re.compile(r"ffn_(gate|up|down)\.(\d+)\.weight")
 IGNORED = ("rope_freqs.weight",)  # read into the config (`config.llama3_rope`), not a parameter
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 
@@ -76,6 +78,10 @@ def hf_names(gguf_name: str, shape: tuple[int, ...], moe_style: str, heads: tupl
         if part == "ffn_gate_inp.weight":
             return {prefix + template: Origin(gguf_name)}
         return {prefix + template.format(e=e): Origin(gguf_name, expert=e) for e in range(shape[0])}
+    if (one := _ONE_EXPERT.fullmatch(part)) is not None:
+        kind, expert = one.groups()
+        template = _EXPERTS[moe_style][1 + ("gate", "up", "down").index(kind)]
+        return {prefix + template.format(e=int(expert)): Origin(gguf_name)}
     return {}
 
 
