@@ -36,7 +36,7 @@ from jengine.errors import CheckpointError
 logger = logging.getLogger(__name__)
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_ORDER[i] of its 8
-GPTQ_BITS = (4, 8)
+GPTQ_BITS = (2, 4, 8)  # fields within whole int32 words (3-bit ones straddle words)
 
 
 @dataclasses.dataclass(frozen=True)

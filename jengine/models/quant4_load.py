@@ -73,7 +73,7 @@ def _awq(qc: dict[str, Any]) -> Quant4Config:
 def _gptq(qc: dict[str, Any]) -> Quant4Config:
     bits = int(qc.get("bits", 4))
     if bits not in GPTQ_BITS:
-        raise UnsupportedModelError(f"GPTQ with {bits} bits is not supported (4 or 8; 3-bit packs across words)")
+        raise UnsupportedModelError(f"GPTQ with {bits} bits is not supported (2, 4 or 8; 3-bit packs across words)")
     if str(qc.get("pack_dtype", "int32")).removeprefix("torch.") != "int32":
         raise UnsupportedModelError(f"GPTQ pack_dtype {qc['pack_dtype']!r} is not supported (int32 words only)")
     fmt = qc.get("checkpoint_format") or qc.get("format") or "gptq"

@@ -55,10 +55,11 @@ def _check_logits(model_dir, model) -> dict:
     ("gptq", dict(symmetric=True, v1=True)),
     ("gptq", dict(symmetric=False, v1=False, desc_act=True)),
     ("gptq", dict(bits=8, symmetric=False, v1=True, desc_act=True)),
+    ("gptq", dict(bits=2, symmetric=False, v1=True)),
     ("ct", dict(symmetric=True)),
     ("ct", dict(symmetric=False)),
-], ids=["awq", "awq-one-group", "gptq-v1-sym", "gptq-v2-asym-act-order", "gptq-8bit-v1-act-order", "ct-sym",
-        "ct-asym"])
+], ids=["awq", "awq-one-group", "gptq-v1-sym", "gptq-v2-asym-act-order", "gptq-8bit-v1-act-order", "gptq-2bit",
+        "ct-sym", "ct-asym"])
 def test_quantized_checkpoint_logits(build_checkpoint, fmt, kwargs, caplog):
     model_dir, _ = build_checkpoint(LlamaConfig(**COMMON))
     model = quantize_checkpoint(model_dir, fmt, **{"group": 32, **kwargs})
