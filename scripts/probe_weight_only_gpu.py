@@ -217,8 +217,8 @@ def main():
                     help="also the first N one-row int4 candidates with no upcast or product (the pipeline's copies "
                          "alone, output wrong): the rate the kernel's structure streams at, beside its own")
     ap.add_argument("--candidates", type=candidate_list, default=None, metavar="N,K,C,P[,RX,1ACC,WS,PERSISTENT];...",
-                    help="the one-row int4 candidates (and --loads-only's) instead of the built-in list, e.g. "
-                         "'64,256,8,528;64,256,16,0' (the tuple `candidate` takes)")
+                    help="the int4 candidates at every --rows (and --loads-only's, --per-shape's) instead of the "
+                         "built-in lists, e.g. '64,256,8,528;64,256,16,0' (the tuples `candidate` takes)")
     ap.add_argument("--skip-8bit", action="store_true", help="int4 alone (no int8 / float8 sides)")
     ap.add_argument("--per-shape", action="store_true",
                     help="also each projection's shape alone at one row (default configs): its own bytes per second, "
@@ -256,8 +256,8 @@ def main():
         except Exception as e:
             log(rows, "bf16 failed", e)
         deadline = start + args.deadline_s
-        decode = args.candidates or INT4_DECODE
-        best = fastest([candidate(*c) for c in (decode if rows == 1 else INT4_BATCH)], deadline,
+        cuts = args.candidates or (INT4_DECODE if rows == 1 else INT4_BATCH)
+        best = fastest([candidate(*c) for c in cuts], deadline,
                        lambda cfg: time_side(label(cfg), lambda x, w: ours(x, w, cfg), xs, int4, result["int4"], rows,
                                              int4_bytes, copy_rate, bf16_s, config=cfg))
         result.setdefault("best", {}).setdefault("int4", {})[str(rows)] = best
