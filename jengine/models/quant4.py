@@ -79,7 +79,8 @@ def _along_first(words: np.ndarray, bits: int) -> np.ndarray:
 
 
 def _groups(k: int, group_size: int) -> np.ndarray:
-    return np.arange(k, dtype=np.int32) // group_size
+    """Each of `k` input rows' group: consecutive groups of `group_size` (≤ 0, AWQ's and GPTQ's -1: one group)."""
+    return np.arange(k, dtype=np.int32) // (group_size if group_size > 0 else max(k, 1))
 
 
 def unpack_awq(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, group_size: int) -> Unpacked:
@@ -90,10 +91,9 @@ def unpack_awq(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, grou
         return ordered.reshape(words.shape[0], -1)
 
     values, zeros = columns(qweight), columns(qzeros)
-    group_size = group_size if group_size > 0 else values.shape[0]  # -1: one group over every input
-    _check_shapes("AWQ", values, zeros, scales, group_size)
-    return Unpacked(values.astype(np.uint8), zeros.astype(np.int16), np.asarray(scales, np.float32),
-                    _groups(values.shape[0], group_size))
+    rows = _groups(values.shape[0], group_size)
+    _check_shapes("AWQ", values, zeros, scales, group_size, int(rows[-1]) + 1 if len(rows) else 0)
+    return Unpacked(values.astype(np.uint8), zeros.astype(np.int16), np.asarray(scales, np.float32), rows)
 
 
 def unpack_gptq(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, g_idx: np.ndarray | None,
@@ -102,7 +102,7 @@ def unpack_gptq(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, g_i
     values = _along_first(qweight, bits)
     zeros = gptq_zero_points(qzeros, bits, zeros_one_less, values.shape[1])
     k = values.shape[0]
-    rows = np.asarray(g_idx, np.int32) if g_idx is not None else _groups(k, group_size if group_size > 0 else k)
+    rows = np.asarray(g_idx, np.int32) if g_idx is not None else _groups(k, group_size)
     if rows.shape != (k,) or rows.min() < 0 or rows.max() >= scales.shape[0]:
         raise CheckpointError(f"GPTQ g_idx has shape {rows.shape} / values outside the {scales.shape[0]} groups")
     return Unpacked(values.astype(np.uint8), zeros, np.asarray(scales, np.float32), rows)
@@ -142,8 +142,8 @@ def unpack_compressed_tensors(packed: np.ndarray, scale: np.ndarray, zero_point:
     return Unpacked(values.astype(np.uint8), zeros, np.asarray(scale, np.float32).T, rows)
 
 
-def _check_shapes(kind: str, values: np.ndarray, zeros: np.ndarray, scales: np.ndarray, group_size: int) -> None:
-    groups = -(-values.shape[0] // group_size)
+def _check_shapes(kind: str, values: np.ndarray, zeros: np.ndarray, scales: np.ndarray, group_size: int,
+                  groups: int) -> None:
     if zeros.shape != (groups, values.shape[1]) or scales.shape != (groups, values.shape[1]):
         raise CheckpointError(f"{kind}: qzeros {zeros.shape} / scales {scales.shape} do not fit a "
                               f"{values.shape} weight in groups of {group_size}")

@@ -82,9 +82,9 @@ def _gptq(qc: dict[str, Any]) -> Quant4Config:
                                     "or 'gptq_v2' only)")
     if fmt not in ("gptq", "gptq_v2"):
         raise UnsupportedModelError(f"GPTQ checkpoint_format {fmt!r} is not supported ('gptq' or 'gptq_v2')")
-    _check_dynamic(qc.get("dynamic") or {}, bits, int(qc.get("group_size", 128)))
-    return Quant4Config("gptq", bits, int(qc.get("group_size", 128)), zeros_one_less=fmt == "gptq",
-                        symmetric=bool(qc.get("sym", True)))
+    group_size = int(qc.get("group_size", 128))
+    _check_dynamic(qc.get("dynamic") or {}, bits, group_size)
+    return Quant4Config("gptq", bits, group_size, zeros_one_less=fmt == "gptq", symmetric=bool(qc.get("sym", True)))
 
 
 def _check_dynamic(dynamic: dict[str, Any], bits: int, group_size: int) -> None:
@@ -238,7 +238,7 @@ class Quant4Reader:
         k, groups = self._out_in(module)[1], r.shape(module + ".scales")[0]
         if q.method == "gptq" and module + ".g_idx" in r:
             return np.asarray(r.read(module + ".g_idx"), np.int32), groups
-        return _groups(k, q.group_size if q.group_size > 0 else k), groups
+        return _groups(k, q.group_size), groups
 
     def read(self, name: str) -> np.ndarray:
         module = self._module(name)

@@ -82,15 +82,16 @@ def padded_rows(m: int) -> int:
     return max(8, -(-m // 8) * 8)
 
 
+def _whole_splits(steps: int, steps_per_group: int) -> list[int]:
+    """The divisors of `steps` whose ranges hold whole groups or lie inside one (`steps_per_group` steps a group; 1
+    where a step holds whole groups), fewest splits first; `steps` itself always qualifies."""
+    return [split for split in range(1, steps + 1) if steps % split == 0
+            and ((steps // split) % steps_per_group == 0 or steps_per_group % (steps // split) == 0)]
+
+
 def splits_for(steps: int, tiles: int, min_programs: int, steps_per_group: int = 1) -> int:
-    """The fewest splits of `steps` (a divisor of it) giving at least `min_programs` programs, each split whole
-    groups or inside one (`steps_per_group` steps a group; 1 where a step holds whole groups)."""
-    for split in range(1, steps + 1):
-        per = steps // split
-        whole = per % steps_per_group == 0 or steps_per_group % per == 0
-        if steps % split == 0 and whole and split * tiles >= min_programs:
-            return split
-    return steps
+    """The fewest splits of `steps` giving at least `min_programs` programs (`_whole_splits`), else `steps`."""
+    return next((split for split in _whole_splits(steps, steps_per_group) if split * tiles >= min_programs), steps)
 
 
 def persistent_splits(steps: int, tiles: int, programs: int, steps_per_group: int = 1) -> int:
@@ -100,8 +101,7 @@ def persistent_splits(steps: int, tiles: int, programs: int, steps_per_group: in
         items = tiles * split
         return items / (-(-items // programs) * programs)
 
-    valid = [split for split in range(1, steps + 1) if steps % split == 0
-             and ((steps // split) % steps_per_group == 0 or steps_per_group % (steps // split) == 0)]
+    valid = _whole_splits(steps, steps_per_group)
     return next((split for split in valid if busy(split) >= 0.9), max(valid, key=busy))
 
 
