@@ -145,8 +145,17 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2_moe": dict(num_experts=60, num_experts_per_tok=4, shared_expert_intermediate_size=5632),
     "qwen3_moe": dict(num_experts=128, num_experts_per_tok=8),
 }
-_ALIASES = {"num_experts": ("num_experts", "num_local_experts"),  # transformers 5 writes the second for all three
-            "rope_theta": ("rope_theta", "rope_parameters", "rope_scaling")}
+
+
+def _given(config: dict[str, Any], name: str) -> bool:
+    """Whether the config sets `name` where the parsers read it (the expert count under either of its names; the
+    rope theta at the top or among the rope parameters, as `parse_rope` reads it)."""
+    if name == "num_experts":  # transformers 5 writes num_local_experts for all three families
+        return config_value(config, "num_experts", "num_local_experts") is not None
+    if name == "rope_theta":
+        params = {**(config.get("rope_parameters") or {}), **(config.get("rope_scaling") or {})}
+        return config_value(params, "rope_theta", default=config.get("rope_theta")) is not None
+    return config.get(name) is not None
 
 
 def _with_hf_defaults(family: str, config: dict[str, Any]) -> dict[str, Any]:
@@ -154,9 +163,7 @@ def _with_hf_defaults(family: str, config: dict[str, Any]) -> dict[str, Any]:
     if family != "mixtral" and present.get("use_sliding_window") and not present.get("layer_types"):
         # transformers 4 and 5 disagree on which layers then slide; real configs leave the window off
         raise UnsupportedModelError(f"{family} with use_sliding_window and no layer_types is not supported")
-    missing = {k: v for k, v in _HF_DEFAULTS[family].items()
-               if not any(name in present for name in _ALIASES.get(k, (k,)))}
-    return missing | present
+    return {k: v for k, v in _HF_DEFAULTS[family].items() if not _given(present, k)} | present
 
 
 def _mixtral(architecture: str, config: dict[str, Any]) -> ModelSpec:

@@ -625,6 +625,10 @@ def test_moe_fields_left_out_take_hf_defaults_and_top_k_is_checked():
     5632-wide shared expert, the expert counts), not a silent other value; a top-k outside 1..experts is refused."""
     mixtral = _spec({k: v for k, v in MIXTRAL_8X7B.items() if k not in ("rope_theta", "num_local_experts")})
     assert mixtral.rope.theta == 1e6 and mixtral.moe.num_experts == 8
+    scaled = {k: v for k, v in MIXTRAL_8X7B.items() if k != "rope_theta"} | {
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0}}  # scaling given, its theta not
+    assert _spec(scaled).rope.theta == 1e6
+    assert _spec(scaled | {"rope_parameters": {"rope_theta": 5e5}}).rope.theta == 5e5
     qwen3 = _spec({k: v for k, v in QWEN3_30B_A3B.items() if k not in ("num_experts", "num_experts_per_tok")})
     assert (qwen3.moe.num_experts, qwen3.moe.num_experts_per_tok) == (128, 8)
     qwen2 = {**QWEN3_30B_A3B, "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe"}
