@@ -14,6 +14,13 @@ float32 reference of its dequantized weights: `int4` (random words, float16 grou
 AWQ/GPTQ Qwen3-30B-A3B stores them) and `fp8_block` (float8 weights, one float32 scale per 128 × 128 block, as
 Qwen3-30B-A3B-FP8). Ratios `moe_<KIND>_layer_t<N>_vs_floor` (the routed experts' bytes in that format, scales and
 zero points included) and `moe_<KIND>_layer_t<N>_vs_bf16` (bf16 time ÷ its time).
+
+`--mosaic [CANDIDATE ...]` times the Mosaic GPU grouped matmuls (`pallas_kernels/grouped_matmul/mosaic.py`: the rows
+gathered into expert order, TMA and wgmma tiles) beside the Triton kernels at `--tokens` (default 256, 1024, 4096),
+each checked first (against float32 up to 256 tokens, against the Triton kernels' output above); a candidate
+`R,NU,ND,K,C` is R-row tiles, gate/up NU and down ND columns wide, K-input steps, C steps in flight. Ratios
+`moe_layer_t<N>_mosaic_vs_triton` (Triton time ÷ the best candidate's) and, at 4096 tokens,
+`moe_prefill_mosaic_vs_matmul_rate` (the best candidate's FLOP rate ÷ the dense bf16 matmul rate of the same call).
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from bench_moe import save  # noqa: E402
 from gpu_bench_common import copy_bandwidth, log, matmul_rate, timeit  # noqa: E402
 
 from jengine.layers.mlp import skip_padding  # noqa: E402
-from pallas_kernels.grouped_matmul import ExpertWeights, TileConfig, moe_experts, tile_configs  # noqa: E402
+from pallas_kernels.grouped_matmul import ExpertWeights, TileConfig, moe_experts, mosaic, tile_configs  # noqa: E402
 from pallas_kernels.grouped_matmul.kernel import expert_down, expert_gate_up, scaling_of  # noqa: E402
 from pallas_kernels.grouped_matmul.moe import WORKERS_PER_SM, fit_steps, layout_for  # noqa: E402
 from pallas_kernels.grouped_matmul.routing import COMPARE_MAX_PAIRS, expert_tiles  # noqa: E402
@@ -461,6 +468,55 @@ def main_workers(args, key) -> None:
     log(ratios)
 
 
+MOSAIC_CANDIDATES = ("128,64,128,64,3", "128,64,128,64,4", "128,64,128,128,2", "64,128,256,64,4", "64,64,128,64,4")
+
+
+def mosaic_tiles(candidate: str):
+    rows, n_up, n_down, k, steps = (int(v) for v in candidate.split(","))
+    return mosaic.MosaicTiles(rows, n_up, k, steps), mosaic.MosaicTiles(rows, n_down, k, steps)
+
+
+def main_mosaic(args, key) -> None:
+    """The Mosaic GPU kernels' candidates beside the Triton kernels, per token count (module docstring)."""
+    _, copy_rate = copy_bandwidth()
+    rate = matmul_rate()
+    metrics: dict = {"copy_bandwidth_gbs": copy_rate / 1e9, "matmul_tflops": rate / 1e12}
+    ratios: dict = {}
+    w = weights(jax.random.fold_in(key, 7))
+    for tokens in args.tokens:
+        kx, kr = jax.random.split(jax.random.fold_in(key, tokens))
+        x = jax.random.normal(kx, (tokens, HIDDEN), jnp.bfloat16)
+        ex, rw = routing(kr, tokens)
+        flops = 2 * tokens * TOP_K * HIDDEN * INTER * 3
+        triton = jax.jit(lambda *a: ours(*a, layout="sorted"))
+        want = reference(x, w, ex, rw) if tokens <= 256 else triton(x, w, ex, rw).astype(jnp.float32)
+        m: dict = {"triton_us": timeit(triton, x, w, ex, rw) * 1e6}
+        for candidate in args.mosaic:
+            name = f"mosaic_{candidate.replace(',', '_')}"
+            try:
+                tiles = mosaic_tiles(candidate)
+                if not mosaic.fits(HIDDEN, INTER, tiles):  # the layer would run the Triton kernels instead
+                    raise ValueError(f"{tiles} do not fit hidden {HIDDEN}, width {INTER}")
+                fn = jax.jit(lambda *a, t=tiles: moe_experts(*a, act=jax.nn.silu, layout="sorted", mosaic_tiles=t))
+                m[f"{name}_rel_err"] = rel_err(fn(x, w, ex, rw), want)
+                assert m[f"{name}_rel_err"] < 2e-2, (name, m[f"{name}_rel_err"])
+                m[f"{name}_us"] = timeit(fn, x, w, ex, rw) * 1e6
+                m[f"{name}_tflops"] = flops / m[f"{name}_us"] * 1e-6
+            except Exception as e:  # noqa: BLE001 - a candidate the compiler refuses is reported, the rest still run
+                m[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            log(f"T={tokens} {name}: {m.get(f'{name}_us', m.get(f'{name}_error'))} (Triton {m['triton_us']:.1f} us)")
+        timed = {key[:-3]: v for key, v in m.items() if key.startswith("mosaic_") and key.endswith("_us")}
+        if timed:
+            best = min(timed, key=timed.get)
+            m["best"] = best
+            ratios[f"moe_layer_t{tokens}_mosaic_vs_triton"] = m["triton_us"] / timed[best]
+            if tokens == 4096:
+                ratios["moe_prefill_mosaic_vs_matmul_rate"] = flops / (timed[best] * 1e-6) / rate
+        metrics[f"mosaic_t{tokens}"] = m
+        save(args.out, args.git_sha, metrics, ratios)
+    log(ratios)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -471,8 +527,15 @@ def main() -> None:
                     "(see the module docstring)")
     ap.add_argument("--workers", type=int, nargs="+", help="only the grid comparison: the layer at each of these "
                     "workers_per_sm (0: one program per tile) at --tokens and one token in a 16-row bucket")
+    ap.add_argument("--mosaic", nargs="*", help="only the Mosaic GPU kernels' candidates (module docstring; none "
+                    f"named: {' '.join(MOSAIC_CANDIDATES)}) beside the Triton kernels")
     args = ap.parse_args()
     key = jax.random.key(0)
+    if args.mosaic is not None:
+        args.mosaic = args.mosaic or list(MOSAIC_CANDIDATES)
+        if args.tokens == list(TOKENS):
+            args.tokens = [256, 1024, 4096]
+        return main_mosaic(args, key)
     if args.workers:
         return main_workers(args, key)
     if args.narrow:

@@ -93,6 +93,10 @@ class PallasExperts:
     # expert launches took 36.6 against 46.5 us a layer at batch 1 (down's K steps of 128 included), 140.9
     # against 151.2 at batch 16; the router's listing costs 2.4 of that back.
     list_chosen: bool = True
+    # Steps of at least this many tokens run the experts through the Mosaic GPU (TMA, wgmma) grouped matmuls
+    # (`pallas_kernels/grouped_matmul/mosaic.py`, Hopper only; float experts whose shapes fit its tiles); 0: never.
+    # Off until `scripts/bench_moe_kernels.py --mosaic` has timed it beside the Triton kernels on a GPU.
+    mosaic_min_tokens: int = 0
 
     def __call__(self, x, w: dict[str, Array], experts, weights, act: str, precision: Precision,
                  chosen: ChosenExperts | None = None, residual: Float[Array, "tokens d"] | None = None):
@@ -108,10 +112,12 @@ class PallasExperts:
         shards = 1 if self.mesh is None else self.mesh.size
         operands = expert_operands(w, x.dtype, shards)
 
+        mosaic_tiles = self.mosaic_tiles(x.shape[0], invariant)
+
         def local(x, experts, weights, chosen, stacks, residual=None):
             return moe_experts(x, stacks, experts, weights, act=ACTIVATIONS[act], precision=precision,
                                interpret=self.interpret, configs=fixed, scale_block=operands.scale_block,
-                               chosen=chosen, residual=residual)
+                               chosen=chosen, residual=residual, mosaic_tiles=mosaic_tiles)
 
         if shards == 1:
             return local(x, experts, weights, chosen, kernel_weights(operands), residual)
@@ -122,6 +128,15 @@ class PallasExperts:
                                 check_vma=False)
         out = partial(x, experts, weights, chosen, kernel_weights(operands))
         return out if residual is None else residual + out
+
+    def mosaic_tiles(self, tokens: int, invariant: bool):
+        """The Mosaic GPU kernels' tiles for a step of `tokens` (None: the Triton kernels). Not under
+        `--deterministic`, whose one tile configuration for every step size keeps a token's sums the same."""
+        if invariant or not self.mosaic_min_tokens or tokens < self.mosaic_min_tokens:
+            return None
+        from pallas_kernels.grouped_matmul.mosaic import DEFAULT_TILES
+
+        return DEFAULT_TILES
 
     def fuses_top_k(self, router, tokens: int) -> bool:
         """The router's softmax, top-k and renormalisation as one launch for steps of up to

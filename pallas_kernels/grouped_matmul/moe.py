@@ -14,6 +14,7 @@ from jaxtyping import Array, Float, Int
 from pallas_kernels.addressing import next_pow2
 from pallas_kernels.grouped_matmul.kernel import (Scaling, TileConfig, TokenChoices, expert_down, expert_gate_up,
                                                   scaling_of)
+from pallas_kernels.grouped_matmul import mosaic
 from pallas_kernels.grouped_matmul.combine import combine_pairs, combine_slots
 from pallas_kernels.grouped_matmul.router import ChosenExperts
 from pallas_kernels.grouped_matmul.routing import expert_tiles
@@ -120,6 +121,7 @@ def moe_experts(
     configs: tuple[TileConfig, TileConfig] | None = None, scale_block: tuple[int, int] | None = None,
     layout: Literal["auto", "sorted", "by_token"] = "auto", chosen: ChosenExperts | None = None,
     residual: Float[Array, "tokens d"] | None = None,
+    mosaic_tiles: tuple[mosaic.MosaicTiles, mosaic.MosaicTiles] | None = None,
 ) -> Float[Array, "tokens d"]:
     """Σ_k routing_weight · down_e(act(gate_e(x)) · up_e(x)) over each token's k experts. Expert ids outside
     `[0, experts)` are skipped (expert parallelism: another device's experts). `scale_block`: the (rows, columns) of
@@ -127,7 +129,11 @@ def moe_experts(
     find each expert's rows (`kernel.Layout`); "auto": by token for decode-sized steps, else sorted. `chosen`: the
     distinct experts the step chose, as the router lists them (`router.top_k_routing_listed`), which the by-token
     layout then reads instead of finding them in every program. `residual`: added to the result inside the
-    combine launch."""
+    combine launch. `mosaic_tiles`: the (gate/up, down) tiles of the Mosaic GPU kernels (`mosaic.py`, Hopper), taken
+    for sorted-layout steps of float experts whose shapes they fit; elsewhere (and None) the Triton kernels."""
+    if mosaic_tiles is not None and _takes_mosaic(x, weights, layout_for(x.shape[0], layout), mosaic_tiles):
+        return _mosaic_experts(x, weights, experts, routing_weights, act=act, tiles=mosaic_tiles,
+                               interpret=interpret, residual=residual)
     num_experts = weights.gate.shape[0]
     up_cfg, down_cfg = configs or tile_configs(experts.size, num_experts, jnp.dtype(x.dtype).itemsize)
     if up_cfg.block_rows != down_cfg.block_rows:
@@ -154,3 +160,24 @@ def moe_experts(
     if isinstance(tiles, TokenChoices):
         return combine_pairs(y, experts, num_experts, interpret=interpret, residual=residual)
     return combine_slots(y, tiles.pair_slot, interpret=interpret, residual=residual)
+
+
+def _takes_mosaic(x, weights: ExpertWeights, layout: str, tiles: tuple[mosaic.MosaicTiles, mosaic.MosaicTiles]
+                  ) -> bool:
+    """Float experts (no scales, zero points or permutation), the sorted layout, shapes the tiles fit."""
+    quantized = any(a is not None for a in weights[3:])
+    return (layout == "sorted" and not quantized and weights.gate.dtype == x.dtype
+            and jnp.dtype(x.dtype) in mosaic.FLOAT_DTYPES and mosaic.fits(x.shape[1], weights.gate.shape[2], tiles))
+
+
+def _mosaic_experts(x, weights: ExpertWeights, experts, routing_weights, *, act: Callable,
+                    tiles: tuple[mosaic.MosaicTiles, mosaic.MosaicTiles], interpret: bool, residual):
+    """The sorted layout in row tiles of the Mosaic kernels' size, their two launches, the Triton combine."""
+    up_tiles, down_tiles = tiles
+    layout = expert_tiles(experts, routing_weights, weights.gate.shape[0], up_tiles.block_rows)
+    xs = mosaic.sorted_rows(x, layout.slot_token)
+    h = mosaic.gate_up(xs, weights.gate, weights.up, layout.tile_expert, layout.num_tiles, act=act, cfg=up_tiles,
+                       interpret=interpret)
+    y = mosaic.down(h, weights.down, layout.tile_expert, layout.num_tiles, layout.slot_weight, cfg=down_tiles,
+                    interpret=interpret)
+    return combine_slots(y, layout.pair_slot, interpret=interpret, residual=residual)
