@@ -23,6 +23,12 @@ with the fused router listing the chosen experts (`PallasExperts.list_chosen`, `
 `--xla-combine-too` with XLA's combine and residual add after the experts (`moe_xla_combine_decode_*`), and
 `--merged-attention-too` with the attention launches a decode step dropped in b24ae54 and e37fa30 put back
 (`moe_merged_attention_decode_*`). Each variant runs with JAX's caches cleared (`retraced`).
+
+`--part prefill`: a 4,096-token prompt's first token (one chunk of the engine's 4,096-token budget; median of 5 after
+a warm-up), `moe_prefill_4k_ms`, and the same for each variant asked for; `--mosaic-experts-too` runs the variant
+whose steps of at least `--mosaic-min-tokens` tokens take the Mosaic GPU grouped matmuls
+(`jengine.attention.pallas.MOSAIC_EXPERTS_MIN_TOKENS`; keys `moe_mosaic_experts_*`, ratio
+`moe_prefill_4k_mosaic_vs_triton`, the default's time ÷ the variant's).
 """
 
 from __future__ import annotations
@@ -176,18 +182,31 @@ def merged_attention():
     return stack
 
 
+def mosaic_experts(min_tokens: int = 1024):
+    """The engine with MoE steps of at least `min_tokens` tokens through the Mosaic GPU grouped matmuls: the A/B of
+    `jengine.attention.pallas.MOSAIC_EXPERTS_MIN_TOKENS` in the same call."""
+    from unittest import mock
+
+    from jengine.attention import pallas
+
+    return mock.patch.object(pallas, "MOSAIC_EXPERTS_MIN_TOKENS", min_tokens)
+
+
 DECODE_TILES = {"k128": {"block_k": 128}, "stages3": {"num_stages": 3}, "n64": {"block_n": 64},
                 "n128": {"block_n": 128}}
 
 
 # name: the context that changes the engine for that A/B (`--<name>-too`; `probe_layer_loop_gpu --engine-variant`)
 ENGINE_VARIANTS: dict[str, Callable[[], Any]] = {"xla_router": xla_router, "listed": listed_router,
-                                                 "xla_combine": xla_combine, "merged_attention": merged_attention}
+                                                 "xla_combine": xla_combine, "merged_attention": merged_attention,
+                                                 "mosaic_experts": mosaic_experts}
 
 
 def engine_variants(args: argparse.Namespace) -> list[tuple[str, Callable[[], Any]]]:
     """(key suffix, context that changes the engine) of each A/B the flags ask for, run on bf16 after the default."""
     variants = [(f"_{name}", context) for name, context in ENGINE_VARIANTS.items() if getattr(args, f"{name}_too")]
+    variants = [(name, functools.partial(mosaic_experts, args.mosaic_min_tokens) if name == "_mosaic_experts"
+                 else context) for name, context in variants]
     return variants + [(f"_tiles_{name}", functools.partial(decode_tiles, **DECODE_TILES[name]))
                        for name in args.decode_tiles_too]
 
@@ -261,6 +280,34 @@ def _decode(tmp: Path, copy_rate: float, batches: list[int], save, quant: str, l
     return metrics, ratios
 
 
+PREFILL_TOKENS = 4096
+
+
+def prefill(tmp: Path, layers: int | None, variant: tuple[str, Callable[[], Any]] = ("", contextlib.nullcontext)
+            ) -> dict:
+    """A `PREFILL_TOKENS`-token prompt's time to its first token in one chunk (`moe<suffix>_prefill_4k_ms`), the
+    engine as `variant`'s context leaves it."""
+    from jengine import LLM, SamplingParams
+
+    suffix, context = variant
+    model_dir = write_shape("qwen3-30b-a3b", tmp / f"qwen3-prefill{suffix}", num_layers=layers)
+    rng = np.random.default_rng(2)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    times = []
+    with retraced(context()), LLM(str(model_dir), load_format="dummy", max_model_len=PREFILL_TOKENS + 64,
+                                   max_num_batched_tokens=PREFILL_TOKENS, enable_prefix_caching=False,
+                                   compile_buckets="lazy") as llm:
+        for i in range(6):  # the first compiles the shape
+            prompt = {"prompt_token_ids": rng.integers(3, 500, PREFILL_TOKENS).tolist()}
+            start = time.perf_counter()
+            llm.generate([prompt], params, use_tqdm=False)
+            if i:
+                times.append(time.perf_counter() - start)
+    ms = float(np.median(times)) * 1e3
+    log(f"prefill{suffix} {PREFILL_TOKENS} tokens: {ms:.2f} ms")
+    return {f"moe{suffix}_prefill_4k_ms": ms}
+
+
 def mixed(tmp: Path, shape: str) -> float:
     """`jengine bench throughput` at its defaults on the sharegpt-like set, 1,000 requests, in its own process."""
     model_dir = write_shape(shape, tmp / shape)
@@ -286,7 +333,8 @@ def save(out: str, git_sha: str, metrics: dict, ratios: dict, extra_versions: tu
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--part", nargs="+", choices=("parity", "decode", "mixed-qwen", "mixed-mixtral"), required=True)
+    ap.add_argument("--part", nargs="+", required=True,
+                    choices=("parity", "decode", "prefill", "mixed-qwen", "mixed-mixtral"))
     ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     ap.add_argument("--git-sha", default="unknown", help="the commit measured (the GPU machine has no .git)")
     ap.add_argument("--quant", nargs="+", choices=("bf16", *QUANT_CONFIGS), default=["bf16"],
@@ -301,6 +349,9 @@ def main() -> None:
                     "residual add after the experts (keys moe_xla_combine_decode_*)")
     ap.add_argument("--merged-attention-too", action="store_true", help="decode: bf16 again with the attention's "
                     "merge always run and decode-only outputs zero-filled first (keys moe_merged_attention_decode_*)")
+    ap.add_argument("--mosaic-experts-too", action="store_true", help="decode, prefill: again with MoE steps of at "
+                    "least --mosaic-min-tokens through the Mosaic GPU grouped matmuls (keys moe_mosaic_experts_*)")
+    ap.add_argument("--mosaic-min-tokens", type=int, default=1024)
     ap.add_argument("--decode-tiles-too", nargs="+", choices=tuple(DECODE_TILES), default=[],
                     help="decode: bf16 again with the decode-sized expert tiles changed "
                     "(keys moe_tiles_<NAME>_decode_*)")
@@ -330,6 +381,14 @@ def main() -> None:
                     if quant != "bf16" and "bf16" in args.quant:
                         ratios[f"{key}_vs_bf16"] = metrics[f"moe_decode_b{batch}_ms"] / metrics[f"{key}_ms"]
             save(args.out, args.git_sha, metrics, ratios)
+        if "prefill" in args.part:
+            for variant in [("", contextlib.nullcontext)] + engine_variants(args):
+                metrics |= prefill(tmp, args.layers, variant)
+                save(args.out, args.git_sha, metrics, ratios)
+            if "moe_mosaic_experts_prefill_4k_ms" in metrics:
+                ratios["moe_prefill_4k_mosaic_vs_triton"] = (metrics["moe_prefill_4k_ms"]
+                                                             / metrics["moe_mosaic_experts_prefill_4k_ms"])
+                save(args.out, args.git_sha, metrics, ratios)
         for part, shape, key in (("mixed-qwen", "qwen3-30b-a3b", "moe_mixed_tokens_per_s"),
                                  ("mixed-mixtral", "mixtral-8x7b", "mixtral_mixed_tokens_per_s")):
             if part in args.part:

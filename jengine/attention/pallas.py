@@ -39,6 +39,10 @@ logger = logging.getLogger(__name__)
 # the kernel is faster from 1024 tokens (524 / 638 µs against the scatter's 713 / 720 in two calls; 2048: 609 against
 # 1311), the scatter below 1024 (64 tokens: 371 against 493 µs).
 KV_WRITE_KERNEL_MIN_TOKENS = 1024
+# MoE steps of at least this many tokens take the Mosaic GPU grouped matmuls on Hopper
+# (`PallasExperts.mosaic_min_tokens`); 0: the Triton kernels at every size, until `bench_moe_kernels.py --mosaic` and
+# `bench_moe.py --part prefill --mosaic-experts-too` have timed them on a GPU
+MOSAIC_EXPERTS_MIN_TOKENS = 0
 
 
 def supports(*, head_dim: int, block_size: int, num_q_heads: int, num_kv_heads: int, dtype,
@@ -81,8 +85,10 @@ class PallasGpuBackend:
     def experts(self):
         """The MoE experts on this platform: the grouped-matmul kernels (`jengine.layers.mlp.PallasExperts`)."""
         from jengine.layers.mlp import PallasExperts
+        from pallas_kernels.ragged_paged_attention.mosaic_prefill import on_hopper
 
-        return PallasExperts(interpret=self.interpret, mesh=self.mesh)
+        mosaic = MOSAIC_EXPERTS_MIN_TOKENS if MOSAIC_EXPERTS_MIN_TOKENS and not self.interpret and on_hopper() else 0
+        return PallasExperts(interpret=self.interpret, mesh=self.mesh, mosaic_min_tokens=mosaic)
 
     def one_split_positions(self, quantized: bool) -> int | None:
         """`merge_free`'s width: the positions one deterministic decode program walks (None: it never splits),
