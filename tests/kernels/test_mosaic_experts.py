@@ -91,9 +91,10 @@ def test_layer_takes_the_mosaic_kernels_from_its_token_threshold():
     """`PallasExperts.mosaic_min_tokens`: the layer's output through the Mosaic kernels matches the Triton kernels'
     (bf16, sums in another order) above the threshold; under it the Triton kernels run, bit for bit."""
     rng = np.random.default_rng(SEED + 3)
-    shape = {"router": (64, 4), "we_gate": (4, 64, 128), "we_up": (4, 64, 128), "we_down": (4, 128, 64)}
+    shape = {"router": (128, 4), "we_gate": (4, 128, 128), "we_up": (4, 128, 128), "we_down": (4, 128, 128)}
     w = {k: jnp.asarray(rng.standard_normal(s) * s[-2] ** -0.5, jnp.bfloat16) for k, s in shape.items()}
-    x = jnp.asarray(rng.standard_normal((48, 64)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((48, 128)), jnp.bfloat16)
+    assert mosaic.fits(128, 128)  # the default tiles take this layer (else the Triton kernels would run both sides)
     triton = moe_mlp(x, w, MOE, "silu", None, PallasExperts(interpret=True))
     from_32 = PallasExperts(interpret=True, mosaic_min_tokens=32)
     assert from_32.mosaic_tiles(48, invariant=False) is not None
