@@ -16,6 +16,10 @@ Ratios (names from the issue):
                                  (also _b8_ctx32k)
   decode_b64_ctx4k_vs_cudnn_contiguous   torch SDPA cuDNN time on a contiguous bf16 cache / our (paged, bf16) decode
                                  time; higher is better, target >= 1.0 (also _vs_flash_, _b8_ctx32k_, _vs_jax_cudnn_)
+  decode_b64_ctx4k_mosaic_vs_ours   (`--only peers`) our Triton decode's time / the Mosaic GPU decode's
+                                 (`mosaic_decode.py`, TMA-loaded pages; its fastest candidate, checked against ours
+                                 first), and _mosaic_vs_cudnn_contiguous (cuDNN's time / the Mosaic decode's); b8 × 32k
+                                 likewise
   prefill_4k_vs_mgpu_f16         bundled Mosaic GPU attention (f16, contiguous) time / our paged bf16 prefill time,
                                  4096-token causal; higher is better
   prefill_4k_vs_matmul_rate      our causal prefill TFLOP/s / the measured bf16 matmul TFLOP/s (8192³)
@@ -626,6 +630,8 @@ def fp8_window_check(bench: Bench, kv8, scales, b: Batch) -> None:
     bench.check(f"fp8_window_{kv8.nbytes / 2**30:.2f}GiB_vs_reference", out, ref, 2e-2)
 
 
+# (block_kv, slots, split) of the Mosaic GPU decode candidates timed beside the peers (each within shared memory)
+MOSAIC_DECODE_CANDIDATES = ((64, 3, 2048), (64, 4, 2048), (128, 2, 2048), (64, 3, 1024))
 PEER_RATIOS = {"cudnn": "cudnn_contiguous", "flash": "flash_contiguous", "jax_cudnn": "jax_cudnn_contiguous"}
 
 
@@ -643,7 +649,7 @@ def peer_decode(bench: Bench, kv, bs: dict[str, Batch]) -> None:
             "cudnn": lambda: peers.torch_sdpa_decode(b.q, k, v, "cudnn", SCALE),
             "jax_cudnn": lambda: peers.jax_cudnn_decode(b.q, k, v, SCALE),
         }
-        jobs = {f"ours/{name}": (mine, b.args(kv))}
+        jobs = {f"ours/{name}": (mine, b.args(kv))} | mosaic_decode_jobs(bench, b, kv, out, name)
         for peer, build in builders.items():
             try:
                 fn, args, timer = build()
@@ -660,7 +666,40 @@ def peer_decode(bench: Bench, kv, bs: dict[str, Batch]) -> None:
             if f"{peer}/{name}" in t:
                 bench.metric(f"{peer}_{name}_contiguous_us", t[f"{peer}/{name}"] * 1e6)
                 bench.ratios[f"{name}_vs_{ratio}"] = t[f"{peer}/{name}"] / t[f"ours/{name}"]
+        mosaic = {key: us for key, us in t.items() if key.startswith("mosaic_decode")}
+        for key, us in mosaic.items():
+            bench.metric(f"{key.replace('/', '_')}_us", us * 1e6)
+        if mosaic:
+            best = min(mosaic, key=mosaic.get)
+            bench.metrics[f"{name}_mosaic_best"] = best.split("/")[0]
+            bench.ratios[f"{name}_mosaic_vs_ours"] = t[f"ours/{name}"] / mosaic[best]
+            if f"cudnn/{name}" in t:
+                bench.ratios[f"{name}_mosaic_vs_cudnn_contiguous"] = t[f"cudnn/{name}"] / mosaic[best]
         del k, v, jobs
+
+
+def mosaic_decode_jobs(bench: Bench, b: Batch, kv, out, name: str) -> dict:
+    """The Mosaic GPU decode's candidates on batch `b` (one query token a sequence), each checked against our
+    Triton decode's output `out` first; those that fail to build or to match are recorded, not timed."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.ragged_paged_attention.mosaic_decode import DecodeConfig, mosaic_decode
+
+    jobs = {}
+    for block_kv, slots, split in MOSAIC_DECODE_CANDIDATES:
+        key = f"mosaic_decode_kv{block_kv}_s{slots}_split{split}/{name}"
+        interpret = plgpu.InterpretGPUParams() if INTERPRET else None
+        fn = jax.jit(functools.partial(mosaic_decode, scale=SCALE, config=DecodeConfig(block_kv, slots, split),
+                                       interpret=interpret))
+        args = (b.q, kv, jnp.int32(LAYER), b.lens, b.tables)
+        try:
+            check = key.replace("/", "_") + "_vs_ours"
+            bench.check(check, fn(*args), out, 2e-2)
+            if bench.checks[check]["ok"]:
+                jobs[key] = (fn, args)
+        except Exception as e:  # noqa: BLE001 - a candidate the compiler refuses is recorded, the rest still run
+            bench.peer_error(key, e)
+    return jobs
 
 
 def prefill_anchors(bench: Bench, kv, bs: dict[str, Batch]) -> None:

@@ -1,0 +1,268 @@
+"""Decode attention on Hopper (Pallas, Mosaic GPU): block-table-chosen pages TMA-loaded into a ring, wgmma scores.
+
+The Triton decode kernel reads a bf16 cache at ~0.95 of the copy bandwidth while cuDNN reads a contiguous cache of
+the same bytes faster (`benchmarks/README.md` "kernels"): its loop waits on its block-table-addressed loads. Here a
+program owns one (sequence, KV head, split of `DecodeConfig.split` positions) and keeps `slots - 1` steps of pages
+in flight through TMA while it computes on the current one, so the page indirection costs only the block-table reads
+that pick each copy's source.
+
+A program's query rows are its KV head's group of query heads (GQA: 4 for Llama-3-8B), the left operand of a 64-row
+wgmma: the 64 rows from the group's first head are loaded (the array is padded by 64 rows at its end), rows past the
+group are other heads' queries whose scores and outputs are computed and never stored (rows are independent through
+a row-wise softmax). Each step: S = Q Kᵀ by wgmma, the online softmax in registers (base 2, running max in raw
+logits), O += P V by wgmma; the last step's positions past the sequence's length masked and its V rows past the
+length zeroed (a page's unwritten tail may hold NaN). A program stores its group's unnormalised rows and their
+(max, sum) in float32; one XLA fusion merges the splits.
+
+bf16 / float16 caches, no sliding window or soft cap (the Triton kernels serve those); `scripts/probe_mosaic_decode_gpu.py`
+times it beside the Triton decode and cuDNN on a contiguous cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels.ragged_paged_attention.mosaic_prefill import LOG2E, M_INIT, _zero_unowned_values
+from pallas_kernels.ragged_paged_attention.tiles import cdiv
+
+ROWS = 64  # wgmma rows: a program's query heads, padded
+STAT_COLUMNS = 8  # a row's (max, sum) stored as an 8-column tile (the narrowest wgmma-layout tile): column 0, 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """`block_kv` positions a step (whole pages), `slots` steps in the ring (`slots - 1` in flight while one is
+    computed), `split` positions a program walks (whole steps; a sequence's splits are merged after)."""
+
+    block_kv: int = 64
+    slots: int = 3
+    split: int = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geometry:
+    num_seqs: int
+    table_width: int
+    block_size: int
+    kv_heads: int
+    group: int
+    head_dim: int
+    config: DecodeConfig
+    scale: float
+    dtype: jnp.dtype
+    staged: bool  # P through shared memory (Mosaic GPU's interpreter: its wgmma takes shared-memory operands only)
+
+    @property
+    def pages_per_step(self) -> int:
+        return self.config.block_kv // self.block_size
+
+    @property
+    def steps_per_split(self) -> int:
+        return self.config.split // self.config.block_kv
+
+
+@dataclasses.dataclass(frozen=True)
+class _Meta:
+    """The integer inputs as one buffer (Mosaic GPU takes 256-byte-aligned operands only): [page base, sequence
+    lengths, block tables (row-major)]."""
+
+    ref: object
+    num_seqs: int
+    table_width: int
+
+    @staticmethod
+    def pack(page_base, seq_lens, block_tables) -> Int[Array, " n"]:
+        return jnp.concatenate([jnp.asarray(x, jnp.int32).reshape(-1) for x in (page_base, seq_lens, block_tables)])
+
+    @property
+    def page_base(self):
+        return self.ref[0]
+
+    def seq_len(self, seq):
+        return self.ref[1 + seq]
+
+    def block(self, seq, column):
+        return self.ref[1 + self.num_seqs + seq * self.table_width + column]
+
+
+def check(*, q_heads: int, kv_heads: int, head_dim: int, block_size: int, dtype, config: DecodeConfig) -> None:
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"the Mosaic GPU decode reads bfloat16 or float16 caches, not {dtype}")
+    group = q_heads // kv_heads
+    if q_heads % kv_heads or group > ROWS or group < 4:
+        raise ValueError(f"{q_heads} query heads over {kv_heads} KV heads: groups of 4 to {ROWS} heads (a group's "
+                         "rows leave in one copy of at least 16 bytes)")
+    if (config.block_kv % block_size or config.block_kv % 64 or config.split % config.block_kv
+            or head_dim % 64 or config.slots < 2):
+        raise ValueError(f"{config}: steps of whole pages ({block_size} positions) and of a multiple of 64, splits of "
+                         f"whole steps, head_dim ({head_dim}) a multiple of 64, at least two slots")
+
+
+def mosaic_decode(
+    q: Float[Array, "seqs q_heads head_dim"],
+    kv_cache: Float[Array, "layers blocks block_size 2 kv_heads head_dim"],
+    layer: Int[Array, ""] | int,
+    seq_lens: Int[Array, " seqs"],
+    block_tables: Int[Array, "seqs blocks_per_seq"],
+    *,
+    scale: float,
+    config: DecodeConfig = DecodeConfig(),
+    interpret=None,
+) -> Float[Array, "seqs q_heads head_dim"]:
+    """One new token per sequence attending to its `seq_lens` positions of the paged cache (its own K/V already
+    written). A sequence of length 0 gets zeros. `interpret`: Mosaic GPU's interpreter parameters
+    (`plgpu.InterpretGPUParams`), for the CPU."""
+    num_seqs, q_heads, head_dim = q.shape
+    layers, blocks, block_size, _, kv_heads, _ = kv_cache.shape
+    table_width = block_tables.shape[1]
+    check(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, dtype=kv_cache.dtype,
+          config=config)
+    geo = _Geometry(num_seqs, table_width, block_size, kv_heads, q_heads // kv_heads, head_dim, config, float(scale),
+                    kv_cache.dtype, interpret is not None)
+    splits = cdiv(table_width * block_size, config.split)
+    rows = num_seqs * q_heads
+    pages = kv_cache.reshape(layers * blocks, block_size, 2 * kv_heads, head_dim)  # a free reshape
+    q_rows = jnp.concatenate([q.reshape(rows, head_dim).astype(kv_cache.dtype),
+                              jnp.zeros((ROWS, head_dim), kv_cache.dtype)])
+    kernel = plgpu.kernel(
+        functools.partial(_program, geo=geo),
+        out_type=(jax.ShapeDtypeStruct((splits, rows, head_dim), jnp.float32),
+                  jax.ShapeDtypeStruct((splits, rows, STAT_COLUMNS), jnp.float32)),
+        grid=(num_seqs, kv_heads, splits),
+        grid_names=("seq", "head", "split"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )
+    meta = _Meta.pack(jnp.asarray(layer, jnp.int32).reshape(1) * blocks, seq_lens, block_tables)
+    acc, stats = kernel(meta, q_rows, pages)
+    return merge(acc, stats, scale).reshape(q.shape).astype(q.dtype)
+
+
+def merge(acc: Float[Array, "splits rows d"], stats: Float[Array, "splits rows c"], scale: float
+          ) -> Float[Array, "rows d"]:
+    """The splits' unnormalised rows and (max, sum) into each row's softmax-weighted output (0 for a row with no
+    positions)."""
+    m, l = stats[..., 0], stats[..., 1]
+    top = jnp.max(m, axis=0)
+    weight = jnp.exp2((m - top[None]) * (scale * LOG2E))
+    total = jnp.sum(weight * l, axis=0)
+    out = jnp.sum(weight[..., None] * acc, axis=0)
+    return jnp.where(total[:, None] > 0, out / jnp.where(total > 0, total, 1.0)[:, None], 0.0)
+
+
+def _program(meta_ref, q_ref, pages_ref, acc_ref, stats_ref, *, geo: _Geometry):
+    tiling, swizzle = plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
+    smem = functools.partial(plgpu.SMEM, dtype=geo.dtype, transforms=(tiling, swizzle))
+    ring = (geo.config.slots, geo.config.block_kv, geo.head_dim)
+    buffers = [smem((ROWS, geo.head_dim)), smem(ring), smem(ring),
+               plgpu.SMEM((ROWS, geo.head_dim), jnp.float32), plgpu.SMEM((ROWS, STAT_COLUMNS), jnp.float32)]
+    if geo.staged:
+        buffers.append(smem((ROWS, geo.config.block_kv)))
+
+    def scoped(q_smem, k_smem, v_smem, o_smem, s_smem, *rest):
+        p_smem = rest[0] if geo.staged else None
+        k_ready, v_ready = rest[-2:]
+        _walk(_Meta(meta_ref, geo.num_seqs, geo.table_width), q_ref, pages_ref, acc_ref, stats_ref, q_smem, k_smem,
+              v_smem, o_smem, s_smem, p_smem, k_ready, v_ready, geo=geo)
+
+    pl.run_scoped(scoped, *buffers,
+                  plgpu.Barrier(num_arrivals=geo.pages_per_step, num_barriers=geo.config.slots),  # K step landed
+                  plgpu.Barrier(num_arrivals=geo.pages_per_step, num_barriers=geo.config.slots))  # V step landed
+
+
+def _walk(meta: _Meta, q_ref, pages_ref, acc_ref, stats_ref, q_smem, k_smem, v_smem, o_smem, s_smem, p_smem,
+          k_ready, v_ready, *, geo: _Geometry):
+    seq, kv_head, split = lax.axis_index("seq"), lax.axis_index("head"), lax.axis_index("split")
+    cfg = geo.config
+    seq_len = meta.seq_len(seq)
+    start = split * cfg.split
+    positions = jnp.clip(seq_len - start, 0, cfg.split)
+    steps = cdiv(positions, cfg.block_kv)
+    row0 = (seq * geo.kv_heads + kv_head) * geo.group
+    q_smem[...] = plgpu.load(q_ref.at[pl.ds(row0, ROWS)], layout=plgpu.Layout.WGMMA, optimized=False)
+    plgpu.commit_smem()
+
+    def issue(step):
+        """TMA-loads step `step`'s pages into its ring slot."""
+        slot = lax.rem(step, cfg.slots)
+        first = start // geo.block_size + step * geo.pages_per_step
+        for j in range(geo.pages_per_step):
+            column = jnp.minimum(first + j, geo.table_width - 1)
+            page = meta.page_base + jnp.maximum(meta.block(seq, column), 0)
+            rows = pl.ds(j * geo.block_size, geo.block_size)
+            plgpu.copy_gmem_to_smem(pages_ref.at[page, :, kv_head], k_smem.at[slot, rows], k_ready.at[slot])
+            plgpu.copy_gmem_to_smem(pages_ref.at[page, :, geo.kv_heads + kv_head], v_smem.at[slot, rows],
+                                    v_ready.at[slot])
+
+    for step in range(cfg.slots - 1):
+        pl.when(step < steps)(functools.partial(issue, step))
+
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    m = plgpu.layout_cast(jnp.full((ROWS,), M_INIT, jnp.float32), row_layout)
+    l = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), row_layout)
+    acc = plgpu.layout_cast(jnp.zeros((ROWS, geo.head_dim), jnp.float32), plgpu.Layout.WGMMA)
+
+    def step_body(step, carry, masked: bool):
+        acc, m, l = carry
+        # the slot the next load takes held step - 1, whose products were awaited before this step began
+        pl.when(step + cfg.slots - 1 < steps)(lambda: issue(step + cfg.slots - 1))
+        slot = lax.rem(step, cfg.slots)
+        plgpu.barrier_wait(k_ready.at[slot])
+
+        def scores(acc_ref):
+            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+            return acc_ref[...]
+
+        s = pl.run_scoped(scores, plgpu.ACC((ROWS, cfg.block_kv), jnp.float32))
+        owned = positions - step * cfg.block_kv  # this step's positions before the sequence's end
+        if masked:
+            c = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+            s = jnp.where(c < owned, s, -jnp.inf)
+        c2 = geo.scale * LOG2E
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp2((m - m_new) * c2)
+        p = jnp.exp2(s * c2 - lax.broadcast_in_dim(m_new * c2, s.shape, [0]))
+        l = l * alpha + p.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        plgpu.barrier_wait(v_ready.at[slot])
+        if masked:
+            _zero_unowned_values(v_smem.at[slot], owned)
+        p = p.astype(geo.dtype)
+        if p_smem is None:  # P from registers, accumulated into the carried registers
+            acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p, v_smem.at[slot]))(plgpu.ACC.init(acc))
+        else:
+            p_smem[...] = p
+            plgpu.commit_smem()
+
+            def fresh(acc_ref):
+                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                return acc_ref[...]
+
+            acc = acc + pl.run_scoped(fresh, plgpu.ACC((ROWS, geo.head_dim), jnp.float32))
+        return acc, m_new, l
+
+    whole = jnp.where(positions % cfg.block_kv == 0, steps, steps - 1)  # steps with every position owned
+    carry = lax.fori_loop(0, whole, functools.partial(step_body, masked=False), (acc, m, l))
+    acc, m, l = lax.fori_loop(whole, steps, functools.partial(step_body, masked=True), carry)
+    _store(acc, m, l, o_smem, s_smem, acc_ref.at[split, pl.ds(row0, geo.group)],
+           stats_ref.at[split, pl.ds(row0, geo.group)], geo.group)
+
+
+def _store(acc, m, l, o_smem, s_smem, acc_out, stats_out, group: int) -> None:
+    """The group's rows of the unnormalised output and of (max, sum), through shared memory and one TMA copy each."""
+    o_smem[...] = acc
+    column = plgpu.broadcasted_iota(jnp.int32, (ROWS, STAT_COLUMNS), 1, layout=plgpu.Layout.WGMMA)
+    s_smem[...] = jnp.where(column == 0, lax.broadcast_in_dim(m, column.shape, [0]),
+                            lax.broadcast_in_dim(l, column.shape, [0]))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, group)], acc_out)
+    plgpu.copy_smem_to_gmem(s_smem.at[pl.ds(0, group)], stats_out)
+    plgpu.wait_smem_to_gmem(0)

@@ -1,0 +1,117 @@
+"""The Mosaic GPU paged decode (Mosaic GPU's interpreter) against a float64 reference over the same pages; its
+refusals; its lowering for an H200 at the kernel benchmark's shapes."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.ragged_paged_attention.mosaic_decode import DecodeConfig, mosaic_decode
+from tests.conftest import fresh_seed
+from tests.kernels.test_lowering import lower_for_h200
+
+SEED = fresh_seed()
+BLOCK, HEAD_DIM = 16, 64
+
+
+def paged_case(rng, seq_lens, q_heads, kv_heads, dtype, width):
+    """A cache of random pages, each sequence's pages drawn at random; every page past a sequence's length (and
+    the unwritten tail of its last page) holds NaN, as a recycled page may."""
+    layers, blocks = 2, 2 + sum(-(-n // BLOCK) for n in seq_lens)
+    cache = rng.standard_normal((layers, blocks, BLOCK, 2, kv_heads, HEAD_DIM)).astype(np.float32)
+    tables = np.zeros((len(seq_lens), width), np.int32)
+    pool = list(rng.permutation(np.arange(1, blocks)))
+    for s, n in enumerate(seq_lens):
+        for c in range(-(-n // BLOCK)):
+            tables[s, c] = pool.pop()
+        if n % BLOCK:
+            cache[1, tables[s, n // BLOCK], n % BLOCK:] = np.nan
+    q = rng.standard_normal((len(seq_lens), q_heads, HEAD_DIM)).astype(np.float32)
+    return jnp.asarray(q, dtype), jnp.asarray(cache, dtype), tables
+
+
+def float64_decode(q, cache, layer, seq_lens, tables, scale):
+    q, cache = np.asarray(q, np.float64), np.asarray(cache, np.float64)
+    kv_heads = cache.shape[4]
+    group = q.shape[1] // kv_heads
+    out = np.zeros(q.shape)
+    for s, n in enumerate(seq_lens):
+        if n == 0:
+            continue
+        pages = cache[layer, tables[s, :-(-n // BLOCK)]].reshape(-1, 2, kv_heads, HEAD_DIM)[:n]
+        for h in range(q.shape[1]):
+            k, v = pages[:, 0, h // group], pages[:, 1, h // group]
+            scores = k @ q[s, h] * scale
+            p = np.exp(scores - scores.max())
+            out[s, h] = p @ v / p.sum()
+    return out
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("q_heads,kv_heads", [(8, 2), (16, 2)], ids=["group4", "group8"])
+def test_mosaic_decode_matches_float64(q_heads, kv_heads, dtype):
+    """Lengths of one position, inside a page, a whole step, across steps and splits (128-position splits of
+    64-position steps), and 0 (zeros); layer 1 of a two-layer cache."""
+    rng = np.random.default_rng(SEED)
+    seq_lens = [1, 5, 64, 75, 200, 0]
+    q, cache, tables = paged_case(rng, seq_lens, q_heads, kv_heads, dtype, width=16)
+    config = DecodeConfig(block_kv=64, slots=2, split=128)
+    got = mosaic_decode(q, cache, 1, jnp.asarray(seq_lens, jnp.int32), jnp.asarray(tables), scale=HEAD_DIM ** -0.5,
+                        config=config, interpret=plgpu.InterpretGPUParams())
+    want = float64_decode(q, cache, 1, seq_lens, tables, HEAD_DIM ** -0.5)
+    assert np.isfinite(np.asarray(got, np.float64)).all()
+    # P rounded to the cache's dtype before P V; the output rounded once
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=1.5e-2, rtol=0)
+
+
+def test_more_slots_and_longer_steps_give_the_same_rows():
+    """The ring's depth changes when loads are issued, not what is added: three slots against two, bitwise; 128-
+    position steps within the tolerance of a different P rounding."""
+    rng = np.random.default_rng(SEED + 1)
+    seq_lens = [300, 17, 129]
+    q, cache, tables = paged_case(rng, seq_lens, 8, 2, jnp.bfloat16, width=24)
+    run = functools.partial(mosaic_decode, q, cache, 0, jnp.asarray(seq_lens, jnp.int32), jnp.asarray(tables),
+                            scale=HEAD_DIM ** -0.5, interpret=plgpu.InterpretGPUParams())
+    two = run(config=DecodeConfig(64, 2, 256))
+    np.testing.assert_array_equal(np.asarray(run(config=DecodeConfig(64, 3, 256))), np.asarray(two))
+    np.testing.assert_allclose(np.asarray(run(config=DecodeConfig(128, 2, 256)), np.float32),
+                               np.asarray(two, np.float32), atol=1.5e-2, rtol=0)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(dtype=jnp.float32), "bfloat16 or float16"),
+    (dict(q_heads=4, kv_heads=4), "groups of 4"),
+    (dict(config=DecodeConfig(block_kv=48, slots=2, split=96)), "whole pages"),
+    (dict(config=DecodeConfig(block_kv=64, slots=2, split=96)), "whole steps"),
+])
+def test_shapes_it_does_not_take_are_refused(change, match):
+    args = dict(q_heads=8, kv_heads=2, dtype=jnp.bfloat16, config=DecodeConfig(64, 2, 128)) | change
+    q = jnp.zeros((1, args["q_heads"], HEAD_DIM), args["dtype"])
+    cache = jnp.zeros((1, 4, BLOCK, 2, args["kv_heads"], HEAD_DIM), args["dtype"])
+    with pytest.raises(ValueError, match=match):
+        mosaic_decode(q, cache, 0, jnp.ones((1,), jnp.int32), jnp.zeros((1, 4), jnp.int32), scale=1.0,
+                      config=args["config"], interpret=plgpu.InterpretGPUParams())
+
+
+@pytest.mark.parametrize("config", [DecodeConfig(64, 3, 2048), DecodeConfig(128, 2, 2048)])
+@pytest.mark.parametrize("seqs,width", [(64, 256), (8, 2048)], ids=["b64_ctx4k", "b8_ctx32k"])
+def test_lowers_for_h200_at_the_benchmark_shapes(config, seqs, width):
+    """Llama-3-8B's heads (32 / 8, d 128), pages of 16, a two-layer cache of 8,256 pages a layer."""
+    S = jax.ShapeDtypeStruct
+    text = lower_for_h200(functools.partial(mosaic_decode, scale=128 ** -0.5, config=config),
+                          S((seqs, 32, 128), jnp.bfloat16), S((2, 8256, 16, 2, 8, 128), jnp.bfloat16),
+                          S((), jnp.int32), S((seqs,), jnp.int32), S((seqs, width), jnp.int32))
+    assert "mosaic_gpu" in text
+
+
+def test_a_ring_over_the_shared_memory_is_refused_at_lowering():
+    S = jax.ShapeDtypeStruct
+    with pytest.raises(ValueError, match="shared memory"):
+        lower_for_h200(functools.partial(mosaic_decode, scale=1.0, config=DecodeConfig(128, 4, 2048)),
+                       S((8, 32, 128), jnp.bfloat16), S((1, 1024, 16, 2, 8, 128), jnp.bfloat16), S((), jnp.int32),
+                       S((8,), jnp.int32), S((8, 64), jnp.int32))
