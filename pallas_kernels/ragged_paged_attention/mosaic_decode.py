@@ -14,8 +14,8 @@ logits), O += P V by wgmma; the last step's positions past the sequence's length
 length zeroed (a page's unwritten tail may hold NaN). A program stores its group's unnormalised rows and their
 (max, sum) in float32; one XLA fusion merges the splits.
 
-bf16 / float16 caches, no sliding window or soft cap (the Triton kernels serve those); `scripts/probe_mosaic_decode_gpu.py`
-times it beside the Triton decode and cuDNN on a contiguous cache.
+bf16 / float16 caches, no sliding window or soft cap (the Triton kernels serve those); not yet wired into the engine.
+`scripts/bench_kernels.py --only peers` times it beside the Triton decode and cuDNN on a contiguous cache.
 """
 
 from __future__ import annotations
