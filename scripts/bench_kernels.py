@@ -70,8 +70,8 @@ from pallas_kernels.kv_write import kernel as kv_write_kernel
 from pallas_kernels.kv_write import reference as kv_write_reference
 from pallas_kernels.ragged_paged_attention import kernel as rpa
 from pallas_kernels.ragged_paged_attention import reference as rpa_reference
-from pallas_kernels.ragged_paged_attention.tuning import (KernelConfig, MosaicConfig, SplitConfig, Tuning,
-                                                         default_tuning)
+from pallas_kernels.ragged_paged_attention.tuning import (KernelConfig, MosaicConfig, MosaicDecodeConfig, SplitConfig,
+                                                         Tuning, default_tuning)
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 LAYERS, LAYER = 4, 3  # > 4 GiB of cache: the kernels take their 64-bit-offset path, as in serving
@@ -683,13 +683,13 @@ def mosaic_decode_jobs(bench: Bench, b: Batch, kv, out, name: str) -> dict:
     Triton decode's output `out` first; those that fail to build or to match are recorded, not timed."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from pallas_kernels.ragged_paged_attention.mosaic_decode import DecodeConfig, mosaic_decode
+    from pallas_kernels.ragged_paged_attention.mosaic_decode import mosaic_decode
 
     jobs = {}
     for block_kv, slots, split in MOSAIC_DECODE_CANDIDATES:
         key = f"mosaic_decode_kv{block_kv}_s{slots}_split{split}/{name}"
         interpret = plgpu.InterpretGPUParams() if INTERPRET else None
-        fn = jax.jit(functools.partial(mosaic_decode, scale=SCALE, config=DecodeConfig(block_kv, slots, split),
+        fn = jax.jit(functools.partial(mosaic_decode, scale=SCALE, config=MosaicDecodeConfig(block_kv, slots, split),
                                        interpret=interpret))
         args = (b.q, kv, jnp.int32(LAYER), b.lens, b.tables)
         try:

@@ -2,9 +2,9 @@
 
 The Triton decode kernel reads a bf16 cache at ~0.95 of the copy bandwidth while cuDNN reads a contiguous cache of
 the same bytes faster (`benchmarks/README.md` "kernels"): its loop waits on its block-table-addressed loads. Here a
-program owns one (sequence, KV head, split of `DecodeConfig.split` positions) and keeps `slots - 1` steps of pages
-in flight through TMA while it computes on the current one, so the page indirection costs only the block-table reads
-that pick each copy's source.
+program owns one (sequence, KV head, split of `MosaicDecodeConfig.split` positions) and keeps `slots - 1` steps of
+pages in flight through TMA while it computes on the current one, so the page indirection costs only the block-table
+reads that pick each copy's source.
 
 A program's query rows are its KV head's group of query heads (GQA: 4 for Llama-3-8B), the left operand of a 64-row
 wgmma: the 64 rows from the group's first head are loaded (the array is padded by 64 rows at its end), rows past the
@@ -14,7 +14,7 @@ logits), O += P V by wgmma; the last step's positions past the sequence's length
 length zeroed (a page's unwritten tail may hold NaN). A program stores its group's unnormalised rows and their
 (max, sum) in float32; one XLA fusion merges the splits.
 
-bf16 / float16 caches, no sliding window or soft cap (the Triton kernels serve those); not yet wired into the engine.
+bf16 / float16 caches, sliding windows (traced, as the layers pass them); no soft cap (the Triton kernels serve it).
 `scripts/bench_kernels.py --only peers` times it beside the Triton decode and cuDNN on a contiguous cache.
 """
 
@@ -32,19 +32,10 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.ragged_paged_attention.mosaic_prefill import LOG2E, M_INIT, _zero_unowned_values
 from pallas_kernels.ragged_paged_attention.tiles import cdiv
+from pallas_kernels.ragged_paged_attention.tuning import MosaicDecodeConfig
 
 ROWS = 64  # wgmma rows: a program's query heads, padded
 STAT_COLUMNS = 8  # a row's (max, sum) stored as an 8-column tile (the narrowest wgmma-layout tile): column 0, 1
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeConfig:
-    """`block_kv` positions a step (whole pages), `slots` steps in the ring (`slots - 1` in flight while one is
-    computed), `split` positions a program walks (whole steps; a sequence's splits are merged after)."""
-
-    block_kv: int = 64
-    slots: int = 3
-    split: int = 2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +46,7 @@ class _Geometry:
     kv_heads: int
     group: int
     head_dim: int
-    config: DecodeConfig
+    config: MosaicDecodeConfig
     scale: float
     dtype: jnp.dtype
     staged: bool  # P through shared memory (Mosaic GPU's interpreter: its wgmma takes shared-memory operands only)
@@ -71,29 +62,35 @@ class _Geometry:
 
 @dataclasses.dataclass(frozen=True)
 class _Meta:
-    """The integer inputs as one buffer (Mosaic GPU takes 256-byte-aligned operands only): [page base, sequence
-    lengths, block tables (row-major)]."""
+    """The integer inputs as one buffer (Mosaic GPU takes 256-byte-aligned operands only): [page base, window,
+    sequence lengths, block tables (row-major)]."""
 
     ref: object
     num_seqs: int
     table_width: int
 
     @staticmethod
-    def pack(page_base, seq_lens, block_tables) -> Int[Array, " n"]:
-        return jnp.concatenate([jnp.asarray(x, jnp.int32).reshape(-1) for x in (page_base, seq_lens, block_tables)])
+    def pack(page_base, window, seq_lens, block_tables) -> Int[Array, " n"]:
+        parts = (page_base, window, seq_lens, block_tables)
+        return jnp.concatenate([jnp.asarray(x, jnp.int32).reshape(-1) for x in parts])
 
     @property
     def page_base(self):
         return self.ref[0]
 
+    @property
+    def window(self):
+        return self.ref[1]
+
     def seq_len(self, seq):
-        return self.ref[1 + seq]
+        return self.ref[2 + seq]
 
     def block(self, seq, column):
-        return self.ref[1 + self.num_seqs + seq * self.table_width + column]
+        return self.ref[2 + self.num_seqs + seq * self.table_width + column]
 
 
-def check(*, q_heads: int, kv_heads: int, head_dim: int, block_size: int, dtype, config: DecodeConfig) -> None:
+def check(*, q_heads: int, kv_heads: int, head_dim: int, block_size: int, dtype,
+          config: MosaicDecodeConfig) -> None:
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise ValueError(f"the Mosaic GPU decode reads bfloat16 or float16 caches, not {dtype}")
     group = q_heads // kv_heads
@@ -114,12 +111,13 @@ def mosaic_decode(
     block_tables: Int[Array, "seqs blocks_per_seq"],
     *,
     scale: float,
-    config: DecodeConfig = DecodeConfig(),
+    sliding_window: Int[Array, ""] | int = 0,
+    config: MosaicDecodeConfig = MosaicDecodeConfig(),
     interpret=None,
 ) -> Float[Array, "seqs q_heads head_dim"]:
     """One new token per sequence attending to its `seq_lens` positions of the paged cache (its own K/V already
-    written). A sequence of length 0 gets zeros. `interpret`: Mosaic GPU's interpreter parameters
-    (`plgpu.InterpretGPUParams`), for the CPU."""
+    written); `sliding_window` > 0 keeps the last that many (traced). A sequence of length 0 gets zeros.
+    `interpret`: Mosaic GPU's interpreter parameters (`plgpu.InterpretGPUParams`), for the CPU."""
     num_seqs, q_heads, head_dim = q.shape
     layers, blocks, block_size, _, kv_heads, _ = kv_cache.shape
     table_width = block_tables.shape[1]
@@ -141,7 +139,8 @@ def mosaic_decode(
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
     )
-    meta = _Meta.pack(jnp.asarray(layer, jnp.int32).reshape(1) * blocks, seq_lens, block_tables)
+    meta = _Meta.pack(jnp.asarray(layer, jnp.int32).reshape(1) * blocks, jnp.asarray(sliding_window).reshape(1),
+                      seq_lens, block_tables)
     acc, stats = kernel(meta, q_rows, pages)
     return merge(acc, stats, scale).reshape(q.shape).astype(q.dtype)
 
@@ -182,17 +181,23 @@ def _walk(meta: _Meta, q_ref, pages_ref, acc_ref, stats_ref, q_smem, k_smem, v_s
           k_ready, v_ready, *, geo: _Geometry):
     seq, kv_head, split = lax.axis_index("seq"), lax.axis_index("head"), lax.axis_index("split")
     cfg = geo.config
-    seq_len = meta.seq_len(seq)
+    seq_len, window = meta.seq_len(seq), meta.window
     start = split * cfg.split
-    positions = jnp.clip(seq_len - start, 0, cfg.split)
-    steps = cdiv(positions, cfg.block_kv)
+    # the split's visible positions [lo, hi), counted from its start: before the sequence's end, inside the window
+    hi = jnp.clip(seq_len - start, 0, cfg.split)
+    lo = jnp.where(window > 0, jnp.clip(seq_len - window - start, 0, hi), 0)
+    first = lax.div(lo, cfg.block_kv)
+    end = jnp.where(lo < hi, cdiv(hi, cfg.block_kv), first)
     row0 = (seq * geo.kv_heads + kv_head) * geo.group
     q_smem[...] = plgpu.load(q_ref.at[pl.ds(row0, ROWS)], layout=plgpu.Layout.WGMMA, optimized=False)
     plgpu.commit_smem()
 
+    def slot_of(step):
+        return lax.rem(step - first, cfg.slots)
+
     def issue(step):
         """TMA-loads step `step`'s pages into its ring slot."""
-        slot = lax.rem(step, cfg.slots)
+        slot = slot_of(step)
         first = start // geo.block_size + step * geo.pages_per_step
         for j in range(geo.pages_per_step):
             column = jnp.minimum(first + j, geo.table_width - 1)
@@ -202,8 +207,8 @@ def _walk(meta: _Meta, q_ref, pages_ref, acc_ref, stats_ref, q_smem, k_smem, v_s
             plgpu.copy_gmem_to_smem(pages_ref.at[page, :, geo.kv_heads + kv_head], v_smem.at[slot, rows],
                                     v_ready.at[slot])
 
-    for step in range(cfg.slots - 1):
-        pl.when(step < steps)(functools.partial(issue, step))
+    for i in range(cfg.slots - 1):
+        pl.when(first + i < end)(functools.partial(issue, first + i))
 
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     m = plgpu.layout_cast(jnp.full((ROWS,), M_INIT, jnp.float32), row_layout)
@@ -213,8 +218,8 @@ def _walk(meta: _Meta, q_ref, pages_ref, acc_ref, stats_ref, q_smem, k_smem, v_s
     def step_body(step, carry, masked: bool):
         acc, m, l = carry
         # the slot the next load takes held step - 1, whose products were awaited before this step began
-        pl.when(step + cfg.slots - 1 < steps)(lambda: issue(step + cfg.slots - 1))
-        slot = lax.rem(step, cfg.slots)
+        pl.when(step + cfg.slots - 1 < end)(lambda: issue(step + cfg.slots - 1))
+        slot = slot_of(step)
         plgpu.barrier_wait(k_ready.at[slot])
 
         def scores(acc_ref):
@@ -222,10 +227,10 @@ def _walk(meta: _Meta, q_ref, pages_ref, acc_ref, stats_ref, q_smem, k_smem, v_s
             return acc_ref[...]
 
         s = pl.run_scoped(scores, plgpu.ACC((ROWS, cfg.block_kv), jnp.float32))
-        owned = positions - step * cfg.block_kv  # this step's positions before the sequence's end
-        if masked:
+        owned = hi - step * cfg.block_kv  # this step's positions before the sequence's end
+        if masked:  # a window's lower edge, the sequence's end
             c = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-            s = jnp.where(c < owned, s, -jnp.inf)
+            s = jnp.where((c < owned) & (c >= lo - step * cfg.block_kv), s, -jnp.inf)
         c2 = geo.scale * LOG2E
         m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp2((m - m_new) * c2)
@@ -249,9 +254,12 @@ def _walk(meta: _Meta, q_ref, pages_ref, acc_ref, stats_ref, q_smem, k_smem, v_s
             acc = acc + pl.run_scoped(fresh, plgpu.ACC((ROWS, geo.head_dim), jnp.float32))
         return acc, m_new, l
 
-    whole = jnp.where(positions % cfg.block_kv == 0, steps, steps - 1)  # steps with every position owned
-    carry = lax.fori_loop(0, whole, functools.partial(step_body, masked=False), (acc, m, l))
-    acc, m, l = lax.fori_loop(whole, steps, functools.partial(step_body, masked=True), carry)
+    # masked steps [first, whole_from) and [whole_to, end), every position visible in [whole_from, whole_to)
+    whole_from = jnp.minimum(first + (lax.rem(lo, cfg.block_kv) != 0).astype(jnp.int32), end)
+    whole_to = jnp.clip(end - (lax.rem(hi, cfg.block_kv) != 0).astype(jnp.int32), whole_from, end)
+    carry = lax.fori_loop(first, whole_from, functools.partial(step_body, masked=True), (acc, m, l))
+    carry = lax.fori_loop(whole_from, whole_to, functools.partial(step_body, masked=False), carry)
+    acc, m, l = lax.fori_loop(whole_to, end, functools.partial(step_body, masked=True), carry)
     _store(acc, m, l, o_smem, s_smem, acc_ref.at[split, pl.ds(row0, geo.group)],
            stats_ref.at[split, pl.ds(row0, geo.group)], geo.group)
 

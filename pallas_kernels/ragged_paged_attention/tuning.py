@@ -47,6 +47,17 @@ class MosaicConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MosaicDecodeConfig:
+    """Launch parameters of the Mosaic GPU decode (`mosaic_decode.py`): `block_kv` positions a step (whole pages, a
+    multiple of 64), `slots` steps in the ring (`slots - 1` in flight while one is computed), `split` positions a
+    program walks (whole steps; a sequence's splits are merged after)."""
+
+    block_kv: int = 64
+    slots: int = 3
+    split: int = 2048
+
+
+@dataclasses.dataclass(frozen=True)
 class SplitConfig:
     """Split-K of the decode kernel. A request's split count depends on its own visible length only
     (`clamp(ceil(len / split_tokens), 1, max_splits)`), never on the rest of the batch, so its reduction order

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.ragged_paged_attention.mosaic_decode import DecodeConfig, mosaic_decode
+from pallas_kernels.ragged_paged_attention.mosaic_decode import mosaic_decode
+from pallas_kernels.ragged_paged_attention.tuning import MosaicDecodeConfig
 from tests.conftest import fresh_seed
 from tests.kernels.test_lowering import lower_for_h200
 
@@ -35,7 +36,7 @@ def paged_case(rng, seq_lens, q_heads, kv_heads, dtype, width):
     return jnp.asarray(q, dtype), jnp.asarray(cache, dtype), tables
 
 
-def float64_decode(q, cache, layer, seq_lens, tables, scale):
+def float64_decode(q, cache, layer, seq_lens, tables, scale, window=0):
     q, cache = np.asarray(q, np.float64), np.asarray(cache, np.float64)
     kv_heads = cache.shape[4]
     group = q.shape[1] // kv_heads
@@ -44,6 +45,8 @@ def float64_decode(q, cache, layer, seq_lens, tables, scale):
         if n == 0:
             continue
         pages = cache[layer, tables[s, :-(-n // BLOCK)]].reshape(-1, 2, kv_heads, HEAD_DIM)[:n]
+        if window:
+            pages = pages[max(0, n - window):]
         for h in range(q.shape[1]):
             k, v = pages[:, 0, h // group], pages[:, 1, h // group]
             scores = k @ q[s, h] * scale
@@ -60,12 +63,26 @@ def test_mosaic_decode_matches_float64(q_heads, kv_heads, dtype):
     rng = np.random.default_rng(SEED)
     seq_lens = [1, 5, 64, 75, 200, 0]
     q, cache, tables = paged_case(rng, seq_lens, q_heads, kv_heads, dtype, width=16)
-    config = DecodeConfig(block_kv=64, slots=2, split=128)
+    config = MosaicDecodeConfig(block_kv=64, slots=2, split=128)
     got = mosaic_decode(q, cache, 1, jnp.asarray(seq_lens, jnp.int32), jnp.asarray(tables), scale=HEAD_DIM ** -0.5,
                         config=config, interpret=plgpu.InterpretGPUParams())
     want = float64_decode(q, cache, 1, seq_lens, tables, HEAD_DIM ** -0.5)
     assert np.isfinite(np.asarray(got, np.float64)).all()
     # P rounded to the cache's dtype before P V; the output rounded once
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=1.5e-2, rtol=0)
+
+
+@pytest.mark.parametrize("window", [1, 50, 64, 130, 1000])
+def test_sliding_window_matches_float64(window):
+    """Windows starting inside a step, on a step's edge, in an earlier split (128-position splits), wider than
+    every sequence, and of one position."""
+    rng = np.random.default_rng(SEED + 2)
+    seq_lens = [3, 70, 140, 257, 300]
+    q, cache, tables = paged_case(rng, seq_lens, 8, 2, jnp.bfloat16, width=20)
+    got = mosaic_decode(q, cache, 1, jnp.asarray(seq_lens, jnp.int32), jnp.asarray(tables), scale=HEAD_DIM ** -0.5,
+                        sliding_window=jnp.int32(window), config=MosaicDecodeConfig(64, 2, 128),
+                        interpret=plgpu.InterpretGPUParams())
+    want = float64_decode(q, cache, 1, seq_lens, tables, HEAD_DIM ** -0.5, window)
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=1.5e-2, rtol=0)
 
 
@@ -77,20 +94,20 @@ def test_more_slots_and_longer_steps_give_the_same_rows():
     q, cache, tables = paged_case(rng, seq_lens, 8, 2, jnp.bfloat16, width=24)
     run = functools.partial(mosaic_decode, q, cache, 0, jnp.asarray(seq_lens, jnp.int32), jnp.asarray(tables),
                             scale=HEAD_DIM ** -0.5, interpret=plgpu.InterpretGPUParams())
-    two = run(config=DecodeConfig(64, 2, 256))
-    np.testing.assert_array_equal(np.asarray(run(config=DecodeConfig(64, 3, 256))), np.asarray(two))
-    np.testing.assert_allclose(np.asarray(run(config=DecodeConfig(128, 2, 256)), np.float32),
+    two = run(config=MosaicDecodeConfig(64, 2, 256))
+    np.testing.assert_array_equal(np.asarray(run(config=MosaicDecodeConfig(64, 3, 256))), np.asarray(two))
+    np.testing.assert_allclose(np.asarray(run(config=MosaicDecodeConfig(128, 2, 256)), np.float32),
                                np.asarray(two, np.float32), atol=1.5e-2, rtol=0)
 
 
 @pytest.mark.parametrize("change,match", [
     (dict(dtype=jnp.float32), "bfloat16 or float16"),
     (dict(q_heads=4, kv_heads=4), "groups of 4"),
-    (dict(config=DecodeConfig(block_kv=48, slots=2, split=96)), "whole pages"),
-    (dict(config=DecodeConfig(block_kv=64, slots=2, split=96)), "whole steps"),
+    (dict(config=MosaicDecodeConfig(block_kv=48, slots=2, split=96)), "whole pages"),
+    (dict(config=MosaicDecodeConfig(block_kv=64, slots=2, split=96)), "whole steps"),
 ])
 def test_shapes_it_does_not_take_are_refused(change, match):
-    args = dict(q_heads=8, kv_heads=2, dtype=jnp.bfloat16, config=DecodeConfig(64, 2, 128)) | change
+    args = dict(q_heads=8, kv_heads=2, dtype=jnp.bfloat16, config=MosaicDecodeConfig(64, 2, 128)) | change
     q = jnp.zeros((1, args["q_heads"], HEAD_DIM), args["dtype"])
     cache = jnp.zeros((1, 4, BLOCK, 2, args["kv_heads"], HEAD_DIM), args["dtype"])
     with pytest.raises(ValueError, match=match):
@@ -98,7 +115,7 @@ def test_shapes_it_does_not_take_are_refused(change, match):
                       config=args["config"], interpret=plgpu.InterpretGPUParams())
 
 
-@pytest.mark.parametrize("config", [DecodeConfig(64, 3, 2048), DecodeConfig(128, 2, 2048)])
+@pytest.mark.parametrize("config", [MosaicDecodeConfig(64, 3, 2048), MosaicDecodeConfig(128, 2, 2048)])
 @pytest.mark.parametrize("seqs,width", [(64, 256), (8, 2048)], ids=["b64_ctx4k", "b8_ctx32k"])
 def test_lowers_for_h200_at_the_benchmark_shapes(config, seqs, width):
     """Llama-3-8B's heads (32 / 8, d 128), pages of 16, a two-layer cache of 8,256 pages a layer."""
@@ -112,6 +129,6 @@ def test_lowers_for_h200_at_the_benchmark_shapes(config, seqs, width):
 def test_a_ring_over_the_shared_memory_is_refused_at_lowering():
     S = jax.ShapeDtypeStruct
     with pytest.raises(ValueError, match="shared memory"):
-        lower_for_h200(functools.partial(mosaic_decode, scale=1.0, config=DecodeConfig(128, 4, 2048)),
+        lower_for_h200(functools.partial(mosaic_decode, scale=1.0, config=MosaicDecodeConfig(128, 4, 2048)),
                        S((8, 32, 128), jnp.bfloat16), S((1, 1024, 16, 2, 8, 128), jnp.bfloat16), S((), jnp.int32),
                        S((8,), jnp.int32), S((8, 64), jnp.int32))
