@@ -53,7 +53,7 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.addressing import UnsupportedShapeError, as_byte_pairs
 from pallas_kernels.kv_quant import KVScales, check_kv_scales
-from pallas_kernels.ragged_paged_attention import mosaic_prefill
+from pallas_kernels.ragged_paged_attention import mosaic_decode, mosaic_prefill
 from pallas_kernels.ragged_paged_attention.tiles import (
     Geometry,
     KVSource,
@@ -457,6 +457,18 @@ def _prefill(args, *, mosaic: bool):
     return _prefill_call(*args, into=out, below=mosaic_prefill.ROWS_PER_GROUP)
 
 
+def _mosaic_decode_rows(q, kv_cache, layer_window, qsl, lens, bt, scale, config, interpret):
+    """A decode-only step on the Mosaic GPU decode: each request's one new token (a request with none attends to
+    nothing), its row written where the request's token sits, padding tokens' rows zero."""
+    num_tokens = q.shape[0]
+    first, has_token = qsl[:-1], qsl[1:] > qsl[:-1]
+    out = mosaic_decode.mosaic_decode(
+        q[jnp.minimum(first, num_tokens - 1)], kv_cache, layer_window[0][0], jnp.where(has_token, lens, 0), bt,
+        scale=float(scale), sliding_window=layer_window[1][0], config=config,
+        interpret=plgpu.InterpretGPUParams() if interpret else None)
+    return jnp.zeros_like(q).at[jnp.where(has_token, first, num_tokens)].set(out, mode="drop")
+
+
 def merge_free(table_positions: int, split: SplitConfig) -> bool:
     """Whether a step's decodes need no merge: a request's context is at most its block table's positions, and
     when those fit one split, no request has more than one (nor with one split at most)."""
@@ -499,6 +511,11 @@ def ragged_paged_attention_impl(
     if single_path:
         tuning = tuning.batch_invariant(max_query_len, geo.group_pad, bt.shape[1] * block_size)
         scores = dataclasses.replace(scores, sums_by_mma=True)
+    if (tuning.mosaic_decode is not None and max_query_len == 1 and not single_path and not quantized
+            and scores.soft_cap is None and mosaic_decode.supports(
+                q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, dtype=q.dtype,
+                config=tuning.mosaic_decode)):
+        return _mosaic_decode_rows(q, kv_cache, layer_window, qsl, lens, bt, scale, tuning.mosaic_decode, interpret)
     args = (q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning, scores, interpret)
     direct = merge_free(bt.shape[1] * block_size, tuning.split)
     partials = None if direct else _decode_call(*args)

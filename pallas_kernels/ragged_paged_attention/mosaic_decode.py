@@ -103,6 +103,17 @@ def check(*, q_heads: int, kv_heads: int, head_dim: int, block_size: int, dtype,
                          f"whole steps, head_dim ({head_dim}) a multiple of 64, at least two slots")
 
 
+def supports(*, q_heads: int, kv_heads: int, head_dim: int, block_size: int, dtype,
+             config: MosaicDecodeConfig) -> bool:
+    """Whether `check` passes (static facts only)."""
+    try:
+        check(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype,
+              config=config)
+    except ValueError:
+        return False
+    return True
+
+
 def mosaic_decode(
     q: Float[Array, "seqs q_heads head_dim"],
     kv_cache: Float[Array, "layers blocks block_size 2 kv_heads head_dim"],

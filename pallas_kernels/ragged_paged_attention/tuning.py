@@ -108,6 +108,9 @@ class Tuning:
     # The requests with at least 64 new tokens on the Mosaic GPU prefill kernel (`mosaic_prefill.py`) outside the
     # batch-invariant mode; None: the Triton prefill kernel serves every prefill row
     mosaic_prefill: MosaicConfig | None = None
+    # Decode-only steps of one new token a request on the Mosaic GPU decode (`mosaic_decode.py`) outside the
+    # batch-invariant mode, for 16-bit caches without a soft cap; None: the Triton decode kernel
+    mosaic_decode: MosaicDecodeConfig | None = None
 
     def __post_init__(self):
         if self.fp8_operands not in ("bfloat16", "float16"):
@@ -146,6 +149,11 @@ class Tuning:
                                    segments_apart=apart)
 
 
+# The Mosaic GPU decode for a Hopper GPU's decode-only steps; None until `scripts/bench_kernels.py --only peers` has
+# timed it beside the Triton decode (`decode_*_mosaic_vs_ours`) and the engine end to end
+MOSAIC_DECODE_ON_HOPPER: MosaicDecodeConfig | None = None
+
+
 def default_tuning(head_dim: int, group: int, quantized: bool = False, hopper: bool = False) -> Tuning:
     """The table: chosen on an H200 for Llama-3-8B-like shapes (32 q / 8 kv heads, d=128, bf16) by
     `scripts/bench_kernels.py` (sweeps in `h200_sweep.json` and benchmarks/results/2026-12-01-decode_probes.json);
@@ -180,4 +188,5 @@ def default_tuning(head_dim: int, group: int, quantized: bool = False, hopper: b
         short_prefill=KernelConfig(block_m=max(SHORT_PREFILL_ROWS, group_pad), block_n=prefill.block_n,
                                    num_warps=4, num_stages=2),
         mosaic_prefill=MosaicConfig(block_kv=128, max_concurrent_steps=3) if hopper else None,
+        mosaic_decode=MOSAIC_DECODE_ON_HOPPER if hopper else None,
     )

@@ -132,3 +132,28 @@ def test_a_ring_over_the_shared_memory_is_refused_at_lowering():
         lower_for_h200(functools.partial(mosaic_decode, scale=1.0, config=MosaicDecodeConfig(128, 4, 2048)),
                        S((8, 32, 128), jnp.bfloat16), S((1, 1024, 16, 2, 8, 128), jnp.bfloat16), S((), jnp.int32),
                        S((8,), jnp.int32), S((8, 64), jnp.int32))
+
+
+@pytest.mark.parametrize("window", [0, 40])
+def test_decode_only_steps_take_it_through_the_tuning(window):
+    """`Tuning.mosaic_decode`: a decode-only step (one token a request, a request with none, two padding token
+    rows) through `ragged_paged_attention_impl` gives the Triton decode's rows (zeros for the padding)."""
+    import dataclasses
+
+    from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention_impl
+    from pallas_kernels.ragged_paged_attention.tuning import default_tuning
+
+    rng = np.random.default_rng(SEED + 3)
+    seq_lens = [70, 3, 130, 0, 257]
+    q_seq, cache, tables = paged_case(rng, seq_lens, 8, 2, jnp.bfloat16, width=20)
+    q = jnp.concatenate([q_seq[:3], q_seq[4:], jnp.asarray(rng.standard_normal((2, 8, HEAD_DIM)), jnp.bfloat16)])
+    qsl = jnp.asarray([0, 1, 2, 3, 3, 4], jnp.int32)  # the fourth request has no new token
+    lens = jnp.asarray(seq_lens, jnp.int32)
+    triton = default_tuning(HEAD_DIM, 4)
+    run = functools.partial(ragged_paged_attention_impl, q, cache, 1, qsl, lens, jnp.asarray(tables),
+                            scale=HEAD_DIM ** -0.5, sliding_window=jnp.int32(window), soft_cap=None, max_query_len=1,
+                            interpret=True)
+    want = run(tuning=triton)
+    got = run(tuning=dataclasses.replace(triton, mosaic_decode=MosaicDecodeConfig(64, 2, 128)))
+    assert not np.asarray(got[4:]).any()
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=1.5e-2, rtol=0)
