@@ -217,7 +217,7 @@ class Call:
         return {"tiny": self.args.tiny, "gpu": self.gpu, "model_dir": str(self.model_dir), "vocab": self.vocab,
                 "engine": {**self.engine_kwargs, **dict(self.args.engine_option)},
                 "cache_dir": str(self.workdir / "jax-cache"), "invariant_segment": self.args.invariant_segment,
-                "segments_apart": self.args.segments_apart,
+                "segments_apart": self.args.segments_apart, "mosaic_decode": self.args.mosaic_decode,
                 "hf_configs": self.args.hf_configs, **fields}
 
     def worker(self, kind: str, task: dict[str, Any], label: str) -> dict[str, Any]:
@@ -433,6 +433,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "(0: one split, no merge launch; default: the engine's)")
     parser.add_argument("--segments-apart", action="store_true",
                         help="the deterministic attention's short steps walk their segments on programs of their own")
+    parser.add_argument("--mosaic-decode", default=None, type=lambda v: [int(x) for x in v.split(",")],
+                        metavar="BLOCK_KV,SLOTS,SPLIT", help="decode-only steps outside the deterministic mode on the "
+                        "Mosaic GPU decode with this MosaicDecodeConfig (Hopper; with --engine-option "
+                        "deterministic=false), for the A/B")
     parser.add_argument("--deadline-s", type=float, default=570.0,
                         help="stop starting workers, and stop a running one, so the call ends within this")
     parser.add_argument("--worker", choices=("hf", "jengine"), help=argparse.SUPPRESS)

@@ -120,6 +120,14 @@ def build_llm(task: dict[str, Any], prefix_caching: bool = True) -> Any:
         backend.INVARIANT_SEGMENT = task["invariant_segment"] or None  # static in the backend: programs key on it
     if task.get("segments_apart"):
         backend.SHORT_STEP_SEGMENTS_APART = True  # likewise
+    if task.get("mosaic_decode"):
+        import os
+
+        from jengine.runner.program_store import STORE_SWITCH
+        from pallas_kernels.ragged_paged_attention import tuning
+
+        tuning.MOSAIC_DECODE_ON_HOPPER = tuning.MosaicDecodeConfig(*task["mosaic_decode"])
+        os.environ[STORE_SWITCH] = "off"  # the saved programs' key does not see the kernels' tuning
     return LLM(task["model_dir"], **engine_kwargs(task, prefix_caching))
 
 
