@@ -94,9 +94,8 @@ def check(*, q_heads: int, kv_heads: int, head_dim: int, block_size: int, dtype,
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise ValueError(f"the Mosaic GPU decode reads bfloat16 or float16 caches, not {dtype}")
     group = q_heads // kv_heads
-    if q_heads % kv_heads or group > ROWS or group < 4:
-        raise ValueError(f"{q_heads} query heads over {kv_heads} KV heads: groups of 4 to {ROWS} heads (a group's "
-                         "rows leave in one copy of at least 16 bytes)")
+    if q_heads % kv_heads or group > ROWS:
+        raise ValueError(f"{q_heads} query heads over {kv_heads} KV heads: whole groups of at most {ROWS} heads")
     if (config.block_kv % block_size or config.block_kv % 64 or config.split % config.block_kv
             or head_dim % 64 or config.slots < 2):
         raise ValueError(f"{config}: steps of whole pages ({block_size} positions) and of a multiple of 64, splits of "

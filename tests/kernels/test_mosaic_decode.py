@@ -56,7 +56,8 @@ def float64_decode(q, cache, layer, seq_lens, tables, scale, window=0):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("q_heads,kv_heads", [(8, 2), (16, 2)], ids=["group4", "group8"])
+@pytest.mark.parametrize("q_heads,kv_heads", [(4, 4), (4, 2), (8, 2), (16, 2)],
+                         ids=["group1", "group2", "group4", "group8"])
 def test_mosaic_decode_matches_float64(q_heads, kv_heads, dtype):
     """Lengths of one position, inside a page, a whole step, across steps and splits (128-position splits of
     64-position steps), and 0 (zeros); layer 1 of a two-layer cache."""
@@ -102,7 +103,7 @@ def test_more_slots_and_longer_steps_give_the_same_rows():
 
 @pytest.mark.parametrize("change,match", [
     (dict(dtype=jnp.float32), "bfloat16 or float16"),
-    (dict(q_heads=4, kv_heads=4), "groups of 4"),
+    (dict(q_heads=6, kv_heads=4), "whole groups"),
     (dict(config=MosaicDecodeConfig(block_kv=48, slots=2, split=96)), "whole pages"),
     (dict(config=MosaicDecodeConfig(block_kv=64, slots=2, split=96)), "whole steps"),
 ])
@@ -116,12 +117,13 @@ def test_shapes_it_does_not_take_are_refused(change, match):
 
 
 @pytest.mark.parametrize("config", [MosaicDecodeConfig(64, 3, 2048), MosaicDecodeConfig(128, 2, 2048)])
-@pytest.mark.parametrize("seqs,width", [(64, 256), (8, 2048)], ids=["b64_ctx4k", "b8_ctx32k"])
-def test_lowers_for_h200_at_the_benchmark_shapes(config, seqs, width):
-    """Llama-3-8B's heads (32 / 8, d 128), pages of 16, a two-layer cache of 8,256 pages a layer."""
+@pytest.mark.parametrize("seqs,width,q_heads", [(64, 256, 32), (8, 2048, 32), (8, 256, 8)],
+                         ids=["b64_ctx4k", "b8_ctx32k", "mha"])
+def test_lowers_for_h200_at_the_benchmark_shapes(config, seqs, width, q_heads):
+    """Llama-3-8B's heads (32 / 8, d 128; and 8 / 8), pages of 16, a two-layer cache of 8,256 pages a layer."""
     S = jax.ShapeDtypeStruct
     text = lower_for_h200(functools.partial(mosaic_decode, scale=128 ** -0.5, config=config),
-                          S((seqs, 32, 128), jnp.bfloat16), S((2, 8256, 16, 2, 8, 128), jnp.bfloat16),
+                          S((seqs, q_heads, 128), jnp.bfloat16), S((2, 8256, 16, 2, 8, 128), jnp.bfloat16),
                           S((), jnp.int32), S((seqs,), jnp.int32), S((seqs, width), jnp.int32))
     assert "mosaic_gpu" in text
 
