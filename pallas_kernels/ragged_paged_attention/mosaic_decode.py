@@ -55,10 +55,6 @@ class _Geometry:
     def pages_per_step(self) -> int:
         return self.config.block_kv // self.block_size
 
-    @property
-    def steps_per_split(self) -> int:
-        return self.config.split // self.config.block_kv
-
 
 @dataclasses.dataclass(frozen=True)
 class _Meta:
