@@ -457,14 +457,14 @@ def _prefill(args, *, mosaic: bool):
     return _prefill_call(*args, into=out, below=mosaic_prefill.ROWS_PER_GROUP)
 
 
-def _mosaic_decode_rows(q, kv_cache, layer_window, qsl, lens, bt, scale, config, interpret):
+def _mosaic_decode_rows(q, kv_cache, kv_scales, layer_window, qsl, lens, bt, scale, config, interpret):
     """A decode-only step on the Mosaic GPU decode: each request's one new token (a request with none attends to
     nothing), its row written where the request's token sits, padding tokens' rows zero."""
     num_tokens = q.shape[0]
     first, has_token = qsl[:-1], qsl[1:] > qsl[:-1]
     out = mosaic_decode.mosaic_decode(
         q[jnp.minimum(first, num_tokens - 1)], kv_cache, layer_window[0][0], jnp.where(has_token, lens, 0), bt,
-        scale=float(scale), sliding_window=layer_window[1][0], config=config,
+        scale=float(scale), sliding_window=layer_window[1][0], kv_scales=kv_scales, config=config,
         interpret=plgpu.InterpretGPUParams() if interpret else None)
     return jnp.zeros_like(q).at[jnp.where(has_token, first, num_tokens)].set(out, mode="drop")
 
@@ -493,6 +493,7 @@ def ragged_paged_attention_impl(
     check_supported(head_dim=head_dim, block_size=block_size, num_q_heads=q_heads, num_kv_heads=kv_heads)
     check_kv_scales(kv_cache.shape, kv_cache.dtype, kv_scales)
     quantized = kv_scales is not None
+    cache_as_stored = kv_cache
     if quantized:
         kv_cache = as_byte_pairs(kv_cache)  # 2-byte elements: addressable at any size (addressing.py)
     scales = kv_scales.astype(jnp.float32).reshape(-1) if quantized else jnp.ones((1,), jnp.float32)
@@ -511,11 +512,12 @@ def ragged_paged_attention_impl(
     if single_path:
         tuning = tuning.batch_invariant(max_query_len, geo.group_pad, bt.shape[1] * block_size)
         scores = dataclasses.replace(scores, sums_by_mma=True)
-    if (tuning.mosaic_decode is not None and max_query_len == 1 and not single_path and not quantized
-            and scores.soft_cap is None and mosaic_decode.supports(
-                q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, dtype=q.dtype,
-                config=tuning.mosaic_decode)):
-        return _mosaic_decode_rows(q, kv_cache, layer_window, qsl, lens, bt, scale, tuning.mosaic_decode, interpret)
+    if (tuning.mosaic_decode is not None and max_query_len == 1 and not single_path and scores.soft_cap is None
+            and q.dtype != jnp.float32 and mosaic_decode.supports(
+                q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
+                dtype=cache_as_stored.dtype, config=tuning.mosaic_decode)):
+        return _mosaic_decode_rows(q, cache_as_stored, kv_scales, layer_window, qsl, lens, bt, scale,
+                                   tuning.mosaic_decode, interpret)
     args = (q, kv_cache, scales, layer_window, qsl, lens, bt, geo, tuning, scores, interpret)
     direct = merge_free(bt.shape[1] * block_size, tuning.split)
     partials = None if direct else _decode_call(*args)

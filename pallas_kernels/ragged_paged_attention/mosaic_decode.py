@@ -35,6 +35,8 @@ from pallas_kernels.ragged_paged_attention.tiles import cdiv
 from pallas_kernels.ragged_paged_attention.tuning import MosaicDecodeConfig
 
 ROWS = 64  # wgmma rows: a program's query heads, padded
+CACHE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float8_e4m3fn))
+QUERY_SHIFT = 4  # a float8 cache: the query enters float16 scaled by 2^-4 (|q| up to 1e6 fits), the scores × 2^4
 STAT_COLUMNS = 8  # a row's (max, sum) stored as an 8-column tile (the narrowest wgmma-layout tile): column 0, 1
 
 
@@ -48,8 +50,17 @@ class _Geometry:
     head_dim: int
     config: MosaicDecodeConfig
     scale: float
-    dtype: jnp.dtype
+    dtype: jnp.dtype  # the cache's
     staged: bool  # P through shared memory (Mosaic GPU's interpreter: its wgmma takes shared-memory operands only)
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype == jnp.dtype(jnp.float8_e4m3fn)
+
+    @property
+    def compute(self) -> jnp.dtype:
+        """The tensor cores' operands: the cache's dtype, or float16 for float8 (e4m3 widens to float16 only)."""
+        return jnp.dtype(jnp.float16) if self.quantized else self.dtype
 
     @property
     def pages_per_step(self) -> int:
@@ -58,7 +69,7 @@ class _Geometry:
 
 @dataclasses.dataclass(frozen=True)
 class _Meta:
-    """The integer inputs as one buffer (Mosaic GPU takes 256-byte-aligned operands only): [page base, window,
+    """The integer inputs as one buffer (Mosaic GPU takes 256-byte-aligned operands only): [page base, window, layer,
     sequence lengths, block tables (row-major)]."""
 
     ref: object
@@ -66,8 +77,8 @@ class _Meta:
     table_width: int
 
     @staticmethod
-    def pack(page_base, window, seq_lens, block_tables) -> Int[Array, " n"]:
-        parts = (page_base, window, seq_lens, block_tables)
+    def pack(page_base, window, layer, seq_lens, block_tables) -> Int[Array, " n"]:
+        parts = (page_base, window, layer, seq_lens, block_tables)
         return jnp.concatenate([jnp.asarray(x, jnp.int32).reshape(-1) for x in parts])
 
     @property
@@ -78,17 +89,21 @@ class _Meta:
     def window(self):
         return self.ref[1]
 
+    @property
+    def layer(self):
+        return self.ref[2]
+
     def seq_len(self, seq):
-        return self.ref[2 + seq]
+        return self.ref[3 + seq]
 
     def block(self, seq, column):
-        return self.ref[2 + self.num_seqs + seq * self.table_width + column]
+        return self.ref[3 + self.num_seqs + seq * self.table_width + column]
 
 
 def check(*, q_heads: int, kv_heads: int, head_dim: int, block_size: int, dtype,
           config: MosaicDecodeConfig) -> None:
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        raise ValueError(f"the Mosaic GPU decode reads bfloat16 or float16 caches, not {dtype}")
+    if jnp.dtype(dtype) not in CACHE_DTYPES:
+        raise ValueError(f"the Mosaic GPU decode reads bfloat16, float16 or float8_e4m3fn caches, not {dtype}")
     group = q_heads // kv_heads
     if q_heads % kv_heads or group > ROWS:
         raise ValueError(f"{q_heads} query heads over {kv_heads} KV heads: whole groups of at most {ROWS} heads")
@@ -118,24 +133,32 @@ def mosaic_decode(
     *,
     scale: float,
     sliding_window: Int[Array, ""] | int = 0,
+    kv_scales: Float[Array, "layers 2 kv_heads"] | None = None,
     config: MosaicDecodeConfig = MosaicDecodeConfig(),
     interpret=None,
 ) -> Float[Array, "seqs q_heads head_dim"]:
     """One new token per sequence attending to its `seq_lens` positions of the paged cache (its own K/V already
     written); `sliding_window` > 0 keeps the last that many (traced). A sequence of length 0 gets zeros.
-    `interpret`: Mosaic GPU's interpreter parameters (`plgpu.InterpretGPUParams`), for the CPU."""
+    `kv_scales` (a float8 cache's, required with one): real K/V = stored × scale of (layer, K or V, KV head); each
+    step's pages widen to float16 in shared memory for the tensor cores. `interpret`: Mosaic GPU's interpreter
+    parameters (`plgpu.InterpretGPUParams`), for the CPU."""
     num_seqs, q_heads, head_dim = q.shape
     layers, blocks, block_size, _, kv_heads, _ = kv_cache.shape
     table_width = block_tables.shape[1]
     check(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, dtype=kv_cache.dtype,
           config=config)
     geo = _Geometry(num_seqs, table_width, block_size, kv_heads, q_heads // kv_heads, head_dim, config, float(scale),
-                    kv_cache.dtype, interpret is not None)
+                    jnp.dtype(kv_cache.dtype), interpret is not None)
+    if geo.quantized != (kv_scales is not None):
+        raise ValueError("kv_scales go with a float8_e4m3fn cache, and only with one")
+    scales = (kv_scales if geo.quantized else jnp.ones((layers, 2, kv_heads), jnp.float32)).astype(jnp.float32)
     splits = cdiv(table_width * block_size, config.split)
     rows = num_seqs * q_heads
     pages = kv_cache.reshape(layers * blocks, block_size, 2 * kv_heads, head_dim)  # a free reshape
-    q_rows = jnp.concatenate([q.reshape(rows, head_dim).astype(kv_cache.dtype),
-                              jnp.zeros((ROWS, head_dim), kv_cache.dtype)])
+    q_rows = q.reshape(rows, head_dim)
+    if geo.quantized:
+        q_rows = q_rows.astype(jnp.float32) * 2.0 ** -QUERY_SHIFT
+    q_rows = jnp.concatenate([q_rows.astype(geo.compute), jnp.zeros((ROWS, head_dim), geo.compute)])
     kernel = plgpu.kernel(
         functools.partial(_program, geo=geo),
         out_type=(jax.ShapeDtypeStruct((splits, rows, head_dim), jnp.float32),
@@ -145,46 +168,53 @@ def mosaic_decode(
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
     )
-    meta = _Meta.pack(jnp.asarray(layer, jnp.int32).reshape(1) * blocks, jnp.asarray(sliding_window).reshape(1),
-                      seq_lens, block_tables)
-    acc, stats = kernel(meta, q_rows, pages)
-    return merge(acc, stats, scale).reshape(q.shape).astype(q.dtype)
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    meta = _Meta.pack(layer * blocks, jnp.asarray(sliding_window).reshape(1), layer, seq_lens, block_tables)
+    acc, stats = kernel(meta, q_rows, pages, scales)
+    return merge(acc, stats).reshape(q.shape).astype(q.dtype)
 
 
-def merge(acc: Float[Array, "splits rows d"], stats: Float[Array, "splits rows c"], scale: float
-          ) -> Float[Array, "rows d"]:
+def merge(acc: Float[Array, "splits rows d"], stats: Float[Array, "splits rows c"]) -> Float[Array, "rows d"]:
     """The splits' unnormalised rows and (max, sum) into each row's softmax-weighted output (0 for a row with no
-    positions)."""
+    positions); the maxima in base-2 units of the scaled scores."""
     m, l = stats[..., 0], stats[..., 1]
     top = jnp.max(m, axis=0)
-    weight = jnp.exp2((m - top[None]) * (scale * LOG2E))
+    weight = jnp.exp2(m - top[None])
     total = jnp.sum(weight * l, axis=0)
     out = jnp.sum(weight[..., None] * acc, axis=0)
     return jnp.where(total[:, None] > 0, out / jnp.where(total > 0, total, 1.0)[:, None], 0.0)
 
 
-def _program(meta_ref, q_ref, pages_ref, acc_ref, stats_ref, *, geo: _Geometry):
-    tiling, swizzle = plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
-    smem = functools.partial(plgpu.SMEM, dtype=geo.dtype, transforms=(tiling, swizzle))
+def _smem(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
+    """A swizzled shared-memory tile: 8-row tiles as wide as the widest swizzle its rows fill (128 bytes)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = plgpu.find_swizzle(shape[-1] * itemsize * 8)
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // itemsize)),
+                                                plgpu.SwizzleTransform(swizzle)))
+
+
+def _program(meta_ref, q_ref, pages_ref, scales_ref, acc_ref, stats_ref, *, geo: _Geometry):
     ring = (geo.config.slots, geo.config.block_kv, geo.head_dim)
-    buffers = [smem((ROWS, geo.head_dim)), smem(ring), smem(ring),
+    tile = (geo.config.block_kv, geo.head_dim)
+    buffers = [_smem((ROWS, geo.head_dim), geo.compute), _smem(ring, geo.dtype), _smem(ring, geo.dtype),
                plgpu.SMEM((ROWS, geo.head_dim), jnp.float32), plgpu.SMEM((ROWS, STAT_COLUMNS), jnp.float32)]
-    if geo.staged:
-        buffers.append(smem((ROWS, geo.config.block_kv)))
+    extra = ([_smem(tile, geo.compute), _smem(tile, geo.compute)] if geo.quantized else []) + (
+        [_smem((ROWS, geo.config.block_kv), geo.compute)] if geo.staged else [])
 
     def scoped(q_smem, k_smem, v_smem, o_smem, s_smem, *rest):
-        p_smem = rest[0] if geo.staged else None
+        wide = rest[:2] if geo.quantized else None  # the step's K and V widened to float16
+        p_smem = rest[len(extra) - 1] if geo.staged else None
         k_ready, v_ready = rest[-2:]
-        _walk(_Meta(meta_ref, geo.num_seqs, geo.table_width), q_ref, pages_ref, acc_ref, stats_ref, q_smem, k_smem,
-              v_smem, o_smem, s_smem, p_smem, k_ready, v_ready, geo=geo)
+        _walk(_Meta(meta_ref, geo.num_seqs, geo.table_width), q_ref, pages_ref, scales_ref, acc_ref, stats_ref,
+              q_smem, k_smem, v_smem, o_smem, s_smem, p_smem, wide, k_ready, v_ready, geo=geo)
 
-    pl.run_scoped(scoped, *buffers,
+    pl.run_scoped(scoped, *buffers, *extra,
                   plgpu.Barrier(num_arrivals=geo.pages_per_step, num_barriers=geo.config.slots),  # K step landed
                   plgpu.Barrier(num_arrivals=geo.pages_per_step, num_barriers=geo.config.slots))  # V step landed
 
 
-def _walk(meta: _Meta, q_ref, pages_ref, acc_ref, stats_ref, q_smem, k_smem, v_smem, o_smem, s_smem, p_smem,
-          k_ready, v_ready, *, geo: _Geometry):
+def _walk(meta: _Meta, q_ref, pages_ref, scales_ref, acc_ref, stats_ref, q_smem, k_smem, v_smem, o_smem, s_smem,
+          p_smem, wide, k_ready, v_ready, *, geo: _Geometry):
     seq, kv_head, split = lax.axis_index("seq"), lax.axis_index("head"), lax.axis_index("split")
     cfg = geo.config
     seq_len, window = meta.seq_len(seq), meta.window
@@ -204,9 +234,9 @@ def _walk(meta: _Meta, q_ref, pages_ref, acc_ref, stats_ref, q_smem, k_smem, v_s
     def issue(step):
         """TMA-loads step `step`'s pages into its ring slot."""
         slot = slot_of(step)
-        first = start // geo.block_size + step * geo.pages_per_step
+        column0 = start // geo.block_size + step * geo.pages_per_step
         for j in range(geo.pages_per_step):
-            column = jnp.minimum(first + j, geo.table_width - 1)
+            column = jnp.minimum(column0 + j, geo.table_width - 1)
             page = meta.page_base + jnp.maximum(meta.block(seq, column), 0)
             rows = pl.ds(j * geo.block_size, geo.block_size)
             plgpu.copy_gmem_to_smem(pages_ref.at[page, :, kv_head], k_smem.at[slot, rows], k_ready.at[slot])
@@ -220,6 +250,17 @@ def _walk(meta: _Meta, q_ref, pages_ref, acc_ref, stats_ref, q_smem, k_smem, v_s
     m = plgpu.layout_cast(jnp.full((ROWS,), M_INIT, jnp.float32), row_layout)
     l = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), row_layout)
     acc = plgpu.layout_cast(jnp.zeros((ROWS, geo.head_dim), jnp.float32), plgpu.Layout.WGMMA)
+    c2 = geo.scale * LOG2E  # raw scores to base-2 exponents
+    if geo.quantized:
+        c2 = c2 * 2.0 ** QUERY_SHIFT * scales_ref[meta.layer, 0, kv_head]
+
+    def operand(ring, slot, index: int):
+        """The step's K or V tile as the tensor cores take it: the ring slot, or (float8) its float16 widening."""
+        if wide is None:
+            return ring.at[slot]
+        wide[index][...] = ring.at[slot][...].astype(geo.compute)
+        plgpu.commit_smem()
+        return wide[index]
 
     def step_body(step, carry, masked: bool):
         acc, m, l = carry
@@ -228,8 +269,10 @@ def _walk(meta: _Meta, q_ref, pages_ref, acc_ref, stats_ref, q_smem, k_smem, v_s
         slot = slot_of(step)
         plgpu.barrier_wait(k_ready.at[slot])
 
+        k_tile = operand(k_smem, slot, 0)
+
         def scores(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+            plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))
             return acc_ref[...]
 
         s = pl.run_scoped(scores, plgpu.ACC((ROWS, cfg.block_kv), jnp.float32))
@@ -237,24 +280,24 @@ def _walk(meta: _Meta, q_ref, pages_ref, acc_ref, stats_ref, q_smem, k_smem, v_s
         if masked:  # a window's lower edge, the sequence's end
             c = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
             s = jnp.where((c < owned) & (c >= lo - step * cfg.block_kv), s, -jnp.inf)
-        c2 = geo.scale * LOG2E
         m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp2((m - m_new) * c2)
         p = jnp.exp2(s * c2 - lax.broadcast_in_dim(m_new * c2, s.shape, [0]))
         l = l * alpha + p.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         plgpu.barrier_wait(v_ready.at[slot])
+        v_tile = operand(v_smem, slot, 1)
         if masked:
-            _zero_unowned_values(v_smem.at[slot], owned)
-        p = p.astype(geo.dtype)
+            _zero_unowned_values(v_tile, owned)
+        p = p.astype(geo.compute)
         if p_smem is None:  # P from registers, accumulated into the carried registers
-            acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p, v_smem.at[slot]))(plgpu.ACC.init(acc))
+            acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p, v_tile))(plgpu.ACC.init(acc))
         else:
             p_smem[...] = p
             plgpu.commit_smem()
 
             def fresh(acc_ref):
-                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                plgpu.wgmma(acc_ref, p_smem, v_tile)
                 return acc_ref[...]
 
             acc = acc + pl.run_scoped(fresh, plgpu.ACC((ROWS, geo.head_dim), jnp.float32))
@@ -266,7 +309,9 @@ def _walk(meta: _Meta, q_ref, pages_ref, acc_ref, stats_ref, q_smem, k_smem, v_s
     carry = lax.fori_loop(first, whole_from, functools.partial(step_body, masked=True), (acc, m, l))
     carry = lax.fori_loop(whole_from, whole_to, functools.partial(step_body, masked=False), carry)
     acc, m, l = lax.fori_loop(whole_to, end, functools.partial(step_body, masked=True), carry)
-    _store(acc, m, l, o_smem, s_smem, acc_ref.at[split, pl.ds(row0, geo.group)],
+    if geo.quantized:
+        acc = acc * scales_ref[meta.layer, 1, kv_head]
+    _store(acc, m * c2, l, o_smem, s_smem, acc_ref.at[split, pl.ds(row0, geo.group)],
            stats_ref.at[split, pl.ds(row0, geo.group)], geo.group)
 
 

@@ -109,7 +109,7 @@ class Tuning:
     # batch-invariant mode; None: the Triton prefill kernel serves every prefill row
     mosaic_prefill: MosaicConfig | None = None
     # Decode-only steps of one new token a request on the Mosaic GPU decode (`mosaic_decode.py`) outside the
-    # batch-invariant mode, for 16-bit caches without a soft cap; None: the Triton decode kernel
+    # batch-invariant mode, for 16-bit and float8 caches without a soft cap; None: the Triton decode kernel
     mosaic_decode: MosaicDecodeConfig | None = None
 
     def __post_init__(self):
@@ -180,7 +180,8 @@ def default_tuning(head_dim: int, group: int, quantized: bool = False, hopper: b
     prefill = KernelConfig(block_m=prefill_m, block_n=128, num_warps=8, num_stages=3)
     if quantized:
         return Tuning(decode=KernelConfig(block_m=decode_m, block_n=64, num_warps=4, num_stages=3), prefill=prefill,
-                      split=SplitConfig(split_tokens=FP8_DECODE_SPLIT_TOKENS, max_splits=8), fp8_operands="float16")
+                      split=SplitConfig(split_tokens=FP8_DECODE_SPLIT_TOKENS, max_splits=8), fp8_operands="float16",
+                      mosaic_decode=MOSAIC_DECODE_ON_HOPPER if hopper else None)
     return Tuning(
         decode=KernelConfig(block_m=decode_m, block_n=64, num_warps=4, num_stages=2),
         prefill=prefill,

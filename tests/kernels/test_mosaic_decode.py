@@ -87,6 +87,26 @@ def test_sliding_window_matches_float64(window):
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=1.5e-2, rtol=0)
 
 
+def test_float8_cache_matches_float64():
+    """A float8 cache with per-(layer, K or V, KV head) scales: each step widened to float16 in shared memory, the
+    query entering float16 scaled by 2^-4; against float64 over the dequantized pages (NaN tails included)."""
+    rng = np.random.default_rng(SEED + 4)
+    seq_lens = [1, 75, 200, 0]
+    q, cache, tables = paged_case(rng, seq_lens, 8, 2, jnp.float32, width=16)
+    scales = jnp.asarray(rng.uniform(0.01, 0.05, (2, 2, 2)), jnp.float32)
+    narrow = jnp.clip(cache / scales[:, None, None, :, :, None], -448, 448).astype(jnp.float8_e4m3fn)
+    dequantized = narrow.astype(jnp.float32) * scales[:, None, None, :, :, None]
+    q = q.astype(jnp.bfloat16)
+    got = mosaic_decode(q, narrow, 1, jnp.asarray(seq_lens, jnp.int32), jnp.asarray(tables), scale=HEAD_DIM ** -0.5,
+                        kv_scales=scales, config=MosaicDecodeConfig(64, 2, 128), interpret=plgpu.InterpretGPUParams())
+    want = float64_decode(q, dequantized, 1, seq_lens, tables, HEAD_DIM ** -0.5)
+    assert np.isfinite(np.asarray(got, np.float64)).all()
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=1.5e-2 * np.abs(want).max(), rtol=0)
+    with pytest.raises(ValueError, match="kv_scales go with a float8"):
+        mosaic_decode(q, narrow, 1, jnp.asarray(seq_lens, jnp.int32), jnp.asarray(tables), scale=1.0,
+                      config=MosaicDecodeConfig(64, 2, 128), interpret=plgpu.InterpretGPUParams())
+
+
 def test_more_slots_and_longer_steps_give_the_same_rows():
     """The ring's depth changes when loads are issued, not what is added: three slots against two, bitwise; 128-
     position steps within the tolerance of a different P rounding."""
@@ -102,7 +122,7 @@ def test_more_slots_and_longer_steps_give_the_same_rows():
 
 
 @pytest.mark.parametrize("change,match", [
-    (dict(dtype=jnp.float32), "bfloat16 or float16"),
+    (dict(dtype=jnp.float32), "bfloat16, float16 or float8"),
     (dict(q_heads=6, kv_heads=4), "whole groups"),
     (dict(config=MosaicDecodeConfig(block_kv=48, slots=2, split=96)), "whole pages"),
     (dict(config=MosaicDecodeConfig(block_kv=64, slots=2, split=96)), "whole steps"),
@@ -116,15 +136,22 @@ def test_shapes_it_does_not_take_are_refused(change, match):
                       config=args["config"], interpret=plgpu.InterpretGPUParams())
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
 @pytest.mark.parametrize("config", [MosaicDecodeConfig(64, 3, 2048), MosaicDecodeConfig(128, 2, 2048)])
 @pytest.mark.parametrize("seqs,width,q_heads", [(64, 256, 32), (8, 2048, 32), (8, 256, 8)],
                          ids=["b64_ctx4k", "b8_ctx32k", "mha"])
-def test_lowers_for_h200_at_the_benchmark_shapes(config, seqs, width, q_heads):
-    """Llama-3-8B's heads (32 / 8, d 128; and 8 / 8), pages of 16, a two-layer cache of 8,256 pages a layer."""
+def test_lowers_for_h200_at_the_benchmark_shapes(config, seqs, width, q_heads, dtype):
+    """Llama-3-8B's heads (32 / 8, d 128; and 8 / 8), pages of 16, a two-layer cache of 8,256 pages a layer; bf16
+    and float8 (with its scales)."""
     S = jax.ShapeDtypeStruct
-    text = lower_for_h200(functools.partial(mosaic_decode, scale=128 ** -0.5, config=config),
-                          S((seqs, q_heads, 128), jnp.bfloat16), S((2, 8256, 16, 2, 8, 128), jnp.bfloat16),
-                          S((), jnp.int32), S((seqs,), jnp.int32), S((seqs, width), jnp.int32))
+    quantized = dtype == jnp.float8_e4m3fn
+    fn = functools.partial(mosaic_decode, scale=128 ** -0.5, config=config)
+    specs = (S((seqs, q_heads, 128), jnp.bfloat16), S((2, 8256, 16, 2, 8, 128), dtype), S((), jnp.int32),
+             S((seqs,), jnp.int32), S((seqs, width), jnp.int32))
+    if quantized:
+        fn = functools.partial(lambda *a, f: f(*a[:5], kv_scales=a[5]), f=fn)
+        specs += (S((2, 2, 8), jnp.float32),)
+    text = lower_for_h200(fn, *specs)
     assert "mosaic_gpu" in text
 
 
@@ -159,3 +186,28 @@ def test_decode_only_steps_take_it_through_the_tuning(window):
     got = run(tuning=dataclasses.replace(triton, mosaic_decode=MosaicDecodeConfig(64, 2, 128)))
     assert not np.asarray(got[4:]).any()
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=1.5e-2, rtol=0)
+
+
+def test_float8_decode_only_steps_take_it_through_the_tuning():
+    """A float8 cache's decode-only step through `ragged_paged_attention_impl`: the Mosaic decode against the
+    Triton decode's float16-operand path, both over the same scaled pages."""
+    import dataclasses
+
+    from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention_impl
+    from pallas_kernels.ragged_paged_attention.tuning import default_tuning
+
+    rng = np.random.default_rng(SEED + 5)
+    seq_lens = [70, 3, 130]
+    q, cache, tables = paged_case(rng, seq_lens, 8, 2, jnp.float32, width=20)
+    scales = jnp.asarray(rng.uniform(0.01, 0.05, (2, 2, 2)), jnp.float32)
+    narrow = jnp.clip(jnp.nan_to_num(cache) / scales[:, None, None, :, :, None], -448, 448).astype(
+        jnp.float8_e4m3fn)
+    triton = default_tuning(HEAD_DIM, 4, quantized=True)
+    run = functools.partial(ragged_paged_attention_impl, q.astype(jnp.bfloat16), narrow, 1,
+                            jnp.asarray([0, 1, 2, 3], jnp.int32), jnp.asarray(seq_lens, jnp.int32),
+                            jnp.asarray(tables), scale=HEAD_DIM ** -0.5, sliding_window=jnp.int32(0), soft_cap=None,
+                            max_query_len=1, interpret=True, kv_scales=scales)
+    want = run(tuning=triton)
+    got = run(tuning=dataclasses.replace(triton, mosaic_decode=MosaicDecodeConfig(64, 2, 128)))
+    scale = float(jnp.abs(want.astype(jnp.float32)).max())
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=1.5e-2 * scale, rtol=0)
