@@ -16,6 +16,9 @@ Ratios (names from the issue):
                                  (also _b8_ctx32k)
   decode_b64_ctx4k_vs_cudnn_contiguous   torch SDPA cuDNN time on a contiguous bf16 cache / our (paged, bf16) decode
                                  time; higher is better, target >= 1.0 (also _vs_flash_, _b8_ctx32k_, _vs_jax_cudnn_)
+  fp8_vs_bf16_mosaic_decode_b64_ctx4k_speedup  (`--only fp8`) the same speedup with both caches on the Mosaic GPU
+                                 decode (fastest candidates), and fp8_mosaic_vs_fp8_/fp8_mosaic_vs_bf16_<shape> (the
+                                 Triton float8 / bf16 decode's time ÷ the Mosaic float8 decode's)
   decode_b64_ctx4k_mosaic_vs_ours   (`--only peers`) our Triton decode's time / the Mosaic GPU decode's
                                  (`mosaic_decode.py`, TMA-loaded pages; its fastest candidate, checked against ours
                                  first), and _mosaic_vs_cudnn_contiguous (cuDNN's time / the Mosaic decode's); b8 × 32k
@@ -593,7 +596,17 @@ def fp8_decode(bench: Bench, kv, bs: dict[str, Batch]) -> None:
             c_ok = compare(ours(b, tuning=decode_tuning(c))(*fp8_args), ref8)
             bench.checks[f"fp8{c}/{name}"] = {**c_ok, "ok": c_ok["finite"] and c_ok["rel_err"] <= 2e-2}
             jobs[f"fp8{c}/{name}"] = (ours(b, tuning=decode_tuning(c)), fp8_args)
+        # the Mosaic GPU decode on both caches, in the same passes
+        jobs |= mosaic_decode_jobs(bench, b, kv8, ref8, name, kv_scales=scales, prefix="mosaic_fp8")
+        jobs |= mosaic_decode_jobs(bench, b, kv, ours(b, tuning=tuning)(*b.args(kv)), name, prefix="mosaic_bf16")
     t = time_jobs(jobs, runs=bench.args.runs)
+    for name in DECODE_SHAPES:
+        best8, best16 = fastest(bench, t, "mosaic_fp8", name), fastest(bench, t, "mosaic_bf16", name)
+        if best8 is not None:
+            bench.ratios[f"fp8_mosaic_vs_fp8_{name}"] = t[f"fp8/{name}"] / t[best8]  # Triton ÷ Mosaic, float8
+            bench.ratios[f"fp8_mosaic_vs_bf16_{name}"] = t[f"bf16/{name}"] / t[best8]  # Triton bf16 ÷ Mosaic float8
+            if best16 is not None:  # both caches on the Mosaic decode
+                bench.ratios[f"fp8_vs_bf16_mosaic_{name}_speedup"] = t[best16] / t[best8]
     copy_rate = bench.metrics.get("copy_tb_per_s", 0) * 1e12
     for name in DECODE_SHAPES:
         bench.metric(f"fp8_{name}_us", t[f"fp8/{name}"] * 1e6)
@@ -666,31 +679,41 @@ def peer_decode(bench: Bench, kv, bs: dict[str, Batch]) -> None:
             if f"{peer}/{name}" in t:
                 bench.metric(f"{peer}_{name}_contiguous_us", t[f"{peer}/{name}"] * 1e6)
                 bench.ratios[f"{name}_vs_{ratio}"] = t[f"{peer}/{name}"] / t[f"ours/{name}"]
-        mosaic = {key: us for key, us in t.items() if key.startswith("mosaic_decode")}
-        for key, us in mosaic.items():
-            bench.metric(f"{key.replace('/', '_')}_us", us * 1e6)
-        if mosaic:
-            best = min(mosaic, key=mosaic.get)
-            bench.metrics[f"{name}_mosaic_best"] = best.split("/")[0]
-            bench.ratios[f"{name}_mosaic_vs_ours"] = t[f"ours/{name}"] / mosaic[best]
+        best = fastest(bench, t, "mosaic_decode", name)
+        if best is not None:
+            bench.ratios[f"{name}_mosaic_vs_ours"] = t[f"ours/{name}"] / t[best]
             if f"cudnn/{name}" in t:
-                bench.ratios[f"{name}_mosaic_vs_cudnn_contiguous"] = t[f"cudnn/{name}"] / mosaic[best]
+                bench.ratios[f"{name}_mosaic_vs_cudnn_contiguous"] = t[f"cudnn/{name}"] / t[best]
         del k, v, jobs
 
 
-def mosaic_decode_jobs(bench: Bench, b: Batch, kv, out, name: str) -> dict:
-    """The Mosaic GPU decode's candidates on batch `b` (one query token a sequence), each checked against our
-    Triton decode's output `out` first; those that fail to build or to match are recorded, not timed."""
+def fastest(bench: Bench, t: dict[str, float], prefix: str, name: str) -> str | None:
+    """The fastest of the timed jobs `<prefix>_*/<name>` (each recorded as a metric, the winner's name too)."""
+    timed = {key: s for key, s in t.items() if key.startswith(prefix + "_") and key.endswith("/" + name)}
+    for key, seconds in timed.items():
+        bench.metric(f"{key.replace('/', '_')}_us", seconds * 1e6)
+    if not timed:
+        return None
+    best = min(timed, key=timed.get)
+    bench.metrics[f"{name}_{prefix}_best"] = best.split("/")[0]
+    return best
+
+
+def mosaic_decode_jobs(bench: Bench, b: Batch, kv, out, name: str, kv_scales=None, prefix: str = "mosaic_decode"
+                       ) -> dict:
+    """The Mosaic GPU decode's candidates on batch `b` (one query token a sequence; `kv_scales` with a float8
+    cache), each checked against `out` (our Triton decode's output, or the reference's) first; those that fail to
+    build or to match are recorded, not timed."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from pallas_kernels.ragged_paged_attention.mosaic_decode import mosaic_decode
 
     jobs = {}
     for block_kv, slots, split in MOSAIC_DECODE_CANDIDATES:
-        key = f"mosaic_decode_kv{block_kv}_s{slots}_split{split}/{name}"
+        key = f"{prefix}_kv{block_kv}_s{slots}_split{split}/{name}"
         interpret = plgpu.InterpretGPUParams() if INTERPRET else None
         fn = jax.jit(functools.partial(mosaic_decode, scale=SCALE, config=MosaicDecodeConfig(block_kv, slots, split),
-                                       interpret=interpret))
+                                       kv_scales=kv_scales, interpret=interpret))
         args = (b.q, kv, jnp.int32(LAYER), b.lens, b.tables)
         try:
             check = key.replace("/", "_") + "_vs_ours"
