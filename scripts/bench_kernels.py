@@ -597,7 +597,8 @@ def fp8_decode(bench: Bench, kv, bs: dict[str, Batch]) -> None:
             bench.checks[f"fp8{c}/{name}"] = {**c_ok, "ok": c_ok["finite"] and c_ok["rel_err"] <= 2e-2}
             jobs[f"fp8{c}/{name}"] = (ours(b, tuning=decode_tuning(c)), fp8_args)
         # the Mosaic GPU decode on both caches, in the same passes
-        jobs |= mosaic_decode_jobs(bench, b, kv8, ref8, name, kv_scales=scales, prefix="mosaic_fp8")
+        jobs |= mosaic_decode_jobs(bench, b, kv8, ref8, name, kv_scales=scales, prefix="mosaic_fp8",
+                                   against="reference")
         jobs |= mosaic_decode_jobs(bench, b, kv, ours(b, tuning=tuning)(*b.args(kv)), name, prefix="mosaic_bf16")
     t = time_jobs(jobs, runs=bench.args.runs)
     for name in DECODE_SHAPES:
@@ -699,11 +700,11 @@ def fastest(bench: Bench, t: dict[str, float], prefix: str, name: str) -> str | 
     return best
 
 
-def mosaic_decode_jobs(bench: Bench, b: Batch, kv, out, name: str, kv_scales=None, prefix: str = "mosaic_decode"
-                       ) -> dict:
+def mosaic_decode_jobs(bench: Bench, b: Batch, kv, out, name: str, kv_scales=None, prefix: str = "mosaic_decode",
+                       against: str = "ours") -> dict:
     """The Mosaic GPU decode's candidates on batch `b` (one query token a sequence; `kv_scales` with a float8
-    cache), each checked against `out` (our Triton decode's output, or the reference's) first; those that fail to
-    build or to match are recorded, not timed."""
+    cache), each checked against `out` (`against`: our Triton decode's output, or the reference's) first; those
+    that fail to build or to match are recorded, not timed."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from pallas_kernels.ragged_paged_attention.mosaic_decode import mosaic_decode
@@ -716,7 +717,7 @@ def mosaic_decode_jobs(bench: Bench, b: Batch, kv, out, name: str, kv_scales=Non
                                        kv_scales=kv_scales, interpret=interpret))
         args = (b.q, kv, jnp.int32(LAYER), b.lens, b.tables)
         try:
-            check = key.replace("/", "_") + "_vs_ours"
+            check = key.replace("/", "_") + f"_vs_{against}"
             bench.check(check, fn(*args), out, 2e-2)
             if bench.checks[check]["ok"]:
                 jobs[key] = (fn, args)
