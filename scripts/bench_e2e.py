@@ -434,9 +434,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--segments-apart", action="store_true",
                         help="the deterministic attention's short steps walk their segments on programs of their own")
     parser.add_argument("--mosaic-decode", default=None, type=lambda v: [int(x) for x in v.split(",")],
-                        metavar="BLOCK_KV,SLOTS,SPLIT", help="decode-only steps outside the deterministic mode on the "
-                        "Mosaic GPU decode with this MosaicDecodeConfig (Hopper; with --engine-option "
-                        "deterministic=false), for the A/B")
+                        metavar="BLOCK_KV,SLOTS,SPLIT[,PREFETCH]", help="decode-only steps outside the "
+                        "deterministic mode on the Mosaic GPU decode with this MosaicDecodeConfig (Hopper; with "
+                        "--engine-option deterministic=false), for the A/B")
     parser.add_argument("--deadline-s", type=float, default=570.0,
                         help="stop starting workers, and stop a running one, so the call ends within this")
     parser.add_argument("--worker", choices=("hf", "jengine"), help=argparse.SUPPRESS)

@@ -644,8 +644,10 @@ def fp8_window_check(bench: Bench, kv8, scales, b: Batch) -> None:
     bench.check(f"fp8_window_{kv8.nbytes / 2**30:.2f}GiB_vs_reference", out, ref, 2e-2)
 
 
-# (block_kv, slots, split) of the Mosaic GPU decode candidates timed beside the peers (each within shared memory)
-MOSAIC_DECODE_CANDIDATES = ((64, 3, 2048), (64, 4, 2048), (128, 2, 2048), (64, 3, 1024))
+# (block_kv, slots, split, prefetch_pages) of the Mosaic GPU decode candidates timed beside the peers (each within
+# shared memory)
+MOSAIC_DECODE_CANDIDATES = ((64, 3, 2048, False), (64, 3, 2048, True), (64, 4, 2048, True), (128, 2, 2048, True),
+                            (64, 3, 1024, True))
 PEER_RATIOS = {"cudnn": "cudnn_contiguous", "flash": "flash_contiguous", "jax_cudnn": "jax_cudnn_contiguous"}
 
 
@@ -710,11 +712,12 @@ def mosaic_decode_jobs(bench: Bench, b: Batch, kv, out, name: str, kv_scales=Non
     from pallas_kernels.ragged_paged_attention.mosaic_decode import mosaic_decode
 
     jobs = {}
-    for block_kv, slots, split in MOSAIC_DECODE_CANDIDATES:
-        key = f"{prefix}_kv{block_kv}_s{slots}_split{split}/{name}"
+    for block_kv, slots, split, prefetch in MOSAIC_DECODE_CANDIDATES:
+        key = f"{prefix}_kv{block_kv}_s{slots}_split{split}{'_prefetch' if prefetch else ''}/{name}"
         interpret = plgpu.InterpretGPUParams() if INTERPRET else None
-        fn = jax.jit(functools.partial(mosaic_decode, scale=SCALE, config=MosaicDecodeConfig(block_kv, slots, split),
-                                       kv_scales=kv_scales, interpret=interpret))
+        config = MosaicDecodeConfig(block_kv, slots, split, prefetch)
+        fn = jax.jit(functools.partial(mosaic_decode, scale=SCALE, config=config, kv_scales=kv_scales,
+                                       interpret=interpret))
         args = (b.q, kv, jnp.int32(LAYER), b.lens, b.tables)
         try:
             check = key.replace("/", "_") + f"_vs_{against}"

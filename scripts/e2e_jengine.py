@@ -126,7 +126,9 @@ def build_llm(task: dict[str, Any], prefix_caching: bool = True) -> Any:
         from jengine.runner.program_store import STORE_SWITCH
         from pallas_kernels.ragged_paged_attention import tuning
 
-        tuning.MOSAIC_DECODE_ON_HOPPER = tuning.MosaicDecodeConfig(*task["mosaic_decode"])
+        block_kv, slots, split, *prefetch = task["mosaic_decode"]
+        tuning.MOSAIC_DECODE_ON_HOPPER = tuning.MosaicDecodeConfig(block_kv, slots, split,
+                                                                    bool(prefetch and prefetch[0]))
         os.environ[STORE_SWITCH] = "off"  # the saved programs' key does not see the kernels' tuning
     return LLM(task["model_dir"], **engine_kwargs(task, prefix_caching))
 

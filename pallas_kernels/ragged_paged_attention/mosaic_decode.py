@@ -231,13 +231,16 @@ def _walk(meta: _Meta, q_ref, pages_ref, scales_ref, acc_ref, stats_ref, q_smem,
     def slot_of(step):
         return lax.rem(step - first, cfg.slots)
 
-    def issue(step):
-        """TMA-loads step `step`'s pages into its ring slot."""
-        slot = slot_of(step)
+    def page_ids(step) -> tuple:
+        """Step `step`'s pages in the flat cache (columns past the table clamped: read, never loaded)."""
         column0 = start // geo.block_size + step * geo.pages_per_step
-        for j in range(geo.pages_per_step):
-            column = jnp.minimum(column0 + j, geo.table_width - 1)
-            page = meta.page_base + jnp.maximum(meta.block(seq, column), 0)
+        return tuple(meta.page_base + jnp.maximum(meta.block(seq, jnp.minimum(column0 + j, geo.table_width - 1)), 0)
+                     for j in range(geo.pages_per_step))
+
+    def issue(step, pages: tuple | None = None):
+        """TMA-loads step `step`'s pages (`pages`: their ids, read earlier) into its ring slot."""
+        slot = slot_of(step)
+        for j, page in enumerate(page_ids(step) if pages is None else pages):
             rows = pl.ds(j * geo.block_size, geo.block_size)
             plgpu.copy_gmem_to_smem(pages_ref.at[page, :, kv_head], k_smem.at[slot, rows], k_ready.at[slot])
             plgpu.copy_gmem_to_smem(pages_ref.at[page, :, geo.kv_heads + kv_head], v_smem.at[slot, rows],
@@ -263,9 +266,11 @@ def _walk(meta: _Meta, q_ref, pages_ref, scales_ref, acc_ref, stats_ref, q_smem,
         return wide[index]
 
     def step_body(step, carry, masked: bool):
-        acc, m, l = carry
+        acc, m, l, pages = carry
         # the slot the next load takes held step - 1, whose products were awaited before this step began
-        pl.when(step + cfg.slots - 1 < end)(lambda: issue(step + cfg.slots - 1))
+        pl.when(step + cfg.slots - 1 < end)(lambda: issue(step + cfg.slots - 1, pages if cfg.prefetch_pages else None))
+        if cfg.prefetch_pages:  # the next load's page ids, read while this step computes
+            pages = page_ids(step + cfg.slots)
         slot = slot_of(step)
         plgpu.barrier_wait(k_ready.at[slot])
 
@@ -301,14 +306,15 @@ def _walk(meta: _Meta, q_ref, pages_ref, scales_ref, acc_ref, stats_ref, q_smem,
                 return acc_ref[...]
 
             acc = acc + pl.run_scoped(fresh, plgpu.ACC((ROWS, geo.head_dim), jnp.float32))
-        return acc, m_new, l
+        return acc, m_new, l, pages
 
     # masked steps [first, whole_from) and [whole_to, end), every position visible in [whole_from, whole_to)
     whole_from = jnp.minimum(first + (lax.rem(lo, cfg.block_kv) != 0).astype(jnp.int32), end)
     whole_to = jnp.clip(end - (lax.rem(hi, cfg.block_kv) != 0).astype(jnp.int32), whole_from, end)
-    carry = lax.fori_loop(first, whole_from, functools.partial(step_body, masked=True), (acc, m, l))
+    pages = page_ids(first + cfg.slots - 1) if cfg.prefetch_pages else ()
+    carry = lax.fori_loop(first, whole_from, functools.partial(step_body, masked=True), (acc, m, l, pages))
     carry = lax.fori_loop(whole_from, whole_to, functools.partial(step_body, masked=False), carry)
-    acc, m, l = lax.fori_loop(whole_to, end, functools.partial(step_body, masked=True), carry)
+    acc, m, l, _ = lax.fori_loop(whole_to, end, functools.partial(step_body, masked=True), carry)
     if geo.quantized:
         acc = acc * scales_ref[meta.layer, 1, kv_head]
     _store(acc, m * c2, l, o_smem, s_smem, acc_ref.at[split, pl.ds(row0, geo.group)],

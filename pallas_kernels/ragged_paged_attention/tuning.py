@@ -50,11 +50,13 @@ class MosaicConfig:
 class MosaicDecodeConfig:
     """Launch parameters of the Mosaic GPU decode (`mosaic_decode.py`): `block_kv` positions a step (whole pages, a
     multiple of 64), `slots` steps in the ring (`slots - 1` in flight while one is computed), `split` positions a
-    program walks (whole steps; a sequence's splits are merged after)."""
+    program walks (whole steps; a sequence's splits are merged after); `prefetch_pages`: a step reads the page ids
+    of the load after the one it issues, so their latency overlaps its computation instead of preceding a load."""
 
     block_kv: int = 64
     slots: int = 3
     split: int = 2048
+    prefetch_pages: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -108,8 +108,8 @@ def test_float8_cache_matches_float64():
 
 
 def test_more_slots_and_longer_steps_give_the_same_rows():
-    """The ring's depth changes when loads are issued, not what is added: three slots against two, bitwise; 128-
-    position steps within the tolerance of a different P rounding."""
+    """The ring's depth and the page ids read a step early change when loads are issued, not what is added: three
+    slots against two, bitwise; 128-position steps within the tolerance of a different P rounding."""
     rng = np.random.default_rng(SEED + 1)
     seq_lens = [300, 17, 129]
     q, cache, tables = paged_case(rng, seq_lens, 8, 2, jnp.bfloat16, width=24)
@@ -117,6 +117,8 @@ def test_more_slots_and_longer_steps_give_the_same_rows():
                             scale=HEAD_DIM ** -0.5, interpret=plgpu.InterpretGPUParams())
     two = run(config=MosaicDecodeConfig(64, 2, 256))
     np.testing.assert_array_equal(np.asarray(run(config=MosaicDecodeConfig(64, 3, 256))), np.asarray(two))
+    np.testing.assert_array_equal(np.asarray(run(config=MosaicDecodeConfig(64, 3, 256, prefetch_pages=True))),
+                                  np.asarray(two))
     np.testing.assert_allclose(np.asarray(run(config=MosaicDecodeConfig(128, 2, 256)), np.float32),
                                np.asarray(two, np.float32), atol=1.5e-2, rtol=0)
 
@@ -137,7 +139,7 @@ def test_shapes_it_does_not_take_are_refused(change, match):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
-@pytest.mark.parametrize("config", [MosaicDecodeConfig(64, 3, 2048), MosaicDecodeConfig(128, 2, 2048)])
+@pytest.mark.parametrize("config", [MosaicDecodeConfig(64, 3, 2048), MosaicDecodeConfig(128, 2, 2048, True)])
 @pytest.mark.parametrize("seqs,width,q_heads", [(64, 256, 32), (8, 2048, 32), (8, 256, 8)],
                          ids=["b64_ctx4k", "b8_ctx32k", "mha"])
 def test_lowers_for_h200_at_the_benchmark_shapes(config, seqs, width, q_heads, dtype):
