@@ -14,7 +14,8 @@ logits), O += P V by wgmma; the last step's positions past the sequence's length
 length zeroed (a page's unwritten tail may hold NaN). A program stores its group's unnormalised rows and their
 (max, sum) in float32; one XLA fusion merges the splits.
 
-bf16 / float16 caches, sliding windows (traced, as the layers pass them); no soft cap (the Triton kernels serve it).
+bf16, float16 and float8 caches (each step's float8 pages widened to float16 in shared memory), sliding windows
+(traced, as the layers pass them); no soft cap (the Triton kernels serve it).
 `scripts/bench_kernels.py --only peers` times it beside the Triton decode and cuDNN on a contiguous cache.
 """
 
