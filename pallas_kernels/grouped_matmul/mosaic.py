@@ -28,6 +28,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.swizzle import swizzled
+
 WGMMA_ROWS = 64  # one warpgroup's wgmma rows: a row tile is a multiple of this
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -62,17 +64,9 @@ def sorted_rows(x: Float[Array, "tokens d"], slot_token: Int[Array, " slots"]) -
     return jnp.where((slot_token >= 0)[:, None], rows, jnp.zeros((), x.dtype))
 
 
-def _swizzled(dtype, minor: int) -> tuple:
-    """Shared-memory transforms of a tile whose minor dimension holds `minor` elements: 8-row tiles as wide as
-    the widest swizzle that minor dimension fills (128 bytes for 64 bfloat16 values)."""
-    itemsize = jnp.dtype(dtype).itemsize
-    swizzle = plgpu.find_swizzle(minor * itemsize * 8)
-    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
-
-
 def _spec(shape: tuple[int, int], index: Callable, dtype) -> plgpu.BlockSpec:
     """A pipeline input read by wgmma: released a step late, since a step leaves its products in flight."""
-    return plgpu.BlockSpec(shape, index, transforms=_swizzled(dtype, shape[1]), delay_release=1)
+    return plgpu.BlockSpec(shape, index, transforms=swizzled(dtype, shape[1]), delay_release=1)
 
 
 def _store(value, o_smem, out_ref, rows, cols) -> None:
@@ -152,7 +146,7 @@ def _launch(program, out_shape, cfg: MosaicTiles, n_dim: int, interpret: bool):
     return plgpu.kernel(
         program, out_type=out_shape, grid=(out_shape.shape[0] // cfg.block_rows, n_dim // cfg.block_n),
         grid_names=("t", "n"), scratch_types=[plgpu.SMEM((cfg.block_rows, cfg.block_n), out_shape.dtype,
-                                                          transforms=_swizzled(out_shape.dtype, cfg.block_n))],
+                                                          transforms=swizzled(out_shape.dtype, cfg.block_n))],
         interpret=plgpu.InterpretGPUParams() if interpret else None)
 
 

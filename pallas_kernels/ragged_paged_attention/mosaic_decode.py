@@ -34,6 +34,7 @@ from jaxtyping import Array, Float, Int
 from pallas_kernels.ragged_paged_attention.mosaic_prefill import LOG2E, M_INIT, _zero_unowned_values
 from pallas_kernels.ragged_paged_attention.tiles import cdiv
 from pallas_kernels.ragged_paged_attention.tuning import MosaicDecodeConfig
+from pallas_kernels.swizzle import swizzled
 
 ROWS = 64  # wgmma rows: a program's query heads, padded
 CACHE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float8_e4m3fn))
@@ -187,11 +188,7 @@ def merge(acc: Float[Array, "splits rows d"], stats: Float[Array, "splits rows c
 
 
 def _smem(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
-    """A swizzled shared-memory tile: 8-row tiles as wide as the widest swizzle its rows fill (128 bytes)."""
-    itemsize = jnp.dtype(dtype).itemsize
-    swizzle = plgpu.find_swizzle(shape[-1] * itemsize * 8)
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // itemsize)),
-                                                plgpu.SwizzleTransform(swizzle)))
+    return plgpu.SMEM(shape, dtype, transforms=swizzled(dtype, shape[-1]))
 
 
 def _program(meta_ref, q_ref, pages_ref, scales_ref, acc_ref, stats_ref, *, geo: _Geometry):
