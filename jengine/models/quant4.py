@@ -127,6 +127,12 @@ def ct_group_size(k: int, groups: int, group_sizes: tuple[int, ...] = ()) -> int
     return size
 
 
+def ct_group_rows(k: int, groups: int, g_idx: np.ndarray | None, group_sizes: tuple[int, ...] = ()) -> np.ndarray:
+    """Each of a compressed-tensors weight's `k` input rows' group: its stored `weight_g_idx`, else consecutive
+    groups of the config's size (`ct_group_size`)."""
+    return np.asarray(g_idx, np.int32) if g_idx is not None else _groups(k, ct_group_size(k, groups, group_sizes))
+
+
 def unpack_compressed_tensors(packed: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None,
                               shape: tuple[int, int], g_idx: np.ndarray | None = None,
                               group_sizes: tuple[int, ...] = ()) -> Unpacked:
@@ -137,8 +143,7 @@ def unpack_compressed_tensors(packed: np.ndarray, scale: np.ndarray, zero_point:
     groups = scale.shape[1]
     zeros = (np.full((groups, n), 8, np.int16) if zero_point is None
              else (_along_first(zero_point, 4)[:n].T.astype(np.int16)))
-    rows = (np.asarray(g_idx, np.int32) if g_idx is not None
-            else _groups(k, ct_group_size(k, groups, group_sizes)))
+    rows = ct_group_rows(k, groups, g_idx, group_sizes)
     return Unpacked(values.astype(np.uint8), zeros, np.asarray(scale, np.float32).T, rows)
 
 

@@ -14,7 +14,7 @@ from jengine.errors import CheckpointError, UnsupportedModelError
 from jengine.models.checkpoint import CheckpointReader, TensorInfo
 from jengine.models.quant_config import check_ct_extras
 from jengine.models.quant4 import (
-    GPTQ_BITS, Unpacked, _groups, ct_group_size, gptq_zero_points, unpack_awq, unpack_compressed_tensors,
+    GPTQ_BITS, Unpacked, _groups, ct_group_rows, gptq_zero_points, unpack_awq, unpack_compressed_tensors,
     unpack_gptq)
 
 logger = logging.getLogger(__name__)
@@ -233,8 +233,7 @@ class Quant4Reader:
         if q.method == "compressed-tensors":
             k, groups = self._out_in(module)[1], r.shape(module + ".weight_scale")[1]
             stored = r.read(module + ".weight_g_idx") if module + ".weight_g_idx" in r else None
-            return (np.asarray(stored, np.int32) if stored is not None
-                    else _groups(k, ct_group_size(k, groups, q.group_sizes))), groups
+            return ct_group_rows(k, groups, stored, q.group_sizes), groups
         k, groups = self._out_in(module)[1], r.shape(module + ".scales")[0]
         if q.method == "gptq" and module + ".g_idx" in r:
             return np.asarray(r.read(module + ".g_idx"), np.int32), groups

@@ -198,10 +198,10 @@ def parameter_sources(spec: ModelSpec, kv_repeat: int = 1, shards: int = 1) -> d
 
 
 # KV-cache scales of checkpoints made for a float8 KV cache (real value = stored value × scale): a scalar per layer or
-# one value per KV head, K then V, in the spellings such checkpoints use (the last: older llm-compressor output, the
-# scale of the k/v projections' outputs).
+# one value per KV head, K then V, in the spellings such checkpoints use (the third: older llm-compressor output, the
+# scale of the k/v projections' outputs; the fourth: ModelOpt's).
 KV_SCALE_TEMPLATES = (_ATTN + ".{kv}_scale", _ATTN + ".attn.{kv}_scale", _ATTN + ".{kv}_proj.output_scale",
-                      _ATTN + ".{kv}_proj.{kv}_scale")  # the last: ModelOpt's
+                      _ATTN + ".{kv}_proj.{kv}_scale")
 
 
 def kv_scale_names(num_layers: int, template: str) -> np.ndarray:

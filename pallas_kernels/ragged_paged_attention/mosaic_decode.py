@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.ragged_paged_attention.mosaic_prefill import LOG2E, M_INIT, _zero_unowned_values
+from pallas_kernels.ragged_paged_attention.mosaic_prefill import LOG2E, M_INIT, zero_unowned_values
 from pallas_kernels.ragged_paged_attention.tiles import cdiv
 from pallas_kernels.ragged_paged_attention.tuning import MosaicDecodeConfig
 from pallas_kernels.swizzle import swizzled
@@ -291,7 +291,7 @@ def _walk(meta: _Meta, q_ref, pages_ref, scales_ref, acc_ref, stats_ref, q_smem,
         plgpu.barrier_wait(v_ready.at[slot])
         v_tile = operand(v_smem, slot, 1)
         if masked:
-            _zero_unowned_values(v_tile, owned)
+            zero_unowned_values(v_tile, owned)
         p = p.astype(geo.compute)
         if p_smem is None:  # P from registers, accumulated into the carried registers
             acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p, v_tile))(plgpu.ACC.init(acc))

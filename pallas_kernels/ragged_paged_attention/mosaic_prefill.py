@@ -412,7 +412,7 @@ def _compute(q_ref, o_ref, qo_smem, k_smem, v_smem, p_smem, k_ready, v_ready, k_
         plgpu.barrier_arrive(turn)  # softmax done: the other group may multiply
         plgpu.barrier_wait(v_ready.at[slot])
         if masked:
-            _zero_unowned_values(v_smem.at[slot], seq_len - step * geo.block_kv)
+            zero_unowned_values(v_smem.at[slot], seq_len - step * geo.block_kv)
         plgpu.barrier_wait(turn)
 
         def values(acc_ref, p_operand):
@@ -454,7 +454,7 @@ def _compute(q_ref, o_ref, qo_smem, k_smem, v_smem, p_smem, k_ready, v_ready, k_
     o_ref[pl.ds(rows.token0, ROWS_PER_GROUP), head] = out.astype(geo.dtype)
 
 
-def _zero_unowned_values(v_tile, owned):
+def zero_unowned_values(v_tile, owned):
     """Zeros the V rows from `owned` on, where the request's last step runs past its length: those slots hold
     whatever an earlier owner of the page left there, NaN included, and a masked score's zero weight times NaN is
     NaN. Both groups may zero the same rows of a shared slot; each does before its own P V, and zeros over zeros

@@ -20,6 +20,8 @@ decoders (`decoded_by_gguf`).
 
 from __future__ import annotations
 
+import functools
+
 import ml_dtypes
 import numpy as np
 from jaxtyping import Float, UInt8
@@ -114,8 +116,10 @@ def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.nd
     return _BLOCK_DEQUANT[type_name](flat.reshape(-1, block_bytes)).reshape(shape)
 
 
+@functools.cache
 def decoded_by_gguf(qtype) -> bool:
-    """Whether the `gguf` package dequantizes `qtype` (a `GGMLQuantizationType`): tried on one zero block."""
+    """Whether the `gguf` package dequantizes `qtype` (a `GGMLQuantizationType`): tried on one zero block, once a
+    type (asked for every tensor of a file)."""
     from gguf import GGML_QUANT_SIZES, quants
 
     try:
