@@ -31,7 +31,7 @@ Ratios (names from the issue):
 Metric prefill_4k_causal_tflops: 2·S²·d·q_heads (causal half of 4·S²·d per head) / time; target >= 450.
   kv_write_t64_vs_scatter        XLA scatter time / jengine's K/V write (attention.pallas.write_kv) at 64 tokens,
                                  32 layers; higher is better, target >= 1.0 (also _t128 ... _t2048, and
-                                 _pallas_vs_scatter for the Pallas kernel alone)
+                                 _pallas[_tpp2|_tpp1]_vs_scatter for the Pallas kernel alone, 8|2|1 tokens a program)
 
 Timing: every function is compiled first and the GPU warmed (compile gaps inside timing once made decode read 1.6×
 slow), then two interleaved passes, each `--runs` runs of n back-to-back calls (n sized to ~50 ms) with one
@@ -499,9 +499,10 @@ KV_WRITE_TOKENS = (64, 128, 256, 512, 1024, 2048)
 
 
 def kv_write(bench: Bench, kv) -> None:
-    """XLA scatter vs the Pallas write vs jengine's pick (`attention.pallas.write_kv`: the faster of the two by
-    token count), each inside one jit writing 32 layers' worth (the cache carried and donated, as in the step), over
-    decode- to prefill-sized batches: the crossover the pick uses. `kv_write_t64_vs_scatter` = scatter ÷ the pick."""
+    """XLA scatter vs the Pallas write (8, 2 and 1 tokens a program) vs jengine's pick (`attention.pallas.write_kv`:
+    the faster by token count), each inside one jit writing 32 layers' worth, unrolled and with the cache carried and
+    donated, as in the step (a `fori_loop` adds a loop-condition round trip a layer that swamps a 64-token write),
+    over decode- to prefill-sized batches: the crossover the pick uses. `kv_write_t64_vs_scatter` = scatter ÷ pick."""
     from jengine.attention.pallas import write_kv as jengine_write
 
     rng = np.random.default_rng(5)
@@ -511,14 +512,18 @@ def kv_write(bench: Bench, kv) -> None:
         k = jax.random.normal(jax.random.key(tokens), (tokens, KV_HEADS, HEAD_DIM), DTYPE)
         v = k * 2
         variants = {"scatter": kv_write_reference.write_kv, "pallas": kv_write_kernel.write_kv,
+                    "pallas_tpp2": functools.partial(kv_write_kernel.write_kv, tokens_per_program=2),
+                    "pallas_tpp1": functools.partial(kv_write_kernel.write_kv, tokens_per_program=1),
                     "jengine": functools.partial(jengine_write, interpret=INTERPRET)}
         jobs, states = {}, {}
         for name, write in variants.items():
-            if INTERPRET and name == "pallas":
+            if INTERPRET and name.startswith("pallas"):
                 write = functools.partial(write, interpret=True)
 
             def layers32(cache, k, v, slots, write=write):
-                return jax.lax.fori_loop(0, 32, lambda i, c: write(c, i % LAYERS, slots, k, v), cache)
+                for i in range(32):
+                    cache = write(cache, i % LAYERS, slots, k, v)
+                return cache
 
             fn = jax.jit(layers32, donate_argnums=(0,))
             state = {"cache": jnp.copy(kv)}
@@ -536,7 +541,9 @@ def kv_write(bench: Bench, kv) -> None:
         bench.checks[f"kv_write_t{tokens}"] = {"ok": same}
         log(f"  check kv_write_t{tokens} equal={same}")
         bench.ratios[f"kv_write_t{tokens}_vs_scatter"] = t["scatter"] / t["jengine"]
-        bench.ratios[f"kv_write_t{tokens}_pallas_vs_scatter"] = t["scatter"] / t["pallas"]
+        for name in variants:
+            if name.startswith("pallas"):
+                bench.ratios[f"kv_write_t{tokens}_{name}_vs_scatter"] = t["scatter"] / t[name]
         del outs, states, jobs
 
 # ---------------------------------------------------------------------------------------------------------------
