@@ -6,11 +6,12 @@ the whole flattened batch. Shapes the kernel does not handle (head_dim other tha
 cache (`kv_cache.QuantizedKV`) hands its per-(layer, KV head) scales to both kernels.
 
 K/V write (`write_kv`): both paths are exact and in place and write the same bytes; `scripts/bench_kernels.py` times
-them inside one jit writing 32 layers at 64 to 2048 tokens (H200, benchmarks/results/2026-12-01-kernels.json). The
-XLA scatter is faster at small buckets, the kernel at large ones, so buckets of at least
-`KV_WRITE_KERNEL_MIN_TOKENS` tokens use the kernel and smaller ones the scatter: the choice depends on the static
-bucket only. A float8 cache the write kernel's 32-bit offsets cannot address (`pallas_kernels/addressing.py`) takes
-the scatter at every size; the attention kernel reads such a cache through its byte-pair view.
+them inside one jit writing 32 layers, unrolled as in the step, at 64 to 2048 tokens. Buckets of at least
+`KV_WRITE_KERNEL_MIN_TOKENS` tokens use the kernel, one token a program below `KV_WRITE_WIDE_PROGRAM_TOKENS` (enough
+programs to spread a small write over the SMs) and eight from there; smaller buckets use the scatter, which XLA may
+fuse with the K/V producer. The choice depends on the static bucket only. A float8 cache the write kernel's 32-bit
+offsets cannot address (`pallas_kernels/addressing.py`) takes the scatter at every size; the attention kernel reads
+such a cache through its byte-pair view.
 """
 
 from __future__ import annotations
@@ -35,14 +36,16 @@ from jengine.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-# Measured (32 layers, an H100, results/2026-12-06-kernels-prefill-kvwrite-b9302db.json and ...-kvwrite1024-...):
-# the kernel is faster from 1024 tokens (524 / 638 µs against the scatter's 713 / 720 in two calls; 2048: 609 against
-# 1311), the scatter below 1024 (64 tokens: 371 against 493 µs).
-KV_WRITE_KERNEL_MIN_TOKENS = 1024
+# Measured (32 layers unrolled, an H100, results/2026-12-07-kernels-13bb250.json): at 64 tokens the kernel took
+# 103 µs at one token a program and 128 µs at eight, the scatter 146 µs; at 2048 tokens 224 / 243 µs against 1311.
+# Below 64 tokens (decode at small batches) the kernel is untimed, so the scatter stays there.
+KV_WRITE_KERNEL_MIN_TOKENS = 64
+KV_WRITE_WIDE_PROGRAM_TOKENS = 512
 # MoE steps of at least this many tokens take the Mosaic GPU grouped matmuls on Hopper
-# (`PallasExperts.mosaic_min_tokens`); 0: the Triton kernels at every size, until `bench_moe_kernels.py --mosaic` and
-# `bench_moe.py --part prefill --mosaic-experts-too` have timed them on a GPU
-MOSAIC_EXPERTS_MIN_TOKENS = 0
+# (`PallasExperts.mosaic_min_tokens`), on one device (untested under expert parallelism's shard_map). Measured on an
+# H100 (results/2026-12-07-moe-mosaic-13bb250.json, Qwen3-30B-A3B's layer): one layer 1.03× the Triton kernels' speed
+# at 4096 tokens, 0.92× at 1024, 0.89× at 256; a 4096-token prompt through 24 layers 43.5 against 46.4 ms.
+MOSAIC_EXPERTS_MIN_TOKENS = 4096
 
 
 def supports(*, head_dim: int, block_size: int, num_q_heads: int, num_kv_heads: int, dtype,
@@ -87,7 +90,8 @@ class PallasGpuBackend:
         from jengine.layers.mlp import PallasExperts
         from pallas_kernels.ragged_paged_attention.mosaic_prefill import on_hopper
 
-        mosaic = MOSAIC_EXPERTS_MIN_TOKENS if MOSAIC_EXPERTS_MIN_TOKENS and not self.interpret and on_hopper() else 0
+        one_device = self.mesh is None or self.mesh.size == 1
+        mosaic = MOSAIC_EXPERTS_MIN_TOKENS if one_device and not self.interpret and on_hopper() else 0
         return PallasExperts(interpret=self.interpret, mesh=self.mesh, mosaic_min_tokens=mosaic)
 
     def one_split_positions(self, quantized: bool) -> int | None:
@@ -139,7 +143,9 @@ def write_kv(kv_cache, layer, slot_mapping, k, v, *, interpret: bool = False):
     if k.shape[0] < KV_WRITE_KERNEL_MIN_TOKENS or (offsets_overflow(kv.shape, kv.dtype) and not interpret):
         kv = scatter_write_kv(kv, layer, slot_mapping, k, v, kv_scales=kv_scales)
     else:
-        kv = pallas_write_kv(kv, layer, slot_mapping, k, v, kv_scales=kv_scales, interpret=interpret)
+        per_program = 1 if k.shape[0] < KV_WRITE_WIDE_PROGRAM_TOKENS else 8
+        kv = pallas_write_kv(kv, layer, slot_mapping, k, v, kv_scales=kv_scales, interpret=interpret,
+                             tokens_per_program=per_program)
     return kv if kv_scales is None else QuantizedKV(kv, kv_scales)
 
 

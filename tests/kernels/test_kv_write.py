@@ -9,8 +9,9 @@ import pytest
 from pallas_kernels.kv_write import kernel, reference
 
 
+@pytest.mark.parametrize("tokens_per_program", [1, 8])
 @pytest.mark.parametrize("dtype,kv_heads,head_dim", [(jnp.float32, 2, 64), (jnp.bfloat16, 3, 64)])
-def test_write_matches_scatter_and_drops_padding(dtype, kv_heads, head_dim):
+def test_write_matches_scatter_and_drops_padding(dtype, kv_heads, head_dim, tokens_per_program):
     rng = np.random.default_rng(0)
     layers, blocks, block_size, tokens = 2, 6, 16, 21
     num_slots = blocks * block_size
@@ -20,7 +21,8 @@ def test_write_matches_scatter_and_drops_padding(dtype, kv_heads, head_dim):
     k = jnp.asarray(rng.standard_normal((tokens, kv_heads, head_dim)), dtype)
     v = jnp.asarray(rng.standard_normal((tokens, kv_heads, head_dim)), dtype)
 
-    ours = np.asarray(kernel.write_kv(jnp.array(cache), 1, slots, k, v, interpret=True), np.float32)
+    ours = np.asarray(kernel.write_kv(jnp.array(cache), 1, slots, k, v, interpret=True,
+                                      tokens_per_program=tokens_per_program), np.float32)
     ref = np.asarray(reference.write_kv(jnp.array(cache), 1, slots, k, v), np.float32)
     np.testing.assert_array_equal(ours, ref)
 
