@@ -117,19 +117,21 @@ def has_invariant_path(backend: AttentionBackend) -> bool:
 # The batch-invariant attention's long-context segments (`Tuning.invariant_segment`; None: one split): at least
 # INVARIANT_SEGMENT positions, and few enough that `max_model_len` spans at most MAX_INVARIANT_SEGMENTS of them (the
 # decode grid's split axis and its partial outputs grow with the segments a block table can cross, as the fast
-# decode's `max_splits` bounds its own). 2048 kept every bit check equal on an H100
-# (`scripts/check_invariant_attention_gpu.py --segment 2048`, and the engine's five ways in `check_determinism_gpu.py`)
-# and brought a deterministic batch-1 32k-context decode step from 3.9x the fast one's to 0.99x
-# (benchmarks/results/2026-12-06-*-segment2048-b9302db.json).
-INVARIANT_SEGMENT: int | None = 2048
+# decode's `max_splits` bounds its own). Segments of 2048 brought a deterministic batch-1 32k-context decode step
+# from 3.9x the fast one's to 0.99x (benchmarks/results/2026-12-06-*-segment2048-b9302db.json); 512 keeps every bit
+# check equal on an H100 (`scripts/check_invariant_attention_gpu.py --segment 512 --split 2048`,
+# results/2026-12-07-invariant-attention-13bb250.json, where its decode steps also ran 1.1-1.7x faster than one
+# split) and, with a short step's segments apart, took a prefix-cache hit's TTFT from 13.02 to 11.75 ms (device
+# step 8.34 to 7.64 ms) at an unchanged batch-256 decode (results/2026-12-07-e2e-engine-seg512-3813d61.json).
+INVARIANT_SEGMENT: int | None = 512
 MAX_INVARIANT_SEGMENTS = 16
 # The positions one batch-invariant decode program walks (`Tuning.invariant_split`): whole segments, at least one.
 # Segments finer than this spread a short step's prefill (a prefix-cache hit) over more programs while decode steps
 # keep their launches: a table of at most this many positions still decodes in one kernel, no merge.
 INVARIANT_SPLIT = 2048
 # A short step's segments on programs of their own and a merge launch (`Tuning.parallel_short_segments`): bitwise the
-# rows of the one-program walk in interpret mode, lowered for an H200; off until timed on a GPU
-SHORT_STEP_SEGMENTS_APART = False
+# rows of the one-program walk (interpret mode, and an H100 at 13bb250); timed end to end as above
+SHORT_STEP_SEGMENTS_APART = True
 
 
 def invariant_segment_for(max_model_len: int | None) -> int | None:

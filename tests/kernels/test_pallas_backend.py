@@ -159,19 +159,20 @@ def test_fp8_backend_under_a_tensor_parallel_mesh():
 
 
 def test_the_invariant_segment_reaches_the_kernels_only_in_the_invariant_mode(monkeypatch):
-    """`backend.INVARIANT_SEGMENT` (2048 positions, more for a context of over 16 of them): the deterministic
-    backend carries it, the default one does not, and a segmented invariant backend's rows match the reference backend's over contexts crossing its
-    128-position segments."""
+    """`backend.INVARIANT_SEGMENT` (512 positions, more for a context of over 16 of them; decode programs of 2048):
+    the deterministic backend carries it, the default one does not, and a segmented invariant backend's rows match
+    the reference backend's over contexts crossing its 128-position segments."""
     from jengine.attention import backend as backend_module
 
     shipped = select_backend("gpu", deterministic=True)
-    assert (shipped.invariant_segment, shipped.invariant_split, shipped.parallel_short_segments) == (2048, 2048, False)
-    monkeypatch.setattr(backend_module, "SHORT_STEP_SEGMENTS_APART", True)
-    assert select_backend("gpu", deterministic=True).parallel_short_segments
+    assert (shipped.invariant_segment, shipped.invariant_split, shipped.parallel_short_segments) == (512, 2048, True)
+    monkeypatch.setattr(backend_module, "SHORT_STEP_SEGMENTS_APART", False)
+    assert not select_backend("gpu", deterministic=True).parallel_short_segments
     # at most 16 segments over max_model_len: the decode grid's split axis and partial outputs stay bounded
     long_context = select_backend("gpu", deterministic=True, max_model_len=131072)
     assert (long_context.invariant_segment, long_context.invariant_split) == (8192, 8192)
-    assert [backend_module.invariant_segment_for(n) for n in (None, 2048, 32768, 33024)] == [2048, 2048, 2048, 4096]
+    assert [backend_module.invariant_segment_for(n) for n in (None, 2048, 8192, 8704, 32768, 33024)] == [
+        512, 512, 512, 1024, 2048, 4096]
     monkeypatch.setattr(backend_module, "INVARIANT_SEGMENT", None)
     assert select_backend("gpu", deterministic=True).invariant_segment is None
     monkeypatch.setattr(backend_module, "INVARIANT_SEGMENT", 128)
