@@ -19,7 +19,9 @@ from jengine.config import SchedulerConfig
 from jengine.models.spec import ModelSpec
 
 ELEMENT_BYTES = 4  # every activation counted as float32
-MOE_BLOCK_ROWS = 64  # the largest row tile of the grouped matmul (`pallas_kernels.grouped_matmul.tile_configs`)
+# The largest row tile of the grouped matmuls: the Mosaic GPU kernels' 128 (`grouped_matmul.mosaic.MosaicTiles`, on
+# Hopper for prefill-sized steps) over the Triton kernels' 64 (`grouped_matmul.tile_configs`)
+MOE_BLOCK_ROWS = 128
 SAMPLER_COPIES = 6  # [rows, vocab] float32 buffers in sampling: logits, penalty counts, scaled, sorted, probs, noise
 PROMPT_LOGIT_COPIES = 2  # prompt-logprob rows: their logits and log-softmax
 RUNTIME_SLACK_BYTES = 256 << 20  # the runtime's own scratch, compiled programs' constants

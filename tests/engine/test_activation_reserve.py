@@ -22,11 +22,11 @@ SPEC = spec_from_hf_config(QWEN3_30B_A3B)
 
 
 def hand_reserve(tokens: int, seqs: int) -> int:
-    """Written out from the shape: float32 elements, grouped-matmul tiles of up to 64 rows."""
+    """Written out from the shape: float32 elements, grouped-matmul tiles of up to 128 rows (the Mosaic kernels')."""
     d, experts, k, width, vocab = 2048, 128, 8, 768, 151936
     dense = tokens * (4 * d + (2 * 32 + 2 * 4) * 128)  # residual ×2, norm, o out; q and attention out, k, v
     pairs = tokens * k
-    padded_rows = pairs + experts * 64
+    padded_rows = pairs + experts * 128
     moe = tokens * 2 * experts + padded_rows * (d + 3 * width + d) + pairs * d + tokens * d
     logits = vocab * (seqs * 6 + tokens * 2)
     return 4 * (dense + moe + logits) + (512 << 20) + (256 << 20)  # the attention's working set, runtime slack
