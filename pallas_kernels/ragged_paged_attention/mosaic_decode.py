@@ -6,13 +6,14 @@ program owns one (sequence, KV head, split of `MosaicDecodeConfig.split` positio
 pages in flight through TMA while it computes on the current one, so the page indirection costs only the block-table
 reads that pick each copy's source.
 
-A program's query rows are its KV head's group of query heads (GQA: 4 for Llama-3-8B), the left operand of a 64-row
-wgmma: the 64 rows from the group's first head are loaded (the array is padded by 64 rows at its end), rows past the
-group are other heads' queries whose scores and outputs are computed and never stored (rows are independent through
-a row-wise softmax). Each step: S = Q Kᵀ by wgmma, the online softmax in registers (base 2, running max in raw
+A program's query rows are its KV head's group of query heads (GQA: 4 for Llama-3-8B), the left operand (in
+registers) of a 64-row wgmma: the 64 rows from the group's first head are loaded (the array is padded by 64 rows at
+its end), rows past the group are other heads' queries whose scores and outputs are computed and never stored (rows
+are independent through a row-wise softmax). Each step: S = Q Kᵀ by wgmma, the online softmax in registers (base 2, running max in raw
 logits), O += P V by wgmma; the last step's positions past the sequence's length masked and its V rows past the
 length zeroed (a page's unwritten tail may hold NaN). A program stores its group's unnormalised rows and their
-(max, sum) in float32; one XLA fusion merges the splits.
+(max, sum) in float32, staged through shared memory the ring's scope has released; one XLA fusion merges the
+splits. Only the ring stays in shared memory through the walk, so programs with small rings share an SM.
 
 bf16, float16 and float8 caches (each step's float8 pages widened to float16 in shared memory), sliding windows
 (traced, as the layers pass them); no soft cap (the Triton kernels serve it).
@@ -192,27 +193,39 @@ def _smem(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
 
 
 def _program(meta_ref, q_ref, pages_ref, scales_ref, acc_ref, stats_ref, *, geo: _Geometry):
+    """The walk in one shared-memory scope (K/V ring, barriers), the store in the next: sequential scopes reuse the
+    same bytes, so the float32 output staging does not add to the ring's footprint; the query stays in registers as
+    the scores' wgmma operand. At the defaults a program then takes under half an SM's shared memory (two share an
+    SM, one filling its ring while the other computes). The interpreter's wgmma takes shared-memory operands only,
+    so there Q and P are staged through shared memory."""
     ring = (geo.config.slots, geo.config.block_kv, geo.head_dim)
     tile = (geo.config.block_kv, geo.head_dim)
-    buffers = [_smem((ROWS, geo.head_dim), geo.compute), _smem(ring, geo.dtype), _smem(ring, geo.dtype),
-               plgpu.SMEM((ROWS, geo.head_dim), jnp.float32), plgpu.SMEM((ROWS, STAT_COLUMNS), jnp.float32)]
+    buffers = [_smem(ring, geo.dtype), _smem(ring, geo.dtype)]
     extra = ([_smem(tile, geo.compute), _smem(tile, geo.compute)] if geo.quantized else []) + (
-        [_smem((ROWS, geo.config.block_kv), geo.compute)] if geo.staged else [])
+        [_smem((ROWS, geo.head_dim), geo.compute), _smem((ROWS, geo.config.block_kv), geo.compute)]
+        if geo.staged else [])
+    meta = _Meta(meta_ref, geo.num_seqs, geo.table_width)
 
-    def scoped(q_smem, k_smem, v_smem, o_smem, s_smem, *rest):
+    def walk_scope(k_smem, v_smem, *rest):
         wide = rest[:2] if geo.quantized else None  # the step's K and V widened to float16
-        p_smem = rest[len(extra) - 1] if geo.staged else None
+        q_smem, p_smem = rest[len(extra) - 2:len(extra)] if geo.staged else (None, None)
         k_ready, v_ready = rest[-2:]
-        _walk(_Meta(meta_ref, geo.num_seqs, geo.table_width), q_ref, pages_ref, scales_ref, acc_ref, stats_ref,
-              q_smem, k_smem, v_smem, o_smem, s_smem, p_smem, wide, k_ready, v_ready, geo=geo)
+        return _walk(meta, q_ref, pages_ref, scales_ref, q_smem, k_smem, v_smem, p_smem, wide, k_ready, v_ready,
+                     geo=geo)
 
-    pl.run_scoped(scoped, *buffers, *extra,
-                  plgpu.Barrier(num_arrivals=geo.pages_per_step, num_barriers=geo.config.slots),  # K step landed
-                  plgpu.Barrier(num_arrivals=geo.pages_per_step, num_barriers=geo.config.slots))  # V step landed
+    acc, m, l = pl.run_scoped(walk_scope, *buffers, *extra,
+                              plgpu.Barrier(num_arrivals=geo.pages_per_step, num_barriers=geo.config.slots),  # K
+                              plgpu.Barrier(num_arrivals=geo.pages_per_step, num_barriers=geo.config.slots))  # V
+    split = lax.axis_index("split")
+    row0 = (lax.axis_index("seq") * geo.kv_heads + lax.axis_index("head")) * geo.group
+    pl.run_scoped(lambda o_smem, s_smem: _store(acc, m, l, o_smem, s_smem, acc_ref.at[split, pl.ds(row0, geo.group)],
+                                                stats_ref.at[split, pl.ds(row0, geo.group)], geo.group),
+                  plgpu.SMEM((ROWS, geo.head_dim), jnp.float32), plgpu.SMEM((ROWS, STAT_COLUMNS), jnp.float32))
 
 
-def _walk(meta: _Meta, q_ref, pages_ref, scales_ref, acc_ref, stats_ref, q_smem, k_smem, v_smem, o_smem, s_smem,
-          p_smem, wide, k_ready, v_ready, *, geo: _Geometry):
+def _walk(meta: _Meta, q_ref, pages_ref, scales_ref, q_smem, k_smem, v_smem, p_smem, wide, k_ready, v_ready, *,
+          geo: _Geometry):
+    """The program's steps; returns its group's unnormalised rows, their maxima (base-2 units) and sums."""
     seq, kv_head, split = lax.axis_index("seq"), lax.axis_index("head"), lax.axis_index("split")
     cfg = geo.config
     seq_len, window = meta.seq_len(seq), meta.window
@@ -223,8 +236,11 @@ def _walk(meta: _Meta, q_ref, pages_ref, scales_ref, acc_ref, stats_ref, q_smem,
     first = lax.div(lo, cfg.block_kv)
     end = jnp.where(lo < hi, cdiv(hi, cfg.block_kv), first)
     row0 = (seq * geo.kv_heads + kv_head) * geo.group
-    q_smem[...] = plgpu.load(q_ref.at[pl.ds(row0, ROWS)], layout=plgpu.Layout.WGMMA, optimized=False)
-    plgpu.commit_smem()
+    q = plgpu.load(q_ref.at[pl.ds(row0, ROWS)], layout=plgpu.Layout.WGMMA, optimized=False)
+    if q_smem is not None:
+        q_smem[...] = q
+        plgpu.commit_smem()
+        q = q_smem
 
     def slot_of(step):
         return lax.rem(step - first, cfg.slots)
@@ -275,7 +291,7 @@ def _walk(meta: _Meta, q_ref, pages_ref, scales_ref, acc_ref, stats_ref, q_smem,
         k_tile = operand(k_smem, slot, 0)
 
         def scores(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))
+            plgpu.wgmma(acc_ref, q, k_tile.transpose((1, 0)))
             return acc_ref[...]
 
         s = pl.run_scoped(scores, plgpu.ACC((ROWS, cfg.block_kv), jnp.float32))
@@ -315,8 +331,7 @@ def _walk(meta: _Meta, q_ref, pages_ref, scales_ref, acc_ref, stats_ref, q_smem,
     acc, m, l, _ = lax.fori_loop(whole_to, end, functools.partial(step_body, masked=True), carry)
     if geo.quantized:
         acc = acc * scales_ref[meta.layer, 1, kv_head]
-    _store(acc, m * c2, l, o_smem, s_smem, acc_ref.at[split, pl.ds(row0, geo.group)],
-           stats_ref.at[split, pl.ds(row0, geo.group)], geo.group)
+    return acc, m * c2, l
 
 
 def _store(acc, m, l, o_smem, s_smem, acc_out, stats_out, group: int) -> None:
