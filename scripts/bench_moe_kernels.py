@@ -1,5 +1,6 @@
 """The MoE grouped matmul on the GPU: correctness first, then one layer's experts timed beside XLA's `ragged_dot`,
-a loop over experts, tokamax's Mosaic GPU `ragged_dot` and the bytes / FLOP ceilings measured in the same call.
+a loop over experts, tokamax's Mosaic GPU `ragged_dot`, jax's own (`ragged_dot_mgpu`, from 256 tokens; ratio
+`moe_kernel_vs_jax_mgpu_t<N>`, its time ÷ ours) and the bytes / FLOP ceilings measured in the same call.
 
     PYTHONPATH=. python scripts/bench_moe_kernels.py --out DIR --git-sha SHA [--sweep] [--narrow int4 fp8_block]
 
@@ -261,6 +262,16 @@ def tokamax_grouped():
     return lambda lhs, rhs, sizes: tokamax.ragged_dot(lhs, rhs, sizes, implementation="mosaic")
 
 
+def jax_mgpu_grouped(block_m: int = 128, block_n: int = 128, block_k: int = 64, steps: int = 4, grid_block_n: int = 2):
+    """jax's own Mosaic GPU ragged_dot for Hopper (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`: unpadded
+    groups, one warpgroup a tile), at the tile its module's sweep starts from: a peer in every jax install."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    return lambda lhs, rhs, sizes: ragged_dot_mgpu.ragged_dot(
+        lhs, rhs, group_sizes=sizes, block_m=block_m, block_n=block_n, block_k=block_k,
+        max_concurrent_steps=steps, grid_block_n=grid_block_n)
+
+
 def time_layout(m: dict, order: str, x, w, ex, rw, ref, key, tokens: int) -> None:
     """One row layout's error against float32, per call and in the device loop, into `m`."""
     fn = jax.jit(lambda *a: ours(*a, layout=order))
@@ -303,6 +314,8 @@ def time_layer(key, tokens: int, w, copy_rate: float, do_sweep: bool, tkx) -> tu
         fns["expert_loop"] = jax.jit(expert_loop)
     if tkx is not None:
         fns["tokamax_mosaic"] = jax.jit(lambda *a: sorted_moe(tkx, *a))
+    if tokens >= 256:  # prefill-sized: tiles of 128 rows
+        fns["jax_ragged_dot_mgpu"] = jax.jit(lambda *a: sorted_moe(jax_mgpu_grouped(), *a))
     for name, fn in fns.items():
         try:
             out = fn(x, w, ex, rw)
@@ -322,6 +335,8 @@ def time_layer(key, tokens: int, w, copy_rate: float, do_sweep: bool, tkx) -> tu
          f"moe_layer_t{tokens}_xla_vs_ours": m["xla_ragged_dot_us"] / m["ours_us"]}
     if "tokamax_mosaic_us" in m:
         r[f"moe_kernel_vs_tokamax_t{tokens}"] = m["tokamax_mosaic_us"] / m["ours_us"]
+    if "jax_ragged_dot_mgpu_us" in m:
+        r[f"moe_kernel_vs_jax_mgpu_t{tokens}"] = m["jax_ragged_dot_mgpu_us"] / m["ours_us"]
     if "ours_by_token_loop_us" in m:  # > 1: the by-token layout is the faster at this size
         r[f"moe_layer_t{tokens}_by_token_vs_sorted"] = m["ours_sorted_loop_us"] / m["ours_by_token_loop_us"]
     auto_loop = f"ours_{layout_for(tokens, 'auto')}_loop_us"
