@@ -142,9 +142,12 @@ def test_gpu_float8_caches_of_every_size_run_the_kernels():
     assert kernel_launches_for_h200(4800, jnp.bfloat16) > 0  # 4.69 GiB
 
 
-def test_fp8_backend_under_a_tensor_parallel_mesh():
+@pytest.mark.parametrize("kernel_write", [False, True])
+def test_fp8_backend_under_a_tensor_parallel_mesh(monkeypatch, kernel_write):
     """On a 2-device mesh the kernels run per device under shard_map: the float8 cache's scales travel split by KV
-    head with the pages (each device reads its own heads' scales)."""
+    head with the pages (each device reads its own heads' scales); the K/V write by either path."""
+    if kernel_write:
+        monkeypatch.setattr(pallas, "KV_WRITE_KERNEL_MIN_TOKENS", 1)
     q, k, v, kv, md, n = step_inputs(BUCKET, [1, 20, 1, 9], [40, 20, 160, 70], seed=4)
     scales = jnp.asarray(np.random.default_rng(4).uniform(0.005, 0.02, (BUCKET.layers, 2, BUCKET.kv_heads)),
                          jnp.float32)
