@@ -19,7 +19,8 @@ zero points included) and `moe_<KIND>_layer_t<N>_vs_bf16` (bf16 time ÷ its time
 `--mosaic [CANDIDATE ...]` times the Mosaic GPU grouped matmuls (`pallas_kernels/grouped_matmul/mosaic.py`: the rows
 gathered into expert order, TMA and wgmma tiles) beside the Triton kernels at `--tokens` (default 256, 1024, 4096),
 each checked first (against float32 up to 256 tokens, against the Triton kernels' output above); a candidate
-`R,NU,ND,K,C` is R-row tiles, gate/up NU and down ND columns wide, K-input steps, C steps in flight. Ratios
+`R,NU,ND,K,C[,ws]` is R-row tiles, gate/up NU and down ND columns wide, K-input steps, C steps in flight (`ws`:
+warp-specialised, `MosaicTiles.warp_specialized`). Ratios
 `moe_layer_t<N>_mosaic_vs_triton` (Triton time ÷ the best candidate's) and, at 4096 tokens,
 `moe_prefill_mosaic_vs_matmul_rate` (the best candidate's FLOP rate ÷ the dense bf16 matmul rate of the same call).
 """
@@ -483,12 +484,19 @@ def main_workers(args, key) -> None:
     log(ratios)
 
 
-MOSAIC_CANDIDATES = ("128,64,128,64,3", "128,64,128,64,4", "128,64,128,128,2", "64,128,256,64,4", "64,64,128,64,4")
+# At 13bb250 (an H100) the first two were the fastest at 4,096 and at 256-1,024 tokens; the rest are
+# warp-specialised (a memory warpgroup, two compute warpgroups of 64 rows: wider gate/up tiles fit)
+MOSAIC_CANDIDATES = ("128,64,128,64,3", "64,128,256,64,4", "128,128,256,64,3,ws", "128,128,128,64,4,ws",
+                     "128,64,128,64,4,ws")
 
 
 def mosaic_tiles(candidate: str):
-    rows, n_up, n_down, k, steps = (int(v) for v in candidate.split(","))
-    return mosaic.MosaicTiles(rows, n_up, k, steps), mosaic.MosaicTiles(rows, n_down, k, steps)
+    """`R,NU,ND,K,C[,ws]` → the (gate/up, down) tiles; `ws`: warp-specialised."""
+    fields = candidate.split(",")
+    specialized = fields[-1] == "ws"
+    rows, n_up, n_down, k, steps = (int(v) for v in fields[:5])
+    return (mosaic.MosaicTiles(rows, n_up, k, steps, specialized),
+            mosaic.MosaicTiles(rows, n_down, k, steps, specialized))
 
 
 def main_mosaic(args, key) -> None:

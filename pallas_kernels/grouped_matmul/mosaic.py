@@ -10,7 +10,10 @@ by one column tile of its expert's weight, read through the same TMA pipeline:
     accumulators fed from one activation tile a step) and stores `act(gate) · up` in the activations' dtype;
   * `down`: the slots' hidden rows times the down weight, each row times its routing weight, stored likewise.
 
-Tiles past the step's `num_tiles` return at once, and an expert with no rows has no tile, so its weight is never
+With `MosaicTiles.warp_specialized` a memory warpgroup issues every step's loads while a compute warpgroup per 64
+rows of the tile multiplies its rows (each holds only its rows' accumulators, so gate/up tiles can be 128 columns
+wide); off by default until `scripts/bench_moe_kernels.py --mosaic` has timed it. Tiles past the step's
+`num_tiles` return at once, and an expert with no rows has no tile, so its weight is never
 read. Float weights only (bfloat16 or float16); quantized experts stay on the Triton kernels. The combine back to
 token order is `combine.combine_slots`, as for the Triton kernels' sorted layout.
 """
@@ -31,6 +34,7 @@ from jaxtyping import Array, Float, Int
 from pallas_kernels.swizzle import swizzled
 
 WGMMA_ROWS = 64  # one warpgroup's wgmma rows: a row tile is a multiple of this
+MAX_COMPUTE_GROUPS = 2  # warp-specialised: compute warpgroups beside the memory one (registers: 2 × 64 × 128 f32)
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -44,6 +48,10 @@ class MosaicTiles:
     block_n: int = 128
     block_k: int = 64
     max_concurrent_steps: int = 3
+    # A memory warpgroup issues the loads and a compute warpgroup per 64 rows of the tile multiplies them
+    # (`emit_pipeline_warp_specialized`): each compute warpgroup holds only its rows' accumulators, so a 128-row
+    # gate/up tile can be 128 columns wide, and the loads never wait on the products
+    warp_specialized: bool = False
 
 
 DEFAULT_TILES = (MosaicTiles(block_n=64), MosaicTiles())  # (gate/up, down)
@@ -109,6 +117,85 @@ def _gate_up_program(x_ref, wg_ref, wu_ref, tile_expert_ref, num_tiles_ref, h_re
     _tile_of(cfg, tile_expert_ref, num_tiles_ref, tile)
 
 
+def _own_rows():
+    """A compute warpgroup's 64 rows of the tile (warp-specialised programs)."""
+    return pl.ds(pl.multiple_of(lax.axis_index("wg") * WGMMA_ROWS, WGMMA_ROWS), WGMMA_ROWS)
+
+
+def _store_own(value, o_smem, out_ref, rows, cols) -> None:
+    """A compute warpgroup's rows of the tile out through its part of the staging tile."""
+    own = _own_rows()
+    o_smem[own] = value.astype(o_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem.at[own], out_ref.at[rows, cols].at[own])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _specialized(step, compute, cfg: MosaicTiles, k_dim: int, in_specs: list):
+    return plgpu.emit_pipeline_warp_specialized(
+        step, grid=(k_dim // cfg.block_k,), memory_registers=40, in_specs=in_specs, wg_axis="wg",
+        num_compute_wgs=cfg.block_rows // WGMMA_ROWS, max_concurrent_steps=cfg.max_concurrent_steps,
+        compute_context=compute)
+
+
+def _gate_up_specialized(x_ref, wg_ref, wu_ref, tile_expert_ref, num_tiles_ref, h_ref, o_smem, *, cfg: MosaicTiles,
+                         act: Callable):
+    """`_gate_up_program` with the loads on a memory warpgroup and each compute warpgroup's 64 rows apart."""
+    k_dim = x_ref.shape[1]
+
+    def tile(e, rows, cols):
+        def step(_, x_smem, g_smem, u_smem, accs):
+            own = x_smem.at[_own_rows()]
+            plgpu.wgmma(accs[0], own, g_smem)
+            plgpu.wgmma(accs[1], own, u_smem)
+            plgpu.wgmma_wait(2)  # this step's two products stay in flight; the last step's are done
+            return accs
+
+        def compute(run):
+            def accumulate(gate_acc, up_acc):
+                run((gate_acc, up_acc))
+                plgpu.wgmma_wait(0)
+                return act(gate_acc[...]) * up_acc[...]
+
+            acc = plgpu.ACC((WGMMA_ROWS, cfg.block_n), jnp.float32)
+            _store_own(pl.run_scoped(accumulate, acc, acc), o_smem, h_ref, rows, cols)
+
+        weight = functools.partial(_spec, (cfg.block_k, cfg.block_n), lambda k: (k, 0), wg_ref.dtype)
+        x_spec = _spec((cfg.block_rows, cfg.block_k), lambda k: (0, k), x_ref.dtype)
+        _specialized(step, compute, cfg, k_dim, [x_spec, weight(), weight()])(
+            x_ref.at[rows], wg_ref.at[e, :, cols], wu_ref.at[e, :, cols])
+
+    _tile_of(cfg, tile_expert_ref, num_tiles_ref, tile)
+
+
+def _down_specialized(h_ref, w_ref, tile_expert_ref, num_tiles_ref, weight_ref, y_ref, o_smem, *, cfg: MosaicTiles):
+    """`_down_program` with the loads on a memory warpgroup and each compute warpgroup's 64 rows apart."""
+    k_dim = h_ref.shape[1]
+
+    def tile(e, rows, cols):
+        def step(_, h_smem, w_smem, acc):
+            plgpu.wgmma(acc, h_smem.at[_own_rows()], w_smem)
+            plgpu.wgmma_wait(1)
+            return acc
+
+        def compute(run):
+            def accumulate(acc):
+                run(acc)
+                plgpu.wgmma_wait(0)
+                return acc[...]
+
+            product = pl.run_scoped(accumulate, plgpu.ACC((WGMMA_ROWS, cfg.block_n), jnp.float32))
+            weight = plgpu.load(weight_ref.at[rows].at[_own_rows()], layout=plgpu.Layout.WGMMA.reduce(1),
+                                optimized=False)
+            _store_own(product * lax.broadcast_in_dim(weight, product.shape, [0]), o_smem, y_ref, rows, cols)
+
+        in_specs = [_spec((cfg.block_rows, cfg.block_k), lambda k: (0, k), h_ref.dtype),
+                    _spec((cfg.block_k, cfg.block_n), lambda k: (k, 0), w_ref.dtype)]
+        _specialized(step, compute, cfg, k_dim, in_specs)(h_ref.at[rows], w_ref.at[e, :, cols])
+
+    _tile_of(cfg, tile_expert_ref, num_tiles_ref, tile)
+
+
 def _down_program(h_ref, w_ref, tile_expert_ref, num_tiles_ref, weight_ref, y_ref, o_smem, *, cfg: MosaicTiles):
     k_dim = h_ref.shape[1]
 
@@ -140,14 +227,18 @@ def _check(name: str, rows: int, k_dim: int, n_dim: int, weight_dtype, act_dtype
     if rows % cfg.block_rows or cfg.block_rows % WGMMA_ROWS or k_dim % cfg.block_k or n_dim % cfg.block_n:
         raise ValueError(f"{name}: {rows} slots, K {k_dim} and N {n_dim} must be whole tiles of {cfg} (row tiles a "
                          f"multiple of {WGMMA_ROWS})")
+    if cfg.warp_specialized and cfg.block_rows > MAX_COMPUTE_GROUPS * WGMMA_ROWS:
+        raise ValueError(f"{name}: warp-specialised tiles of at most {MAX_COMPUTE_GROUPS * WGMMA_ROWS} rows (a "
+                         f"compute warpgroup's registers per {WGMMA_ROWS}), not {cfg.block_rows}")
 
 
 def _launch(program, out_shape, cfg: MosaicTiles, n_dim: int, interpret: bool):
+    threads = dict(num_threads=cfg.block_rows // WGMMA_ROWS + 1, thread_name="wg") if cfg.warp_specialized else {}
     return plgpu.kernel(
         program, out_type=out_shape, grid=(out_shape.shape[0] // cfg.block_rows, n_dim // cfg.block_n),
         grid_names=("t", "n"), scratch_types=[plgpu.SMEM((cfg.block_rows, cfg.block_n), out_shape.dtype,
                                                           transforms=swizzled(out_shape.dtype, cfg.block_n))],
-        interpret=plgpu.InterpretGPUParams() if interpret else None)
+        interpret=plgpu.InterpretGPUParams() if interpret else None, **threads)
 
 
 @functools.partial(jax.jit, static_argnames=("act", "cfg", "interpret"))
@@ -160,7 +251,7 @@ def gate_up(
     `num_tiles` are left unwritten (never read). `interpret`: Mosaic GPU's interpreter (CPU tests)."""
     inter = w_gate.shape[2]
     _check("gate_up", xs.shape[0], xs.shape[1], inter, w_gate.dtype, xs.dtype, cfg)
-    program = functools.partial(_gate_up_program, cfg=cfg, act=act)
+    program = functools.partial(_gate_up_specialized if cfg.warp_specialized else _gate_up_program, cfg=cfg, act=act)
     out = jax.ShapeDtypeStruct((xs.shape[0], inter), xs.dtype)
     return _launch(program, out, cfg, inter, interpret)(
         xs, w_gate, w_up, tile_expert, num_tiles)
@@ -175,7 +266,7 @@ def down(
     padding slots carry 0), for every row tile in use."""
     d = w_down.shape[2]
     _check("down", h.shape[0], h.shape[1], d, w_down.dtype, h.dtype, cfg)
-    program = functools.partial(_down_program, cfg=cfg)
+    program = functools.partial(_down_specialized if cfg.warp_specialized else _down_program, cfg=cfg)
     out = jax.ShapeDtypeStruct((h.shape[0], d), h.dtype)
     return _launch(program, out, cfg, d, interpret)(
         h, w_down, tile_expert, num_tiles, slot_weight.astype(jnp.float32))

@@ -23,12 +23,16 @@ SEED = fresh_seed()
 # the smallest tiles the kernels take (a warpgroup's 64 rows), with pipelines shorter and longer than K's steps
 SMALL = (mosaic.MosaicTiles(block_rows=64, block_n=64, block_k=64, max_concurrent_steps=2),
          mosaic.MosaicTiles(block_rows=64, block_n=64, block_k=64, max_concurrent_steps=3))
+# warp-specialised: a memory warpgroup and two compute warpgroups of 64 rows each
+SPECIALIZED = (mosaic.MosaicTiles(128, 64, 64, 2, warp_specialized=True),
+               mosaic.MosaicTiles(128, 64, 64, 3, warp_specialized=True))
 
 
+@pytest.mark.parametrize("tiles", [SMALL, SPECIALIZED], ids=["one_warpgroup", "warp_specialized"])
 @pytest.mark.parametrize("layout", ["random", "one_expert_takes_all", "skipped_and_empty"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_mosaic_experts_match_float64(layout, dtype):
-    """90 tokens, 2 choices each over 5 experts: experts span one to three 64-row tiles, their last tile partly
+def test_mosaic_experts_match_float64(layout, dtype, tiles):
+    """90 tokens, 2 choices each over 5 experts: experts span one to three row tiles, their last tile partly
     padding; an expert with every token; pairs routed off this device and an expert with no rows."""
     rng = np.random.default_rng(SEED)
     x, w, experts, routing = random_case(rng, 90, 5, 2, 128, 192, dtype)
@@ -38,7 +42,7 @@ def test_mosaic_experts_match_float64(layout, dtype):
         experts[::3, 1] = -1
         leave_empty(experts, 1)
     got = moe_experts(x, w, jnp.asarray(experts), routing, act=jax.nn.silu, interpret=True, layout="sorted",
-                      mosaic_tiles=SMALL)
+                      mosaic_tiles=tiles)
     want = numpy_experts(x, w, experts, routing)
     # bf16 / f16 products accumulated in float32; the hidden rows stored in the activations' dtype between launches
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-2 * np.abs(want).max(), rtol=0)
@@ -65,6 +69,15 @@ def test_unused_tiles_are_not_written_and_padding_rows_are_zero():
         np.testing.assert_allclose(np.asarray(h[t * 64:(t + 1) * 64], np.float64), want,
                                    atol=1e-2 * np.abs(want).max() + 1e-6, rtol=0)
     assert used < h.shape[0]  # the static slot count leaves tiles unused at this routing
+
+
+def test_warp_specialized_tiles_of_more_rows_than_two_compute_groups_are_refused():
+    x = jnp.zeros((256, 64), jnp.bfloat16)
+    w = jnp.zeros((2, 64, 64), jnp.bfloat16)
+    one = jnp.zeros((1,), jnp.int32)
+    with pytest.raises(ValueError, match="at most 128 rows"):
+        mosaic.gate_up(x, w, w, one, one, act=jax.nn.silu, cfg=mosaic.MosaicTiles(256, 64, 64, 2, True),
+                       interpret=True)
 
 
 def test_shapes_the_tiles_do_not_fit_are_refused_or_left_to_triton():
@@ -107,9 +120,12 @@ def test_layer_takes_the_mosaic_kernels_from_its_token_threshold():
                                   np.asarray(moe_mlp(short, w, MOE, "silu", None, PallasExperts(interpret=True))))
 
 
+SPECIALIZED_LAYER = (mosaic.MosaicTiles(128, 128, 64, 4, True), mosaic.MosaicTiles(128, 256, 64, 3, True))
+
+
 @pytest.mark.parametrize("tiles", [mosaic.DEFAULT_TILES, (mosaic.MosaicTiles(64, 128, 64, 4),
-                                                          mosaic.MosaicTiles(64, 256, 64, 3))],
-                         ids=["default", "64_rows"])
+                                                          mosaic.MosaicTiles(64, 256, 64, 3)), SPECIALIZED_LAYER],
+                         ids=["default", "64_rows", "warp_specialized"])
 def test_lowers_for_h200_at_a_qwen3_30b_layer(tiles):
     """4,096 tokens × 8 choices over Qwen3-30B-A3B's 128 experts (hidden 2048, width 768), both launches."""
     S = jax.ShapeDtypeStruct
