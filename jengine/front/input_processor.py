@@ -271,8 +271,10 @@ def _as_token_list(ids: Any) -> list[int]:
     """A list of ints (bools and strings refused: JSON `true` or "12" are not token ids)."""
     if isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, Sequence):
         raise InvalidRequestError("prompt_token_ids must be a list of integers", param="prompt_token_ids")
-    if all(type(token) is int for token in ids):  # the common case, 30x faster than the checks below (32k tokens:
-        return list(ids)  # 0.6 against 17 ms on the development machine, all of it on the request's TTFT)
+    # The common case (bools excluded: their type is bool): 32k tokens in 0.63 ms on the development machine, against
+    # 1.5 for a generator over them and 17 for the checks below, all of it on the request's TTFT
+    if set(map(type, ids)) <= {int}:
+        return list(ids)
     for position, token in enumerate(ids):
         if not isinstance(token, numbers.Integral) or isinstance(token, bool):
             raise InvalidRequestError(
