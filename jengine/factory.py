@@ -156,9 +156,10 @@ def auto_deterministic_blocker(config: EngineConfig, spec: ModelSpec, params: di
                                dtype, platform: str) -> str | None:
     """Why `deterministic=None` (auto) leaves batch invariance off here, or None where it turns it on: only where
     its cost was measured small, a dense 16-bit model on one NVIDIA GPU with the Pallas attention kernels."""
-    from jengine.attention.pallas import supports
 
     def kernels_serve_it() -> bool:  # else the backend would fall back to the reference at trace time
+        from jengine.attention.pallas import supports  # the kernels' import (~0.3 s) only where they may run
+
         backend = select_backend(platform, config.runner.attention_backend, head_dim=spec.head_dim, mesh=layout.mesh)
         return has_invariant_path(backend) and supports(
             head_dim=spec.head_dim, block_size=config.cache.block_size, num_q_heads=spec.num_heads,
