@@ -9,11 +9,12 @@ reads that pick each copy's source.
 A program's query rows are its KV head's group of query heads (GQA: 4 for Llama-3-8B), the left operand (in
 registers) of a 64-row wgmma: the 64 rows from the group's first head are loaded (the array is padded by 64 rows at
 its end), rows past the group are other heads' queries whose scores and outputs are computed and never stored (rows
-are independent through a row-wise softmax). Each step: S = Q Kᵀ by wgmma, the online softmax in registers (base 2, running max in raw
-logits), O += P V by wgmma; the last step's positions past the sequence's length masked and its V rows past the
-length zeroed (a page's unwritten tail may hold NaN). A program stores its group's unnormalised rows and their
-(max, sum) in float32, staged through shared memory the ring's scope has released; one XLA fusion merges the
-splits. Only the ring stays in shared memory through the walk, so programs with small rings share an SM.
+are independent through a row-wise softmax). Each step: S = Q Kᵀ by wgmma, the online softmax in registers (base
+2, running max in raw logits), O += P V by wgmma; the last step's positions past the sequence's length masked and
+its V rows past the length zeroed (a page's unwritten tail may hold NaN). A program stores its group's
+unnormalised rows and their (max, sum) in float32, staged through shared memory the ring's scope has released; one
+XLA fusion merges the splits. Only the ring stays in shared memory through the walk, so programs with small rings
+share an SM.
 
 bf16, float16 and float8 caches (each step's float8 pages widened to float16 in shared memory), sliding windows
 (traced, as the layers pass them); no soft cap (the Triton kernels serve it).
@@ -216,11 +217,15 @@ def _program(meta_ref, q_ref, pages_ref, scales_ref, acc_ref, stats_ref, *, geo:
     acc, m, l = pl.run_scoped(walk_scope, *buffers, *extra,
                               plgpu.Barrier(num_arrivals=geo.pages_per_step, num_barriers=geo.config.slots),  # K
                               plgpu.Barrier(num_arrivals=geo.pages_per_step, num_barriers=geo.config.slots))  # V
-    split = lax.axis_index("split")
-    row0 = (lax.axis_index("seq") * geo.kv_heads + lax.axis_index("head")) * geo.group
-    pl.run_scoped(lambda o_smem, s_smem: _store(acc, m, l, o_smem, s_smem, acc_ref.at[split, pl.ds(row0, geo.group)],
-                                                stats_ref.at[split, pl.ds(row0, geo.group)], geo.group),
+    split, rows = lax.axis_index("split"), pl.ds(_first_row(geo), geo.group)
+    pl.run_scoped(lambda o_smem, s_smem: _store(acc, m, l, o_smem, s_smem, acc_ref.at[split, rows],
+                                                stats_ref.at[split, rows], geo.group),
                   plgpu.SMEM((ROWS, geo.head_dim), jnp.float32), plgpu.SMEM((ROWS, STAT_COLUMNS), jnp.float32))
+
+
+def _first_row(geo: _Geometry):
+    """The program's first query row: its KV head's group's first head, in row-major (sequence, head) order."""
+    return (lax.axis_index("seq") * geo.kv_heads + lax.axis_index("head")) * geo.group
 
 
 def _walk(meta: _Meta, q_ref, pages_ref, scales_ref, q_smem, k_smem, v_smem, p_smem, wide, k_ready, v_ready, *,
@@ -235,8 +240,7 @@ def _walk(meta: _Meta, q_ref, pages_ref, scales_ref, q_smem, k_smem, v_smem, p_s
     lo = jnp.where(window > 0, jnp.clip(seq_len - window - start, 0, hi), 0)
     first = lax.div(lo, cfg.block_kv)
     end = jnp.where(lo < hi, cdiv(hi, cfg.block_kv), first)
-    row0 = (seq * geo.kv_heads + kv_head) * geo.group
-    q = plgpu.load(q_ref.at[pl.ds(row0, ROWS)], layout=plgpu.Layout.WGMMA, optimized=False)
+    q = plgpu.load(q_ref.at[pl.ds(_first_row(geo), ROWS)], layout=plgpu.Layout.WGMMA, optimized=False)
     if q_smem is not None:
         q_smem[...] = q
         plgpu.commit_smem()
