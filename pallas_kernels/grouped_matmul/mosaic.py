@@ -134,8 +134,8 @@ def _store_own(value, o_smem, out_ref, rows, cols) -> None:
 def _specialized(step, compute, cfg: MosaicTiles, k_dim: int, in_specs: list):
     return plgpu.emit_pipeline_warp_specialized(
         step, grid=(k_dim // cfg.block_k,), memory_registers=40, in_specs=in_specs, wg_axis="wg",
-        num_compute_wgs=cfg.block_rows // WGMMA_ROWS, max_concurrent_steps=cfg.max_concurrent_steps,
-        compute_context=compute)
+        num_compute_wgs=cfg.block_rows // WGMMA_ROWS,
+        max_concurrent_steps=min(cfg.max_concurrent_steps, k_dim // cfg.block_k), compute_context=compute)
 
 
 def _gate_up_specialized(x_ref, wg_ref, wu_ref, tile_expert_ref, num_tiles_ref, h_ref, o_smem, *, cfg: MosaicTiles,
