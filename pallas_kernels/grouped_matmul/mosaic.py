@@ -77,10 +77,29 @@ def _spec(shape: tuple[int, int], index: Callable, dtype) -> plgpu.BlockSpec:
     return plgpu.BlockSpec(shape, index, transforms=swizzled(dtype, shape[1]), delay_release=1)
 
 
-def _store(value, o_smem, out_ref, rows, cols) -> None:
+def _gate_up_specs(cfg: MosaicTiles, x_ref, w_ref) -> list:
+    """The pipeline inputs of a gate/up tile: its rows' activations, then the gate and the up weights' columns."""
+    weight = functools.partial(_spec, (cfg.block_k, cfg.block_n), lambda k: (k, 0), w_ref.dtype)
+    return [_spec((cfg.block_rows, cfg.block_k), lambda k: (0, k), x_ref.dtype), weight(), weight()]
+
+
+def _down_specs(cfg: MosaicTiles, h_ref, w_ref) -> list:
+    """The pipeline inputs of a down tile: its rows' hidden activations, then the down weight's columns."""
+    return [_spec((cfg.block_rows, cfg.block_k), lambda k: (0, k), h_ref.dtype),
+            _spec((cfg.block_k, cfg.block_n), lambda k: (k, 0), w_ref.dtype)]
+
+
+def _routed(product, weight_ref):
+    """Each row of `product` times its slot's routing weight (`weight_ref`: the rows' weights, float32)."""
+    weight = plgpu.load(weight_ref, layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+    return product * lax.broadcast_in_dim(weight, product.shape, [0])
+
+
+def _store(value, o_smem, out_ref) -> None:
+    """`value` to `out_ref` through the staging tile `o_smem` and one TMA copy."""
     o_smem[...] = value.astype(o_smem.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, out_ref.at[rows, cols])
+    plgpu.copy_smem_to_gmem(o_smem, out_ref)
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -103,16 +122,15 @@ def _gate_up_program(x_ref, wg_ref, wu_ref, tile_expert_ref, num_tiles_ref, h_re
                 plgpu.wgmma(up_acc, x_smem, u_smem)
                 plgpu.wgmma_wait(2)  # this step's two products stay in flight; the last step's are done
 
-            weight = functools.partial(_spec, (cfg.block_k, cfg.block_n), lambda k: (k, 0), wg_ref.dtype)
             plgpu.emit_pipeline(
                 step, grid=(k_dim // cfg.block_k,), max_concurrent_steps=cfg.max_concurrent_steps,
-                in_specs=[_spec((cfg.block_rows, cfg.block_k), lambda k: (0, k), x_ref.dtype), weight(), weight()],
+                in_specs=_gate_up_specs(cfg, x_ref, wg_ref),
             )(x_ref.at[rows], wg_ref.at[e, :, cols], wu_ref.at[e, :, cols])
             plgpu.wgmma_wait(0)
             return act(gate_acc[...]) * up_acc[...]
 
         acc = plgpu.ACC((cfg.block_rows, cfg.block_n), jnp.float32)
-        _store(pl.run_scoped(accumulate, acc, acc), o_smem, h_ref, rows, cols)
+        _store(pl.run_scoped(accumulate, acc, acc), o_smem, h_ref.at[rows, cols])
 
     _tile_of(cfg, tile_expert_ref, num_tiles_ref, tile)
 
@@ -122,13 +140,10 @@ def _own_rows():
     return pl.ds(pl.multiple_of(lax.axis_index("wg") * WGMMA_ROWS, WGMMA_ROWS), WGMMA_ROWS)
 
 
-def _store_own(value, o_smem, out_ref, rows, cols) -> None:
-    """A compute warpgroup's rows of the tile out through its part of the staging tile."""
+def _store_own(value, o_smem, out_ref) -> None:
+    """A compute warpgroup's rows of the tile (`out_ref`) out through its part of the staging tile."""
     own = _own_rows()
-    o_smem[own] = value.astype(o_smem.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem.at[own], out_ref.at[rows, cols].at[own])
-    plgpu.wait_smem_to_gmem(0)
+    _store(value, o_smem.at[own], out_ref.at[own])
 
 
 def _specialized(step, compute, cfg: MosaicTiles, k_dim: int, in_specs: list):
@@ -158,11 +173,9 @@ def _gate_up_specialized(x_ref, wg_ref, wu_ref, tile_expert_ref, num_tiles_ref, 
                 return act(gate_acc[...]) * up_acc[...]
 
             acc = plgpu.ACC((WGMMA_ROWS, cfg.block_n), jnp.float32)
-            _store_own(pl.run_scoped(accumulate, acc, acc), o_smem, h_ref, rows, cols)
+            _store_own(pl.run_scoped(accumulate, acc, acc), o_smem, h_ref.at[rows, cols])
 
-        weight = functools.partial(_spec, (cfg.block_k, cfg.block_n), lambda k: (k, 0), wg_ref.dtype)
-        x_spec = _spec((cfg.block_rows, cfg.block_k), lambda k: (0, k), x_ref.dtype)
-        _specialized(step, compute, cfg, k_dim, [x_spec, weight(), weight()])(
+        _specialized(step, compute, cfg, k_dim, _gate_up_specs(cfg, x_ref, wg_ref))(
             x_ref.at[rows], wg_ref.at[e, :, cols], wu_ref.at[e, :, cols])
 
     _tile_of(cfg, tile_expert_ref, num_tiles_ref, tile)
@@ -185,13 +198,9 @@ def _down_specialized(h_ref, w_ref, tile_expert_ref, num_tiles_ref, weight_ref, 
                 return acc[...]
 
             product = pl.run_scoped(accumulate, plgpu.ACC((WGMMA_ROWS, cfg.block_n), jnp.float32))
-            weight = plgpu.load(weight_ref.at[rows].at[_own_rows()], layout=plgpu.Layout.WGMMA.reduce(1),
-                                optimized=False)
-            _store_own(product * lax.broadcast_in_dim(weight, product.shape, [0]), o_smem, y_ref, rows, cols)
+            _store_own(_routed(product, weight_ref.at[rows].at[_own_rows()]), o_smem, y_ref.at[rows, cols])
 
-        in_specs = [_spec((cfg.block_rows, cfg.block_k), lambda k: (0, k), h_ref.dtype),
-                    _spec((cfg.block_k, cfg.block_n), lambda k: (k, 0), w_ref.dtype)]
-        _specialized(step, compute, cfg, k_dim, in_specs)(h_ref.at[rows], w_ref.at[e, :, cols])
+        _specialized(step, compute, cfg, k_dim, _down_specs(cfg, h_ref, w_ref))(h_ref.at[rows], w_ref.at[e, :, cols])
 
     _tile_of(cfg, tile_expert_ref, num_tiles_ref, tile)
 
@@ -207,15 +216,13 @@ def _down_program(h_ref, w_ref, tile_expert_ref, num_tiles_ref, weight_ref, y_re
 
             plgpu.emit_pipeline(
                 step, grid=(k_dim // cfg.block_k,), max_concurrent_steps=cfg.max_concurrent_steps,
-                in_specs=[_spec((cfg.block_rows, cfg.block_k), lambda k: (0, k), h_ref.dtype),
-                          _spec((cfg.block_k, cfg.block_n), lambda k: (k, 0), w_ref.dtype)],
+                in_specs=_down_specs(cfg, h_ref, w_ref),
             )(h_ref.at[rows], w_ref.at[e, :, cols])
             plgpu.wgmma_wait(0)
             return acc[...]
 
         product = pl.run_scoped(accumulate, plgpu.ACC((cfg.block_rows, cfg.block_n), jnp.float32))
-        weight = plgpu.load(weight_ref.at[rows], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-        _store(product * lax.broadcast_in_dim(weight, product.shape, [0]), o_smem, y_ref, rows, cols)
+        _store(_routed(product, weight_ref.at[rows]), o_smem, y_ref.at[rows, cols])
 
     _tile_of(cfg, tile_expert_ref, num_tiles_ref, tile)
 
