@@ -651,12 +651,10 @@ def fp8_window_check(bench: Bench, kv8, scales, b: Batch) -> None:
     bench.check(f"fp8_window_{kv8.nbytes / 2**30:.2f}GiB_vs_reference", out, ref, 2e-2)
 
 
-# (block_kv, slots, split, prefetch_pages) of the Mosaic GPU decode candidates timed beside the peers (each within
-# shared memory)
-# (block_kv, slots, split, prefetch_pages). A bf16 program holds its ring alone in shared memory (2 × slots ×
-# block_kv × 256 B): two 64 × 3 or three 64 × 2 rings share an SM; 64 × 4 and 128 × 2 rings take an SM each (at
-# 13bb250, before the query and the output staging left shared memory, every candidate ran one program an SM and all
-# timed within 3 % of each other)
+# (block_kv, slots, split, prefetch_pages) of the Mosaic GPU decode candidates timed beside the peers. A bf16 program
+# holds its ring alone in shared memory (2 × slots × block_kv × 256 B): two 64 × 3 or three 64 × 2 rings share an SM;
+# 64 × 4 and 128 × 2 rings take an SM each (at 13bb250, before the query and the output staging left shared memory,
+# every candidate ran one program an SM and all timed within 3 % of each other)
 MOSAIC_DECODE_CANDIDATES = ((64, 3, 2048, False), (64, 2, 2048, False), (64, 2, 1024, False), (64, 4, 2048, False),
                             (128, 2, 2048, False))
 PEER_RATIOS = {"cudnn": "cudnn_contiguous", "flash": "flash_contiguous", "jax_cudnn": "jax_cudnn_contiguous"}

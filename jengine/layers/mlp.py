@@ -95,7 +95,7 @@ class PallasExperts:
     list_chosen: bool = True
     # Steps of at least this many tokens run the experts through the Mosaic GPU (TMA, wgmma) grouped matmuls
     # (`pallas_kernels/grouped_matmul/mosaic.py`, Hopper only; float experts whose shapes fit its tiles); 0: never.
-    # Off until `scripts/bench_moe_kernels.py --mosaic` has timed it beside the Triton kernels on a GPU.
+    # The GPU backend sets it (`jengine.attention.pallas.MOSAIC_EXPERTS_MIN_TOKENS`, where it measured faster).
     mosaic_min_tokens: int = 0
 
     def __call__(self, x, w: dict[str, Array], experts, weights, act: str, precision: Precision,

@@ -55,7 +55,8 @@ class _Geometry:
     config: MosaicDecodeConfig
     scale: float
     dtype: jnp.dtype  # the cache's
-    staged: bool  # P through shared memory (Mosaic GPU's interpreter: its wgmma takes shared-memory operands only)
+    # Q and P through shared memory (Mosaic GPU's interpreter: its wgmma takes shared-memory operands only)
+    staged: bool
 
     @property
     def quantized(self) -> bool:
