@@ -21,7 +21,7 @@ from jengine.runner.multi_process import PublishingRunner, replay
 from jengine.scheduler.codec import decode_step, encode_step
 from jengine.scheduler.output import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
 from tests.conftest import COMMON
-from tests.server.test_lifecycle import free_port
+from tests.server.test_lifecycle import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 10
@@ -61,7 +61,8 @@ def test_two_processes_serve_like_one(build_checkpoint, tiny_tokenizer_dir, tmp_
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         expected = [o.outputs[0].text for o in outputs]
 
-    coordinator, port = f"127.0.0.1:{free_port()}", free_port()
+    coordinator_port, port = free_ports(2)
+    coordinator = f"127.0.0.1:{coordinator_port}"
     logs = [tmp_path / "process0.log", tmp_path / "process1.log"]
     processes = [_start(model_dir, i, coordinator, port, logs[i]) for i in (0, 1)]
     try:

@@ -16,7 +16,7 @@ from transformers import LlamaConfig
 
 from tests.conftest import COMMON
 from tests.parallel.test_multi_host import _start, _wait_healthy
-from tests.server.test_lifecycle import free_port
+from tests.server.test_lifecycle import free_ports
 
 FAIL_WITHIN_S = 5.0
 LONG = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 100, "ignore_eos": True, "temperature": 0}
@@ -31,7 +31,8 @@ def _running(url: str) -> float:
 def test_a_killed_worker_fails_requests_in_flight_and_turns_health_off(build_checkpoint, tiny_tokenizer_dir,
                                                                         tmp_path: Path) -> None:
     model_dir, _ = build_checkpoint(LlamaConfig(**COMMON), tokenizer_dir=tiny_tokenizer_dir)
-    coordinator, port = f"127.0.0.1:{free_port()}", free_port()
+    coordinator_port, port = free_ports(2)
+    coordinator = f"127.0.0.1:{coordinator_port}"
     logs = [tmp_path / "process0.log", tmp_path / "process1.log"]
     processes = [_start(model_dir, i, coordinator, port, logs[i]) for i in (0, 1)]
     url = f"http://127.0.0.1:{port}"

@@ -3,6 +3,7 @@ CLI's model resolution, a dead engine (503), and an engine that fails after a st
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -35,9 +36,17 @@ STREAMS, TOKENS = 3, 240
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free ports: each socket stays bound until all are chosen (ports asked for one after another
+    can repeat, as the first is free again once its socket closes)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
 
 
 @pytest.fixture
