@@ -34,6 +34,8 @@ from jengine.parallel.step_feed import StepPublisher
 from jengine.runner.device_pool import size_pool
 from jengine.runner.kv_storage import log_plan, plan_kv_cache
 from jengine.runner.multi_process import PublishingRunner
+from jengine.runner.program_prefetch import start_signature
+from jengine.runner.program_store import ProgramStore
 from jengine.runner.protocol import StepRunner
 from jengine.runner.runner import ModelRunner
 from jengine.sampling.defaults import load_sampling_defaults
@@ -236,8 +238,18 @@ def build_engine(config: EngineConfig, devices: Sequence[jax.Device] | None = No
 def build_core(config: EngineConfig, devices: Sequence[jax.Device], layout: ParallelLayout,
                started: float) -> tuple[EngineCore, ModelSpec, tuple[float, float, float]]:
     """The engine core on `devices`: weights loaded (and made batch-invariant where asked), the KV pool planned, the
-    step programs built. Returns it, the model's spec as the checkpoint gave it, and the seconds since `started` to
-    the weights on the device, then planning, then the runner."""
+    step programs built (the last start's saved ones loading beside the weights). Returns it, the model's spec as
+    the checkpoint gave it, and the seconds since `started` to the weights on the device, then planning, then the
+    runner."""
+    store = ProgramStore.beside(config.runner.compilation_cache_dir, devices[0].platform)
+    if store is None:
+        return _build_core(config, devices, layout, started, None)
+    with store.prefetching(start_signature(config, list(layout.mesh.devices.flat))):
+        return _build_core(config, devices, layout, started, store)
+
+
+def _build_core(config: EngineConfig, devices: Sequence[jax.Device], layout: ParallelLayout, started: float,
+                store: ProgramStore | None) -> tuple[EngineCore, ModelSpec, tuple[float, float, float]]:
     parallel = config.parallel
     spec, params, dtype = load_weights(config.model, layout)
     log_weights(params, time.perf_counter() - started)
@@ -272,7 +284,8 @@ def build_core(config: EngineConfig, devices: Sequence[jax.Device], layout: Para
                              mesh=layout.mesh, deterministic=deterministic,
                              max_model_len=config.scheduler.max_model_len)
     runner_at = time.perf_counter()
-    runner: StepRunner = ModelRunner(spec, params, dtype, config, plan, backend, layout, runner_lora, proposer)
+    runner: StepRunner = ModelRunner(spec, params, dtype, config, plan, backend, layout, runner_lora, proposer,
+                                          store)
     runner_s = time.perf_counter() - runner_at
     if parallel.num_processes > 1 and jax.process_index() == 0:  # the workers replay process 0's runner calls
         runner = PublishingRunner(runner, StepPublisher())

@@ -14,17 +14,20 @@ folders are kept (`prune_installations`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
 import pickle
 import tempfile
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
+
+from jengine.runner.program_prefetch import ProgramPrefetch
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +44,7 @@ class ProgramStore:
     def __init__(self, directory: Path) -> None:
         self.directory = directory / installation_identity()[:24]
         self._pruned = False
+        self.prefetch: ProgramPrefetch | None = None  # the last start's programs, loading (`prefetching`)
 
     @classmethod
     def beside(cls, compilation_cache_dir: str | None, platform: str) -> ProgramStore | None:
@@ -52,9 +56,27 @@ class ProgramStore:
             return None
         return cls(Path(compilation_cache_dir) / STORE_DIRNAME)
 
+    @contextlib.contextmanager
+    def prefetching(self, signature: str) -> Iterator[ProgramStore]:
+        """Within: the programs the last start with `signature` used load on threads (`ProgramPrefetch`), and
+        `load` takes them from there. On leaving without an error, this start's programs are written down for the
+        next."""
+        prefetch = self.prefetch = ProgramPrefetch(self.directory, signature, self._read)
+        completed = False
+        try:
+            yield self
+            completed = True
+        finally:
+            self.prefetch = None
+            prefetch.close(record=completed)
+
     def load(self, key: str, devices: Sequence[jax.Device]) -> Any | None:
         """The executable saved under `key`, loaded onto `devices` (its arguments' device assignment, in order);
         None where none is saved (or it cannot be read)."""
+        prefetched = None if self.prefetch is None else self.prefetch.take(key, devices)
+        return prefetched if prefetched is not None else self._read(key, devices)
+
+    def _read(self, key: str, devices: Sequence[jax.Device]) -> Any | None:
         from jax.experimental import serialize_executable
 
         path = self.directory / key
