@@ -25,18 +25,22 @@ class CountingLoader:
         self.failing = failing
         self._lock = threading.Lock()
 
-    def __call__(self, key: str, devices) -> str:
+    def __call__(self, key: str, devices) -> str | None:
         with self._lock:
             self.loaded.append(key)
         if key in self.failing:
-            raise RuntimeError("torn file")
+            raise RuntimeError("the load broke")
+        if key.startswith("unreadable"):
+            return None  # as the store's read gives for a torn file, after saying so
         return f"program {key} on {[d.id for d in devices]}"
 
 
 def _start(tmp_path: Path, signature: str, keys: dict[str, list], loader=None, record: bool = True):
-    """One start that uses `keys` (each on its devices) and ends; returns its prefetch's handouts."""
+    """One start that uses `keys` (each on its devices) and ends; returns what its prefetch handed over (None:
+    nothing, the store reads the file itself)."""
     prefetch = ProgramPrefetch(tmp_path, signature, loader or CountingLoader())
-    handed = {key: prefetch.take(key, devices) for key, devices in keys.items()}
+    taken = {key: prefetch.take(key, devices) for key, devices in keys.items()}
+    handed = {key: program if prefetched else None for key, (prefetched, program) in taken.items()}
     prefetch.close(record=record)
     return handed
 
@@ -87,6 +91,15 @@ def test_a_load_that_fails_is_left_to_the_store(tmp_path):
     _start(tmp_path, "sig", {"a": one, "b": one})
     handed = _start(tmp_path, "sig", {"a": one, "b": one}, CountingLoader(failing=("a",)))
     assert handed["a"] is None and handed["b"] is not None
+
+
+def test_an_unreadable_program_is_not_read_twice(tmp_path):
+    """The prefetch's read found the file torn (and said so): the store compiles without reading it again."""
+    one = jax.devices()[:1]
+    _start(tmp_path, "sig", {"unreadable": one})
+    prefetch = ProgramPrefetch(tmp_path, "sig", CountingLoader())
+    assert prefetch.take("unreadable", one) == (True, None)
+    prefetch.close(record=False)
 
 
 @pytest.mark.parametrize("text", ["{not json", json.dumps(["a"]), json.dumps({"a": ["0"]})])

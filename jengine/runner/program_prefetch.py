@@ -50,18 +50,19 @@ class ProgramPrefetch:
         if self._pending:
             logger.info("loading the %d step programs of the last start beside the weights", len(self._pending))
 
-    def take(self, key: str, devices: Sequence[jax.Device]) -> Any | None:
-        """The executable prefetched under `key` for `devices` (in the order the program numbers them), once
-        loaded; None where none was (or its load failed: the store's own load then tries and reports it)."""
+    def take(self, key: str, devices: Sequence[jax.Device]) -> tuple[bool, Any]:
+        """(True, what the load of `key` for `devices` (in the order the program numbers them) gave: the executable,
+        or None for a file that could not be read) once loaded, where it was prefetched; (False, None) where it was
+        not, or its load raised: the store then reads the file itself."""
         with self._lock:
             self._used[key] = [device.id for device in devices]
             entry = self._pending.pop(key, None)
         if entry is None or entry[0] != tuple(device.id for device in devices):
-            return None
+            return False, None
         try:
-            return entry[1].result()
-        except Exception:  # the store's load reports what went wrong when it reads the file itself
-            return None
+            return True, entry[1].result()
+        except Exception:  # the store's own read reports what goes wrong
+            return False, None
 
     def close(self, record: bool) -> None:
         """Ends the prefetch (loads not yet started are dropped, programs never taken released) and, with

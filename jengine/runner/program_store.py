@@ -73,8 +73,11 @@ class ProgramStore:
     def load(self, key: str, devices: Sequence[jax.Device]) -> Any | None:
         """The executable saved under `key`, loaded onto `devices` (its arguments' device assignment, in order);
         None where none is saved (or it cannot be read)."""
-        prefetched = None if self.prefetch is None else self.prefetch.take(key, devices)
-        return prefetched if prefetched is not None else self._read(key, devices)
+        if self.prefetch is not None:
+            prefetched, program = self.prefetch.take(key, devices)
+            if prefetched:  # None here: the file could not be read, and the prefetch's read said so
+                return program
+        return self._read(key, devices)
 
     def _read(self, key: str, devices: Sequence[jax.Device]) -> Any | None:
         from jax.experimental import serialize_executable
