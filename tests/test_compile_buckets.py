@@ -135,6 +135,34 @@ def test_start_up_builds_each_step_program_once(model_dir, monkeypatch):
     assert len(builds) > 1 and set(builds.values()) == {1}, builds
 
 
+def test_start_up_threads_build_different_forwards_at_once(model_dir, monkeypatch):
+    """A shape's sampler variants wait for its forward: the threads take every shape's forward first, so 8 threads
+    build 8 different forward programs at once (each forward build here holds until that many have begun)."""
+    import threading
+
+    from jengine.runner import step
+
+    shapes = pinned_shapes(StepBuckets.build(32, 8, -(-64 // 16)))
+    together = threading.Barrier(min(8, len(shapes)), timeout=20)
+    broken = []
+    real = step.StepPrograms._build_new
+
+    def gathering(self, table, shapes, jitted, args):
+        if jitted.__name__ == step._forward_step.__name__ and not together.broken:
+            try:
+                together.wait()
+            except threading.BrokenBarrierError:
+                broken.append(shapes)
+        return real(self, table, shapes, jitted, args)
+
+    monkeypatch.setattr(step.StepPrograms, "_build_new", gathering)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    with LLM(str(model_dir), dtype="float32", max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32,
+             compile_buckets="all"):
+        pass
+    assert together.parties > 2 and not broken, f"forwards built at once fell short of {together.parties}"
+
+
 def test_auto_compiles_up_front_only_with_a_kernel_backend(model_dir):
     """`auto` (the default of every entry point) pins and precompiles with a kernel backend; with the jnp reference
     (the CPU) it compiles lazily, so a CPU engine starts in seconds."""

@@ -64,10 +64,12 @@ def padding_inputs(shape: StepShape, num_slots: int) -> tuple[np.ndarray, Attent
 
 
 def warm_up(compile_one: Callable[[StepBatch], tuple[float, float]], run_one: Callable[[StepBatch], Any],
-            batches: Sequence[StepBatch], num_shapes: int, progress: bool = True) -> int:
-    """Compiles the step for `batches` ahead of time on threads (`compile_one`), then runs each once (`run_one`,
-    which returns what to wait for); returns how many step programs the runs compiled."""
-    precompiled = _precompile(compile_one, batches, progress)
+            batches: Sequence[StepBatch], num_shapes: int, progress: bool = True,
+            compile_order: Sequence[StepBatch] | None = None) -> int:
+    """Compiles the step for `batches` ahead of time on threads (`compile_one`, taking them in `compile_order`,
+    default `batches`), then runs each once in order (`run_one`, which returns what to wait for); returns how many
+    step programs the runs compiled."""
+    precompiled = _precompile(compile_one, batches if compile_order is None else compile_order, progress)
     before, start = num_compiled_shapes(), time.perf_counter()
     pending = None
     for batch in progress_bar(batches, desc="Warming up step buckets" if precompiled else "Compiling step buckets",

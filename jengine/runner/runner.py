@@ -296,7 +296,11 @@ class ModelRunner:
             self.state, _ = sample_phase(*last_forward[shape], self.state, batch, self._programs)
             return self.state
 
-        return compiling.warm_up(compile_one, run_one, batches, len(shapes), progress)
+        # The threads take one variant of every shape first: a shape's variants share its forward program, so in
+        # shape order most threads waited on the thread building that forward (two forwards built at a time on 8)
+        per_shape = len(variants) // max(len(shapes), 1)
+        forwards_first = [batch for k in range(per_shape) for batch in batches[k::per_shape]]
+        return compiling.warm_up(compile_one, run_one, batches, len(shapes), progress, forwards_first)
 
     def padding_batch(self, shape: StepShape, num_sampled: int, masked: bool = False) -> StepBatch:
         """A padding-only step of `shape` that samples `num_sampled` rows (0: the greedy variant) and records
