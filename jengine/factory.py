@@ -290,7 +290,7 @@ def _build_core(config: EngineConfig, devices: Sequence[jax.Device], layout: Par
                              max_model_len=config.scheduler.max_model_len)
     runner_at = time.perf_counter()
     runner: StepRunner = ModelRunner(spec, params, dtype, config, plan, backend, layout, runner_lora, proposer,
-                                          store)
+                                     store)
     runner_s = time.perf_counter() - runner_at
     if parallel.num_processes > 1 and jax.process_index() == 0:  # the workers replay process 0's runner calls
         runner = PublishingRunner(runner, StepPublisher())
