@@ -36,11 +36,13 @@ from jengine.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-# Measured (32 layers unrolled, an H100, results/2026-12-07-kernels-13bb250.json): at 64 tokens the kernel took
-# 103 µs at one token a program and 128 µs at eight, the scatter 146 µs; at 2048 tokens 224 / 243 µs against 1311.
-# Below 64 tokens (decode at small batches) the kernel is untimed, so the scatter stays there.
+# Measured (32 layers unrolled, an H100, results/2026-12-07-kernels-13bb250.json, 2026-12-08-kernels-9a5661a.json): at
+# 64 tokens the kernel took 103 / 109 µs at one token a program and 128 / 122 at eight, the scatter 146 / 112 µs; at
+# 1024 tokens one a program took 306 / 107 µs against eight's 340 / 130, at 2048 224 / 207 against 243 / 204 (the
+# scatter 1311 / 1296). Below 64 tokens (decode at small batches) the kernel is untimed, so the scatter stays there;
+# beyond 2048 it is untimed too, and takes eight tokens a program as before.
 KV_WRITE_KERNEL_MIN_TOKENS = 64
-KV_WRITE_WIDE_PROGRAM_TOKENS = 512
+KV_WRITE_WIDE_PROGRAM_TOKENS = 4096
 # MoE steps of at least this many tokens take the Mosaic GPU grouped matmuls on Hopper
 # (`PallasExperts.mosaic_min_tokens`), on one device (untested under expert parallelism's shard_map). Measured on an
 # H100 (results/2026-12-07-moe-mosaic-13bb250.json, Qwen3-30B-A3B's layer): one layer 1.03× the Triton kernels' speed
