@@ -39,7 +39,7 @@ class ProgramPrefetch:
         self.path = folder / STARTS_DIRNAME / hashlib.sha256(signature.encode()).hexdigest()[:32]
         self._lock = threading.Lock()
         self._used: dict[str, list[int]] = {}  # this start's keys, in order, with their devices' ids in order
-        listed = read_start(self.path)
+        self._listed = listed = read_start(self.path)
         by_id = {device.id: device for device in jax.devices()}
         self._pending: dict[str, tuple[tuple[int, ...], Future]] = {}
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="program-prefetch") if listed else None
@@ -74,7 +74,7 @@ class ProgramPrefetch:
             self._pool.shutdown(wait=False, cancel_futures=True)
         if unused:
             logger.info("%d prefetched step programs were not used by this start", unused)
-        if record and used and used != read_start(self.path):
+        if record and used and used != self._listed:
             write_start(self.path, used)
 
 

@@ -79,7 +79,7 @@ class ModelRunner:
         """`params` are already placed as `layout` says; the KV cache is allocated here with its sharding.
         `lora`: the adapters' device slots and the host cache they load from (LoRA enabled). `proposer`:
         speculation's, when it holds device state of its own (a draft model); else built here. `store`: where
-        compiled programs are saved and loaded (default: beside the compilation cache)."""
+        compiled programs are saved and loaded (`ProgramStore.beside` the compilation cache; None: nowhere)."""
         self.spec, self.params, self.dtype = spec, params, dtype
         self.lora = lora
         self.config = config
@@ -105,9 +105,7 @@ class ModelRunner:
         model = StepModel(spec, backend, layout.mesh if layout.expert_parallel else None, capture)
         self._model = model
         self.mask_words = -(-spec.vocab_size // 32)  # the sampler's token mask covers the model's whole vocabulary
-        platform = layout.mesh.devices.flat[0].platform
-        store = store or ProgramStore.beside(config.runner.compilation_cache_dir, platform)
-        launch = launch_policy(platform, config.runner.enforce_eager)
+        launch = launch_policy(layout.mesh.devices.flat[0].platform, config.runner.enforce_eager)
         self._programs = StepPrograms(model, store, launch)
         self._step = build_step(self._programs)
         self._speculates = np.zeros(sched.max_num_seqs, bool)  # per row: its request may speculate

@@ -12,10 +12,10 @@ by one column tile of its expert's weight, read through the same TMA pipeline:
 
 With `MosaicTiles.warp_specialized` a memory warpgroup issues every step's loads while a compute warpgroup per 64
 rows of the tile multiplies its rows (each holds only its rows' accumulators, so gate/up tiles can be 128 columns
-wide); off by default until `scripts/bench_moe_kernels.py --mosaic` has timed it. Tiles past the step's
-`num_tiles` return at once, and an expert with no rows has no tile, so its weight is never
-read. Float weights only (bfloat16 or float16); quantized experts stay on the Triton kernels. The combine back to
-token order is `combine.combine_slots`, as for the Triton kernels' sorted layout.
+wide); `DEFAULT_TILES` are warp-specialised, as `scripts/bench_moe_kernels.py --mosaic` timed them fastest. Tiles
+past the step's `num_tiles` return at once, and an expert with no rows has no tile, so its weight is never read.
+Float weights only (bfloat16 or float16); quantized experts stay on the Triton kernels. The combine back to token
+order is `combine.combine_slots`, as for the Triton kernels' sorted layout.
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ element times the reciprocal scale of its (layer, K/V, head), clipped to ±448, 
 
 Why it exists next to the XLA scatter in `reference.py`: `scripts/bench_kernels.py` times both inside one jit over 32
 layers, unrolled as in the step (an H100, benchmarks/results/2026-12-07-kernels-13bb250.json): at 64 tokens this
-kernel took 103 µs at one token a program against the scatter's 146, at 2048 tokens 243 µs at eight against 1311, so
-jengine's `attention/pallas.py` picks it, and its `tokens_per_program`, by the static token bucket. A float8 cache
-of (2, 4] GiB is refused here (single-byte stores, `pallas_kernels/addressing.py`).
+kernel took 103 µs at one token a program against the scatter's 146, at 2048 tokens 224 µs (243 at eight) against
+1311, so jengine's `attention/pallas.py` picks it, and its `tokens_per_program`, by the static token bucket. A float8
+cache of (2, 4] GiB is refused here (single-byte stores, `pallas_kernels/addressing.py`).
 """
 
 from __future__ import annotations
